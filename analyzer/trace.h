@@ -1,0 +1,107 @@
+// Reading traces: dc's own (every table of schemas/trace_schema.sql) and real Nsight Systems
+// SQLite exports of any version since 2022 (tables and columns found by name; missing optional
+// tables noted, not fatal). Reads stream through SQLite; nothing loads a whole table at once
+// unless asked to.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "schemas/program.h"
+#include "schemas/status.h"
+
+struct sqlite3;
+
+namespace dc {
+
+enum class TraceSource { kDc, kNsys };
+
+struct TraceRank {
+  int64_t global_pid = 0;
+  int rank = 0;
+  int world_size = 1;
+  std::string backend, device, hostname;
+  int64_t device_memory_bytes = 0;
+};
+
+// One device activity: a kernel, a memcpy, a memset or (dc traces) a collective.
+struct Activity {
+  enum class Type { kKernel, kMemcpy, kMemset, kCollective };
+  Type type = Type::kKernel;
+  int64_t global_pid = 0;
+  int64_t device_id = 0;
+  int64_t stream_id = 0;
+  int64_t start_ns = 0, end_ns = 0;
+  int64_t correlation_id = 0;
+  int64_t bytes = 0;     // memcpy / memset / collective
+  std::string name;      // kernel name (shortName), collective kind, copy kind label
+  bool communication = false;  // a collective, or an NCCL kernel recognized by name
+};
+
+struct MemoryEvent {
+  int64_t global_pid = 0, device_id = 0;
+  int64_t ts_ns = 0;
+  int64_t address = 0;
+  int64_t bytes = 0;
+  bool alloc = true;
+  std::string name, kind;  // kind: a BufferKindName for dc traces, the memKind label for nsys
+  int64_t correlation_id = 0;
+};
+
+class Trace {
+ public:
+  // Opens and checks `path`: exists, non-empty, a SQLite database, a dc trace (schema version
+  // not newer than this build, TC_BLOB digests match) or an nsys export (with kernel data).
+  // Errors name the file and say what to do.
+  static StatusOr<std::unique_ptr<Trace>> Open(const std::string& path);
+  ~Trace();
+
+  const std::string& path() const { return path_; }
+  TraceSource source() const { return source_; }
+  const std::vector<TraceRank>& ranks() const { return ranks_; }
+  // Present for dc traces: the program and schedule the trace was taken under.
+  const std::optional<proto::Program>& program() const { return program_; }
+  const std::optional<proto::Schedule>& schedule() const { return schedule_; }
+  std::string program_digest() const;
+  // Notes for the user (e.g. "no CUDA_GPU_MEMORY_USAGE_EVENTS table: no memory timeline").
+  const std::vector<std::string>& notes() const { return notes_; }
+
+  // Streams every activity ordered by (global_pid, start).
+  Status ForEachActivity(const std::function<void(const Activity&)>& fn) const;
+  Status ForEachMemoryEvent(const std::function<void(const MemoryEvent&)>& fn) const;
+
+  struct InstructionSample {
+    int64_t global_pid = 0;
+    int step = 0, micro_step = 0, instruction = 0;
+    int64_t start_ns = 0, end_ns = 0;
+    int64_t bytes = 0;  // collectives
+  };
+  // dc traces only: every activity joined with its schedule instruction (TC_INSTRUCTION_MAP).
+  Status ForEachInstructionSample(const std::function<void(const InstructionSample&)>& fn) const;
+
+  struct StepRow {
+    int64_t global_pid = 0;
+    int step = 0;
+    int64_t start_ns = 0, end_ns = 0;
+    double loss = 0;
+    bool warmup = false;
+  };
+  std::vector<StepRow> Steps() const;  // dc traces; empty for nsys
+  int64_t DroppedRecords() const;
+
+ private:
+  Trace() = default;
+  std::string path_;
+  TraceSource source_ = TraceSource::kDc;
+  sqlite3* db_ = nullptr;
+  std::vector<TraceRank> ranks_;
+  std::optional<proto::Program> program_;
+  std::optional<proto::Schedule> schedule_;
+  std::vector<std::string> notes_;
+};
+
+}  // namespace dc

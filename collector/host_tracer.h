@@ -1,0 +1,87 @@
+// The CPU backend's host tracer: one per rank. It records every executed instruction as an
+// activity in memory (compute ops as kernels on the rank's `cpu` device, collectives with their
+// bytes, every allocation and free as a memory event, each mapped to its schedule instruction)
+// and writes them to that rank's own SQLite file in batched transactions. MergeRankTraces then
+// joins the ranks' files into the run's one trace. Not thread-safe: one thread per tracer.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "schemas/program.h"
+#include "schemas/status.h"
+
+namespace dc {
+
+struct RankIdentity {
+  int rank = 0;
+  int local_rank = 0;
+  int world_size = 1;
+  std::string hostname;
+  std::string backend = "cpu";
+  std::string device = "cpu";
+  int64_t device_memory_bytes = 0;  // capacity given to the backend; 0 = unlimited
+};
+
+// Where an activity belongs in the schedule.
+struct InstructionRef {
+  int step = 0;        // optimizer step, 0-based, counting warm-up steps
+  int micro_step = -1;  // -1 in the optimizer phase
+  int instruction = -1;  // index into Schedule.instructions
+};
+
+class HostTracer {
+ public:
+  // `session_start_utc_ns`: the run's common time origin (rank 0's CLOCK_REALTIME at start,
+  // shared with every rank), so all ranks' timestamps are on one clock.
+  HostTracer(RankIdentity identity, int64_t session_start_utc_ns);
+  ~HostTracer();
+
+  // Nanoseconds since the session start on CLOCK_REALTIME.
+  int64_t NowNs() const;
+
+  // Each returns the activity's correlation id (unique within the rank).
+  int64_t Kernel(const std::string& name, proto::Stream stream, int64_t start_ns, int64_t end_ns,
+                 const InstructionRef& ref);
+  int64_t Collective(proto::InstrKind kind, proto::Stream stream, int64_t start_ns,
+                     int64_t end_ns, int64_t bytes, int num_tensors, int bucket,
+                     const InstructionRef& ref);
+  // An allocation (alloc = true) or free of `bytes` at `address` (a stable id of the buffer),
+  // `name` the tensor, `kind` a BufferKindName; `correlation_id` the activity that caused it
+  // (0 when none, e.g. persistent buffers made at start-up).
+  void Memory(int64_t ts_ns, int64_t address, int64_t bytes, bool alloc, const std::string& name,
+              BufferKind kind, int64_t correlation_id);
+  void Step(int step, int64_t start_ns, int64_t end_ns, double loss, bool warmup);
+
+  int64_t activities() const;
+  int64_t memory_events() const;
+
+  // Writes this rank's records (with TC_RANK, clock anchors, record stats, stream names) to a
+  // fresh SQLite file at `path` with the schema of schemas/trace_schema.sql.
+  Status WriteRankFile(const std::string& path) const;
+
+ private:
+  struct Records;
+  RankIdentity identity_;
+  int64_t session_start_utc_ns_;
+  std::unique_ptr<Records> records_;
+};
+
+struct MergeSummary {
+  int ranks = 0;
+  int64_t activities = 0;     // kernels + collectives over all ranks
+  int64_t memory_events = 0;
+  int64_t dropped_records = 0;
+};
+
+// Joins the rank files into `out_path` (written to a temp file and renamed), adds the program
+// and schedule as TC_BLOB rows with their digests and format versions, metadata
+// (META_DATA_EXPORT: producer, trace schema version), ANALYSIS_DETAILS and indexes, then
+// deletes the rank files.
+StatusOr<MergeSummary> MergeRankTraces(const std::vector<std::string>& rank_paths,
+                                       const proto::Schedule& schedule,
+                                       const std::string& out_path);
+
+}  // namespace dc

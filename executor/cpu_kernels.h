@@ -1,0 +1,43 @@
+// The CPU backend's math: real fp32 forward and backward of every op kind in models/op_kinds.h,
+// and the AdamW step. Kernels are pure functions of their views; they allocate nothing that
+// outlives the call.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "schemas/program.h"
+#include "schemas/status.h"
+
+namespace dc {
+
+// A tensor as a kernel sees it. Exactly one of f32 / i32 is set (i32 for DTYPE_I32 tensors);
+// storage is fp32 whatever the declared compute dtype. For optimizer ops the views are the
+// rank's 1-D shards (param, grad, m, v), of equal length.
+struct TensorRef {
+  float* f32 = nullptr;
+  int32_t* i32 = nullptr;
+  std::vector<int64_t> shape;
+  int64_t NumElements() const {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return n;
+  }
+};
+
+struct KernelContext {
+  const proto::ModelConfig* config = nullptr;
+  // Scale applied to the loss gradient: 1 / (tokens in the whole optimizer step over all
+  // ranks), so reduce-scattered sums of grads are the gradient of the mean loss.
+  double grad_scale = 1.0;
+  int64_t adam_step = 1;  // 1-based optimizer step, for Adam's bias correction
+  int num_threads = 1;
+};
+
+// Runs `op` with `inputs` and `outputs` in the op's own order. Outputs are preallocated with
+// the tensors' shapes; in-place ops (adamw) mutate their inputs. Errors name the op.
+Status RunCpuOp(const proto::Op& op, std::span<TensorRef> inputs, std::span<TensorRef> outputs,
+                const KernelContext& context);
+
+}  // namespace dc

@@ -1,0 +1,35 @@
+// Program builders: a Llama-style decoder (token embedding, RMSNorm, causal grouped-query
+// attention with RoPE, SwiGLU MLP, final norm, LM head, cross-entropy), its backward and an
+// AdamW step, as a proto::Program. Named presets from `tiny` to `llama3-70b`.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "schemas/program.h"
+#include "schemas/status.h"
+
+namespace dc {
+
+// Overrides on top of a preset; unset fields keep the preset's value.
+struct ModelOverrides {
+  std::optional<int64_t> layers, hidden, heads, kv_heads, ffn, vocab, seq, micro_batch, gas;
+  std::optional<uint64_t> seed;
+  std::optional<std::string> data_path;
+};
+
+std::vector<std::string> PresetNames();
+
+// The preset's config with `overrides` applied and checked (heads divide hidden, kv_heads
+// divide heads, head dim even for RoPE, ...). Unknown preset: the message lists the known ones.
+StatusOr<proto::ModelConfig> MakeConfig(const std::string& preset, const ModelOverrides& overrides);
+
+// One training step of the model: forward and backward of one micro-batch, then one AdamW op
+// per param. The result passes ValidateProgram. See op_kinds.h for the ops and conventions.
+StatusOr<proto::Program> BuildProgram(const proto::ModelConfig& config);
+
+// Parameter count of the model (sum of param elements).
+int64_t ParamCount(const proto::Program& program);
+
+}  // namespace dc

@@ -1,0 +1,242 @@
+#include "schemas/program.h"
+
+#include <algorithm>
+
+namespace dc {
+
+int64_t DTypeSizeBytes(proto::DType dtype) {
+  switch (dtype) {
+    case proto::DTYPE_F32: return 4;
+    case proto::DTYPE_BF16: return 2;
+    case proto::DTYPE_F16: return 2;
+    case proto::DTYPE_I32: return 4;
+    default: return 0;
+  }
+}
+
+const char* DTypeName(proto::DType dtype) {
+  switch (dtype) {
+    case proto::DTYPE_F32: return "f32";
+    case proto::DTYPE_BF16: return "bf16";
+    case proto::DTYPE_F16: return "f16";
+    case proto::DTYPE_I32: return "i32";
+    default: return "?";
+  }
+}
+
+const char* RoleName(proto::Role role) {
+  switch (role) {
+    case proto::ROLE_PARAM: return "param";
+    case proto::ROLE_GRAD: return "grad";
+    case proto::ROLE_OPTIMIZER_STATE: return "optimizer_state";
+    case proto::ROLE_ACTIVATION: return "activation";
+    case proto::ROLE_INPUT: return "input";
+    default: return "?";
+  }
+}
+
+const char* PhaseName(proto::Phase phase) {
+  switch (phase) {
+    case proto::PHASE_FORWARD: return "forward";
+    case proto::PHASE_BACKWARD: return "backward";
+    case proto::PHASE_OPTIMIZER: return "optimizer";
+    default: return "?";
+  }
+}
+
+const char* InstrKindName(proto::InstrKind kind) {
+  switch (kind) {
+    case proto::INSTR_COMPUTE: return "compute";
+    case proto::INSTR_ALL_GATHER: return "all_gather";
+    case proto::INSTR_RELEASE: return "release";
+    case proto::INSTR_REDUCE_SCATTER: return "reduce_scatter";
+    case proto::INSTR_OFFLOAD: return "offload";
+    case proto::INSTR_RELOAD: return "reload";
+    default: return "?";
+  }
+}
+
+const char* StreamName(proto::Stream stream) {
+  switch (stream) {
+    case proto::STREAM_COMPUTE: return "compute";
+    case proto::STREAM_GATHER: return "gather";
+    case proto::STREAM_REDUCE: return "reduce";
+    case proto::STREAM_H2D: return "h2d";
+    case proto::STREAM_D2H: return "d2h";
+    default: return "?";
+  }
+}
+
+int64_t NumElements(const proto::Tensor& tensor) {
+  int64_t n = 1;
+  for (int64_t d : tensor.shape()) n *= d;
+  return n;
+}
+
+int64_t SizeBytes(const proto::Tensor& tensor) {
+  return NumElements(tensor) * DTypeSizeBytes(tensor.dtype());
+}
+
+int64_t ShardElements(int64_t num_elements, int world_size) {
+  return (num_elements + world_size - 1) / world_size;
+}
+
+namespace {
+const proto::AttrValue* FindAttr(const proto::Op& op, const std::string& name) {
+  for (const auto& attr : op.attrs()) {
+    if (attr.name() == name) return &attr.value();
+  }
+  return nullptr;
+}
+
+proto::AttrValue* MutableAttr(proto::Op* op, const std::string& name) {
+  for (auto& attr : *op->mutable_attrs()) {
+    if (attr.name() == name) return attr.mutable_value();
+  }
+  auto* attr = op->add_attrs();
+  attr->set_name(name);
+  // Keep attrs sorted by name so equal ops serialize equally.
+  std::sort(op->mutable_attrs()->begin(), op->mutable_attrs()->end(),
+            [](const proto::Attr& a, const proto::Attr& b) { return a.name() < b.name(); });
+  for (auto& a : *op->mutable_attrs()) {
+    if (a.name() == name) return a.mutable_value();
+  }
+  return nullptr;  // unreachable
+}
+}  // namespace
+
+int64_t AttrInt(const proto::Op& op, const std::string& name, int64_t fallback) {
+  const proto::AttrValue* v = FindAttr(op, name);
+  return v && v->has_i() ? v->i() : fallback;
+}
+
+double AttrFloat(const proto::Op& op, const std::string& name, double fallback) {
+  const proto::AttrValue* v = FindAttr(op, name);
+  if (!v) return fallback;
+  if (v->has_f()) return v->f();
+  if (v->has_i()) return static_cast<double>(v->i());
+  return fallback;
+}
+
+void SetAttr(proto::Op* op, const std::string& name, int64_t value) {
+  MutableAttr(op, name)->set_i(value);
+}
+
+void SetAttrFloat(proto::Op* op, const std::string& name, double value) {
+  MutableAttr(op, name)->set_f(value);
+}
+
+Status ValidateProgram(const proto::Program& program) {
+  const int num_tensors = program.tensors_size();
+  for (int i = 0; i < num_tensors; ++i) {
+    const auto& t = program.tensors(i);
+    if (t.id() != i) {
+      return Status::Error("tensor " + t.name() + " has id " + std::to_string(t.id()) +
+                           " at index " + std::to_string(i));
+    }
+    if (DTypeSizeBytes(t.dtype()) == 0) return Status::Error("tensor " + t.name() + " has no dtype");
+    for (int64_t d : t.shape()) {
+      if (d <= 0) return Status::Error("tensor " + t.name() + " has a non-positive dimension");
+    }
+    if (t.role() == proto::ROLE_GRAD || t.role() == proto::ROLE_OPTIMIZER_STATE) {
+      if (t.param() < 0 || t.param() >= num_tensors ||
+          program.tensors(t.param()).role() != proto::ROLE_PARAM) {
+        return Status::Error("tensor " + t.name() + " does not name its param");
+      }
+    }
+  }
+  std::vector<int> producer(num_tensors, -1);
+  std::vector<int> grad_producers(num_tensors, 0);
+  proto::Phase last_phase = proto::PHASE_FORWARD;
+  for (int i = 0; i < program.ops_size(); ++i) {
+    const auto& op = program.ops(i);
+    if (op.id() != i) return Status::Error("op " + op.name() + " has a wrong id");
+    if (op.phase() < last_phase) return Status::Error("op " + op.name() + " is out of phase order");
+    last_phase = op.phase();
+    for (int in : op.inputs()) {
+      if (in < 0 || in >= num_tensors) return Status::Error("op " + op.name() + " reads a bad tensor id");
+      const auto& t = program.tensors(in);
+      const bool external = t.role() == proto::ROLE_PARAM || t.role() == proto::ROLE_INPUT ||
+                            t.role() == proto::ROLE_OPTIMIZER_STATE ||
+                            (t.role() == proto::ROLE_GRAD && op.phase() == proto::PHASE_OPTIMIZER);
+      if (!external && producer[in] < 0) {
+        return Status::Error("op " + op.name() + " reads " + t.name() + " before it is produced");
+      }
+    }
+    for (int out : op.outputs()) {
+      if (out < 0 || out >= num_tensors) return Status::Error("op " + op.name() + " writes a bad tensor id");
+      if (producer[out] >= 0) {
+        return Status::Error("tensor " + program.tensors(out).name() + " is produced twice");
+      }
+      producer[out] = i;
+      const auto& t = program.tensors(out);
+      if (t.role() == proto::ROLE_GRAD) {
+        if (op.phase() != proto::PHASE_BACKWARD) {
+          return Status::Error("grad " + t.name() + " is produced outside backward");
+        }
+        ++grad_producers[out];
+      }
+      if (t.role() == proto::ROLE_PARAM || t.role() == proto::ROLE_INPUT) {
+        return Status::Error("op " + op.name() + " writes " + t.name() + ", which it may not");
+      }
+    }
+  }
+  for (int i = 0; i < num_tensors; ++i) {
+    if (program.tensors(i).role() == proto::ROLE_GRAD && grad_producers[i] != 1) {
+      return Status::Error("grad " + program.tensors(i).name() + " has no backward op producing it");
+    }
+  }
+  return Status::Ok();
+}
+
+const char* BufferKindName(BufferKind kind) {
+  switch (kind) {
+    case BufferKind::kGathered: return "gathered";
+    case BufferKind::kShard: return "shard";
+    case BufferKind::kGrad: return "grad";
+    case BufferKind::kGradShard: return "grad_shard";
+    case BufferKind::kOptimizerState: return "optimizer_state";
+    case BufferKind::kActivation: return "activation";
+    case BufferKind::kInput: return "input";
+  }
+  return "?";
+}
+
+BufferKind TransientKind(const proto::Tensor& tensor) {
+  switch (tensor.role()) {
+    case proto::ROLE_PARAM: return BufferKind::kGathered;
+    case proto::ROLE_GRAD: return BufferKind::kGrad;
+    case proto::ROLE_INPUT: return BufferKind::kInput;
+    case proto::ROLE_OPTIMIZER_STATE: return BufferKind::kOptimizerState;
+    default: return BufferKind::kActivation;
+  }
+}
+
+int64_t TransientBytes(const proto::Program& program, const proto::Tensor& tensor) {
+  if (tensor.role() == proto::ROLE_PARAM) {
+    return NumElements(tensor) * DTypeSizeBytes(program.config().compute_dtype());
+  }
+  return SizeBytes(tensor);
+}
+
+std::vector<int64_t> PersistentBytesByKind(const proto::Program& program, int world_size) {
+  std::vector<int64_t> bytes(kNumBufferKinds, 0);
+  constexpr int64_t kF32Bytes = 4;
+  for (const auto& t : program.tensors()) {
+    const int64_t shard_bytes = ShardElements(NumElements(t), world_size) * kF32Bytes;
+    if (t.role() == proto::ROLE_PARAM) {
+      bytes[static_cast<int>(BufferKind::kShard)] += shard_bytes;
+    } else if (t.role() == proto::ROLE_GRAD) {
+      bytes[static_cast<int>(BufferKind::kGradShard)] += shard_bytes;
+    } else if (t.role() == proto::ROLE_OPTIMIZER_STATE) {
+      bytes[static_cast<int>(BufferKind::kOptimizerState)] += shard_bytes;
+    }
+  }
+  return bytes;
+}
+
+int64_t TokensPerStep(const proto::ModelConfig& config, int world_size) {
+  return config.seq() * config.micro_batch() * config.gas() * world_size;
+}
+
+}  // namespace dc

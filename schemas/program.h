@@ -1,0 +1,63 @@
+// The C++ face of the program and schedule formats: the generated protobuf types plus the
+// facts every stage needs about them (sizes, shards, roles, versions, validation).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "schemas/program.pb.h"
+#include "schemas/schedule.pb.h"
+#include "schemas/status.h"
+
+namespace dc {
+
+// Format versions written by this build; readers refuse newer ones.
+inline constexpr uint32_t kProgramFormatVersion = 1;
+inline constexpr uint32_t kScheduleFormatVersion = 1;
+
+int64_t DTypeSizeBytes(proto::DType dtype);
+const char* DTypeName(proto::DType dtype);
+const char* RoleName(proto::Role role);
+const char* PhaseName(proto::Phase phase);
+const char* InstrKindName(proto::InstrKind kind);
+const char* StreamName(proto::Stream stream);
+
+int64_t NumElements(const proto::Tensor& tensor);
+// Bytes of the whole tensor in its own dtype.
+int64_t SizeBytes(const proto::Tensor& tensor);
+
+// Even sharding over `world_size` ranks: every param is flattened and padded to a multiple of
+// the world size; rank r owns elements [r * shard, (r + 1) * shard).
+int64_t ShardElements(int64_t num_elements, int world_size);
+
+// Attribute lookup on an op; `fallback` when absent.
+int64_t AttrInt(const proto::Op& op, const std::string& name, int64_t fallback);
+double AttrFloat(const proto::Op& op, const std::string& name, double fallback);
+void SetAttr(proto::Op* op, const std::string& name, int64_t value);
+void SetAttrFloat(proto::Op* op, const std::string& name, double value);
+
+// Checks ids, references and the invariants the rewriter relies on (ops in phase order, every
+// tensor produced at most once, every grad produced by exactly one backward op, every input of
+// an op produced earlier or a param / input / optimizer state). The message names the tensor
+// or op.
+Status ValidateProgram(const proto::Program& program);
+
+// Device buffers, one accounting shared by the executor (which enforces a capacity) and the
+// simulator (which predicts the peak), so predicted and measured bytes mean the same thing.
+// Persistent for the whole run, per rank: fp32 param shards, fp32 grad-shard accumulators and
+// the fp32 optimizer-state shards. Transient: a gathered param (whole, compute dtype) from its
+// all-gather to its release; an activation, grad or input from the compute that first writes or
+// reads it to its release.
+enum class BufferKind { kGathered, kShard, kGrad, kGradShard, kOptimizerState, kActivation, kInput };
+inline constexpr int kNumBufferKinds = 7;
+const char* BufferKindName(BufferKind kind);
+BufferKind TransientKind(const proto::Tensor& tensor);
+int64_t TransientBytes(const proto::Program& program, const proto::Tensor& tensor);
+// Bytes of the persistent buffers of one rank, by kind (index = BufferKind).
+std::vector<int64_t> PersistentBytesByKind(const proto::Program& program, int world_size);
+
+// Tokens processed by all ranks in one optimizer step.
+int64_t TokensPerStep(const proto::ModelConfig& config, int world_size);
+
+}  // namespace dc

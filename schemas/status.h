@@ -1,0 +1,71 @@
+// Errors as values. A Status carries one line meant for a person: what is wrong, where, and
+// what to do. StatusOr<T> is a value or the Status that explains why there is none.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <variant>
+
+namespace dc {
+
+class [[nodiscard]] Status {
+ public:
+  Status() = default;
+  static Status Ok() { return Status(); }
+  static Status Error(std::string message) { return Status(std::move(message)); }
+
+  bool ok() const { return !message_.has_value(); }
+  const std::string& message() const {
+    static const std::string kOk = "ok";
+    return message_ ? *message_ : kOk;
+  }
+  // Returns this error with `context` in front ("plan.dcplan: " + message).
+  Status Prefixed(const std::string& context) const {
+    return ok() ? *this : Status(context + message());
+  }
+
+ private:
+  explicit Status(std::string message) : message_(std::move(message)) {}
+  std::optional<std::string> message_;
+};
+
+template <typename T>
+class [[nodiscard]] StatusOr {
+ public:
+  StatusOr(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
+  StatusOr(Status status) : value_(std::move(status)) {}  // NOLINT: implicit by design
+
+  bool ok() const { return std::holds_alternative<T>(value_); }
+  Status status() const { return ok() ? Status::Ok() : std::get<Status>(value_); }
+  const T& value() const& { return std::get<T>(value_); }
+  T& value() & { return std::get<T>(value_); }
+  T&& value() && { return std::get<T>(std::move(value_)); }
+  const T& operator*() const& { return value(); }
+  T& operator*() & { return value(); }
+  const T* operator->() const { return &value(); }
+  T* operator->() { return &value(); }
+
+ private:
+  std::variant<T, Status> value_;
+};
+
+}  // namespace dc
+
+#define DC_CONCAT_INNER(a, b) a##b
+#define DC_CONCAT(a, b) DC_CONCAT_INNER(a, b)
+
+// Returns from the enclosing function if `expr` (a Status) is an error.
+#define DC_RETURN_IF_ERROR(expr)            \
+  do {                                      \
+    ::dc::Status dc_status_ = (expr);       \
+    if (!dc_status_.ok()) return dc_status_; \
+  } while (0)
+
+// `DC_ASSIGN_OR_RETURN(auto x, MakeX())`: binds the value or returns the error.
+#define DC_ASSIGN_OR_RETURN(lhs, expr) \
+  DC_ASSIGN_OR_RETURN_IMPL(DC_CONCAT(dc_statusor_, __LINE__), lhs, expr)
+#define DC_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \
+  auto tmp = (expr);                             \
+  if (!tmp.ok()) return tmp.status();            \
+  lhs = std::move(tmp).value()
