@@ -32,11 +32,16 @@ struct KernelContext {
   // ranks), so reduce-scattered sums of grads are the gradient of the mean loss.
   double grad_scale = 1.0;
   int64_t adam_step = 1;  // 1-based optimizer step, for Adam's bias correction
+  // BLAS threads. OpenBLAS's setting is process-global: RunCpuOp applies the latest value.
+  // Keep 1 when each rank is its own process on a few cores.
   int num_threads = 1;
 };
 
-// Runs `op` with `inputs` and `outputs` in the op's own order. Outputs are preallocated with
-// the tensors' shapes; in-place ops (adamw) mutate their inputs. Errors name the op.
+// Runs `op` with `inputs` and `outputs` in the op's own order (models/op_kinds.h). Outputs are
+// preallocated with the tensors' shapes and are overwritten, never accumulated into; in-place
+// ops (adamw) mutate their inputs. Checks arity, shapes, attrs and token ids; errors name the
+// op ("op layers.0.attn.q_proj (matmul): input 1 (w) has shape [4, 6], expected [4, 5]").
+// Thread-safety: kernels share no state, but see num_threads.
 Status RunCpuOp(const proto::Op& op, std::span<TensorRef> inputs, std::span<TensorRef> outputs,
                 const KernelContext& context);
 

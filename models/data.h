@@ -12,12 +12,23 @@
 
 namespace dc {
 
+// The synthetic source: sample i starts at a seeded random token; each next token is the
+// previous one mapped through a fixed seeded random permutation of the vocabulary, except that
+// with probability `jump_probability` it is a fresh random token. A model learns the
+// permutation, so the loss falls from log(vocab) towards the entropy of the jumps.
+struct SyntheticDataOptions {
+  double jump_probability = 1.0 / 16;
+};
+
+// Thread-safety: Sample is const and safe to call concurrently.
 class TokenSource {
  public:
   virtual ~TokenSource() = default;
   // Opens config.data_path if set (checking it exists, has whole uint16 tokens, at least
   // seq + 1 of them and none >= vocab), else the seeded synthetic source.
   static StatusOr<std::unique_ptr<TokenSource>> Open(const proto::ModelConfig& config);
+  static std::unique_ptr<TokenSource> Synthetic(const proto::ModelConfig& config,
+                                                const SyntheticDataOptions& options = {});
   // Writes sample `index`: `seq` input tokens and the `seq` targets (the inputs shifted by one).
   virtual void Sample(int64_t index, int32_t* tokens, int32_t* targets) const = 0;
 };
@@ -30,7 +41,10 @@ int64_t SampleIndex(const proto::ModelConfig& config, int world_size, int64_t st
 
 // Deterministic initial value of elements [offset, offset + count) of the flattened param
 // `tensor` (counter-based: any rank can make any slice, independent of world size). Elements
-// past the end of the tensor (shard padding) are zero.
+// past the end of the tensor (shard padding) are zero. 1-D params (the RMSNorm gains) are 1;
+// the others are normal(0, init_std) keyed by (seed, tensor name, element index), with the
+// residual output projections (attn.wo, mlp.w_down) scaled by 1 / sqrt(2 * layers) as in
+// GPT-2.
 void InitParamSlice(const proto::ModelConfig& config, const proto::Tensor& tensor, int64_t offset,
                     int64_t count, float* out);
 

@@ -1,0 +1,706 @@
+#include "executor/cpu_kernels.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <unordered_map>
+
+#include "models/op_kinds.h"
+
+namespace dc {
+namespace {
+
+using Shape = std::vector<int64_t>;
+using Refs = std::span<TensorRef>;
+
+// ---------------------------------------------------------------------------------------------
+// Checking operands. Every message names the op.
+
+std::string ShapeString(const Shape& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+Status OpError(const proto::Op& op, const std::string& message) {
+  return Status::Error("op " + op.name() + " (" + op.kind() + "): " + message);
+}
+
+// Checks the operand counts.
+Status CheckArity(const proto::Op& op, Refs in, Refs out, size_t num_inputs, size_t num_outputs) {
+  if (in.size() != num_inputs || out.size() != num_outputs) {
+    return OpError(op, "expects " + std::to_string(num_inputs) + " inputs and " +
+                           std::to_string(num_outputs) + " outputs, got " +
+                           std::to_string(in.size()) + " and " + std::to_string(out.size()));
+  }
+  return Status::Ok();
+}
+
+// What a kernel calls one operand in messages: "input 1 (w)".
+struct Operand {
+  const char* side;  // "input" or "output"
+  size_t index;
+  const char* name;
+  std::string Label() const {
+    return std::string(side) + " " + std::to_string(index) + " (" + name + ")";
+  }
+};
+Operand In(size_t index, const char* name) { return {"input", index, name}; }
+Operand Out(size_t index, const char* name) { return {"output", index, name}; }
+
+Status CheckF32(const proto::Op& op, const TensorRef& t, const Operand& what) {
+  if (t.f32 == nullptr) return OpError(op, what.Label() + " has no f32 data");
+  return Status::Ok();
+}
+
+Status CheckI32(const proto::Op& op, const TensorRef& t, const Operand& what) {
+  if (t.i32 == nullptr) return OpError(op, what.Label() + " has no i32 data");
+  return Status::Ok();
+}
+
+Status CheckShape(const proto::Op& op, const TensorRef& t, const Shape& expected,
+                  const Operand& what) {
+  if (t.shape != expected) {
+    return OpError(op, what.Label() + " has shape " + ShapeString(t.shape) + ", expected " +
+                           ShapeString(expected));
+  }
+  return Status::Ok();
+}
+
+// An f32 operand with exactly `expected` shape.
+Status CheckF32Shape(const proto::Op& op, const TensorRef& t, const Shape& expected,
+                     const Operand& what) {
+  DC_RETURN_IF_ERROR(CheckF32(op, t, what));
+  return CheckShape(op, t, expected, what);
+}
+
+// An f32 operand of rank in [min_rank, max_rank] with no empty dimension.
+Status CheckF32Rank(const proto::Op& op, const TensorRef& t, size_t min_rank, const Operand& what,
+                    size_t max_rank = std::numeric_limits<size_t>::max()) {
+  DC_RETURN_IF_ERROR(CheckF32(op, t, what));
+  if (t.shape.size() < min_rank || t.shape.size() > max_rank) {
+    const std::string expected =
+        min_rank == max_rank ? std::to_string(min_rank) : std::to_string(min_rank) + " or more";
+    return OpError(
+        op, what.Label() + " has shape " + ShapeString(t.shape) + ", expected rank " + expected);
+  }
+  for (int64_t d : t.shape) {
+    if (d <= 0) {
+      return OpError(
+          op, what.Label() + " has shape " + ShapeString(t.shape) + ", with an empty dimension");
+    }
+  }
+  return Status::Ok();
+}
+
+// `shape` with its last dimension replaced.
+Shape WithLast(Shape shape, int64_t last) {
+  shape.back() = last;
+  return shape;
+}
+
+Shape DropLast(Shape shape) {
+  shape.pop_back();
+  return shape;
+}
+
+Status RequireIntAttr(const proto::Op& op, const char* name, int64_t* value) {
+  *value = AttrInt(op, name, 0);
+  if (*value <= 0) return OpError(op, std::string("needs a positive int attr '") + name + "'");
+  return Status::Ok();
+}
+
+Status RequireFloatAttr(const proto::Op& op, const char* name, double* value) {
+  *value = AttrFloat(op, name, 0);
+  if (!(*value > 0)) return OpError(op, std::string("needs a positive attr '") + name + "'");
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// BLAS
+
+// OpenBLAS's thread count is process-global; set it only when it changes.
+void UseBlasThreads(int num_threads) {
+  static std::atomic<int> current{0};
+  const int wanted = std::max(1, num_threads);
+  if (current.exchange(wanted) != wanted) openblas_set_num_threads(wanted);
+}
+
+// Row-major C = alpha * op(A) op(B) + beta * C; op(A) is m x k, op(B) is k x n.
+void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+              trans_b ? CblasTrans : CblasNoTrans, static_cast<blasint>(m), static_cast<blasint>(n),
+              static_cast<blasint>(k), alpha, a, static_cast<blasint>(lda), b,
+              static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
+}
+
+Status CheckBlasDims(const proto::Op& op, std::initializer_list<int64_t> dims) {
+  for (int64_t d : dims) {
+    if (d > std::numeric_limits<blasint>::max()) {
+      return OpError(op, "dimension " + std::to_string(d) + " is too large for the CPU backend");
+    }
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// embedding
+
+Status Embedding(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 2, 1));
+  const TensorRef &tokens = in[0], &table = in[1];
+  DC_RETURN_IF_ERROR(CheckI32(op, tokens, In(0, "tokens")));
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, table, 2, In(1, "table"), 2));
+  const int64_t vocab = table.shape[0], hidden = table.shape[1];
+  Shape expected = tokens.shape;
+  expected.push_back(hidden);
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, out[0], expected, Out(0, "y")));
+  const int64_t num_tokens = tokens.NumElements();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int32_t id = tokens.i32[t];
+    if (id < 0 || id >= vocab) {
+      return OpError(op, "token " + std::to_string(id) + " at " + std::to_string(t) +
+                             " is outside the vocabulary of " + std::to_string(vocab));
+    }
+    std::copy_n(table.f32 + id * hidden, hidden, out[0].f32 + t * hidden);
+  }
+  return Status::Ok();
+}
+
+Status EmbeddingBackward(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 2, 1));
+  const TensorRef &dy = in[0], &tokens = in[1], &dtable = out[0];
+  DC_RETURN_IF_ERROR(CheckI32(op, tokens, In(1, "tokens")));
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, dtable, 2, Out(0, "dtable"), 2));
+  const int64_t vocab = dtable.shape[0], hidden = dtable.shape[1];
+  Shape expected = tokens.shape;
+  expected.push_back(hidden);
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dy, expected, In(0, "dy")));
+  std::fill_n(dtable.f32, dtable.NumElements(), 0.0f);
+  const int64_t num_tokens = tokens.NumElements();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int32_t id = tokens.i32[t];
+    if (id < 0 || id >= vocab) {
+      return OpError(op, "token " + std::to_string(id) + " at " + std::to_string(t) +
+                             " is outside the vocabulary of " + std::to_string(vocab));
+    }
+    float* row = dtable.f32 + id * hidden;
+    const float* g = dy.f32 + t * hidden;
+    for (int64_t h = 0; h < hidden; ++h) row[h] += g[h];
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// rmsnorm
+
+// 1 / sqrt(mean(x^2) + eps) of one row.
+float InvRms(const float* x, int64_t n, double eps) {
+  double sum_sq = 0;
+  for (int64_t i = 0; i < n; ++i) sum_sq += static_cast<double>(x[i]) * x[i];
+  return static_cast<float>(1.0 / std::sqrt(sum_sq / static_cast<double>(n) + eps));
+}
+
+// Checks x [..., H] (input `x_index`) and w [H] (the next input); sets the rows and width.
+Status CheckNormOperands(const proto::Op& op, const TensorRef& x, const TensorRef& w,
+                         size_t x_index, int64_t* rows, int64_t* hidden) {
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, x, 1, In(x_index, "x")));
+  *hidden = x.shape.back();
+  *rows = x.NumElements() / *hidden;
+  return CheckF32Shape(op, w, {*hidden}, In(x_index + 1, "w"));
+}
+
+Status RmsNorm(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 2, 1));
+  const TensorRef &x = in[0], &w = in[1], &y = out[0];
+  int64_t rows = 0, hidden = 0;
+  DC_RETURN_IF_ERROR(CheckNormOperands(op, x, w, 0, &rows, &hidden));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, y, x.shape, Out(0, "y")));
+  double eps = 0;
+  DC_RETURN_IF_ERROR(RequireFloatAttr(op, op_attr::kEps, &eps));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x.f32 + r * hidden;
+    float* yr = y.f32 + r * hidden;
+    const float inv_rms = InvRms(xr, hidden, eps);
+    for (int64_t i = 0; i < hidden; ++i) yr[i] = xr[i] * inv_rms * w.f32[i];
+  }
+  return Status::Ok();
+}
+
+// With g = dy * w and r = 1 / rms(x): dx = r * g - x * r^3 * mean(g * x); dw = sum_rows dy x r.
+Status RmsNormBackward(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 3, 2));
+  const TensorRef &dy = in[0], &x = in[1], &w = in[2], &dx = out[0], &dw = out[1];
+  int64_t rows = 0, hidden = 0;
+  DC_RETURN_IF_ERROR(CheckNormOperands(op, x, w, 1, &rows, &hidden));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dy, x.shape, In(0, "dy")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dx, x.shape, Out(0, "dx")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dw, w.shape, Out(1, "dw")));
+  double eps = 0;
+  DC_RETURN_IF_ERROR(RequireFloatAttr(op, op_attr::kEps, &eps));
+  std::fill_n(dw.f32, hidden, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x.f32 + r * hidden;
+    const float* dyr = dy.f32 + r * hidden;
+    float* dxr = dx.f32 + r * hidden;
+    const float inv_rms = InvRms(xr, hidden, eps);
+    double dot = 0;  // sum(dy * w * x)
+    for (int64_t i = 0; i < hidden; ++i) dot += static_cast<double>(dyr[i]) * w.f32[i] * xr[i];
+    const float coef =
+        static_cast<float>(dot / static_cast<double>(hidden)) * inv_rms * inv_rms * inv_rms;
+    for (int64_t i = 0; i < hidden; ++i) {
+      dxr[i] = inv_rms * dyr[i] * w.f32[i] - xr[i] * coef;
+      dw.f32[i] += dyr[i] * xr[i] * inv_rms;
+    }
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// matmul: y [M, N] = x [M, K] w[N, K]^T
+
+Status CheckMatmulOperands(const proto::Op& op, const TensorRef& x, const TensorRef& w,
+                           size_t x_index, int64_t* m, int64_t* n, int64_t* k) {
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, x, 1, In(x_index, "x")));
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, w, 2, In(x_index + 1, "w"), 2));
+  *k = x.shape.back();
+  *m = x.NumElements() / *k;
+  *n = w.shape[0];
+  DC_RETURN_IF_ERROR(CheckShape(op, w, {*n, *k}, In(x_index + 1, "w")));
+  return CheckBlasDims(op, {*m, *n, *k});
+}
+
+Status Matmul(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 2, 1));
+  const TensorRef &x = in[0], &w = in[1], &y = out[0];
+  int64_t m = 0, n = 0, k = 0;
+  DC_RETURN_IF_ERROR(CheckMatmulOperands(op, x, w, 0, &m, &n, &k));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, y, WithLast(x.shape, n), Out(0, "y")));
+  Gemm(false, true, m, n, k, 1.0f, x.f32, k, w.f32, k, 0.0f, y.f32, n);
+  return Status::Ok();
+}
+
+// dx = dy w; dw = dy^T x.
+Status MatmulBackward(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 3, 2));
+  const TensorRef &dy = in[0], &x = in[1], &w = in[2], &dx = out[0], &dw = out[1];
+  int64_t m = 0, n = 0, k = 0;
+  DC_RETURN_IF_ERROR(CheckMatmulOperands(op, x, w, 1, &m, &n, &k));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dy, WithLast(x.shape, n), In(0, "dy")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dx, x.shape, Out(0, "dx")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dw, w.shape, Out(1, "dw")));
+  Gemm(false, false, m, k, n, 1.0f, dy.f32, n, w.f32, k, 0.0f, dx.f32, k);
+  Gemm(true, false, n, k, m, 1.0f, dy.f32, n, x.f32, k, 0.0f, dw.f32, k);
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// rope
+
+struct RopeDims {
+  int64_t batch, seq, heads, head_dim;
+  double theta;
+};
+
+Status CheckRope(const proto::Op& op, const TensorRef& x, const TensorRef& y, RopeDims* dims) {
+  DC_RETURN_IF_ERROR(RequireIntAttr(op, op_attr::kHeads, &dims->heads));
+  DC_RETURN_IF_ERROR(RequireIntAttr(op, op_attr::kHeadDim, &dims->head_dim));
+  if (dims->head_dim % 2 != 0) return OpError(op, "head_dim must be even");
+  DC_RETURN_IF_ERROR(RequireFloatAttr(op, op_attr::kTheta, &dims->theta));
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, x, 3, In(0, "x"), 3));
+  dims->batch = x.shape[0];
+  dims->seq = x.shape[1];
+  DC_RETURN_IF_ERROR(
+      CheckShape(op, x, {dims->batch, dims->seq, dims->heads * dims->head_dim}, In(0, "x")));
+  return CheckF32Shape(op, y, x.shape, Out(0, "y"));
+}
+
+// Rotates each (i, i + head_dim / 2) pair by +angle (forward) or -angle (backward, the
+// transpose of the rotation).
+void ApplyRope(const RopeDims& d, const float* x, float* y, float sign) {
+  const int64_t half = d.head_dim / 2;
+  std::vector<float> cos_table(d.seq * half), sin_table(d.seq * half);
+  for (int64_t i = 0; i < half; ++i) {
+    const double inv_freq =
+        std::pow(d.theta, -2.0 * static_cast<double>(i) / static_cast<double>(d.head_dim));
+    for (int64_t s = 0; s < d.seq; ++s) {
+      const double angle = static_cast<double>(s) * inv_freq;
+      cos_table[s * half + i] = static_cast<float>(std::cos(angle));
+      sin_table[s * half + i] = sign * static_cast<float>(std::sin(angle));
+    }
+  }
+  const int64_t width = d.heads * d.head_dim;
+  for (int64_t b = 0; b < d.batch; ++b) {
+    for (int64_t s = 0; s < d.seq; ++s) {
+      const float* c = cos_table.data() + s * half;
+      const float* sn = sin_table.data() + s * half;
+      for (int64_t h = 0; h < d.heads; ++h) {
+        const int64_t base = (b * d.seq + s) * width + h * d.head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = x[base + i], x2 = x[base + half + i];
+          y[base + i] = x1 * c[i] - x2 * sn[i];
+          y[base + half + i] = x1 * sn[i] + x2 * c[i];
+        }
+      }
+    }
+  }
+}
+
+Status Rope(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 1, 1));
+  RopeDims dims{};
+  DC_RETURN_IF_ERROR(CheckRope(op, in[0], out[0], &dims));
+  ApplyRope(dims, in[0].f32, out[0].f32, 1.0f);
+  return Status::Ok();
+}
+
+Status RopeBackward(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 1, 1));
+  RopeDims dims{};
+  DC_RETURN_IF_ERROR(CheckRope(op, in[0], out[0], &dims));
+  ApplyRope(dims, in[0].f32, out[0].f32, -1.0f);
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// attention
+
+struct AttentionDims {
+  int64_t batch, seq, heads, kv_heads, head_dim;
+  int64_t q_width() const { return heads * head_dim; }
+  int64_t kv_width() const { return kv_heads * head_dim; }
+  // Offsets of head h (query) / its kv head in batch b.
+  int64_t QOffset(int64_t b, int64_t h) const { return b * seq * q_width() + h * head_dim; }
+  int64_t KvOffset(int64_t b, int64_t h) const {
+    return b * seq * kv_width() + (h / (heads / kv_heads)) * head_dim;
+  }
+};
+
+// Checks q, k, v (at input positions `first`..`first + 2`) against the attrs.
+Status CheckAttention(const proto::Op& op, Refs in, size_t first, AttentionDims* d) {
+  DC_RETURN_IF_ERROR(RequireIntAttr(op, op_attr::kHeads, &d->heads));
+  DC_RETURN_IF_ERROR(RequireIntAttr(op, op_attr::kKvHeads, &d->kv_heads));
+  DC_RETURN_IF_ERROR(RequireIntAttr(op, op_attr::kHeadDim, &d->head_dim));
+  if (d->heads % d->kv_heads != 0) return OpError(op, "kv_heads does not divide heads");
+  const TensorRef &q = in[first], &k = in[first + 1], &v = in[first + 2];
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, q, 3, In(first, "q"), 3));
+  d->batch = q.shape[0];
+  d->seq = q.shape[1];
+  DC_RETURN_IF_ERROR(CheckShape(op, q, {d->batch, d->seq, d->q_width()}, In(first, "q")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, k, {d->batch, d->seq, d->kv_width()}, In(first + 1, "k")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, v, k.shape, In(first + 2, "v")));
+  return CheckBlasDims(op, {d->seq, d->q_width()});
+}
+
+// probs [S, S] = causal softmax(scale * q_h k_g^T) for head h of batch b; entries above the
+// diagonal are zero.
+void AttentionProbs(const AttentionDims& d, const float* q, const float* k, int64_t b, int64_t h,
+                    float scale, float* probs) {
+  Gemm(false, true, d.seq, d.seq, d.head_dim, scale, q + d.QOffset(b, h), d.q_width(),
+       k + d.KvOffset(b, h), d.kv_width(), 0.0f, probs, d.seq);
+  for (int64_t i = 0; i < d.seq; ++i) {
+    float* row = probs + i * d.seq;
+    const float max = *std::max_element(row, row + i + 1);
+    double sum = 0;
+    for (int64_t j = 0; j <= i; ++j) {
+      row[j] = std::exp(row[j] - max);
+      sum += row[j];
+    }
+    const float inv_sum = static_cast<float>(1.0 / sum);
+    for (int64_t j = 0; j <= i; ++j) row[j] *= inv_sum;
+    std::fill(row + i + 1, row + d.seq, 0.0f);
+  }
+}
+
+float SoftmaxScale(const AttentionDims& d) {
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.head_dim)));
+}
+
+Status Attention(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 3, 1));
+  AttentionDims d{};
+  DC_RETURN_IF_ERROR(CheckAttention(op, in, 0, &d));
+  const TensorRef &q = in[0], &k = in[1], &v = in[2], &o = out[0];
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, o, q.shape, Out(0, "o")));
+  std::vector<float> probs(d.seq * d.seq);
+  for (int64_t b = 0; b < d.batch; ++b) {
+    for (int64_t h = 0; h < d.heads; ++h) {
+      AttentionProbs(d, q.f32, k.f32, b, h, SoftmaxScale(d), probs.data());
+      Gemm(false, false, d.seq, d.head_dim, d.seq, 1.0f, probs.data(), d.seq,
+           v.f32 + d.KvOffset(b, h), d.kv_width(), 0.0f, o.f32 + d.QOffset(b, h), d.q_width());
+    }
+  }
+  return Status::Ok();
+}
+
+// With P the probs and dP = dO V^T: dS = P * (dP - rowsum(P * dP)); dQ = scale dS K;
+// dK += scale dS^T Q; dV += P^T dO (kv heads sum over their query heads).
+Status AttentionBackward(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 4, 3));
+  AttentionDims d{};
+  DC_RETURN_IF_ERROR(CheckAttention(op, in, 1, &d));
+  const TensorRef &d_o = in[0], &q = in[1], &k = in[2], &v = in[3];
+  const TensorRef &dq = out[0], &dk = out[1], &dv = out[2];
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, d_o, q.shape, In(0, "do")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dq, q.shape, Out(0, "dq")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dk, k.shape, Out(1, "dk")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dv, v.shape, Out(2, "dv")));
+  std::fill_n(dk.f32, dk.NumElements(), 0.0f);
+  std::fill_n(dv.f32, dv.NumElements(), 0.0f);
+  const float scale = SoftmaxScale(d);
+  std::vector<float> probs(d.seq * d.seq), dprobs(d.seq * d.seq);
+  for (int64_t b = 0; b < d.batch; ++b) {
+    for (int64_t h = 0; h < d.heads; ++h) {
+      const int64_t qo = d.QOffset(b, h), kvo = d.KvOffset(b, h);
+      AttentionProbs(d, q.f32, k.f32, b, h, scale, probs.data());
+      Gemm(false, true, d.seq, d.seq, d.head_dim, 1.0f, d_o.f32 + qo, d.q_width(), v.f32 + kvo,
+           d.kv_width(), 0.0f, dprobs.data(), d.seq);
+      Gemm(true, false, d.seq, d.head_dim, d.seq, 1.0f, probs.data(), d.seq, d_o.f32 + qo,
+           d.q_width(), 1.0f, dv.f32 + kvo, d.kv_width());
+      for (int64_t i = 0; i < d.seq; ++i) {
+        const float* p = probs.data() + i * d.seq;
+        float* ds = dprobs.data() + i * d.seq;
+        double dot = 0;
+        for (int64_t j = 0; j <= i; ++j) dot += static_cast<double>(p[j]) * ds[j];
+        for (int64_t j = 0; j <= i; ++j) ds[j] = p[j] * (ds[j] - static_cast<float>(dot));
+        std::fill(ds + i + 1, ds + d.seq, 0.0f);
+      }
+      Gemm(false, false, d.seq, d.head_dim, d.seq, scale, dprobs.data(), d.seq, k.f32 + kvo,
+           d.kv_width(), 0.0f, dq.f32 + qo, d.q_width());
+      Gemm(true, false, d.seq, d.head_dim, d.seq, scale, dprobs.data(), d.seq, q.f32 + qo,
+           d.q_width(), 1.0f, dk.f32 + kvo, d.kv_width());
+    }
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// swiglu
+
+float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+Status Swiglu(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 2, 1));
+  const TensorRef &gate = in[0], &up = in[1], &y = out[0];
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, gate, 1, In(0, "gate")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, up, gate.shape, In(1, "up")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, y, gate.shape, Out(0, "y")));
+  const int64_t n = gate.NumElements();
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate.f32[i];
+    y.f32[i] = g * Sigmoid(g) * up.f32[i];
+  }
+  return Status::Ok();
+}
+
+// silu'(g) = s (1 + g (1 - s)) with s = sigmoid(g).
+Status SwigluBackward(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 3, 2));
+  const TensorRef &dy = in[0], &gate = in[1], &up = in[2], &dgate = out[0], &dup = out[1];
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, gate, 1, In(1, "gate")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dy, gate.shape, In(0, "dy")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, up, gate.shape, In(2, "up")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dgate, gate.shape, Out(0, "dgate")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dup, gate.shape, Out(1, "dup")));
+  const int64_t n = gate.NumElements();
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate.f32[i], s = Sigmoid(g);
+    dgate.f32[i] = dy.f32[i] * up.f32[i] * s * (1.0f + g * (1.0f - s));
+    dup.f32[i] = dy.f32[i] * g * s;
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// add
+
+Status Add(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  constexpr size_t kMinInputs = 2;
+  if (in.size() < kMinInputs || out.size() != 1) {
+    return OpError(op, "expects 2 or more inputs and 1 output, got " + std::to_string(in.size()) +
+                           " and " + std::to_string(out.size()));
+  }
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, in[0], 0, In(0, "a")));
+  for (size_t i = 1; i < in.size(); ++i) {
+    DC_RETURN_IF_ERROR(CheckF32Shape(op, in[i], in[0].shape, In(i, "b")));
+  }
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, out[0], in[0].shape, Out(0, "sum")));
+  const int64_t n = in[0].NumElements();
+  float* y = out[0].f32;
+  // y may alias an input: read every input at i before writing y[i].
+  for (int64_t i = 0; i < n; ++i) {
+    float sum = in[0].f32[i];
+    for (size_t j = 1; j < in.size(); ++j) sum += in[j].f32[i];
+    y[i] = sum;
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// cross_entropy
+
+Status CheckCrossEntropy(const proto::Op& op, const TensorRef& logits, const TensorRef& targets,
+                         int64_t* rows, int64_t* vocab) {
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, logits, 1, In(0, "logits")));
+  DC_RETURN_IF_ERROR(CheckI32(op, targets, In(1, "targets")));
+  DC_RETURN_IF_ERROR(CheckShape(op, targets, DropLast(logits.shape), In(1, "targets")));
+  *vocab = logits.shape.back();
+  *rows = targets.NumElements();
+  for (int64_t r = 0; r < *rows; ++r) {
+    if (targets.i32[r] < 0 || targets.i32[r] >= *vocab) {
+      return OpError(op, "target " + std::to_string(targets.i32[r]) + " at " + std::to_string(r) +
+                             " is outside the vocabulary of " + std::to_string(*vocab));
+    }
+  }
+  return Status::Ok();
+}
+
+// log(sum(exp(row))), stably.
+double LogSumExp(const float* row, int64_t n) {
+  const float max = *std::max_element(row, row + n);
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(row[i] - max));
+  return max + std::log(sum);
+}
+
+Status CrossEntropy(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 2, 1));
+  int64_t rows = 0, vocab = 0;
+  DC_RETURN_IF_ERROR(CheckCrossEntropy(op, in[0], in[1], &rows, &vocab));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, out[0], {1}, Out(0, "loss")));
+  double loss = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = in[0].f32 + r * vocab;
+    loss += LogSumExp(row, vocab) - row[in[1].i32[r]];
+  }
+  out[0].f32[0] = static_cast<float>(loss);
+  return Status::Ok();
+}
+
+Status CrossEntropyBackward(const proto::Op& op, Refs in, Refs out, const KernelContext& context) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 2, 1));
+  int64_t rows = 0, vocab = 0;
+  DC_RETURN_IF_ERROR(CheckCrossEntropy(op, in[0], in[1], &rows, &vocab));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, out[0], in[0].shape, Out(0, "dlogits")));
+  const double scale = context.grad_scale;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = in[0].f32 + r * vocab;
+    float* grad = out[0].f32 + r * vocab;
+    const double lse = LogSumExp(row, vocab);
+    for (int64_t i = 0; i < vocab; ++i) {
+      grad[i] = static_cast<float>(std::exp(static_cast<double>(row[i]) - lse) * scale);
+    }
+    grad[in[1].i32[r]] -= static_cast<float>(scale);
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// adamw
+
+struct AdamSettings {
+  double lr, beta1, beta2, eps, weight_decay;
+};
+
+// The op's attrs, or the config's values where an attr is absent.
+Status ReadAdamSettings(const proto::Op& op, const KernelContext& context, AdamSettings* s) {
+  const proto::ModelConfig* c = context.config;
+  struct Field {
+    const char* attr;
+    double config_value;
+    double* out;
+  };
+  const Field fields[] = {
+      {op_attr::kLr, c ? c->lr() : std::nan(""), &s->lr},
+      {op_attr::kBeta1, c ? c->beta1() : std::nan(""), &s->beta1},
+      {op_attr::kBeta2, c ? c->beta2() : std::nan(""), &s->beta2},
+      {op_attr::kEps, c ? c->adam_eps() : std::nan(""), &s->eps},
+      {op_attr::kWeightDecay, c ? c->weight_decay() : std::nan(""), &s->weight_decay},
+  };
+  for (const Field& f : fields) {
+    *f.out = AttrFloat(op, f.attr, f.config_value);
+    if (std::isnan(*f.out)) {
+      return OpError(op, std::string("has no attr '") + f.attr + "' and no model config");
+    }
+  }
+  if (context.adam_step < 1) {
+    return OpError(op, "adam step " + std::to_string(context.adam_step) + " is not 1-based");
+  }
+  return Status::Ok();
+}
+
+Status AdamW(const proto::Op& op, Refs in, Refs out, const KernelContext& context) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 4, 0));
+  const char* names[] = {"param", "grad", "m", "v"};
+  for (size_t i = 0; i < in.size(); ++i) {
+    DC_RETURN_IF_ERROR(CheckF32(op, in[i], In(i, names[i])));
+    if (in[i].NumElements() != in[0].NumElements()) {
+      return OpError(op, In(i, names[i]).Label() + " has " + std::to_string(in[i].NumElements()) +
+                             " elements, param has " + std::to_string(in[0].NumElements()));
+    }
+  }
+  AdamSettings s{};
+  DC_RETURN_IF_ERROR(ReadAdamSettings(op, context, &s));
+  const double step = static_cast<double>(context.adam_step);
+  const double m_correction = 1.0 / (1.0 - std::pow(s.beta1, step));
+  const double v_correction = 1.0 / (1.0 - std::pow(s.beta2, step));
+  const double decay = 1.0 - s.lr * s.weight_decay;
+  float *p = in[0].f32, *m = in[2].f32, *v = in[3].f32;
+  const float* g = in[1].f32;
+  const int64_t n = in[0].NumElements();
+  for (int64_t i = 0; i < n; ++i) {
+    const double grad = g[i];
+    const double mi = s.beta1 * m[i] + (1.0 - s.beta1) * grad;
+    const double vi = s.beta2 * v[i] + (1.0 - s.beta2) * grad * grad;
+    m[i] = static_cast<float>(mi);
+    v[i] = static_cast<float>(vi);
+    const double update = (mi * m_correction) / (std::sqrt(vi * v_correction) + s.eps);
+    p[i] = static_cast<float>(p[i] * decay - s.lr * update);
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch
+
+using Kernel = Status (*)(const proto::Op&, Refs, Refs, const KernelContext&);
+
+const std::unordered_map<std::string, Kernel>& Kernels() {
+  static const auto* kernels = new std::unordered_map<std::string, Kernel>{
+      {op_kind::kEmbedding, Embedding},
+      {op_kind::kEmbeddingBackward, EmbeddingBackward},
+      {op_kind::kRmsNorm, RmsNorm},
+      {op_kind::kRmsNormBackward, RmsNormBackward},
+      {op_kind::kMatmul, Matmul},
+      {op_kind::kMatmulBackward, MatmulBackward},
+      {op_kind::kRope, Rope},
+      {op_kind::kRopeBackward, RopeBackward},
+      {op_kind::kAttention, Attention},
+      {op_kind::kAttentionBackward, AttentionBackward},
+      {op_kind::kSwiglu, Swiglu},
+      {op_kind::kSwigluBackward, SwigluBackward},
+      {op_kind::kAdd, Add},
+      {op_kind::kCrossEntropy, CrossEntropy},
+      {op_kind::kCrossEntropyBackward, CrossEntropyBackward},
+      {op_kind::kAdamW, AdamW},
+  };
+  return *kernels;
+}
+
+}  // namespace
+
+Status RunCpuOp(const proto::Op& op, std::span<TensorRef> inputs, std::span<TensorRef> outputs,
+                const KernelContext& context) {
+  const auto& kernels = Kernels();
+  const auto it = kernels.find(op.kind());
+  if (it == kernels.end()) return OpError(op, "the CPU backend has no kernel for this kind");
+  UseBlasThreads(context.num_threads);
+  return it->second(op, inputs, outputs, context);
+}
+
+}  // namespace dc

@@ -1,0 +1,242 @@
+#include "models/model.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+#include <set>
+
+#include "models/op_kinds.h"
+
+namespace dc {
+namespace {
+
+proto::Program Build(const std::string& preset, const ModelOverrides& overrides = {}) {
+  auto config = MakeConfig(preset, overrides);
+  EXPECT_TRUE(config.ok()) << config.status().message();
+  auto program = BuildProgram(*config);
+  EXPECT_TRUE(program.ok()) << program.status().message();
+  return *program;
+}
+
+std::string BuildError(const std::string& preset, const ModelOverrides& overrides) {
+  auto config = MakeConfig(preset, overrides);
+  EXPECT_FALSE(config.ok());
+  return config.status().message();
+}
+
+TEST(Model, EveryPresetBuildsAndValidates) {
+  for (const std::string& name : PresetNames()) {
+    proto::Program program = Build(name);
+    Status status = ValidateProgram(program);
+    EXPECT_TRUE(status.ok()) << name << ": " << status.message();
+    EXPECT_EQ(program.config().preset(), name);
+    EXPECT_EQ(program.format_version(), kProgramFormatVersion);
+  }
+}
+
+TEST(Model, PresetsListTheLlamaShapes) {
+  const std::vector<std::string> names = PresetNames();
+  for (const char* expected : {"tiny", "small", "llama-1b", "llama3-8b", "llama3-70b"}) {
+    EXPECT_NE(std::find(names.begin(), names.end(), expected), names.end()) << expected;
+  }
+}
+
+TEST(Model, Llama3ParamCounts) {
+  EXPECT_NEAR(static_cast<double>(ParamCount(Build("llama3-8b"))), 8.03e9, 0.01 * 8.03e9);
+  EXPECT_NEAR(static_cast<double>(ParamCount(Build("llama3-70b"))), 70.6e9, 0.01 * 70.6e9);
+}
+
+TEST(Model, TinyParamCountByHand) {
+  const int64_t h = 64, kv = 32, f = 128, v = 256, layers = 2;
+  const int64_t per_layer = 2 * h + h * h * 2 + 2 * kv * h + 3 * f * h;
+  EXPECT_EQ(ParamCount(Build("tiny")), layers * per_layer + 2 * v * h + h);
+}
+
+TEST(Model, BuildIsFastForLlama3_70b) {
+  auto config = MakeConfig("llama3-70b", {});
+  ASSERT_TRUE(config.ok());
+  const auto start = std::chrono::steady_clock::now();
+  auto program = BuildProgram(*config);
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  ASSERT_TRUE(program.ok());
+  EXPECT_GT(program->ops_size(), 3000);
+  // The target is well under 100 ms; the bound leaves room for a loaded CI machine.
+  EXPECT_LT(std::chrono::duration<double>(elapsed).count(), 0.5);
+}
+
+TEST(Model, SameConfigSameBytes) {
+  std::string a, b;
+  ASSERT_TRUE(Build("small").SerializeToString(&a));
+  ASSERT_TRUE(Build("small").SerializeToString(&b));
+  EXPECT_EQ(a, b);
+}
+
+TEST(Model, OverridesApply) {
+  ModelOverrides o;
+  o.layers = 3;
+  o.hidden = 96;
+  o.heads = 6;
+  o.kv_heads = 3;
+  o.ffn = 200;
+  o.vocab = 300;
+  o.seq = 16;
+  o.micro_batch = 3;
+  o.gas = 2;
+  o.seed = 7;
+  o.data_path = "/tmp/tokens.bin";
+  auto config = MakeConfig("tiny", o);
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  EXPECT_EQ(config->layers(), 3);
+  EXPECT_EQ(config->hidden(), 96);
+  EXPECT_EQ(config->heads(), 6);
+  EXPECT_EQ(config->kv_heads(), 3);
+  EXPECT_EQ(config->ffn(), 200);
+  EXPECT_EQ(config->vocab(), 300);
+  EXPECT_EQ(config->seq(), 16);
+  EXPECT_EQ(config->micro_batch(), 3);
+  EXPECT_EQ(config->gas(), 2);
+  EXPECT_EQ(config->seed(), 7u);
+  EXPECT_EQ(config->data_path(), "/tmp/tokens.bin");
+  auto program = BuildProgram(*config);
+  ASSERT_TRUE(program.ok());
+  EXPECT_TRUE(ValidateProgram(*program).ok());
+  int layers_seen = 0;
+  for (const auto& t : program->tensors()) layers_seen = std::max(layers_seen, t.layer() + 1);
+  EXPECT_EQ(layers_seen, 3);
+}
+
+TEST(Model, BadOverridesFailWithTheFlag) {
+  ModelOverrides heads;
+  heads.heads = 5;
+  EXPECT_EQ(BuildError("tiny", heads), "--heads 5 does not divide --hidden 64");
+  ModelOverrides kv;
+  kv.kv_heads = 3;
+  EXPECT_EQ(BuildError("tiny", kv), "--kv-heads 3 does not divide --heads 4");
+  ModelOverrides odd_head_dim;
+  odd_head_dim.hidden = 36;  // 4 heads of 9
+  EXPECT_EQ(BuildError("tiny", odd_head_dim),
+            "head dim 9 (--hidden 36 / --heads 4) must be even for RoPE");
+  ModelOverrides zero_layers;
+  zero_layers.layers = 0;
+  EXPECT_EQ(BuildError("tiny", zero_layers), "--layers must be at least 1 (got 0)");
+  ModelOverrides negative_batch;
+  negative_batch.micro_batch = -2;
+  EXPECT_EQ(BuildError("tiny", negative_batch), "--micro-batch must be at least 1 (got -2)");
+}
+
+TEST(Model, UnknownPresetListsKnownOnes) {
+  EXPECT_EQ(BuildError("llama9", {}),
+            "unknown preset 'llama9'; known presets: tiny, small, llama-1b, llama3-8b, "
+            "llama3-70b");
+}
+
+TEST(Model, BuildProgramRejectsABadConfig) {
+  auto config = MakeConfig("tiny", {});
+  ASSERT_TRUE(config.ok());
+  config->set_heads(3);
+  auto program = BuildProgram(*config);
+  ASSERT_FALSE(program.ok());
+  EXPECT_EQ(program.status().message(), "--heads 3 does not divide --hidden 64");
+}
+
+TEST(Model, ConventionsHold) {
+  const proto::Program program = Build("tiny");
+  const auto& config = program.config();
+  std::map<std::string, int> by_name;
+  for (const auto& t : program.tensors()) {
+    EXPECT_TRUE(by_name.emplace(t.name(), t.id()).second) << "duplicate tensor " << t.name();
+  }
+  std::set<std::string> op_names;
+  for (const auto& op : program.ops()) {
+    EXPECT_TRUE(op_names.insert(op.name()).second) << "duplicate op " << op.name();
+  }
+  for (const char* input : {"tokens", "targets"}) {
+    const auto& t = program.tensors(by_name.at(input));
+    EXPECT_EQ(t.role(), proto::ROLE_INPUT);
+    EXPECT_EQ(t.dtype(), proto::DTYPE_I32);
+    EXPECT_EQ(std::vector<int64_t>(t.shape().begin(), t.shape().end()),
+              (std::vector<int64_t>{config.micro_batch(), config.seq()}));
+  }
+  const auto& loss = program.tensors(by_name.at("loss"));
+  EXPECT_EQ(loss.dtype(), proto::DTYPE_F32);
+  ASSERT_EQ(loss.shape_size(), 1);
+  EXPECT_EQ(loss.shape(0), 1);
+
+  // Every param: one grad (compute dtype, same shape), m and v (f32), one adamw op.
+  std::map<int, int> grads, states, adamw_ops;
+  for (const auto& t : program.tensors()) {
+    if (t.role() == proto::ROLE_GRAD) {
+      ++grads[t.param()];
+      EXPECT_EQ(t.dtype(), config.compute_dtype());
+      EXPECT_EQ(t.shape_size(), program.tensors(t.param()).shape_size());
+    }
+    if (t.role() == proto::ROLE_OPTIMIZER_STATE) {
+      ++states[t.param()];
+      EXPECT_EQ(t.dtype(), proto::DTYPE_F32);
+    }
+  }
+  for (const auto& op : program.ops()) {
+    if (op.kind() != op_kind::kAdamW) continue;
+    ASSERT_EQ(op.inputs_size(), 4);
+    EXPECT_EQ(op.outputs_size(), 0);
+    const auto& param = program.tensors(op.inputs(0));
+    ++adamw_ops[param.id()];
+    const double decay = AttrFloat(op, op_attr::kWeightDecay, -1);
+    EXPECT_EQ(decay, param.shape_size() >= 2 ? config.weight_decay() : 0.0) << param.name();
+  }
+  int params = 0;
+  for (const auto& t : program.tensors()) {
+    if (t.role() != proto::ROLE_PARAM) continue;
+    ++params;
+    EXPECT_EQ(t.dtype(), proto::DTYPE_F32);
+    EXPECT_EQ(grads[t.id()], 1) << t.name();
+    EXPECT_EQ(states[t.id()], 2) << t.name();
+    EXPECT_EQ(adamw_ops[t.id()], 1) << t.name();
+  }
+  EXPECT_EQ(params, 9 * 2 + 3);
+  EXPECT_TRUE(by_name.contains("layers.1.attn.wq"));
+  EXPECT_TRUE(by_name.contains("layers.1.attn.wq.grad"));
+  EXPECT_TRUE(by_name.contains("layers.1.attn.wq.adam_m"));
+  EXPECT_TRUE(by_name.contains("layers.1.attn.wq.adam_v"));
+}
+
+TEST(Model, OpsCarryFlopsAndLayers) {
+  const proto::Program program = Build("tiny");
+  for (const auto& op : program.ops()) {
+    if (op.kind() != op_kind::kEmbedding) {
+      EXPECT_GT(op.flops(), 0) << op.name();
+    }
+    EXPECT_GE(op.layer(), -1);
+    EXPECT_LT(op.layer(), program.config().layers());
+    if (op.phase() == proto::PHASE_FORWARD && op.name().starts_with("layers.0.")) {
+      EXPECT_EQ(op.layer(), 0) << op.name();
+    }
+  }
+  // The q projection: 2 * tokens * hidden * hidden.
+  for (const auto& op : program.ops()) {
+    if (op.name() == "layers.0.attn.q_proj") {
+      EXPECT_DOUBLE_EQ(op.flops(), 2.0 * 64 * 64 * 64);
+    }
+  }
+}
+
+TEST(Model, Llama3_8bMatmulFlopsDominate) {
+  // 6 * params * tokens is the usual estimate of a training step (forward 2, backward 4),
+  // attention adds a little on top.
+  const proto::Program program = Build("llama3-8b");
+  double matmul_flops = 0;
+  for (const auto& op : program.ops()) {
+    if (op.kind() == op_kind::kMatmul || op.kind() == op_kind::kMatmulBackward) {
+      matmul_flops += op.flops();
+    }
+  }
+  const double tokens = 2048;
+  const double embed_params = 128256.0 * 4096;
+  const double estimate = 6 * (static_cast<double>(ParamCount(program)) - embed_params) * tokens;
+  // The norm gains (0.004% of the params) have no matmul.
+  EXPECT_NEAR(matmul_flops / estimate, 1.0, 1e-4);
+}
+
+}  // namespace
+}  // namespace dc

@@ -1,0 +1,114 @@
+// The op kinds a Program may hold, their operand order and attributes. Every backend
+// implements exactly these (executor/cpu_kernels.cc is the reference math).
+//
+// Conventions shared by all kinds:
+// - Tensors are row-major. "[..., H]" means any leading dims, flattened to rows of H.
+// - A backward kind "<kind>_backward" takes the gradient(s) of the forward outputs first, then
+//   the forward inputs it needs, and outputs the gradients of the forward's differentiable
+//   inputs in the forward's input order. Param gradients (dW) are written whole (not
+//   accumulated): one backward op makes the full micro-batch gradient of each param.
+// - Every op carries `flops` (floating-point operations of one execution, the formula given
+//   per kind below; M = rows, i.e. tokens) and `layer` (-1 outside the decoder layers).
+// - Storage may be fp32 whatever the compute dtype; softmax and norms always reduce in fp32.
+#pragma once
+
+#include <string>
+
+namespace dc::op_kind {
+
+// Gathers rows of the embedding table.
+//   inputs  [tokens i32 [B, S], table [V, H]]   outputs [y [B, S, H]]
+//   flops   0 (a gather)
+inline constexpr char kEmbedding[] = "embedding";
+//   inputs  [dy [B, S, H], tokens i32 [B, S]]   outputs [dtable [V, H]]
+//   flops   M * H (scatter-add)
+inline constexpr char kEmbeddingBackward[] = "embedding_backward";
+
+// y = x / sqrt(mean(x^2) + eps) * w, per row.
+//   inputs  [x [..., H], w [H]]   outputs [y [..., H]]   attrs  eps (f)
+//   flops   4 * M * H
+inline constexpr char kRmsNorm[] = "rmsnorm";
+//   inputs  [dy, x, w]   outputs [dx, dw]   attrs  eps (f)
+//   flops   8 * M * H
+inline constexpr char kRmsNormBackward[] = "rmsnorm_backward";
+
+// y = x W^T.
+//   inputs  [x [..., K], w [N, K]]   outputs [y [..., N]]
+//   flops   2 * M * N * K
+inline constexpr char kMatmul[] = "matmul";
+//   inputs  [dy [..., N], x [..., K], w [N, K]]   outputs [dx [..., K], dw [N, K]]
+//   flops   4 * M * N * K
+inline constexpr char kMatmulBackward[] = "matmul_backward";
+
+// Rotary position embedding, "rotate half" pairing (element i with i + head_dim / 2 inside each
+// head, as Hugging Face Llama), position = index along S, frequency
+// theta^(-2i / head_dim).
+//   inputs  [x [B, S, heads * head_dim]]   outputs [y, same shape]
+//   attrs   heads (i), head_dim (i, even), theta (f)
+//   flops   3 * M * heads * head_dim
+inline constexpr char kRope[] = "rope";
+//   inputs  [dy]   outputs [dx]   attrs as rope (rotation by the opposite angle)
+inline constexpr char kRopeBackward[] = "rope_backward";
+
+// Causal grouped-query attention: query head h reads kv head h / (heads / kv_heads); scores
+// scaled by 1 / sqrt(head_dim); softmax in fp32.
+//   inputs  [q [B, S, heads * head_dim], k [B, S, kv_heads * head_dim], v (as k)]
+//   outputs [o [B, S, heads * head_dim]]
+//   attrs   heads (i), kv_heads (i), head_dim (i)
+//   flops   2 * B * heads * S * S * head_dim (two matmuls, half of each masked away)
+inline constexpr char kAttention[] = "attention";
+// Recomputes the softmax from q and k (as flash-attention does); nothing else is saved.
+//   inputs  [do, q, k, v]   outputs [dq, dk, dv]   attrs as attention
+//   flops   5 * B * heads * S * S * head_dim (recompute scores, dP, dV, dQ, dK)
+inline constexpr char kAttentionBackward[] = "attention_backward";
+
+// y = silu(gate) * up.
+//   inputs  [gate [..., F], up [..., F]]   outputs [y [..., F]]
+//   flops   5 * M * F
+inline constexpr char kSwiglu[] = "swiglu";
+//   inputs  [dy, gate, up]   outputs [dgate, dup]
+//   flops   10 * M * F
+inline constexpr char kSwigluBackward[] = "swiglu_backward";
+
+// Elementwise sum of two or more same-shaped tensors: residual joins in forward, and in
+// backward wherever gradients of one activation from several consumers join.
+//   inputs  [a, b, ...]   outputs [sum]
+//   flops   (inputs - 1) * elements
+inline constexpr char kAdd[] = "add";
+
+// Cross-entropy of logits against target ids: the SUM over tokens of
+// logsumexp(logits) - logits[target] (the mean is taken by the gradient scale).
+//   inputs  [logits [..., V], targets i32 [...]]   outputs [loss f32 [1]]
+//   flops   4 * M * V
+inline constexpr char kCrossEntropy[] = "cross_entropy";
+// The loss is the root: there is no incoming gradient tensor. Writes
+// (softmax(logits) - onehot(target)) * grad_scale, grad_scale from the executor
+// (1 / tokens of the whole optimizer step over all ranks).
+//   inputs  [logits, targets]   outputs [dlogits]
+//   flops   4 * M * V
+inline constexpr char kCrossEntropyBackward[] = "cross_entropy_backward";
+
+// AdamW with bias correction (PyTorch semantics: p -= lr * wd * p, then the Adam update).
+// In place on the rank's equal-length shards; no outputs. Step count from the executor.
+//   inputs  [param, grad, m, v]   outputs []
+//   attrs   lr, beta1, beta2, eps, weight_decay (f; weight_decay is 0 for 1-D params)
+//   flops   12 * elements
+inline constexpr char kAdamW[] = "adamw";
+
+// The backward kind of a forward kind.
+inline std::string BackwardKind(const std::string& kind) { return kind + "_backward"; }
+
+}  // namespace dc::op_kind
+
+// Attribute names (proto::Attr.name).
+namespace dc::op_attr {
+inline constexpr char kEps[] = "eps";
+inline constexpr char kHeads[] = "heads";
+inline constexpr char kKvHeads[] = "kv_heads";
+inline constexpr char kHeadDim[] = "head_dim";
+inline constexpr char kTheta[] = "theta";
+inline constexpr char kLr[] = "lr";
+inline constexpr char kBeta1[] = "beta1";
+inline constexpr char kBeta2[] = "beta2";
+inline constexpr char kWeightDecay[] = "weight_decay";
+}  // namespace dc::op_attr

@@ -1,0 +1,31 @@
+#include "schemas/units.h"
+
+#include <gtest/gtest.h>
+
+namespace dc {
+namespace {
+
+TEST(Units, ParsesTheFormsUsersWrite) {
+  EXPECT_EQ(*ParseBytes("1073741824"), 1073741824);
+  EXPECT_EQ(*ParseBytes("1GiB"), 1073741824);
+  EXPECT_EQ(*ParseBytes("512MiB"), 512LL << 20);
+  EXPECT_EQ(*ParseBytes("1.5KiB"), 1536);
+  EXPECT_EQ(*ParseBytes("2GB"), 2000000000);
+}
+
+TEST(Units, RejectsNonsense) {
+  for (const char* bad : {"", "GiB", "12 apples", "1.2.3MiB", "-5"}) {
+    auto parsed = ParseBytes(bad);
+    EXPECT_FALSE(parsed.ok()) << bad;
+  }
+  EXPECT_NE(ParseBytes("12XB").status().message().find("not a byte size"), std::string::npos);
+}
+
+TEST(Units, Formats) {
+  EXPECT_EQ(FormatBytes(17), "17 B");
+  EXPECT_EQ(FormatBytes(1536), "1.50 KiB");
+  EXPECT_EQ(FormatBytes(3LL << 30), "3.00 GiB");
+}
+
+}  // namespace
+}  // namespace dc
