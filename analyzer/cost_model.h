@@ -15,7 +15,8 @@ struct LinearCost {
   double latency_seconds = 0;
   double bandwidth_bytes_per_second = 0;
   double Seconds(int64_t bytes) const {
-    return latency_seconds + (bandwidth_bytes_per_second > 0 ? bytes / bandwidth_bytes_per_second : 0);
+    return latency_seconds +
+           (bandwidth_bytes_per_second > 0 ? bytes / bandwidth_bytes_per_second : 0);
   }
 };
 
@@ -34,7 +35,11 @@ struct CostModel {
   // Compute that overlaps communication runs this much slower (1 = no slowdown).
   double overlap_compute_slowdown = 1.0;
 
+  // Measured seconds of `op_id` if op_seconds has them (>= 0), else its roofline estimate.
   double OpSeconds(const proto::Program& program, int op_id) const;
+  // Unscaled duration of one instruction: compute its op's seconds, collectives their fitted
+  // cost of InstructionBytes, offload / reload the copy cost of CopyBytes, release
+  // release_seconds.
   double InstructionSeconds(const proto::Program& program, int world_size,
                             const proto::Instruction& instruction) const;
 };
@@ -42,5 +47,26 @@ struct CostModel {
 // Bytes an instruction moves: an all-gather the whole params (compute dtype), a reduce-scatter
 // the whole grads; 0 for others.
 int64_t InstructionBytes(const proto::Program& program, const proto::Instruction& instruction);
+
+// Bytes an offload or reload copies: the rank's fp32 shard of a param, grad or optimizer state
+// (the persistent buffers), the whole buffer of anything else; 0 for other instructions.
+int64_t CopyBytes(const proto::Program& program, int world_size,
+                  const proto::Instruction& instruction);
+
+// One measurement of a transfer.
+struct CostSample {
+  int64_t bytes = 0;
+  double seconds = 0;
+};
+
+// Least-squares fit of seconds = latency + bytes / bandwidth. The latency is clamped at 0 (then
+// the line is refitted through the origin). Degenerate inputs: no samples give the zero cost;
+// samples that all move the same bytes (or where more bytes are not slower) give latency 0 and
+// bandwidth = bytes / median seconds, or, with 0 bytes, a pure latency of the median.
+LinearCost FitLinearCost(const std::vector<CostSample>& samples);
+
+// A stable text of every number the planner uses (%.9g), one "name value" per line; its
+// SHA-256 is the profile digest in plan cache keys.
+std::string CostModelText(const CostModel& costs);
 
 }  // namespace dc

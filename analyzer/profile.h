@@ -11,18 +11,22 @@
 
 namespace dc {
 
+// HTA's definitions, over one rank's step window (activities clipped to it): unions of
+// intervals, so concurrent kernels count once.
 struct StepOverlap {
   int64_t global_pid = 0;
   int step = 0;
   double span_seconds = 0;
-  double compute_seconds = 0;        // union of compute kernels
-  double communication_seconds = 0;  // union of collectives / NCCL kernels
-  double overlap_seconds = 0;        // |compute ∩ communication|
+  double compute_seconds = 0;                // union of compute kernels
+  double communication_seconds = 0;          // union of collectives / NCCL kernels
+  double overlap_seconds = 0;                // |compute ∩ communication|
   double exposed_communication_seconds = 0;  // |communication \ compute|
-  double copy_seconds = 0;
-  double idle_seconds = 0;
+  double copy_seconds = 0;                   // union of memcpys and memsets
+  double idle_seconds = 0;                   // span minus the union of everything
 };
 
+// Live device bytes over time from the allocation events of one rank. A free of a buffer never
+// seen allocated is a buffer made before the capture: its bytes are live from the start.
 struct MemoryTimeline {
   struct Point {
     int64_t ts_ns = 0;
@@ -30,7 +34,7 @@ struct MemoryTimeline {
     std::vector<int64_t> bytes_by_kind;  // index = position in `kinds`
   };
   std::vector<std::string> kinds;
-  std::vector<Point> points;  // one rank (the first), in time order
+  std::vector<Point> points;  // one rank (the first), one point per timestamp, in time order
   int64_t peak_bytes = 0;
   int64_t peak_ts_ns = 0;
   std::vector<int64_t> peak_by_kind;
@@ -41,16 +45,24 @@ struct Profile {
   int world_size = 1;
   int steps_measured = 0;  // optimizer steps after warm-up
   CostModel costs;         // op medians, fitted collective models, serial_streams by backend
-  std::vector<StepOverlap> overlap;  // per rank and measured step
+  // Per rank and measured step, ordered by (global_pid, step). nsys exports have no steps: one
+  // entry per rank (step 0) over its first to last activity.
+  std::vector<StepOverlap> overlap;
   MemoryTimeline memory;
+  // Median over measured steps of the step's span over all ranks (first start to last end).
   double step_seconds_median = 0;
   // Stable digest of what the planner uses (costs), for the plan cache key.
   std::string digest;
+  // What could not be derived and why ("no reload samples: its cost keeps the default").
+  std::vector<std::string> notes;
 };
 
 // Per-instruction durations as medians over measured steps (warm-up excluded), collective
 // costs fitted by least squares as latency + bytes / bandwidth per kind, memory timeline,
-// overlap and exposed communication per step.
+// overlap and exposed communication per step. dc traces give op medians (mapped to ops through
+// the schedule the trace embeds); the flops rate of the measured ops becomes the roofline for
+// unmeasured ones. nsys exports (no program) give overlap and memory only. Errors name the
+// trace file.
 StatusOr<Profile> BuildProfile(const Trace& trace);
 
 }  // namespace dc

@@ -1,8 +1,20 @@
 // A discrete-event replay of a schedule: each stream serial, instructions waiting for their
-// dependencies (and for the previous instruction on the same stream), durations from a cost
-// model, and exact buffer lifetimes (schemas/program.h's accounting) for memory.
+// dependencies (and for the previous instruction on the same stream; with
+// CostModel::serial_streams for the previous instruction of all), durations from a cost model,
+// and exact buffer lifetimes (schemas/program.h's accounting) for memory.
+//
+// Timing: a compute instruction whose start falls inside a collective issued before it runs
+// CostModel::overlap_compute_slowdown times longer, all of it (an approximation taken at its
+// start). Memory: the persistent shards from time 0; an all-gather allocates each gathered
+// param at its start; a compute allocates its outputs, and the ROLE_INPUT inputs not yet live
+// in its micro-step, at its start; a release frees at its start; an offload frees persistent
+// shards (or a transient) at its end and a reload allocates them at its start. Transients are
+// identified by (tensor, micro-step), gathered params by tensor. Optimizer-phase ops work on
+// persistent shards and read no gathered buffers. Events at one instant apply in instruction
+// order. Use checks run in instruction order. Thread-safe (pure function).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -15,25 +27,38 @@ namespace dc {
 struct MemoryPoint {
   double time_seconds = 0;
   int64_t total_bytes = 0;
-  std::vector<int64_t> bytes_by_kind;  // index = BufferKind
+  std::array<int64_t, kNumBufferKinds> bytes_by_kind{};  // index = BufferKind
 };
 
 struct SimResult {
   double step_seconds = 0;
   int64_t peak_device_bytes = 0;
   double peak_at_seconds = 0;
-  int peak_instruction = -1;
+  int peak_instruction = -1;          // whose change reached the peak; -1: the persistent shards
   std::vector<int64_t> peak_by_kind;  // index = BufferKind, at the peak instant
-  double compute_seconds = 0;         // busy time of the compute stream
-  double communication_seconds = 0;   // busy time of gather + reduce streams
-  double exposed_communication_seconds = 0;  // communication not overlapped by compute
+  double compute_seconds = 0;         // union of compute instructions' intervals
+  double communication_seconds = 0;   // union of all-gather and reduce-scatter intervals
+  double exposed_communication_seconds = 0;        // communication not overlapped by compute
   std::vector<double> start_seconds, end_seconds;  // per instruction
-  std::vector<MemoryPoint> memory_timeline;        // one point per change
+  // The persistent shards at time 0, then one point per instruction that changed memory
+  // (empty when SimOptions::memory_timeline is off).
+  std::vector<MemoryPoint> memory_timeline;
 };
 
-// Errors on a malformed schedule (a dep on a later instruction, a tensor released twice, used
-// while not live, ...), naming the instruction.
+// Errors on a malformed schedule, naming the instruction and tensor: a dep on itself or a later
+// instruction, a release of something not live, a compute reading an activation or grad that is
+// not live or a param that is not gathered, a second gather of a gathered param, a read of an
+// offloaded shard, ... O(n log n) in the number of instructions.
 StatusOr<SimResult> Simulate(const proto::Schedule& schedule, const CostModel& costs);
+
+struct SimOptions {
+  // Fill SimResult::memory_timeline. Callers that need only the peak (a planner simulating
+  // thousands of candidates) turn it off: the points are most of the simulation's memory
+  // traffic.
+  bool memory_timeline = true;
+};
+StatusOr<SimResult> Simulate(const proto::Schedule& schedule, const CostModel& costs,
+                             const SimOptions& options);
 
 // The SimResult as the plan file's Prediction.
 proto::Prediction ToPrediction(const SimResult& result);

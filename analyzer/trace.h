@@ -1,13 +1,14 @@
 // Reading traces: dc's own (every table of schemas/trace_schema.sql) and real Nsight Systems
 // SQLite exports of any version since 2022 (tables and columns found by name; missing optional
 // tables noted, not fatal). Reads stream through SQLite; nothing loads a whole table at once
-// unless asked to.
+// unless asked to. The file is opened read-only. A Trace is not thread-safe.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -37,8 +38,10 @@ struct Activity {
   int64_t stream_id = 0;
   int64_t start_ns = 0, end_ns = 0;
   int64_t correlation_id = 0;
-  int64_t bytes = 0;     // memcpy / memset / collective
-  std::string name;      // kernel name (shortName), collective kind, copy kind label
+  int64_t bytes = 0;  // memcpy / memset / collective
+  // Kernel name (shortName), collective kind ("all_gather"), "[CUDA memcpy Host-to-Device]",
+  // "[CUDA memset]".
+  std::string name;
   bool communication = false;  // a collective, or an NCCL kernel recognized by name
 };
 
@@ -70,7 +73,8 @@ class Trace {
   // Notes for the user (e.g. "no CUDA_GPU_MEMORY_USAGE_EVENTS table: no memory timeline").
   const std::vector<std::string>& notes() const { return notes_; }
 
-  // Streams every activity ordered by (global_pid, start).
+  // Streams every activity ordered by (global_pid, start). A dc collective comes once, as
+  // kCollective (its kernel row is folded into it).
   Status ForEachActivity(const std::function<void(const Activity&)>& fn) const;
   Status ForEachMemoryEvent(const std::function<void(const MemoryEvent&)>& fn) const;
 
@@ -90,11 +94,20 @@ class Trace {
     double loss = 0;
     bool warmup = false;
   };
-  std::vector<StepRow> Steps() const;  // dc traces; empty for nsys
-  int64_t DroppedRecords() const;
+  // Ordered by (global_pid, step). dc traces; empty for nsys.
+  const std::vector<StepRow>& Steps() const { return steps_; }
+  // Records the collector counted as dropped (TC_RECORD_STATS); 0 for nsys exports.
+  int64_t DroppedRecords() const { return dropped_records_; }
 
  private:
   Trace() = default;
+  Status Load();
+  Status LoadDc(const std::set<std::string>& tables);
+  Status LoadDcBlobs();
+  Status LoadNsys(const std::set<std::string>& tables);
+  Status LoadNsysRanks(const std::set<std::string>& tables);
+  Status BuildQueries(const std::set<std::string>& tables);
+
   std::string path_;
   TraceSource source_ = TraceSource::kDc;
   sqlite3* db_ = nullptr;
@@ -102,6 +115,10 @@ class Trace {
   std::optional<proto::Program> program_;
   std::optional<proto::Schedule> schedule_;
   std::vector<std::string> notes_;
+  std::vector<StepRow> steps_;
+  int64_t dropped_records_ = 0;
+  // Built at Open from the columns the file has.
+  std::string activity_sql_, memory_sql_;
 };
 
 }  // namespace dc

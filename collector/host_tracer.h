@@ -27,8 +27,8 @@ struct RankIdentity {
 
 // Where an activity belongs in the schedule.
 struct InstructionRef {
-  int step = 0;        // optimizer step, 0-based, counting warm-up steps
-  int micro_step = -1;  // -1 in the optimizer phase
+  int step = 0;          // optimizer step, 0-based, counting warm-up steps
+  int micro_step = -1;   // -1 in the optimizer phase
   int instruction = -1;  // index into Schedule.instructions
 };
 
@@ -38,6 +38,8 @@ class HostTracer {
   // shared with every rank), so all ranks' timestamps are on one clock.
   HostTracer(RankIdentity identity, int64_t session_start_utc_ns);
   ~HostTracer();
+  HostTracer(HostTracer&&) noexcept;
+  HostTracer& operator=(HostTracer&&) noexcept;
 
   // Nanoseconds since the session start on CLOCK_REALTIME.
   int64_t NowNs() const;
@@ -45,9 +47,16 @@ class HostTracer {
   // Each returns the activity's correlation id (unique within the rank).
   int64_t Kernel(const std::string& name, proto::Stream stream, int64_t start_ns, int64_t end_ns,
                  const InstructionRef& ref);
-  int64_t Collective(proto::InstrKind kind, proto::Stream stream, int64_t start_ns,
-                     int64_t end_ns, int64_t bytes, int num_tensors, int bucket,
-                     const InstructionRef& ref);
+  // A collective (INSTR_ALL_GATHER or INSTR_REDUCE_SCATTER) moving `bytes` (the whole gathered
+  // params or the whole grads, as InstructionBytes counts them). Recorded twice under one
+  // correlation id: in TC_COLLECTIVE with its bytes, and as a kernel named as NCCL would
+  // name it ("gloo:AllGather") so nsys-literate SQL sees it on its stream.
+  int64_t Collective(proto::InstrKind kind, proto::Stream stream, int64_t start_ns, int64_t end_ns,
+                     int64_t bytes, int num_tensors, int bucket, const InstructionRef& ref);
+  // A host <-> device copy of `bytes`: INSTR_OFFLOAD (device to pinned host) or INSTR_RELOAD
+  // (pinned host to device), as a CUPTI_ACTIVITY_KIND_MEMCPY row.
+  int64_t Copy(proto::InstrKind kind, proto::Stream stream, int64_t start_ns, int64_t end_ns,
+               int64_t bytes, const InstructionRef& ref);
   // An allocation (alloc = true) or free of `bytes` at `address` (a stable id of the buffer),
   // `name` the tensor, `kind` a BufferKindName; `correlation_id` the activity that caused it
   // (0 when none, e.g. persistent buffers made at start-up).
@@ -55,7 +64,8 @@ class HostTracer {
               BufferKind kind, int64_t correlation_id);
   void Step(int step, int64_t start_ns, int64_t end_ns, double loss, bool warmup);
 
-  int64_t activities() const;
+  int64_t global_pid() const { return global_pid_; }
+  int64_t activities() const;  // kernels + collectives + copies
   int64_t memory_events() const;
 
   // Writes this rank's records (with TC_RANK, clock anchors, record stats, stream names) to a
@@ -66,12 +76,13 @@ class HostTracer {
   struct Records;
   RankIdentity identity_;
   int64_t session_start_utc_ns_;
+  int64_t global_pid_;  // (rank << 48) | (pid << 24), nsys's packing
   std::unique_ptr<Records> records_;
 };
 
 struct MergeSummary {
   int ranks = 0;
-  int64_t activities = 0;     // kernels + collectives over all ranks
+  int64_t activities = 0;  // kernels + collectives over all ranks
   int64_t memory_events = 0;
   int64_t dropped_records = 0;
 };
@@ -79,7 +90,8 @@ struct MergeSummary {
 // Joins the rank files into `out_path` (written to a temp file and renamed), adds the program
 // and schedule as TC_BLOB rows with their digests and format versions, metadata
 // (META_DATA_EXPORT: producer, trace schema version), ANALYSIS_DETAILS and indexes, then
-// deletes the rank files.
+// deletes the rank files. Strings are merged by value. On any error nothing is left at
+// `out_path` (nor its temp file), the rank files are kept, and the message names `out_path`.
 StatusOr<MergeSummary> MergeRankTraces(const std::vector<std::string>& rank_paths,
                                        const proto::Schedule& schedule,
                                        const std::string& out_path);

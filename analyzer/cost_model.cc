@@ -1,0 +1,147 @@
+#include "analyzer/cost_model.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "analyzer/intervals.h"
+
+namespace dc {
+
+double CostModel::OpSeconds(const proto::Program& program, int op_id) const {
+  if (op_id >= 0 && op_id < static_cast<int>(op_seconds.size()) && op_seconds[op_id] >= 0) {
+    return op_seconds[op_id];
+  }
+  if (op_id < 0 || op_id >= program.ops_size() || flops_per_second <= 0) return 0;
+  return program.ops(op_id).flops() / flops_per_second;
+}
+
+double CostModel::InstructionSeconds(const proto::Program& program, int world_size,
+                                     const proto::Instruction& instruction) const {
+  switch (instruction.kind()) {
+    case proto::INSTR_COMPUTE:
+      return OpSeconds(program, instruction.op());
+    case proto::INSTR_ALL_GATHER:
+      return all_gather.Seconds(InstructionBytes(program, instruction));
+    case proto::INSTR_REDUCE_SCATTER:
+      return reduce_scatter.Seconds(InstructionBytes(program, instruction));
+    case proto::INSTR_OFFLOAD:
+      return device_to_host.Seconds(CopyBytes(program, world_size, instruction));
+    case proto::INSTR_RELOAD:
+      return host_to_device.Seconds(CopyBytes(program, world_size, instruction));
+    case proto::INSTR_RELEASE:
+      return release_seconds;
+    default:
+      return 0;
+  }
+}
+
+namespace {
+
+using analyzer_internal::Median;
+
+const proto::Tensor* FindTensor(const proto::Program& program, int id) {
+  return id >= 0 && id < program.tensors_size() ? &program.tensors(id) : nullptr;
+}
+
+bool IsPersistentRole(proto::Role role) {
+  return role == proto::ROLE_PARAM || role == proto::ROLE_GRAD ||
+         role == proto::ROLE_OPTIMIZER_STATE;
+}
+
+// Latency 0, the bandwidth of the typical sample.
+LinearCost ThroughOriginAtMedian(const std::vector<CostSample>& samples) {
+  std::vector<double> seconds, bytes;
+  for (const CostSample& s : samples) {
+    seconds.push_back(s.seconds);
+    bytes.push_back(static_cast<double>(s.bytes));
+  }
+  const double median_seconds = Median(seconds);
+  const double median_bytes = Median(bytes);
+  if (median_bytes <= 0) return {median_seconds, 0};  // nothing moved: pure latency
+  if (median_seconds <= 0) return {0, 0};
+  return {0, median_bytes / median_seconds};
+}
+
+}  // namespace
+
+int64_t InstructionBytes(const proto::Program& program, const proto::Instruction& instruction) {
+  const bool gather = instruction.kind() == proto::INSTR_ALL_GATHER;
+  if (!gather && instruction.kind() != proto::INSTR_REDUCE_SCATTER) return 0;
+  int64_t bytes = 0;
+  for (int id : instruction.tensors()) {
+    if (const proto::Tensor* t = FindTensor(program, id)) bytes += TransientBytes(program, *t);
+  }
+  return bytes;
+}
+
+int64_t CopyBytes(const proto::Program& program, int world_size,
+                  const proto::Instruction& instruction) {
+  if (instruction.kind() != proto::INSTR_OFFLOAD && instruction.kind() != proto::INSTR_RELOAD) {
+    return 0;
+  }
+  constexpr int64_t kF32Bytes = 4;  // persistent shards are fp32 (schemas/program.h)
+  int64_t bytes = 0;
+  for (int id : instruction.tensors()) {
+    const proto::Tensor* t = FindTensor(program, id);
+    if (!t) continue;
+    bytes += IsPersistentRole(t->role())
+                 ? ShardElements(NumElements(*t), std::max(1, world_size)) * kF32Bytes
+                 : TransientBytes(program, *t);
+  }
+  return bytes;
+}
+
+LinearCost FitLinearCost(const std::vector<CostSample>& samples) {
+  if (samples.empty()) return {};
+  const double n = static_cast<double>(samples.size());
+  double mean_x = 0, mean_y = 0;
+  for (const CostSample& s : samples) {
+    mean_x += static_cast<double>(s.bytes) / n;
+    mean_y += s.seconds / n;
+  }
+  double sxx = 0, sxy = 0;
+  for (const CostSample& s : samples) {
+    const double dx = static_cast<double>(s.bytes) - mean_x;
+    sxx += dx * dx;
+    sxy += dx * (s.seconds - mean_y);
+  }
+  // Equal bytes everywhere (no slope to fit), or bigger transfers not slower (noise).
+  if (sxx <= 0 || sxy <= 0) return ThroughOriginAtMedian(samples);
+  const double seconds_per_byte = sxy / sxx;
+  const double latency_seconds = mean_y - seconds_per_byte * mean_x;
+  if (latency_seconds >= 0) return {latency_seconds, 1 / seconds_per_byte};
+  // A negative intercept is not a latency: fit the line through the origin instead.
+  double xx = 0, xy = 0;
+  for (const CostSample& s : samples) {
+    xx += static_cast<double>(s.bytes) * static_cast<double>(s.bytes);
+    xy += static_cast<double>(s.bytes) * s.seconds;
+  }
+  return {0, xy > 0 ? xx / xy : 0};
+}
+
+std::string CostModelText(const CostModel& costs) {
+  std::string text;
+  char line[128];
+  auto add = [&](const char* name, double value) {
+    std::snprintf(line, sizeof(line), "%s %.9g\n", name, value);
+    text += line;
+  };
+  auto add_linear = [&](const std::string& name, const LinearCost& cost) {
+    add((name + ".latency_seconds").c_str(), cost.latency_seconds);
+    add((name + ".bandwidth_bytes_per_second").c_str(), cost.bandwidth_bytes_per_second);
+  };
+  for (size_t op = 0; op < costs.op_seconds.size(); ++op) {
+    add(("op_seconds." + std::to_string(op)).c_str(), costs.op_seconds[op]);
+  }
+  add("flops_per_second", costs.flops_per_second);
+  add_linear("all_gather", costs.all_gather);
+  add_linear("reduce_scatter", costs.reduce_scatter);
+  add_linear("host_to_device", costs.host_to_device);
+  add_linear("device_to_host", costs.device_to_host);
+  add("release_seconds", costs.release_seconds);
+  add("serial_streams", costs.serial_streams ? 1 : 0);
+  add("overlap_compute_slowdown", costs.overlap_compute_slowdown);
+  return text;
+}
+
+}  // namespace dc

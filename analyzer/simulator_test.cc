@@ -1,0 +1,437 @@
+#include "analyzer/simulator.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <initializer_list>
+#include <string>
+
+namespace dc {
+namespace {
+
+// A small program (world size 2, fp32):
+//   tensors  w0 param [4] (16 B gathered, 8 B shard), w1 param [8] (32 B, 16 B shard),
+//            x input i32 [2] (8 B), a0 / a1 activations [4] (16 B), g0 grad of w0 [4] (16 B,
+//            8 B shard), m0 / v0 optimizer states of w0 [4] (8 B shards)
+//   ops      0 fwd0 (x, w0 -> a0), 1 fwd1 (a0, w1 -> a1), 2 bwd (a1, a0, w0 -> g0),
+//            3 adamw (w0, g0, m0, v0)
+// Persistent bytes: shards 24, grad shard 8 (only w0 has a grad), optimizer states 16 = 48.
+enum TensorId { kW0, kW1, kX, kA0, kA1, kG0, kM0, kV0 };
+enum OpId { kFwd0, kFwd1, kBwd, kAdam };
+constexpr int64_t kPersistentBytes = 48;
+
+void AddTensor(proto::Program* program, const std::string& name, int64_t elements, proto::Role role,
+               proto::DType dtype = proto::DTYPE_F32, int param = -1) {
+  proto::Tensor* t = program->add_tensors();
+  t->set_id(program->tensors_size() - 1);
+  t->set_name(name);
+  t->add_shape(elements);
+  t->set_dtype(dtype);
+  t->set_role(role);
+  t->set_param(param);
+}
+
+void AddOp(proto::Program* program, const std::string& name, proto::Phase phase,
+           std::initializer_list<int> inputs, std::initializer_list<int> outputs) {
+  proto::Op* op = program->add_ops();
+  op->set_id(program->ops_size() - 1);
+  op->set_name(name);
+  op->set_phase(phase);
+  for (int t : inputs) op->add_inputs(t);
+  for (int t : outputs) op->add_outputs(t);
+}
+
+proto::Program SmallProgram() {
+  proto::Program program;
+  program.mutable_config()->set_compute_dtype(proto::DTYPE_F32);
+  AddTensor(&program, "w0", 4, proto::ROLE_PARAM);
+  AddTensor(&program, "w1", 8, proto::ROLE_PARAM);
+  AddTensor(&program, "x", 2, proto::ROLE_INPUT, proto::DTYPE_I32);
+  AddTensor(&program, "a0", 4, proto::ROLE_ACTIVATION);
+  AddTensor(&program, "a1", 4, proto::ROLE_ACTIVATION);
+  AddTensor(&program, "g0", 4, proto::ROLE_GRAD, proto::DTYPE_F32, kW0);
+  AddTensor(&program, "m0", 4, proto::ROLE_OPTIMIZER_STATE, proto::DTYPE_F32, kW0);
+  AddTensor(&program, "v0", 4, proto::ROLE_OPTIMIZER_STATE, proto::DTYPE_F32, kW0);
+  AddOp(&program, "fwd0", proto::PHASE_FORWARD, {kX, kW0}, {kA0});
+  AddOp(&program, "fwd1", proto::PHASE_FORWARD, {kA0, kW1}, {kA1});
+  AddOp(&program, "bwd", proto::PHASE_BACKWARD, {kA1, kA0, kW0}, {kG0});
+  AddOp(&program, "adam", proto::PHASE_OPTIMIZER, {kW0, kG0, kM0, kV0}, {});
+  program.mutable_ops(kFwd0)->set_flops(100);
+  return program;
+}
+
+// Builds schedules one instruction at a time.
+class ScheduleBuilder {
+ public:
+  ScheduleBuilder() {
+    schedule_.set_world_size(2);
+    *schedule_.mutable_program() = SmallProgram();
+  }
+  ScheduleBuilder& Add(proto::InstrKind kind, proto::Stream stream, int op,
+                       std::initializer_list<int> tensors, std::initializer_list<int> deps,
+                       int micro_step = 0) {
+    proto::Instruction* instr = schedule_.add_instructions();
+    instr->set_kind(kind);
+    instr->set_stream(stream);
+    instr->set_micro_step(micro_step);
+    instr->set_op(op);
+    for (int t : tensors) instr->add_tensors(t);
+    for (int d : deps) instr->add_deps(d);
+    return *this;
+  }
+  ScheduleBuilder& Gather(std::initializer_list<int> params, std::initializer_list<int> deps = {}) {
+    return Add(proto::INSTR_ALL_GATHER, proto::STREAM_GATHER, -1, params, deps);
+  }
+  ScheduleBuilder& Compute(int op, std::initializer_list<int> deps = {}, int micro_step = 0) {
+    return Add(proto::INSTR_COMPUTE, proto::STREAM_COMPUTE, op, {}, deps, micro_step);
+  }
+  ScheduleBuilder& Release(std::initializer_list<int> tensors, std::initializer_list<int> deps = {},
+                           proto::Stream stream = proto::STREAM_COMPUTE) {
+    return Add(proto::INSTR_RELEASE, stream, -1, tensors, deps);
+  }
+  ScheduleBuilder& ReduceScatter(std::initializer_list<int> grads,
+                                 std::initializer_list<int> deps = {}) {
+    return Add(proto::INSTR_REDUCE_SCATTER, proto::STREAM_REDUCE, -1, grads, deps);
+  }
+  const proto::Schedule& schedule() const { return schedule_; }
+
+ private:
+  proto::Schedule schedule_;
+};
+
+// The zero3 shape of the small program:
+//   0 AG w0 | 1 AG w1 | 2 fwd0 | 3 R x | 4 fwd1 | 5 R w1 | 6 bwd | 7 R w0 a0 a1 | 8 RS g0 |
+//   9 R g0 (reduce stream) | 10 adam (optimizer phase)
+proto::Schedule Zero3Schedule() {
+  ScheduleBuilder b;
+  b.Gather({kW0})
+      .Gather({kW1})
+      .Compute(kFwd0, {0})
+      .Release({kX}, {2})
+      .Compute(kFwd1, {1})
+      .Release({kW1}, {4})
+      .Compute(kBwd)
+      .Release({kW0, kA0, kA1}, {6})
+      .ReduceScatter({kG0}, {6})
+      .Release({kG0}, {8}, proto::STREAM_REDUCE)
+      .Compute(kAdam, {8}, -1);
+  return b.schedule();
+}
+
+// Op seconds 1, 2, 3, 0.5; all-gather 0.5 s + 16 B/s (w0 1.5 s, w1 2.5 s); reduce-scatter
+// 1 s + 16 B/s (g0 2 s).
+CostModel Costs() {
+  CostModel costs;
+  costs.op_seconds = {1.0, 2.0, 3.0, 0.5};
+  costs.all_gather = {0.5, 16};
+  costs.reduce_scatter = {1.0, 16};
+  return costs;
+}
+
+StatusOr<SimResult> SimulateWith(const proto::Schedule& schedule,
+                                 const CostModel& costs = Costs()) {
+  return Simulate(schedule, costs);
+}
+
+TEST(SimulatorTest, OverlappedStreamsTiming) {
+  StatusOr<SimResult> result = SimulateWith(Zero3Schedule());
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  const std::vector<double> start = {0, 1.5, 1.5, 2.5, 4, 6, 6, 9, 9, 11, 11};
+  const std::vector<double> end = {1.5, 4, 2.5, 2.5, 6, 6, 9, 9, 11, 11, 11.5};
+  EXPECT_EQ(result->start_seconds, start);
+  EXPECT_EQ(result->end_seconds, end);
+  EXPECT_DOUBLE_EQ(result->step_seconds, 11.5);
+  EXPECT_DOUBLE_EQ(result->compute_seconds, 6.5);
+  EXPECT_DOUBLE_EQ(result->communication_seconds, 6);  // [0, 4] and [9, 11]
+  // fwd0 [1.5, 2.5] hides 1 s of the gathers; the reduce-scatter is fully exposed.
+  EXPECT_DOUBLE_EQ(result->exposed_communication_seconds, 5);
+}
+
+TEST(SimulatorTest, SerialStreamsRunOneInstructionAtATime) {
+  CostModel costs = Costs();
+  costs.serial_streams = true;
+  StatusOr<SimResult> result = SimulateWith(Zero3Schedule(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  const std::vector<double> start = {0, 1.5, 4, 5, 5, 7, 7, 10, 10, 12, 12};
+  EXPECT_EQ(result->start_seconds, start);
+  EXPECT_DOUBLE_EQ(result->step_seconds, 12.5);
+  EXPECT_DOUBLE_EQ(result->compute_seconds, 6.5);
+  EXPECT_DOUBLE_EQ(result->communication_seconds, 6);
+  EXPECT_DOUBLE_EQ(result->exposed_communication_seconds, 6);
+}
+
+TEST(SimulatorTest, ComputeOverlappingAGatherRunsSlower) {
+  CostModel costs = Costs();
+  costs.overlap_compute_slowdown = 2;
+  StatusOr<SimResult> result = SimulateWith(Zero3Schedule(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  // fwd0 starts at 1.5 inside w1's gather [1.5, 4): twice as long. fwd1 starts at 4, when the
+  // gather has just ended: full speed.
+  EXPECT_DOUBLE_EQ(result->end_seconds[2], 3.5);
+  EXPECT_DOUBLE_EQ(result->start_seconds[4], 4);
+  EXPECT_DOUBLE_EQ(result->end_seconds[4], 6);
+  EXPECT_DOUBLE_EQ(result->end_seconds[6], 9);  // bwd: nothing in flight at 6
+}
+
+TEST(SimulatorTest, PeakMemoryIsExact) {
+  StatusOr<SimResult> result = SimulateWith(Zero3Schedule());
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  // At t=4 fwd1 allocates a1 with w0, w1 gathered and a0 live (x released at 2.5).
+  EXPECT_EQ(result->peak_device_bytes, kPersistentBytes + 16 + 32 + 16 + 16);
+  EXPECT_DOUBLE_EQ(result->peak_at_seconds, 4);
+  EXPECT_EQ(result->peak_instruction, 4);
+  std::vector<int64_t> by_kind(kNumBufferKinds, 0);
+  by_kind[static_cast<int>(BufferKind::kGathered)] = 48;
+  by_kind[static_cast<int>(BufferKind::kShard)] = 24;
+  by_kind[static_cast<int>(BufferKind::kGradShard)] = 8;
+  by_kind[static_cast<int>(BufferKind::kOptimizerState)] = 16;
+  by_kind[static_cast<int>(BufferKind::kActivation)] = 32;
+  EXPECT_EQ(result->peak_by_kind, by_kind);
+
+  // Timeline: the persistent shards, then one point per changing instruction; all freed at
+  // the end.
+  ASSERT_FALSE(result->memory_timeline.empty());
+  EXPECT_EQ(result->memory_timeline.front().total_bytes, kPersistentBytes);
+  EXPECT_EQ(result->memory_timeline.back().total_bytes, kPersistentBytes);
+  EXPECT_DOUBLE_EQ(result->memory_timeline.back().time_seconds, 11);
+  std::vector<int64_t> totals;
+  for (const MemoryPoint& p : result->memory_timeline) totals.push_back(p.total_bytes);
+  EXPECT_EQ(totals, (std::vector<int64_t>{48, 64, 96, 120, 112, 128, 96, 112, 64, 48}));
+}
+
+TEST(SimulatorTest, SerialPeakMovesWithTheTimes) {
+  CostModel costs = Costs();
+  costs.serial_streams = true;
+  StatusOr<SimResult> result = SimulateWith(Zero3Schedule(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_EQ(result->peak_device_bytes, 128);
+  EXPECT_DOUBLE_EQ(result->peak_at_seconds, 5);
+}
+
+TEST(SimulatorTest, ToPredictionNamesNonzeroKinds) {
+  StatusOr<SimResult> result = SimulateWith(Zero3Schedule());
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  const proto::Prediction p = ToPrediction(*result);
+  EXPECT_DOUBLE_EQ(p.step_seconds(), 11.5);
+  EXPECT_EQ(p.peak_device_bytes(), 128);
+  EXPECT_DOUBLE_EQ(p.peak_at_seconds(), 4);
+  EXPECT_DOUBLE_EQ(p.exposed_communication_seconds(), 5);
+  ASSERT_EQ(p.peak_by_kind_size(), 5);
+  EXPECT_EQ(p.peak_by_kind(0).kind(), "gathered");
+  EXPECT_EQ(p.peak_by_kind(0).role(), proto::ROLE_PARAM);
+  EXPECT_EQ(p.peak_by_kind(0).bytes(), 48);
+  EXPECT_EQ(p.peak_by_kind(4).kind(), "activation");
+  EXPECT_EQ(p.peak_by_kind(4).bytes(), 32);
+}
+
+void ExpectError(const proto::Schedule& schedule, const std::string& want) {
+  StatusOr<SimResult> result = SimulateWith(schedule);
+  ASSERT_FALSE(result.ok()) << "expected: " << want;
+  EXPECT_EQ(result.status().message(), want);
+}
+
+TEST(SimulatorTest, DependencyOnItselfIsAnError) {
+  ScheduleBuilder b;
+  b.Gather({kW0}).Compute(kFwd0, {1});
+  ExpectError(b.schedule(),
+              "instruction 1 (compute) depends on instruction 1, which does not come before it");
+}
+
+TEST(SimulatorTest, DependencyOnALaterInstructionIsAnError) {
+  ScheduleBuilder b;
+  b.Gather({kW0}, {1}).Compute(kFwd0);
+  ExpectError(b.schedule(),
+              "instruction 0 (all_gather) depends on instruction 1, which does "
+              "not come before it");
+}
+
+TEST(SimulatorTest, ReleaseOfSomethingNotLiveIsAnError) {
+  ScheduleBuilder b;
+  b.Gather({kW0}).Compute(kFwd0).Release({kA0}).Release({kA0});
+  ExpectError(b.schedule(),
+              "instruction 3 (release) releases a0 (micro-step 0), which is not live");
+  ScheduleBuilder params;
+  params.Gather({kW0}).Release({kW0}).Release({kW0});
+  ExpectError(params.schedule(),
+              "instruction 2 (release) releases param w0, which is not gathered");
+}
+
+TEST(SimulatorTest, ReadingAnActivationThatIsNotLiveIsAnError) {
+  ScheduleBuilder b;
+  b.Gather({kW0, kW1}).Compute(kFwd0).Release({kA0}).Compute(kFwd1);
+  ExpectError(b.schedule(), "instruction 3 (compute) reads a0 (micro-step 0), which is not live");
+  // The same activation in another micro-step is another buffer.
+  ScheduleBuilder other;
+  other.Gather({kW0, kW1}).Compute(kFwd0, {}, 0).Compute(kFwd1, {}, 1);
+  ExpectError(other.schedule(),
+              "instruction 2 (compute) reads a0 (micro-step 1), which is not live");
+}
+
+TEST(SimulatorTest, ReadingAParamThatIsNotGatheredIsAnError) {
+  ScheduleBuilder b;
+  b.Gather({kW0}).Compute(kFwd0).Compute(kFwd1);
+  ExpectError(b.schedule(), "instruction 2 (compute) reads param w1, which is not gathered");
+}
+
+TEST(SimulatorTest, GatheringALiveParamIsAnError) {
+  ScheduleBuilder b;
+  b.Gather({kW0}).Gather({kW1, kW0});
+  ExpectError(b.schedule(),
+              "instruction 1 (all_gather) gathers w0, which is already gathered "
+              "and not released");
+}
+
+TEST(SimulatorTest, ReduceScatterOfAGradThatIsNotLiveIsAnError) {
+  ScheduleBuilder b;
+  b.ReduceScatter({kG0});
+  ExpectError(b.schedule(),
+              "instruction 0 (reduce_scatter) reduce-scatters g0 (micro-step 0), which is not "
+              "live");
+}
+
+TEST(SimulatorTest, OptimizerReadsShardsNotGatheredParams) {
+  ScheduleBuilder b;
+  b.Compute(kAdam, {}, -1);
+  StatusOr<SimResult> result = SimulateWith(b.schedule());
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_EQ(result->peak_device_bytes, kPersistentBytes);
+  EXPECT_EQ(result->peak_instruction, -1);
+}
+
+TEST(SimulatorTest, OffloadFreesShardsAndReloadBringsThemBack) {
+  ScheduleBuilder b;
+  b.Add(proto::INSTR_OFFLOAD, proto::STREAM_D2H, -1, {kM0, kV0}, {}).Compute(kAdam, {}, -1);
+  ExpectError(b.schedule(),
+              "instruction 1 (compute) reads m0, which is offloaded to the host; "
+              "reload it first");
+
+  ScheduleBuilder ok;
+  ok.Add(proto::INSTR_OFFLOAD, proto::STREAM_D2H, -1, {kM0, kV0}, {})
+      .Add(proto::INSTR_RELOAD, proto::STREAM_H2D, -1, {kM0, kV0}, {0})
+      .Compute(kAdam, {1}, -1);
+  CostModel costs = Costs();
+  costs.device_to_host = {0, 8};  // 16 B of shards in 2 s
+  costs.host_to_device = {0, 4};  // in 4 s
+  StatusOr<SimResult> result = SimulateWith(ok.schedule(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_EQ(result->end_seconds, (std::vector<double>{2, 6, 6.5}));
+  std::vector<int64_t> totals;
+  for (const MemoryPoint& p : result->memory_timeline) totals.push_back(p.total_bytes);
+  EXPECT_EQ(totals, (std::vector<int64_t>{48, 32, 48}));  // freed at 2, back from 2
+}
+
+TEST(SimulatorTest, DurationsAreTheCostModels) {
+  ScheduleBuilder b;
+  b.Gather({kW0, kW1})
+      .Compute(kFwd0)
+      .Release({kX})
+      .Add(proto::INSTR_OFFLOAD, proto::STREAM_D2H, -1, {kM0, kA0}, {})
+      .Add(proto::INSTR_RELOAD, proto::STREAM_H2D, -1, {kM0, kA0}, {3})
+      .Compute(kFwd1, {4})
+      .Compute(kBwd)
+      .ReduceScatter({kG0}, {6})
+      .Release({kG0, kW0, kW1, kA0, kA1}, {7});
+  CostModel costs = Costs();
+  costs.device_to_host = {0.25, 8};
+  costs.host_to_device = {0.5, 4};
+  costs.release_seconds = 0.125;
+  const proto::Schedule& schedule = b.schedule();
+  StatusOr<SimResult> result = SimulateWith(schedule, costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  for (int i = 0; i < schedule.instructions_size(); ++i) {
+    EXPECT_DOUBLE_EQ(result->end_seconds[i] - result->start_seconds[i],
+                     costs.InstructionSeconds(schedule.program(), schedule.world_size(),
+                                              schedule.instructions(i)))
+        << "instruction " << i;
+  }
+}
+
+TEST(SimulatorTest, InputsAreAllocatedByTheirFirstReader) {
+  ScheduleBuilder b;
+  b.Gather({kW0}).Compute(kFwd0).Release({kX});
+  StatusOr<SimResult> result = SimulateWith(b.schedule());
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  // w0 gathered (16) + x (8) + a0 (16).
+  EXPECT_EQ(result->peak_device_bytes, kPersistentBytes + 40);
+  EXPECT_EQ(result->peak_by_kind[static_cast<int>(BufferKind::kInput)], 8);
+}
+
+TEST(SimulatorTest, UnmeasuredOpsUseTheRoofline) {
+  CostModel costs = Costs();
+  costs.op_seconds = {-1, 2, 3, 0.5};
+  costs.flops_per_second = 50;  // fwd0 has 100 flops: 2 s
+  ScheduleBuilder b;
+  b.Gather({kW0}).Compute(kFwd0, {0});
+  StatusOr<SimResult> result = SimulateWith(b.schedule(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_DOUBLE_EQ(result->end_seconds[1], 3.5);
+}
+
+// 100k instructions: gather, compute, release param, release previous activation, over many
+// micro-steps of a 100-layer chain.
+TEST(SimulatorTest, HundredThousandInstructionsSimulateQuickly) {
+  constexpr int kLayers = 100, kMicroSteps = 250;
+  proto::Schedule schedule;
+  schedule.set_world_size(8);
+  proto::Program* program = schedule.mutable_program();
+  program->mutable_config()->set_compute_dtype(proto::DTYPE_BF16);
+  AddTensor(program, "x", 1024, proto::ROLE_INPUT, proto::DTYPE_I32);
+  for (int l = 0; l < kLayers; ++l) {
+    AddTensor(program, "w" + std::to_string(l), 1 << 20, proto::ROLE_PARAM);
+    AddTensor(program, "a" + std::to_string(l), 1 << 16, proto::ROLE_ACTIVATION);
+  }
+  auto param = [](int l) { return 1 + 2 * l; };
+  auto activation = [](int l) { return l < 0 ? 0 : 2 + 2 * l; };
+  for (int l = 0; l < kLayers; ++l) {
+    AddOp(program, "layer" + std::to_string(l), proto::PHASE_FORWARD, {activation(l - 1), param(l)},
+          {activation(l)});
+  }
+  auto add = [&](proto::InstrKind kind, proto::Stream stream, int micro, int op, int tensor,
+                 int dep) {
+    proto::Instruction* instr = schedule.add_instructions();
+    instr->set_kind(kind);
+    instr->set_stream(stream);
+    instr->set_micro_step(micro);
+    instr->set_op(op);
+    if (tensor >= 0) instr->add_tensors(tensor);
+    if (dep >= 0) instr->add_deps(dep);
+    return schedule.instructions_size() - 1;
+  };
+  for (int m = 0; m < kMicroSteps; ++m) {
+    for (int l = 0; l < kLayers; ++l) {
+      const int gather = add(proto::INSTR_ALL_GATHER, proto::STREAM_GATHER, m, -1, param(l), -1);
+      const int compute = add(proto::INSTR_COMPUTE, proto::STREAM_COMPUTE, m, l, -1, gather);
+      add(proto::INSTR_RELEASE, proto::STREAM_COMPUTE, m, -1, param(l), compute);
+      add(proto::INSTR_RELEASE, proto::STREAM_COMPUTE, m, -1, activation(l - 1), compute);
+    }
+    add(proto::INSTR_RELEASE, proto::STREAM_COMPUTE, m, -1, activation(kLayers - 1), -1);
+  }
+  ASSERT_GE(schedule.instructions_size(), 100'000);
+  CostModel costs;
+  costs.op_seconds.assign(kLayers, 1e-3);
+  costs.all_gather = {1e-5, 1e10};
+  auto timed = [&](const SimOptions& options, double* ms) {
+    const auto t0 = std::chrono::steady_clock::now();
+    StatusOr<SimResult> result = Simulate(schedule, costs, options);
+    *ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    return result;
+  };
+  double with_timeline_ms = 0, peak_only_ms = 0;
+  StatusOr<SimResult> result = timed(SimOptions{}, &with_timeline_ms);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  StatusOr<SimResult> peak_only = timed(SimOptions{.memory_timeline = false}, &peak_only_ms);
+  ASSERT_TRUE(peak_only.ok()) << peak_only.status().message();
+  std::printf("simulated %d instructions in %.1f ms (%.1f ms without the memory timeline)\n",
+              schedule.instructions_size(), with_timeline_ms, peak_only_ms);
+  // Generous for slow, shared CI machines; a few ms on a desktop.
+  EXPECT_LT(with_timeline_ms, 500);
+  EXPECT_GT(result->step_seconds, kMicroSteps * kLayers * 1e-3);
+  // Every instruction changes memory: one point each after the persistent shards.
+  EXPECT_EQ(result->memory_timeline.size(), 1 + static_cast<size_t>(schedule.instructions_size()));
+  EXPECT_TRUE(peak_only->memory_timeline.empty());
+  EXPECT_EQ(peak_only->peak_device_bytes, result->peak_device_bytes);
+  EXPECT_EQ(peak_only->peak_instruction, result->peak_instruction);
+}
+
+}  // namespace
+}  // namespace dc

@@ -1,0 +1,498 @@
+#include "analyzer/trace.h"
+
+#include <sqlite3.h>
+#include <sys/stat.h>
+
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <map>
+
+#include "analyzer/sqlite_reader.h"
+#include "schemas/digest.h"
+#include "schemas/trace_schema.h"
+
+namespace dc {
+
+using analyzer_internal::ColumnNames;
+using analyzer_internal::Query;
+using analyzer_internal::SqliteError;
+using analyzer_internal::TableNames;
+
+namespace {
+
+constexpr char kKernelTable[] = "CUPTI_ACTIVITY_KIND_KERNEL";
+constexpr char kMemcpyTable[] = "CUPTI_ACTIVITY_KIND_MEMCPY";
+constexpr char kMemsetTable[] = "CUPTI_ACTIVITY_KIND_MEMSET";
+constexpr char kMemoryTable[] = "CUDA_GPU_MEMORY_USAGE_EVENTS";
+constexpr char kRerecord[] = "re-record it with dc-collect";
+
+// nsys global ids: the process id sits in bits 24..47.
+constexpr int64_t kPidUnit = int64_t{1} << 24;
+
+// Kernel-name prefixes of communication: NCCL's (current, pre-2.19, symmetric-memory) and the
+// cpu backend's Gloo collectives.
+constexpr std::array<const char*, 4> kCommunicationPrefixes = {"ncclDevKernel_", "ncclKernel_",
+                                                               "ncclSymkDevKernel_", "gloo:"};
+
+// ENUM_CUDA_MEMCPY_OPER labels (nsys numbering); older exports have no ENUM tables.
+constexpr std::array<const char*, 14> kCopyKindLabels = {"Unknown",
+                                                         "Host-to-Device",
+                                                         "Device-to-Host",
+                                                         "Host-to-Array",
+                                                         "Array-to-Host",
+                                                         "Array-to-Array",
+                                                         "Array-to-Device",
+                                                         "Device-to-Array",
+                                                         "Device-to-Device",
+                                                         "Host-to-Host",
+                                                         "Peer-to-Peer",
+                                                         "Unified Host-to-Device",
+                                                         "Unified Device-to-Host",
+                                                         "Unified Device-to-Device"};
+// ENUM_CUDA_MEM_KIND labels.
+constexpr std::array<const char*, 8> kMemKindLabels = {"Pageable",       "Pinned",  "Device",
+                                                       "Array",          "Managed", "Device Static",
+                                                       "Managed Static", "Unknown"};
+
+bool IsCommunicationKernel(const std::string& name) {
+  for (const char* prefix : kCommunicationPrefixes) {
+    if (name.starts_with(prefix)) return true;
+  }
+  return false;
+}
+
+// ----- file checks before SQLite sees the file -----
+
+Status CheckFile(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    return Status::Error(path + ": cannot open (" + std::strerror(errno) +
+                         "); check the path, or record a trace with dc-collect");
+  }
+  if (!S_ISREG(st.st_mode))
+    return Status::Error(path + ": not a regular file; pass the trace file");
+  if (st.st_size == 0) {
+    return Status::Error(path + ": empty file (0 bytes); the recording did not finish, " +
+                         kRerecord);
+  }
+  static constexpr char kHeader[] = "SQLite format 3";  // 16 bytes with its NUL
+  char header[sizeof(kHeader)] = {};
+  std::ifstream in(path, std::ios::binary);
+  in.read(header, sizeof(header));
+  if (in.gcount() != static_cast<std::streamsize>(sizeof(header)) ||
+      std::memcmp(header, kHeader, sizeof(header)) != 0) {
+    return Status::Error(path +
+                         ": not a SQLite database; expected a dc trace or an nsys "
+                         "SQLite export (nsys export --type sqlite)");
+  }
+  return Status::Ok();
+}
+
+// ----- SQL built from the columns a file has -----
+
+// Expressions over one table whose columns vary by nsys version.
+class Columns {
+ public:
+  Columns(std::string alias, std::set<std::string> names)
+      : alias_(std::move(alias)), names_(std::move(names)) {}
+  bool Has(const std::string& name) const { return names_.contains(name); }
+  // "alias.name", or `fallback` (an SQL literal) where the column is missing.
+  std::string Or(const std::string& name, const std::string& fallback) const {
+    return Has(name) ? alias_ + ".\"" + name + "\"" : fallback;
+  }
+
+ private:
+  std::string alias_;
+  std::set<std::string> names_;
+};
+
+// A CASE over an integer column mapping the enum `labels` by index.
+template <size_t N>
+std::string LabelCase(const std::string& column, const std::array<const char*, N>& labels,
+                      const std::string& prefix, const std::string& suffix) {
+  std::string sql = "CASE " + column;
+  for (size_t i = 0; i < N; ++i) {
+    sql += " WHEN " + std::to_string(i) + " THEN '" + prefix + labels[i] + suffix + "'";
+  }
+  return sql + " ELSE '" + prefix + "Unknown" + suffix + "' END";
+}
+
+// A kernel's name: shortName (or the first name column present), an id into StringIds in
+// current exports, text in some older ones.
+std::string KernelNameSql(const Columns& k, bool have_strings) {
+  for (const char* column : {"shortName", "demangledName", "name", "mangledName"}) {
+    if (!k.Has(column)) continue;
+    const std::string value = k.Or(column, "NULL");
+    if (!have_strings) return "CAST(" + value + " AS TEXT)";
+    return "COALESCE((SELECT value FROM StringIds WHERE id = " + value + "), CAST(" + value +
+           " AS TEXT))";
+  }
+  return "'kernel'";
+}
+
+// Columns of every activity query: type, globalPid, deviceId, streamId, start, end,
+// correlationId, bytes, name.
+std::string KernelSelect(const Columns& k, bool dc, bool have_strings) {
+  const std::string name = KernelNameSql(k, have_strings);
+  const std::string common = k.Or("globalPid", "0") + ", " + k.Or("deviceId", "0") + ", " +
+                             k.Or("streamId", "0") + ", k.start, k.\"end\", " +
+                             k.Or("correlationId", "0");
+  if (!dc) {
+    return "SELECT 0, " + common + ", 0, " + name + " FROM " + kKernelTable + " AS k";
+  }
+  // A collective's kernel row and its TC_COLLECTIVE row share the correlation id: one activity.
+  return "SELECT CASE WHEN c.kind IS NULL THEN 0 ELSE 3 END, " + common +
+         ", COALESCE(c.bytes, 0), COALESCE(c.kind, " + name + ") FROM " + kKernelTable +
+         " AS k LEFT JOIN TC_COLLECTIVE AS c ON c.globalPid = k.globalPid AND "
+         "c.correlationId = k.correlationId";
+}
+
+std::string CopySelect(const Columns& m) {
+  return "SELECT 1, " + m.Or("globalPid", "0") + ", " + m.Or("deviceId", "0") + ", " +
+         m.Or("streamId", "0") + ", m.start, m.\"end\", " + m.Or("correlationId", "0") + ", " +
+         m.Or("bytes", "0") + ", " +
+         LabelCase(m.Or("copyKind", "0"), kCopyKindLabels, "[CUDA memcpy ", "]") + " FROM " +
+         kMemcpyTable + " AS m";
+}
+
+std::string MemsetSelect(const Columns& m) {
+  return "SELECT 2, " + m.Or("globalPid", "0") + ", " + m.Or("deviceId", "0") + ", " +
+         m.Or("streamId", "0") + ", m.start, m.\"end\", " + m.Or("correlationId", "0") + ", " +
+         m.Or("bytes", "0") + ", '[CUDA memset]' FROM " + kMemsetTable + " AS m";
+}
+
+// Columns: globalPid, deviceId, start, address, bytes, operation, name, kind, correlationId.
+std::string MemorySelect(const Columns& e, bool dc) {
+  const std::string kind = dc && e.Has("tcKind")
+                               ? e.Or("tcKind", "''")
+                               : LabelCase(e.Or("memKind", "7"), kMemKindLabels, "", "");
+  return "SELECT " + e.Or("globalPid", "0") + ", " + e.Or("deviceId", "0") + ", e.start, " +
+         e.Or("address", "0") + ", " + e.Or("bytes", "0") + ", " +
+         e.Or("memoryOperationType", "0") + ", " + e.Or("name", "''") + ", " + kind + ", " +
+         e.Or("correlationId", "0") + " FROM " + kMemoryTable +
+         " AS e ORDER BY 1, e.start, e.rowid";
+}
+
+// ----- dc-specific checks -----
+
+StatusOr<std::map<std::string, std::string>> ExportMetadata(sqlite3* db, const std::string& path,
+                                                            const std::set<std::string>& tables) {
+  std::map<std::string, std::string> metadata;
+  if (!tables.contains("META_DATA_EXPORT")) return metadata;
+  Query query(db, path, "SELECT name, value FROM META_DATA_EXPORT");
+  while (true) {
+    DC_ASSIGN_OR_RETURN(bool row, query.Next());
+    if (!row) break;
+    metadata[query.Text(0)] = query.Text(1);
+  }
+  return metadata;
+}
+
+Status CheckSchemaVersion(const std::string& path,
+                          const std::map<std::string, std::string>& metadata) {
+  auto it = metadata.find("dc.trace_schema_version");
+  if (it == metadata.end()) {
+    return Status::Error(path + ": no dc.trace_schema_version in META_DATA_EXPORT (an unmerged " +
+                         "rank file?); " + kRerecord);
+  }
+  const int version = std::atoi(it->second.c_str());
+  if (version <= 0) {
+    return Status::Error(path + ": bad dc.trace_schema_version '" + it->second + "'; " + kRerecord);
+  }
+  if (version > kTraceSchemaVersion) {
+    return Status::Error(path + ": trace schema version " + std::to_string(version) +
+                         " is newer than this build reads (" + std::to_string(kTraceSchemaVersion) +
+                         "); update dc");
+  }
+  return Status::Ok();
+}
+
+struct Blob {
+  int64_t format_version = 0;
+  std::string digest, data;
+};
+
+template <typename Message>
+StatusOr<Message> ParseBlob(const std::string& path, const std::string& name, const Blob& blob,
+                            uint32_t newest_version) {
+  const std::string computed = Sha256Hex(blob.data);
+  if (computed != blob.digest) {
+    return Status::Error(path + ": TC_BLOB '" + name + "' does not match its digest (stored " +
+                         blob.digest.substr(0, 12) + ", computed " + computed.substr(0, 12) +
+                         "); the trace was modified or damaged, " + kRerecord);
+  }
+  if (blob.format_version > newest_version) {
+    return Status::Error(path + ": the embedded " + name + " has format version " +
+                         std::to_string(blob.format_version) + ", newer than this build reads (" +
+                         std::to_string(newest_version) + "); update dc");
+  }
+  Message message;
+  if (!message.ParseFromString(blob.data)) {
+    return Status::Error(path + ": TC_BLOB '" + name + "' does not parse; " + kRerecord);
+  }
+  return message;
+}
+
+}  // namespace
+
+// ----- Trace -----
+
+StatusOr<std::unique_ptr<Trace>> Trace::Open(const std::string& path) {
+  DC_RETURN_IF_ERROR(CheckFile(path));
+  std::unique_ptr<Trace> trace(new Trace());
+  trace->path_ = path;
+  const int rc = sqlite3_open_v2(path.c_str(), &trace->db_, SQLITE_OPEN_READONLY, nullptr);
+  if (rc != SQLITE_OK) return SqliteError(path, trace->db_, rc, "cannot open");
+  DC_RETURN_IF_ERROR(trace->Load());
+  return trace;
+}
+
+Trace::~Trace() { sqlite3_close(db_); }
+
+std::string Trace::program_digest() const { return program_ ? DigestOf(*program_) : ""; }
+
+Status Trace::Load() {
+  DC_ASSIGN_OR_RETURN(std::set<std::string> tables, TableNames(db_, path_));
+  DC_ASSIGN_OR_RETURN(auto metadata, ExportMetadata(db_, path_, tables));
+  auto producer = metadata.find("producer");
+  const bool dc =
+      tables.contains("TC_RANK") || (producer != metadata.end() && producer->second == "dc");
+  if (!tables.contains(kKernelTable)) {
+    return Status::Error(path_ + ": no table " + kKernelTable + "; is this an nsys or dc trace?");
+  }
+  source_ = dc ? TraceSource::kDc : TraceSource::kNsys;
+  if (dc) {
+    DC_RETURN_IF_ERROR(CheckSchemaVersion(path_, metadata));
+    DC_RETURN_IF_ERROR(LoadDc(tables));
+  } else {
+    DC_RETURN_IF_ERROR(LoadNsys(tables));
+  }
+  return BuildQueries(tables);
+}
+
+Status Trace::LoadDc(const std::set<std::string>& tables) {
+  for (const char* table : {"TC_RANK", "TC_BLOB", "TC_STEP", "TC_INSTRUCTION_MAP", "TC_COLLECTIVE",
+                            "TC_RECORD_STATS"}) {
+    if (!tables.contains(table)) {
+      return Status::Error(path_ + ": dc trace without table " + table + "; " + kRerecord);
+    }
+  }
+  DC_RETURN_IF_ERROR(LoadDcBlobs());
+  Query ranks(db_, path_,
+              "SELECT globalPid, rank, worldSize, COALESCE(backend, ''), COALESCE(device, ''), "
+              "COALESCE(hostname, ''), COALESCE(deviceMemoryBytes, 0) FROM TC_RANK ORDER BY rank");
+  while (true) {
+    DC_ASSIGN_OR_RETURN(bool row, ranks.Next());
+    if (!row) break;
+    ranks_.push_back({ranks.Int(0), static_cast<int>(ranks.Int(1)), static_cast<int>(ranks.Int(2)),
+                      ranks.Text(3), ranks.Text(4), ranks.Text(5), ranks.Int(6)});
+  }
+  if (ranks_.empty()) return Status::Error(path_ + ": dc trace without ranks; " + kRerecord);
+
+  Query steps(db_, path_,
+              "SELECT globalPid, step, start, end, COALESCE(loss, 0), warmup FROM TC_STEP "
+              "ORDER BY globalPid, step, start");
+  while (true) {
+    DC_ASSIGN_OR_RETURN(bool row, steps.Next());
+    if (!row) break;
+    steps_.push_back({steps.Int(0), static_cast<int>(steps.Int(1)), steps.Int(2), steps.Int(3),
+                      steps.Double(4), steps.Int(5) != 0});
+  }
+  Query dropped(db_, path_, "SELECT COALESCE(SUM(dropped), 0) FROM TC_RECORD_STATS");
+  DC_ASSIGN_OR_RETURN(bool row, dropped.Next());
+  if (row) dropped_records_ = dropped.Int(0);
+  if (!tables.contains(kMemoryTable))
+    notes_.push_back(std::string("no ") + kMemoryTable + " table: no memory timeline");
+  return Status::Ok();
+}
+
+Status Trace::LoadDcBlobs() {
+  std::map<std::string, Blob> blobs;
+  Query query(db_, path_, "SELECT name, formatVersion, digest, data FROM TC_BLOB");
+  while (true) {
+    DC_ASSIGN_OR_RETURN(bool row, query.Next());
+    if (!row) break;
+    blobs[query.Text(0)] = {query.Int(1), query.Text(2), query.Blob(3)};
+  }
+  if (!blobs.contains("schedule")) {
+    return Status::Error(path_ + ": dc trace without the schedule it ran (TC_BLOB 'schedule'); " +
+                         kRerecord);
+  }
+  DC_ASSIGN_OR_RETURN(schedule_, ParseBlob<proto::Schedule>(path_, "schedule", blobs["schedule"],
+                                                            kScheduleFormatVersion));
+  program_ = schedule_->program();
+  if (blobs.contains("program")) {
+    DC_ASSIGN_OR_RETURN(
+        proto::Program program,
+        ParseBlob<proto::Program>(path_, "program", blobs["program"], kProgramFormatVersion));
+    if (DigestOf(program) != DigestOf(*program_)) {
+      return Status::Error(path_ + ": TC_BLOB 'program' differs from the schedule's program; " +
+                           kRerecord);
+    }
+  }
+  return Status::Ok();
+}
+
+Status Trace::LoadNsys(const std::set<std::string>& tables) {
+  const std::pair<const char*, const char*> optional[] = {
+      {kMemcpyTable, "no copies"},
+      {kMemsetTable, "no memsets"},
+      {kMemoryTable, "no memory timeline (record with nsys --cuda-memory-usage=true)"},
+      {"StringIds", "kernel names are shown as their ids"},
+  };
+  for (const auto& [table, consequence] : optional) {
+    if (!tables.contains(table)) {
+      notes_.push_back(std::string("no ") + table + " table: " + consequence);
+    }
+  }
+  return LoadNsysRanks(tables);
+}
+
+// Ranks of an nsys export: MPI_RANKS where nsys traced MPI, else one per process with device
+// activity, in globalPid order.
+Status Trace::LoadNsysRanks(const std::set<std::string>& tables) {
+  std::string sql;
+  DC_ASSIGN_OR_RETURN(std::set<std::string> mpi_columns, ColumnNames(db_, path_, "MPI_RANKS"));
+  if (mpi_columns.contains("globalTid") && mpi_columns.contains("rank")) {
+    sql = "SELECT DISTINCT (globalTid / " + std::to_string(kPidUnit) + ") * " +
+          std::to_string(kPidUnit) + ", rank FROM MPI_RANKS ORDER BY rank, 1";
+  } else {
+    std::string pids;
+    for (const char* table : {kKernelTable, kMemcpyTable, kMemsetTable}) {
+      if (!tables.contains(table)) continue;
+      DC_ASSIGN_OR_RETURN(std::set<std::string> columns, ColumnNames(db_, path_, table));
+      if (!columns.contains("globalPid")) continue;
+      pids += std::string(pids.empty() ? "" : " UNION ") + "SELECT globalPid FROM " + table;
+    }
+    if (pids.empty()) pids = "SELECT 0";
+    sql = "SELECT DISTINCT globalPid, -1 FROM (" + pids + ") ORDER BY globalPid";
+  }
+  Query query(db_, path_, sql);
+  while (true) {
+    DC_ASSIGN_OR_RETURN(bool row, query.Next());
+    if (!row) break;
+    TraceRank rank;
+    rank.global_pid = query.Int(0);
+    rank.rank =
+        query.Int(1) >= 0 ? static_cast<int>(query.Int(1)) : static_cast<int>(ranks_.size());
+    rank.backend = "cuda";
+    ranks_.push_back(rank);
+  }
+  for (TraceRank& rank : ranks_) rank.world_size = static_cast<int>(ranks_.size());
+  if (tables.contains("TARGET_INFO_GPU")) {
+    // One name for all ranks: exports rarely tie processes to devices; the first GPU.
+    Query gpu(db_, path_,
+              "SELECT COALESCE(name, ''), COALESCE(totalMemory, 0) FROM TARGET_INFO_GPU "
+              "ORDER BY id LIMIT 1");
+    DC_ASSIGN_OR_RETURN(bool row, gpu.Next());
+    for (TraceRank& rank : ranks_) {
+      if (!row) break;
+      rank.device = gpu.Text(0);
+      rank.device_memory_bytes = gpu.Int(1);
+    }
+  }
+  return Status::Ok();
+}
+
+Status Trace::BuildQueries(const std::set<std::string>& tables) {
+  const bool dc = source_ == TraceSource::kDc;
+  DC_ASSIGN_OR_RETURN(std::set<std::string> kernel, ColumnNames(db_, path_, kKernelTable));
+  if (!kernel.contains("start") || !kernel.contains("end")) {
+    return Status::Error(path_ + ": " + kKernelTable + " has no start/end columns; " +
+                         "is this an nsys or dc trace?");
+  }
+  std::string sql = KernelSelect(Columns("k", kernel), dc, tables.contains("StringIds"));
+  DC_ASSIGN_OR_RETURN(std::set<std::string> memcpy_columns, ColumnNames(db_, path_, kMemcpyTable));
+  if (memcpy_columns.contains("start") && memcpy_columns.contains("end")) {
+    sql += " UNION ALL " + CopySelect(Columns("m", memcpy_columns));
+  }
+  DC_ASSIGN_OR_RETURN(std::set<std::string> memset_columns, ColumnNames(db_, path_, kMemsetTable));
+  if (memset_columns.contains("start") && memset_columns.contains("end")) {
+    sql += " UNION ALL " + MemsetSelect(Columns("m", memset_columns));
+  }
+  activity_sql_ = sql + " ORDER BY 2, 5, 6, 1, 7";
+  DC_ASSIGN_OR_RETURN(std::set<std::string> memory, ColumnNames(db_, path_, kMemoryTable));
+  if (memory.contains("start")) memory_sql_ = MemorySelect(Columns("e", memory), dc);
+  return Status::Ok();
+}
+
+Status Trace::ForEachActivity(const std::function<void(const Activity&)>& fn) const {
+  Query query(db_, path_, activity_sql_);
+  while (true) {
+    DC_ASSIGN_OR_RETURN(bool row, query.Next());
+    if (!row) break;
+    Activity a;
+    a.type = static_cast<Activity::Type>(query.Int(0));
+    a.global_pid = query.Int(1);
+    a.device_id = query.Int(2);
+    a.stream_id = query.Int(3);
+    a.start_ns = query.Int(4);
+    a.end_ns = query.Int(5);
+    a.correlation_id = query.Int(6);
+    a.bytes = query.Int(7);
+    a.name = query.Text(8);
+    a.communication = a.type == Activity::Type::kCollective ||
+                      (a.type == Activity::Type::kKernel && IsCommunicationKernel(a.name));
+    fn(a);
+  }
+  return Status::Ok();
+}
+
+Status Trace::ForEachMemoryEvent(const std::function<void(const MemoryEvent&)>& fn) const {
+  if (memory_sql_.empty()) return Status::Ok();
+  constexpr int64_t kDeallocation = 1;  // ENUM_CUDA_DEV_MEM_EVENT_OPER
+  Query query(db_, path_, memory_sql_);
+  while (true) {
+    DC_ASSIGN_OR_RETURN(bool row, query.Next());
+    if (!row) break;
+    MemoryEvent e;
+    e.global_pid = query.Int(0);
+    e.device_id = query.Int(1);
+    e.ts_ns = query.Int(2);
+    e.address = query.Int(3);
+    e.bytes = query.Int(4);
+    e.alloc = query.Int(5) != kDeallocation;
+    e.name = query.Text(6);
+    e.kind = query.Text(7);
+    e.correlation_id = query.Int(8);
+    fn(e);
+  }
+  return Status::Ok();
+}
+
+Status Trace::ForEachInstructionSample(
+    const std::function<void(const InstructionSample&)>& fn) const {
+  if (source_ != TraceSource::kDc) return Status::Ok();
+  static const std::string kSql =
+      "SELECT m.globalPid, m.step, COALESCE(m.microStep, -1), m.instruction, k.start, k.end, "
+      "COALESCE(c.bytes, 0) FROM TC_INSTRUCTION_MAP AS m "
+      "JOIN CUPTI_ACTIVITY_KIND_KERNEL AS k ON k.globalPid = m.globalPid AND "
+      "k.correlationId = m.correlationId "
+      "LEFT JOIN TC_COLLECTIVE AS c ON c.globalPid = m.globalPid AND "
+      "c.correlationId = m.correlationId "
+      "UNION ALL "
+      "SELECT m.globalPid, m.step, COALESCE(m.microStep, -1), m.instruction, p.start, p.end, "
+      "p.bytes FROM TC_INSTRUCTION_MAP AS m "
+      "JOIN CUPTI_ACTIVITY_KIND_MEMCPY AS p ON p.globalPid = m.globalPid AND "
+      "p.correlationId = m.correlationId "
+      "ORDER BY 1, 2, 3, 4, 5";
+  Query query(db_, path_, kSql);
+  while (true) {
+    DC_ASSIGN_OR_RETURN(bool row, query.Next());
+    if (!row) break;
+    InstructionSample s;
+    s.global_pid = query.Int(0);
+    s.step = static_cast<int>(query.Int(1));
+    s.micro_step = static_cast<int>(query.Int(2));
+    s.instruction = static_cast<int>(query.Int(3));
+    s.start_ns = query.Int(4);
+    s.end_ns = query.Int(5);
+    s.bytes = query.Int(6);
+    fn(s);
+  }
+  return Status::Ok();
+}
+
+}  // namespace dc

@@ -1,0 +1,337 @@
+#include "analyzer/trace.h"
+
+#include <gtest/gtest.h>
+#include <sqlite3.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "analyzer/intervals.h"
+#include "analyzer/test_traces.h"
+#include "schemas/digest.h"
+
+namespace dc {
+namespace {
+
+using testing::TempDir;
+
+const std::string kNsysSaxpy = DC_SOURCE_DIR "/../shared/data/nsys/saxpy-mpi-cuda.sqlite";
+
+void WriteBytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out << bytes;
+}
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+void ExecSql(const std::string& path, const std::string& sql) {
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  char* error = nullptr;
+  EXPECT_EQ(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &error), SQLITE_OK)
+      << (error ? error : "");
+  sqlite3_free(error);
+  sqlite3_close(db);
+}
+
+// Opening `path` fails with exactly one line that names the file and contains `want`.
+void ExpectOpenError(const std::string& path, const std::string& want) {
+  StatusOr<std::unique_ptr<Trace>> trace = Trace::Open(path);
+  ASSERT_FALSE(trace.ok()) << path << " opened";
+  const std::string message = trace.status().message();
+  EXPECT_EQ(message.rfind(path + ": ", 0), 0u) << message;
+  EXPECT_NE(message.find(want), std::string::npos) << message;
+  EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+}
+
+TEST(TraceOpenTest, MissingFile) {
+  TempDir dir;
+  ExpectOpenError(dir.File("trace.db"), "cannot open (No such file or directory)");
+}
+
+TEST(TraceOpenTest, EmptyFile) {
+  TempDir dir;
+  WriteBytes(dir.File("trace.db"), "");
+  ExpectOpenError(dir.File("trace.db"), "empty file (0 bytes)");
+}
+
+TEST(TraceOpenTest, TextFile) {
+  TempDir dir;
+  WriteBytes(dir.File("trace.db"), "hello");
+  ExpectOpenError(dir.File("trace.db"), "not a SQLite database");
+}
+
+TEST(TraceOpenTest, TruncatedDcTrace) {
+  TempDir dir;
+  const std::string trace = testing::WriteProfileTrace(dir);
+  ASSERT_FALSE(trace.empty());
+  WriteBytes(dir.File("cut.db"), ReadBytes(trace).substr(0, 1024));
+  ExpectOpenError(dir.File("cut.db"),
+                  "truncated or corrupt SQLite file (database disk image is malformed); "
+                  "re-record it with dc-collect");
+}
+
+TEST(TraceOpenTest, TruncatedNsysExport) {
+  if (!std::filesystem::exists(kNsysSaxpy)) GTEST_SKIP() << kNsysSaxpy << " is absent";
+  TempDir dir;
+  WriteBytes(dir.File("cut.sqlite"), ReadBytes(kNsysSaxpy).substr(0, 1024));
+  ExpectOpenError(dir.File("cut.sqlite"), "truncated or corrupt SQLite file");
+}
+
+TEST(TraceOpenTest, UnrelatedSqliteDatabase) {
+  TempDir dir;
+  ExecSql(dir.File("other.db"),
+          "CREATE TABLE recipes(name TEXT); INSERT INTO recipes "
+          "VALUES ('soup');");
+  ExpectOpenError(dir.File("other.db"),
+                  "no table CUPTI_ACTIVITY_KIND_KERNEL; is this an nsys or dc trace?");
+}
+
+TEST(TraceOpenTest, EditedBlobDigest) {
+  TempDir dir;
+  const std::string trace = testing::WriteProfileTrace(dir);
+  ASSERT_FALSE(trace.empty());
+  ExecSql(trace,
+          "UPDATE TC_BLOB SET digest = '0000' || substr(digest, 5) "
+          "WHERE name = 'schedule'");
+  ExpectOpenError(trace, "TC_BLOB 'schedule' does not match its digest");
+}
+
+TEST(TraceOpenTest, EditedBlobData) {
+  TempDir dir;
+  const std::string trace = testing::WriteProfileTrace(dir);
+  ASSERT_FALSE(trace.empty());
+  ExecSql(trace, "UPDATE TC_BLOB SET data = data || x'00' WHERE name = 'program'");
+  ExpectOpenError(trace, "TC_BLOB 'program' does not match its digest");
+}
+
+TEST(TraceOpenTest, NewerSchemaVersion) {
+  TempDir dir;
+  const std::string trace = testing::WriteProfileTrace(dir);
+  ASSERT_FALSE(trace.empty());
+  ExecSql(trace,
+          "UPDATE META_DATA_EXPORT SET value = '99' WHERE name = "
+          "'dc.trace_schema_version'");
+  ExpectOpenError(trace, "trace schema version 99 is newer than this build reads (1); update dc");
+}
+
+TEST(TraceOpenTest, UnmergedRankFile) {
+  TempDir dir;
+  const std::string trace = testing::WriteProfileTrace(dir);
+  ASSERT_FALSE(trace.empty());
+  ExecSql(trace, "DELETE FROM META_DATA_EXPORT");
+  ExpectOpenError(trace, "no dc.trace_schema_version in META_DATA_EXPORT");
+}
+
+TEST(TraceTest, ReadsADcTrace) {
+  TempDir dir;
+  const std::string path = testing::WriteProfileTrace(dir);
+  ASSERT_FALSE(path.empty());
+  StatusOr<std::unique_ptr<Trace>> opened = Trace::Open(path);
+  ASSERT_TRUE(opened.ok()) << opened.status().message();
+  const Trace& trace = **opened;
+  EXPECT_EQ(trace.source(), TraceSource::kDc);
+  ASSERT_EQ(trace.ranks().size(), 2u);
+  EXPECT_EQ(trace.ranks()[1].rank, 1);
+  EXPECT_EQ(trace.ranks()[1].world_size, 2);
+  EXPECT_EQ(trace.ranks()[1].backend, "cpu");
+  ASSERT_TRUE(trace.schedule().has_value());
+  EXPECT_EQ(DigestOf(*trace.schedule()), DigestOf(testing::ProfileSchedule()));
+  EXPECT_EQ(trace.program_digest(), DigestOf(testing::ProfileSchedule().program()));
+  EXPECT_EQ(trace.Steps().size(), 8u);
+  EXPECT_TRUE(trace.Steps()[0].warmup);
+  EXPECT_EQ(trace.DroppedRecords(), 0);
+
+  std::map<Activity::Type, int> by_type;
+  int communication = 0;
+  int64_t last_pid = -1, last_start = -1;
+  bool ordered = true;
+  ASSERT_TRUE(trace
+                  .ForEachActivity([&](const Activity& a) {
+                    ++by_type[a.type];
+                    communication += a.communication ? 1 : 0;
+                    if (a.global_pid == last_pid && a.start_ns < last_start) ordered = false;
+                    if (a.global_pid < last_pid) ordered = false;
+                    last_pid = a.global_pid;
+                    last_start = a.start_ns;
+                    if (a.type == Activity::Type::kCollective) {
+                      EXPECT_TRUE(a.name == "all_gather" || a.name == "reduce_scatter");
+                      EXPECT_GT(a.bytes, 0);
+                    }
+                    if (a.type == Activity::Type::kMemcpy) {
+                      EXPECT_EQ(a.name, "[CUDA memcpy Device-to-Host]");
+                    }
+                  })
+                  .ok());
+  EXPECT_TRUE(ordered);
+  // Per rank and step: 2 kernels, 2 collectives (each once), 1 copy.
+  EXPECT_EQ(by_type[Activity::Type::kKernel], 16);
+  EXPECT_EQ(by_type[Activity::Type::kCollective], 16);
+  EXPECT_EQ(by_type[Activity::Type::kMemcpy], 8);
+  EXPECT_EQ(communication, 16);
+
+  int samples = 0;
+  int64_t collective_bytes = 0;
+  ASSERT_TRUE(trace
+                  .ForEachInstructionSample([&](const Trace::InstructionSample& s) {
+                    ++samples;
+                    if (s.instruction == 0 || s.instruction == 3) collective_bytes += s.bytes;
+                  })
+                  .ok());
+  EXPECT_EQ(samples, 40);
+  // Gathers: 1000 (warm-up) + 1000 + 2000 + 3000 per rank; reduce-scatters 4 x 500 per rank.
+  EXPECT_EQ(collective_bytes, 2 * (7000 + 2000));
+
+  int memory_events = 0;
+  ASSERT_TRUE(trace
+                  .ForEachMemoryEvent([&](const MemoryEvent& e) {
+                    ++memory_events;
+                    if (e.address == 99) {
+                      EXPECT_FALSE(e.alloc);
+                      EXPECT_EQ(e.kind, "shard");
+                      EXPECT_EQ(e.name, "w0.shard");
+                    }
+                  })
+                  .ok());
+  EXPECT_EQ(memory_events, 5);
+}
+
+// The real Nsight Systems 2022.2 export (MPI + CUDA saxpy on an A100). Expected numbers were
+// read with the sqlite3 CLI, and are checked again here with SQL.
+class NsysTraceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!std::filesystem::exists(kNsysSaxpy)) GTEST_SKIP() << kNsysSaxpy << " is absent";
+  }
+  static int64_t SqlInt(const std::string& sql) {
+    sqlite3* db = nullptr;
+    EXPECT_EQ(sqlite3_open_v2(kNsysSaxpy.c_str(), &db, SQLITE_OPEN_READONLY, nullptr), SQLITE_OK);
+    sqlite3_stmt* stmt = nullptr;
+    EXPECT_EQ(sqlite3_prepare_v2(db, sql.c_str(), -1, &stmt, nullptr), SQLITE_OK);
+    int64_t value = -1;
+    if (sqlite3_step(stmt) == SQLITE_ROW) value = sqlite3_column_int64(stmt, 0);
+    sqlite3_finalize(stmt);
+    sqlite3_close(db);
+    return value;
+  }
+};
+
+TEST_F(NsysTraceTest, OpensAsAnNsysExport) {
+  StatusOr<std::unique_ptr<Trace>> trace = Trace::Open(kNsysSaxpy);
+  ASSERT_TRUE(trace.ok()) << trace.status().message();
+  EXPECT_EQ((*trace)->source(), TraceSource::kNsys);
+  EXPECT_FALSE((*trace)->program().has_value());
+  ASSERT_EQ((*trace)->ranks().size(), 1u);
+  EXPECT_EQ((*trace)->ranks()[0].global_pid, 302119223558144);
+  EXPECT_EQ((*trace)->ranks()[0].global_pid >> 24 & 0xFFFFFF, 1230493);  // ./saxpy-mpi-cuda
+  EXPECT_EQ((*trace)->ranks()[0].device, "NVIDIA A100-SXM4-40GB");
+  EXPECT_TRUE((*trace)->Steps().empty());
+}
+
+TEST_F(NsysTraceTest, KernelsCopiesAndStreamBusyTime) {
+  StatusOr<std::unique_ptr<Trace>> trace = Trace::Open(kNsysSaxpy);
+  ASSERT_TRUE(trace.ok()) << trace.status().message();
+  int kernels = 0, copies = 0;
+  int64_t copy_bytes = 0;
+  std::map<int64_t, std::vector<analyzer_internal::Interval<int64_t>>> by_stream;
+  ASSERT_TRUE((*trace)
+                  ->ForEachActivity([&](const Activity& a) {
+                    if (a.type == Activity::Type::kKernel) {
+                      ++kernels;
+                      EXPECT_EQ(a.name, "saxpy");
+                      EXPECT_FALSE(a.communication);
+                    }
+                    if (a.type == Activity::Type::kMemcpy) {
+                      ++copies;
+                      copy_bytes += a.bytes;
+                    }
+                    by_stream[a.stream_id].push_back({a.start_ns, a.end_ns});
+                  })
+                  .ok());
+  EXPECT_EQ(kernels, 5);
+  EXPECT_EQ(kernels, SqlInt("SELECT count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL"));
+  EXPECT_EQ(copies, 15);
+  EXPECT_EQ(copy_bytes, 3'932'160'000);  // 15 copies of 250 MiB
+  EXPECT_EQ(copy_bytes, SqlInt("SELECT SUM(bytes) FROM CUPTI_ACTIVITY_KIND_MEMCPY"));
+  ASSERT_EQ(by_stream.size(), 1u);
+  ASSERT_TRUE(by_stream.contains(7));
+  const int64_t busy_ns = analyzer_internal::TotalLength(analyzer_internal::UnionOf(by_stream[7]));
+  EXPECT_EQ(busy_ns, 373'273'080);
+  // Nothing overlaps on the stream, so its busy time is the plain sum of durations.
+  EXPECT_EQ(SqlInt("SELECT count(*) FROM (SELECT start s, end e FROM CUPTI_ACTIVITY_KIND_KERNEL "
+                   "UNION ALL SELECT start, end FROM CUPTI_ACTIVITY_KIND_MEMCPY) a, (SELECT "
+                   "start s, end e FROM CUPTI_ACTIVITY_KIND_KERNEL UNION ALL SELECT start, end "
+                   "FROM CUPTI_ACTIVITY_KIND_MEMCPY) b WHERE a.s < b.e AND b.s < a.e AND "
+                   "a.s <> b.s"),
+            0);
+  EXPECT_EQ(busy_ns, SqlInt("SELECT SUM(e - s) FROM (SELECT start s, end e FROM "
+                            "CUPTI_ACTIVITY_KIND_KERNEL WHERE streamId = 7 UNION ALL SELECT "
+                            "start, end FROM CUPTI_ACTIVITY_KIND_MEMCPY WHERE streamId = 7 UNION "
+                            "ALL SELECT start, end FROM CUPTI_ACTIVITY_KIND_MEMSET WHERE "
+                            "streamId = 7)"));
+}
+
+TEST_F(NsysTraceTest, NoInstructionSamplesOrMemoryEvents) {
+  StatusOr<std::unique_ptr<Trace>> trace = Trace::Open(kNsysSaxpy);
+  ASSERT_TRUE(trace.ok()) << trace.status().message();
+  int samples = 0, events = 0;
+  ASSERT_TRUE((*trace)->ForEachInstructionSample([&](const auto&) { ++samples; }).ok());
+  ASSERT_TRUE((*trace)->ForEachMemoryEvent([&](const auto&) { ++events; }).ok());
+  EXPECT_EQ(samples, 0);
+  EXPECT_EQ(events, 0);  // the table exists but --cuda-memory-usage was off
+}
+
+TEST(NsysCompatTest, OldStyleExportWithoutOptionalTables) {
+  // A minimal export: kernels with text names, no StringIds, no MEMCPY/MEMSET/memory tables.
+  TempDir dir;
+  const std::string path = dir.File("old.sqlite");
+  ExecSql(path,
+          "CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL(start INTEGER NOT NULL, end INTEGER NOT NULL, "
+          "deviceId INTEGER, streamId INTEGER, globalPid INTEGER, shortName TEXT);"
+          "INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (10, 20, 0, 7, 16777216, 'gemm'), "
+          "(15, 30, 0, 8, 16777216, 'ncclDevKernel_AllGather_RING_LL'), "
+          "(5, 25, 1, 7, 33554432, 'ncclKernel_AllReduce_RING_LL_Sum_float');");
+  StatusOr<std::unique_ptr<Trace>> trace = Trace::Open(path);
+  ASSERT_TRUE(trace.ok()) << trace.status().message();
+  EXPECT_EQ((*trace)->ranks().size(), 2u);
+  EXPECT_EQ((*trace)->notes().size(), 4u);
+  std::vector<std::string> names;
+  std::vector<bool> communication;
+  ASSERT_TRUE((*trace)
+                  ->ForEachActivity([&](const Activity& a) {
+                    names.push_back(a.name);
+                    communication.push_back(a.communication);
+                  })
+                  .ok());
+  EXPECT_EQ(names, (std::vector<std::string>{"gemm", "ncclDevKernel_AllGather_RING_LL",
+                                             "ncclKernel_AllReduce_RING_LL_Sum_float"}));
+  EXPECT_EQ(communication, (std::vector<bool>{false, true, true}));
+}
+
+TEST(NsysCompatTest, MpiRanksTableNamesTheRanks) {
+  TempDir dir;
+  const std::string path = dir.File("mpi.sqlite");
+  ExecSql(path,
+          "CREATE TABLE StringIds(id INTEGER PRIMARY KEY, value TEXT NOT NULL);"
+          "INSERT INTO StringIds VALUES (1, 'k');"
+          "CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL(start INTEGER NOT NULL, end INTEGER NOT NULL, "
+          "globalPid INTEGER, shortName INTEGER NOT NULL, demangledName INTEGER NOT NULL);"
+          "INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (1, 2, 33554432, 1, 1), "
+          "(1, 2, 16777216, 1, 1);"
+          "CREATE TABLE MPI_RANKS(globalTid INTEGER, rank INTEGER);"
+          "INSERT INTO MPI_RANKS VALUES (33554433, 0), (16777217, 1);");
+  StatusOr<std::unique_ptr<Trace>> trace = Trace::Open(path);
+  ASSERT_TRUE(trace.ok()) << trace.status().message();
+  ASSERT_EQ((*trace)->ranks().size(), 2u);
+  EXPECT_EQ((*trace)->ranks()[0].global_pid, 33554432);
+  EXPECT_EQ((*trace)->ranks()[0].rank, 0);
+  EXPECT_EQ((*trace)->ranks()[1].global_pid, 16777216);
+  EXPECT_EQ((*trace)->ranks()[1].rank, 1);
+}
+
+}  // namespace
+}  // namespace dc

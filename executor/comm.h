@@ -1,0 +1,42 @@
+// Collectives between the ranks of a run. The cpu backend's implementation is Gloo over TCP
+// (file-store rendezvous); a world of one needs no transport. Calls are blocking and must be
+// made in the same order on every rank. Not thread-safe.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "schemas/status.h"
+
+namespace dc {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // out[r * shard_elements ...] = rank r's `shard`.
+  virtual Status AllGather(const float* shard, int64_t shard_elements, float* out) = 0;
+  // Sums `full` (world_size * shard_elements) over ranks; writes this rank's chunk to `shard`.
+  // `full` is used as scratch.
+  virtual Status ReduceScatterSum(float* full, int64_t shard_elements, float* shard) = 0;
+  virtual Status AllReduceSum(double* values, int64_t count) = 0;
+  virtual Status AllReduceMax(double* values, int64_t count) = 0;
+  virtual Status Broadcast(int64_t* value, int root) = 0;
+};
+
+struct RendezvousOptions {
+  int rank = 0;
+  int world_size = 1;
+  std::string store_dir;          // shared directory for the file store
+  std::string bind_host = "127.0.0.1";  // address this rank listens on
+  std::string run_id = "dc";      // prefix of the store's keys
+  std::chrono::milliseconds timeout{60000};  // rendezvous and each collective
+};
+
+// A world of one (no transport) or Gloo's full mesh over TCP.
+StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& options);
+
+}  // namespace dc

@@ -1,0 +1,407 @@
+#include "executor/executor.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <memory>
+
+#include "executor/cpu_kernels.h"
+#include "executor/device_memory.h"
+#include "models/data.h"
+
+namespace dc {
+
+double Median(std::vector<double> values) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+Status CheckRunnable(const proto::Schedule& schedule, int world_size) {
+  if (schedule.backend() != "cpu") {
+    return Status::Error("the plan is for the '" + schedule.backend() +
+                         "' backend and this run uses 'cpu'; re-plan with dc-plan for cpu");
+  }
+  if (schedule.world_size() != world_size) {
+    return Status::Error("the plan is for " + std::to_string(schedule.world_size()) +
+                         " rank(s) and this run has " + std::to_string(world_size) +
+                         "; pass --nproc " + std::to_string(schedule.world_size()) + " or re-plan");
+  }
+  return ValidateProgram(schedule.program()).Prefixed("the plan's program is invalid: ");
+}
+
+namespace {
+
+// A buffer on the (simulated) device: fp32 storage, or int32 for token tensors.
+struct Buffer {
+  std::vector<float> f32;
+  std::vector<int32_t> i32;
+  int64_t accounted_bytes = 0;
+  BufferKind kind = BufferKind::kActivation;
+};
+
+// The gathered copy of a param is keyed by micro-step kGatheredKey; everything else by its own
+// micro-step, so activations of different micro-steps never alias.
+constexpr int kGatheredKey = -2;
+
+class RankRunner {
+ public:
+  RankRunner(const proto::Schedule& schedule, const RunOptions& options, Communicator* comm,
+             HostTracer* tracer, std::unique_ptr<TokenSource> data)
+      : schedule_(schedule),
+        program_(schedule.program()),
+        options_(options),
+        comm_(comm),
+        tracer_(tracer),
+        data_(std::move(data)),
+        memory_(options.device_memory_bytes),
+        world_(comm->world_size()),
+        rank_(comm->rank()) {}
+
+  Status Init();
+  Status RunStep(int step, bool warmup, double* loss, double* seconds);
+  const DeviceMemory& memory() const { return memory_; }
+
+ private:
+  struct Pending {  // memory events of the instruction being executed
+    int64_t ts_ns, address, bytes;
+    bool alloc;
+    int tensor;
+    BufferKind kind;
+  };
+
+  int64_t ShardOf(int tensor) const { return ShardElements(NumElements(program_.tensors(tensor)), world_); }
+  std::string Describe(int index) const;
+  int64_t Now() const { return tracer_ ? tracer_->NowNs() : 0; }
+
+  Status Allocate(int tensor, int key, BufferKind kind, int64_t bytes, int64_t elements, bool ints,
+                  const std::string& what);
+  void Release(int tensor, int key);
+  Buffer* Find(int tensor, int key) {
+    auto it = live_.find({tensor, key});
+    return it == live_.end() ? nullptr : &it->second;
+  }
+  Status Execute(int index, int step, const InstructionRef& ref);
+  Status Compute(const proto::Instruction& instr, int index, int step);
+  Status Gather(const proto::Instruction& instr, int index);
+  Status ReduceScatter(const proto::Instruction& instr);
+  Status LoadInput(int tensor, int micro, int step, const std::string& what);
+  void FlushMemoryEvents(int64_t correlation_id);
+
+  const proto::Schedule& schedule_;
+  const proto::Program& program_;
+  const RunOptions& options_;
+  Communicator* comm_;
+  HostTracer* tracer_;
+  std::unique_ptr<TokenSource> data_;
+  DeviceMemory memory_;
+  const int world_;
+  const int rank_;
+
+  // Persistent per-rank shards (fp32): params, grad accumulators, optimizer states.
+  std::map<int, std::vector<float>> shards_;
+  std::map<std::pair<int, int>, Buffer> live_;
+  std::vector<Pending> pending_;
+  double loss_sum_ = 0;
+  int loss_tensor_ = -1;
+  int64_t next_address_ = 1;
+  std::map<std::pair<int, int>, int64_t> addresses_;
+};
+
+std::string RankRunner::Describe(int index) const {
+  const auto& instr = schedule_.instructions(index);
+  std::string text = "instruction " + std::to_string(index) + " (" + InstrKindName(instr.kind());
+  if (instr.kind() == proto::INSTR_COMPUTE) {
+    text += " " + program_.ops(instr.op()).name();
+  } else if (instr.tensors_size() > 0) {
+    text += " " + program_.tensors(instr.tensors(0)).name();
+    if (instr.tensors_size() > 1) text += " +" + std::to_string(instr.tensors_size() - 1);
+  }
+  return text + ") on rank " + std::to_string(rank_);
+}
+
+Status RankRunner::Allocate(int tensor, int key, BufferKind kind, int64_t bytes, int64_t elements,
+                            bool ints, const std::string& what) {
+  DC_RETURN_IF_ERROR(memory_.Allocate(kind, bytes, what));
+  Buffer& buffer = live_[{tensor, key}];
+  if (ints) {
+    buffer.i32.assign(elements, 0);
+  } else {
+    buffer.f32.assign(elements, 0.0f);
+  }
+  buffer.accounted_bytes = bytes;
+  buffer.kind = kind;
+  const int64_t address = next_address_++;
+  addresses_[{tensor, key}] = address;
+  pending_.push_back({Now(), address, bytes, true, tensor, kind});
+  return Status::Ok();
+}
+
+void RankRunner::Release(int tensor, int key) {
+  auto it = live_.find({tensor, key});
+  memory_.Free(it->second.kind, it->second.accounted_bytes);
+  pending_.push_back({Now(), addresses_[{tensor, key}], it->second.accounted_bytes, false, tensor,
+                      it->second.kind});
+  addresses_.erase({tensor, key});
+  live_.erase(it);
+}
+
+void RankRunner::FlushMemoryEvents(int64_t correlation_id) {
+  if (tracer_) {
+    for (const Pending& e : pending_) {
+      tracer_->Memory(e.ts_ns, e.address, e.bytes, e.alloc, program_.tensors(e.tensor).name(), e.kind,
+                      correlation_id);
+    }
+  }
+  pending_.clear();
+}
+
+Status RankRunner::Init() {
+  const proto::ModelConfig& config = program_.config();
+  for (const auto& t : program_.tensors()) {
+    if (t.name() == "loss") loss_tensor_ = t.id();
+    BufferKind kind;
+    if (t.role() == proto::ROLE_PARAM) {
+      kind = BufferKind::kShard;
+    } else if (t.role() == proto::ROLE_GRAD) {
+      kind = BufferKind::kGradShard;
+    } else if (t.role() == proto::ROLE_OPTIMIZER_STATE) {
+      kind = BufferKind::kOptimizerState;
+    } else {
+      continue;
+    }
+    const int64_t shard = ShardOf(t.id());
+    constexpr int64_t kF32Bytes = 4;
+    DC_RETURN_IF_ERROR(memory_.Allocate(kind, shard * kF32Bytes,
+                                        "start-up (persistent shard of " + t.name() + ")"));
+    std::vector<float>& storage = shards_[t.id()];
+    storage.assign(shard, 0.0f);
+    if (t.role() == proto::ROLE_PARAM) InitParamSlice(config, t, rank_ * shard, shard, storage.data());
+    if (tracer_) tracer_->Memory(Now(), next_address_++, shard * kF32Bytes, true, t.name(), kind, 0);
+  }
+  if (loss_tensor_ < 0) return Status::Error("the plan's program has no tensor named 'loss'");
+  return Status::Ok();
+}
+
+Status RankRunner::LoadInput(int tensor, int micro, int step, const std::string& what) {
+  const proto::ModelConfig& config = program_.config();
+  const proto::Tensor& t = program_.tensors(tensor);
+  DC_RETURN_IF_ERROR(Allocate(tensor, micro, BufferKind::kInput, TransientBytes(program_, t),
+                              NumElements(t), true, what));
+  Buffer* tokens = Find(tensor, micro);
+  const int64_t seq = config.seq();
+  std::vector<int32_t> inputs(seq), targets(seq);
+  for (int64_t b = 0; b < config.micro_batch(); ++b) {
+    data_->Sample(SampleIndex(config, world_, step, micro, rank_, b), inputs.data(), targets.data());
+    const auto& source = t.name() == "targets" ? targets : inputs;
+    std::copy(source.begin(), source.end(), tokens->i32.begin() + b * seq);
+  }
+  return Status::Ok();
+}
+
+Status RankRunner::Compute(const proto::Instruction& instr, int index, int step) {
+  const proto::Op& op = program_.ops(instr.op());
+  const bool optimizer = op.phase() == proto::PHASE_OPTIMIZER;
+  const int micro = instr.micro_step();
+  const std::string what = Describe(index);
+  std::vector<TensorRef> inputs, outputs;
+  auto view_of = [](Buffer& b, const proto::Tensor& t) {
+    TensorRef ref;
+    ref.shape.assign(t.shape().begin(), t.shape().end());
+    if (!b.i32.empty()) {
+      ref.i32 = b.i32.data();
+    } else {
+      ref.f32 = b.f32.data();
+    }
+    return ref;
+  };
+  for (int tensor : op.inputs()) {
+    const proto::Tensor& t = program_.tensors(tensor);
+    if (optimizer) {
+      auto it = shards_.find(tensor);
+      if (it == shards_.end()) return Status::Error(what + ": " + t.name() + " has no shard");
+      TensorRef ref;
+      ref.f32 = it->second.data();
+      ref.shape = {static_cast<int64_t>(it->second.size())};
+      inputs.push_back(ref);
+      continue;
+    }
+    const int key = t.role() == proto::ROLE_PARAM ? kGatheredKey : micro;
+    if (t.role() == proto::ROLE_INPUT && !Find(tensor, micro)) {
+      DC_RETURN_IF_ERROR(LoadInput(tensor, micro, step, what));
+    }
+    Buffer* buffer = Find(tensor, key);
+    if (!buffer) {
+      return Status::Error(what + ": reads " + t.name() +
+                           (t.role() == proto::ROLE_PARAM ? ", which is not gathered"
+                                                          : ", which is not live"));
+    }
+    inputs.push_back(view_of(*buffer, t));
+  }
+  for (int tensor : op.outputs()) {
+    const proto::Tensor& t = program_.tensors(tensor);
+    if (Find(tensor, micro)) return Status::Error(what + ": " + t.name() + " is already live");
+    DC_RETURN_IF_ERROR(Allocate(tensor, micro, TransientKind(t), TransientBytes(program_, t),
+                                NumElements(t), t.dtype() == proto::DTYPE_I32, what));
+    outputs.push_back(view_of(*Find(tensor, micro), t));
+  }
+  KernelContext context;
+  context.config = &program_.config();
+  context.grad_scale = 1.0 / static_cast<double>(TokensPerStep(program_.config(), world_));
+  context.adam_step = step + 1;
+  context.num_threads = options_.num_threads;
+  DC_RETURN_IF_ERROR(RunCpuOp(op, inputs, outputs, context).Prefixed(what + ": "));
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (op.outputs(i) == loss_tensor_) loss_sum_ += outputs[i].f32[0];
+  }
+  return Status::Ok();
+}
+
+Status RankRunner::Gather(const proto::Instruction& instr, int index) {
+  for (int tensor : instr.tensors()) {
+    const proto::Tensor& t = program_.tensors(tensor);
+    if (t.role() != proto::ROLE_PARAM) {
+      return Status::Error(Describe(index) + ": " + t.name() + " is not a param");
+    }
+    if (Find(tensor, kGatheredKey)) {
+      return Status::Error(Describe(index) + ": " + t.name() + " is already gathered");
+    }
+    const int64_t shard = ShardOf(tensor);
+    DC_RETURN_IF_ERROR(Allocate(tensor, kGatheredKey, BufferKind::kGathered,
+                                TransientBytes(program_, t), shard * world_, false, Describe(index)));
+    Buffer* buffer = Find(tensor, kGatheredKey);
+    DC_RETURN_IF_ERROR(comm_->AllGather(shards_[tensor].data(), shard, buffer->f32.data()));
+    buffer->f32.resize(NumElements(t));  // drop the shard padding
+  }
+  return Status::Ok();
+}
+
+Status RankRunner::ReduceScatter(const proto::Instruction& instr) {
+  for (int tensor : instr.tensors()) {
+    const proto::Tensor& t = program_.tensors(tensor);
+    Buffer* grad = Find(tensor, instr.micro_step());
+    if (!grad) return Status::Error("reduce-scatter of " + t.name() + ", which is not live");
+    const int64_t shard = ShardOf(tensor);
+    std::vector<float> padded(shard * world_, 0.0f);
+    std::copy(grad->f32.begin(), grad->f32.end(), padded.begin());
+    std::vector<float> reduced(shard);
+    DC_RETURN_IF_ERROR(comm_->ReduceScatterSum(padded.data(), shard, reduced.data()));
+    std::vector<float>& accumulator = shards_[tensor];
+    for (int64_t i = 0; i < shard; ++i) accumulator[i] += reduced[i];
+  }
+  return Status::Ok();
+}
+
+Status RankRunner::Execute(int index, int step, const InstructionRef& ref) {
+  const proto::Instruction& instr = schedule_.instructions(index);
+  const int64_t start_ns = Now();
+  Status status;
+  switch (instr.kind()) {
+    case proto::INSTR_COMPUTE:
+      status = Compute(instr, index, step);
+      break;
+    case proto::INSTR_ALL_GATHER:
+      status = Gather(instr, index);
+      break;
+    case proto::INSTR_REDUCE_SCATTER:
+      status = ReduceScatter(instr).Prefixed(Describe(index) + ": ");
+      break;
+    case proto::INSTR_RELEASE:
+      for (int tensor : instr.tensors()) {
+        const int key = program_.tensors(tensor).role() == proto::ROLE_PARAM ? kGatheredKey
+                                                                             : instr.micro_step();
+        if (!Find(tensor, key)) {
+          return Status::Error(Describe(index) + ": releases " + program_.tensors(tensor).name() +
+                               ", which is not live");
+        }
+        Release(tensor, key);
+      }
+      break;
+    default:
+      return Status::Error(Describe(index) + ": the cpu backend does not run " +
+                           InstrKindName(instr.kind()) + " instructions yet");
+  }
+  DC_RETURN_IF_ERROR(status);
+  if (tracer_) {
+    const int64_t end_ns = Now();
+    int64_t correlation = 0;
+    if (instr.kind() == proto::INSTR_COMPUTE) {
+      correlation = tracer_->Kernel(program_.ops(instr.op()).name(), instr.stream(), start_ns, end_ns, ref);
+    } else if (instr.kind() == proto::INSTR_ALL_GATHER || instr.kind() == proto::INSTR_REDUCE_SCATTER) {
+      int64_t bytes = 0;
+      for (int tensor : instr.tensors()) bytes += TransientBytes(program_, program_.tensors(tensor));
+      correlation = tracer_->Collective(instr.kind(), instr.stream(), start_ns, end_ns, bytes,
+                                        instr.tensors_size(), instr.bucket(), ref);
+    }
+    FlushMemoryEvents(correlation);
+  } else {
+    pending_.clear();
+  }
+  return Status::Ok();
+}
+
+Status RankRunner::RunStep(int step, bool warmup, double* loss, double* seconds) {
+  const auto wall_start = std::chrono::steady_clock::now();
+  const int64_t start_ns = Now();
+  loss_sum_ = 0;
+  for (int i = 0; i < schedule_.instructions_size(); ++i) {
+    InstructionRef ref{step, schedule_.instructions(i).micro_step(), i};
+    DC_RETURN_IF_ERROR(Execute(i, step, ref));
+  }
+  if (!live_.empty()) {
+    const auto& [key, buffer] = *live_.begin();
+    return Status::Error("the plan leaves " + program_.tensors(key.first).name() +
+                         " live at the end of the step; re-plan it");
+  }
+  // The grad accumulators start the next step empty.
+  for (auto& [tensor, storage] : shards_) {
+    if (program_.tensors(tensor).role() == proto::ROLE_GRAD) std::fill(storage.begin(), storage.end(), 0.0f);
+  }
+  double sum = loss_sum_;
+  DC_RETURN_IF_ERROR(comm_->AllReduceSum(&sum, 1));
+  *loss = sum / static_cast<double>(TokensPerStep(program_.config(), world_));
+  *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
+  if (tracer_) tracer_->Step(step, start_ns, Now(), *loss, warmup);
+  return Status::Ok();
+}
+
+}  // namespace
+
+StatusOr<RunResult> RunSchedule(const proto::Schedule& schedule, const RunOptions& options,
+                                Communicator* comm, HostTracer* tracer) {
+  DC_RETURN_IF_ERROR(CheckRunnable(schedule, comm->world_size()));
+  DC_ASSIGN_OR_RETURN(auto data, TokenSource::Open(schedule.program().config()));
+  RankRunner runner(schedule, options, comm, tracer, std::move(data));
+  DC_RETURN_IF_ERROR(runner.Init());
+  RunResult result;
+  result.world_size = comm->world_size();
+  result.tokens_per_step = TokensPerStep(schedule.program().config(), comm->world_size());
+  const int total = options.warmup_steps + options.steps;
+  for (int step = 0; step < total; ++step) {
+    const bool warmup = step < options.warmup_steps;
+    double loss = 0, seconds = 0;
+    DC_RETURN_IF_ERROR(runner.RunStep(step, warmup, &loss, &seconds));
+    if (!std::isfinite(loss)) {
+      return Status::Error("the loss is " + std::to_string(loss) + " at step " + std::to_string(step) +
+                           "; lower the learning rate or check the data");
+    }
+    if (!warmup) {
+      result.losses.push_back(loss);
+      result.step_seconds.push_back(seconds);
+    }
+    if (options.on_step && comm->rank() == 0) options.on_step(step, loss, seconds);
+  }
+  double peak = static_cast<double>(runner.memory().peak_bytes());
+  DC_RETURN_IF_ERROR(comm->AllReduceMax(&peak, 1));
+  result.peak_device_bytes = static_cast<int64_t>(peak);
+  result.peak_by_kind = runner.memory().peak_by_kind();
+  result.step_seconds_median = Median(result.step_seconds);
+  if (result.step_seconds_median > 0) {
+    result.tokens_per_second = static_cast<double>(result.tokens_per_step) / result.step_seconds_median;
+  }
+  return result;
+}
+
+}  // namespace dc

@@ -1,0 +1,49 @@
+// The schedule interpreter. It runs a plan's instruction stream step after step on one rank:
+// compute instructions through the backend's kernels, all-gathers and reduce-scatters through
+// the communicator, every buffer through DeviceMemory, every instruction into the tracer when
+// one is given. The `cpu` backend does real fp32 math; instructions run in stream order on one
+// thread (the dependency edges are honoured by that order).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "collector/host_tracer.h"
+#include "executor/comm.h"
+#include "schemas/program.h"
+#include "schemas/status.h"
+
+namespace dc {
+
+struct RunOptions {
+  int steps = 20;         // measured optimizer steps
+  int warmup_steps = 0;   // run first, marked warm-up in the trace, not in the losses
+  int64_t device_memory_bytes = 0;  // capacity; 0 = unlimited
+  int num_threads = 1;
+  // Called on rank 0 after every step (step index from 0, loss, seconds), e.g. for progress.
+  std::function<void(int, double, double)> on_step;
+};
+
+struct RunResult {
+  std::vector<double> losses;        // measured steps, mean loss over the global batch
+  std::vector<double> step_seconds;  // measured steps
+  int64_t peak_device_bytes = 0;     // max over ranks
+  std::vector<int64_t> peak_by_kind;  // this rank, at its peak, index = BufferKind
+  int world_size = 1;
+  int64_t tokens_per_step = 0;
+  double step_seconds_median = 0;
+  double tokens_per_second = 0;
+};
+
+// Checks that a plan can run here: known backend, world size matching the communicator,
+// the program valid. The message names what differs and what to do.
+Status CheckRunnable(const proto::Schedule& schedule, int world_size);
+
+StatusOr<RunResult> RunSchedule(const proto::Schedule& schedule, const RunOptions& options,
+                                Communicator* comm, HostTracer* tracer);
+
+double Median(std::vector<double> values);
+
+}  // namespace dc

@@ -1,0 +1,45 @@
+// Starting ranks. `--nproc N` on one machine re-executes this program N times with the rank
+// variables set and a private rendezvous directory; an outside launcher (torchrun --no-python,
+// Slurm, an mpirun wrapper) sets the same variables itself and names a shared directory.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "schemas/status.h"
+
+namespace dc {
+
+struct RankEnv {
+  int rank = 0;
+  int local_rank = 0;
+  int world_size = 1;
+  std::string rendezvous_dir;      // empty for a world of one
+  std::string bind_host = "127.0.0.1";
+  bool under_local_launcher = false;  // started by LaunchLocal (stderr goes to a file)
+};
+
+// Reads RANK, WORLD_SIZE, LOCAL_RANK (or SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID), the
+// rendezvous directory (`rendezvous_flag`, else DC_RENDEZVOUS_DIR) and the address to listen
+// on (DC_BIND_ADDR; else MASTER_ADDR's loopback-ness decides: loopback or unset -> 127.0.0.1,
+// else this host's name). No variables: a world of one.
+StatusOr<RankEnv> RankEnvFromEnvironment(const std::string& rendezvous_flag);
+
+// True when this process was started by LaunchLocal or an outside launcher as one rank.
+bool IsRankProcess();
+
+struct LaunchOptions {
+  int nproc = 2;
+  // After the first rank fails, how long the others get to stop before they are killed.
+  std::chrono::milliseconds grace{10000};
+  std::string program = "dc";  // for messages
+};
+
+// Runs `argv` (this program's own arguments) as `nproc` ranks and waits for them. Rank 0's
+// stdout is passed through; every rank's stderr is kept, and on success rank 0's is replayed.
+// Returns 0 when every rank succeeded; otherwise prints one line naming the first rank that
+// failed and why, stops the rest, and returns 1.
+int LaunchLocal(const LaunchOptions& options, const std::vector<std::string>& argv);
+
+}  // namespace dc

@@ -1,0 +1,83 @@
+#include "executor/session.h"
+
+#include <unistd.h>
+
+#include <ctime>
+#include <filesystem>
+
+#include "schemas/files.h"
+
+namespace dc {
+namespace {
+
+int64_t RealtimeNs() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_REALTIME, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
+}
+
+std::string Hostname() {
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+std::string RankPartPath(const RankEnv& env, const std::string& trace_path, int rank) {
+  const std::string base = env.world_size > 1 ? env.rendezvous_dir + "/trace" : TempPathBeside(trace_path);
+  return base + ".rank" + std::to_string(rank) + ".part";
+}
+
+}  // namespace
+
+StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const SessionOptions& options) {
+  SessionResult result;
+  DC_ASSIGN_OR_RETURN(result.env, RankEnvFromEnvironment(options.rendezvous_flag));
+  const RankEnv& env = result.env;
+  if (env.world_size > 1) {
+    std::error_code ec;
+    std::filesystem::create_directories(env.rendezvous_dir, ec);
+  }
+  RendezvousOptions rendezvous;
+  rendezvous.rank = env.rank;
+  rendezvous.world_size = env.world_size;
+  rendezvous.store_dir = env.rendezvous_dir;
+  rendezvous.bind_host = env.bind_host;
+  rendezvous.timeout = options.timeout;
+  rendezvous.run_id = "dc-" + schedule.program_digest().substr(0, 12);
+  DC_ASSIGN_OR_RETURN(auto comm, Connect(rendezvous));
+  DC_RETURN_IF_ERROR(CheckRunnable(schedule, comm->world_size()));
+
+  std::unique_ptr<HostTracer> tracer;
+  if (!options.trace_path.empty()) {
+    int64_t session_start_ns = RealtimeNs();
+    DC_RETURN_IF_ERROR(comm->Broadcast(&session_start_ns, 0));
+    RankIdentity identity;
+    identity.rank = env.rank;
+    identity.local_rank = env.local_rank;
+    identity.world_size = env.world_size;
+    identity.hostname = Hostname();
+    identity.backend = schedule.backend();
+    identity.device = "cpu";
+    identity.device_memory_bytes = options.run.device_memory_bytes;
+    tracer = std::make_unique<HostTracer>(identity, session_start_ns);
+  }
+  DC_ASSIGN_OR_RETURN(result.run, RunSchedule(schedule, options.run, comm.get(), tracer.get()));
+  if (!tracer) return result;
+
+  const std::string part = RankPartPath(env, options.trace_path, env.rank);
+  Status written = tracer->WriteRankFile(part);
+  double failed = written.ok() ? 0 : 1;
+  DC_RETURN_IF_ERROR(comm->AllReduceSum(&failed, 1));  // every part written before the merge
+  if (!written.ok()) return written;
+  if (failed > 0) return Status::Error("another rank could not write its trace; see its message");
+  if (env.rank == 0) {
+    std::vector<std::string> parts;
+    for (int r = 0; r < env.world_size; ++r) parts.push_back(RankPartPath(env, options.trace_path, r));
+    DC_ASSIGN_OR_RETURN(result.trace, MergeRankTraces(parts, schedule, options.trace_path));
+  }
+  double done = 0;
+  DC_RETURN_IF_ERROR(comm->AllReduceSum(&done, 1));  // ranks leave together
+  return result;
+}
+
+}  // namespace dc

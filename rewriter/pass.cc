@@ -1,0 +1,43 @@
+#include "rewriter/pass.h"
+
+#include <chrono>
+
+namespace dc {
+
+std::vector<std::string> Pipeline::PassNames() const {
+  std::vector<std::string> names;
+  for (const auto& pass : passes_) names.emplace_back(pass->name());
+  return names;
+}
+
+std::string Pipeline::OptionsText() const {
+  std::string text;
+  for (const auto& pass : passes_) {
+    if (disabled_.count(std::string(pass->name()))) continue;
+    text += std::string(pass->name()) + "{" + pass->OptionsText() + "};";
+  }
+  return text;
+}
+
+Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context) const {
+  for (const auto& pass : passes_) {
+    const std::string name(pass->name());
+    if (disabled_.count(name)) continue;
+    const auto start = std::chrono::steady_clock::now();
+    StatusOr<bool> changed = pass->Run(schedule, context);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (!changed.ok()) return changed.status().Prefixed("pass " + name + ": ");
+    auto* record = schedule->add_passes();
+    record->set_name(name);
+    record->set_changed(*changed);
+    record->set_seconds(seconds);
+    if (Status verified = verifier_(*schedule, context); !verified.ok()) {
+      return verified.Prefixed("after pass " + name + ": ");
+    }
+    if (dump_ && dump_after_ == name) dump_(name, *schedule);
+  }
+  return Status::Ok();
+}
+
+}  // namespace dc

@@ -1,0 +1,65 @@
+// The pass interface and the pipeline that runs passes over a schedule: one readable sequence,
+// the verifier after every pass, each pass timed, any pass switchable off by name, and the
+// schedule dumpable after any pass.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "analyzer/cost_model.h"
+#include "schemas/program.h"
+#include "schemas/status.h"
+
+namespace dc {
+
+// What a pass may consult besides the schedule itself.
+struct PassContext {
+  const CostModel* costs = nullptr;
+  int64_t budget_bytes = 0;  // 0 = unlimited
+};
+
+class Pass {
+ public:
+  virtual ~Pass() = default;
+  // kebab-case, as used by --passes and --dump-after.
+  virtual std::string_view name() const = 0;
+  // The pass's options as stable text (part of the plan cache key).
+  virtual std::string OptionsText() const { return ""; }
+  // Rewrites `schedule`; returns whether anything changed, or why it could not run.
+  virtual StatusOr<bool> Run(proto::Schedule* schedule, const PassContext& context) = 0;
+};
+
+class Pipeline {
+ public:
+  using DumpFn = std::function<void(std::string_view pass_name, const proto::Schedule&)>;
+  using VerifyFn = std::function<Status(const proto::Schedule&, const PassContext&)>;
+
+  explicit Pipeline(VerifyFn verifier) : verifier_(std::move(verifier)) {}
+
+  void Add(std::unique_ptr<Pass> pass) { passes_.push_back(std::move(pass)); }
+  void Disable(const std::string& name) { disabled_.insert(name); }
+  void DumpAfter(const std::string& name, DumpFn fn) {
+    dump_after_ = name;
+    dump_ = std::move(fn);
+  }
+  std::vector<std::string> PassNames() const;
+  // Names and options of the enabled passes, for the cache key.
+  std::string OptionsText() const;
+
+  // Runs every enabled pass in order, the verifier after each. Records go to
+  // schedule->passes. An error names the pass.
+  Status Run(proto::Schedule* schedule, const PassContext& context) const;
+
+ private:
+  VerifyFn verifier_;
+  std::vector<std::unique_ptr<Pass>> passes_;
+  std::set<std::string> disabled_;
+  std::string dump_after_;
+  DumpFn dump_;
+};
+
+}  // namespace dc

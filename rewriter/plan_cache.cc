@@ -1,0 +1,48 @@
+#include "rewriter/plan_cache.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <system_error>
+
+#include "schemas/digest.h"
+#include "schemas/plan_file.h"
+
+namespace dc {
+
+// Bumped whenever planning changes what it produces for the same inputs.
+static constexpr const char* kPlannerVersion = "dc-planner-1";
+
+std::string PlanCacheKey(const PlanKeyInputs& in) {
+  const std::string text = std::string(kPlannerVersion) + "\nprogram=" + in.program_digest +
+                           "\nworld=" + std::to_string(in.world_size) + "\nbackend=" + in.backend +
+                           "\ndevice=" + in.device + "\nbudget=" + std::to_string(in.budget_bytes) +
+                           "\npolicy=" + in.policy + "\npasses=" + in.pass_options +
+                           "\nprofile=" + in.profile_digest + "\n";
+  return Sha256Hex(text);
+}
+
+std::string DefaultCacheDir() {
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return std::string(xdg) + "/dc";
+  if (const char* home = std::getenv("HOME"); home && *home) return std::string(home) + "/.cache/dc";
+  return ".dc-cache";
+}
+
+std::string PlanCache::PathFor(const std::string& key) const { return dir_ + "/" + key + ".dcplan"; }
+
+std::optional<proto::Schedule> PlanCache::Lookup(const std::string& key) const {
+  const std::string path = PathFor(key);
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return std::nullopt;
+  StatusOr<proto::Schedule> plan = LoadPlan(path);
+  if (!plan.ok() || plan->cache_key() != key) return std::nullopt;
+  return std::move(plan).value();
+}
+
+Status PlanCache::Store(const std::string& key, const proto::Schedule& plan) const {
+  std::error_code ec;
+  std::filesystem::create_directories(dir_, ec);
+  if (ec) return Status::Error(dir_ + ": cannot create the plan cache (" + ec.message() + "); pass --cache-dir or --no-cache");
+  return SavePlan(PathFor(key), plan);
+}
+
+}  // namespace dc

@@ -1,0 +1,46 @@
+#include "rewriter/schedule_text.h"
+
+#include <gtest/gtest.h>
+
+#include "models/model.h"
+#include "rewriter/zero3.h"
+
+namespace dc {
+namespace {
+
+proto::Schedule TinyBaseline() {
+  auto config = MakeConfig("tiny", {});
+  auto program = BuildProgram(*config);
+  proto::Schedule s;
+  s.set_world_size(2);
+  *s.mutable_program() = *program;
+  Zero3Pass pass;
+  EXPECT_TRUE(pass.Run(&s, PassContext{}).ok());
+  return s;
+}
+
+TEST(ScheduleText, RoundTripsTheBaseline) {
+  const proto::Schedule s = TinyBaseline();
+  const std::string text = ScheduleToText(s);
+  proto::Schedule back;
+  *back.mutable_program() = s.program();
+  Status parsed = ParseScheduleText(text, &back);
+  ASSERT_TRUE(parsed.ok()) << parsed.message();
+  ASSERT_EQ(back.instructions_size(), s.instructions_size());
+  for (int i = 0; i < s.instructions_size(); ++i) {
+    EXPECT_EQ(back.instructions(i).SerializeAsString(), s.instructions(i).SerializeAsString()) << i;
+  }
+}
+
+TEST(ScheduleText, ReportsTheBadLine) {
+  proto::Schedule s = TinyBaseline();
+  Status parsed = ParseScheduleText("all_gather gather m0 [no.such.tensor]\n", &s);
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_NE(parsed.message().find("line 1"), std::string::npos) << parsed.message();
+  EXPECT_NE(parsed.message().find("no.such.tensor"), std::string::npos);
+  EXPECT_FALSE(ParseScheduleText("compute sideways m0 x\n", &s).ok());
+  EXPECT_FALSE(ParseScheduleText("5: compute compute m0\n", &s).ok());
+}
+
+}  // namespace
+}  // namespace dc

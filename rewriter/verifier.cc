@@ -1,0 +1,64 @@
+#include "rewriter/verifier.h"
+
+#include <cstdio>
+#include <vector>
+
+#include "analyzer/simulator.h"
+#include "schemas/units.h"
+
+namespace dc {
+
+namespace {
+
+Status CheckOpCounts(const proto::Schedule& schedule) {
+  const proto::Program& program = schedule.program();
+  const int gas = static_cast<int>(std::max<int64_t>(1, program.config().gas()));
+  // counts[op][micro + 1]; micro = -1 is the optimizer phase.
+  std::vector<std::vector<int>> counts(program.ops_size(), std::vector<int>(gas + 1, 0));
+  for (int i = 0; i < schedule.instructions_size(); ++i) {
+    const auto& instr = schedule.instructions(i);
+    for (int d : instr.deps()) {
+      if (d < 0 || d >= i) {
+        return Status::Error("instruction " + std::to_string(i) + " depends on instruction " +
+                             std::to_string(d) + ", which does not come before it");
+      }
+    }
+    if (instr.kind() != proto::INSTR_COMPUTE) continue;
+    if (instr.op() < 0 || instr.op() >= program.ops_size()) {
+      return Status::Error("instruction " + std::to_string(i) + " computes a bad op id");
+    }
+    if (instr.micro_step() < -1 || instr.micro_step() >= gas) {
+      return Status::Error("instruction " + std::to_string(i) + " has a bad micro-step");
+    }
+    ++counts[instr.op()][instr.micro_step() + 1];
+  }
+  for (int op = 0; op < program.ops_size(); ++op) {
+    const bool optimizer = program.ops(op).phase() == proto::PHASE_OPTIMIZER;
+    for (int m = -1; m < gas; ++m) {
+      const int want = (optimizer == (m == -1)) ? 1 : 0;
+      if (counts[op][m + 1] != want) {
+        return Status::Error("op " + program.ops(op).name() + " runs " +
+                             std::to_string(counts[op][m + 1]) + " times in micro-step " +
+                             std::to_string(m) + ", expected " + std::to_string(want));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status VerifySchedule(const proto::Schedule& schedule, const PassContext& context) {
+  DC_RETURN_IF_ERROR(CheckOpCounts(schedule));
+  CostModel fallback;
+  DC_ASSIGN_OR_RETURN(SimResult sim, Simulate(schedule, context.costs ? *context.costs : fallback));
+  if (context.budget_bytes > 0 && sim.peak_device_bytes > context.budget_bytes) {
+    return Status::Error("the schedule needs " + FormatBytes(sim.peak_device_bytes) +
+                         " of device memory at its peak (instruction " +
+                         std::to_string(sim.peak_instruction) + "), over the budget of " +
+                         FormatBytes(context.budget_bytes) + "; raise --budget");
+  }
+  return Status::Ok();
+}
+
+}  // namespace dc

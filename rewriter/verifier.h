@@ -1,0 +1,13 @@
+// The invariants every schedule keeps after every pass: dependencies point backwards, every
+// forward and backward op runs exactly once per micro-step and every optimizer op once, every
+// param is gathered before use and not released before its last use, nothing is used after its
+// release, and the simulated peak stays within the budget.
+#pragma once
+
+#include "rewriter/pass.h"
+
+namespace dc {
+
+Status VerifySchedule(const proto::Schedule& schedule, const PassContext& context);
+
+}  // namespace dc

@@ -1,0 +1,113 @@
+#include "rewriter/zero3.h"
+
+#include <map>
+#include <vector>
+
+namespace dc {
+namespace {
+
+// Last op index (within [begin, end)) that reads or writes each tensor; -1 if none.
+std::vector<int> LastUse(const proto::Program& program, int begin, int end) {
+  std::vector<int> last(program.tensors_size(), -1);
+  for (int i = begin; i < end; ++i) {
+    for (int t : program.ops(i).inputs()) last[t] = i;
+    for (int t : program.ops(i).outputs()) last[t] = i;
+  }
+  return last;
+}
+
+class StreamBuilder {
+ public:
+  explicit StreamBuilder(proto::Schedule* schedule) : schedule_(schedule) {}
+
+  int Emit(proto::InstrKind kind, proto::Stream stream, int micro_step, int op,
+           const std::vector<int>& tensors, const std::vector<int>& deps) {
+    auto* instr = schedule_->add_instructions();
+    instr->set_kind(kind);
+    instr->set_stream(stream);
+    instr->set_micro_step(micro_step);
+    instr->set_op(op);
+    for (int t : tensors) instr->add_tensors(t);
+    for (int d : deps) instr->add_deps(d);
+    return schedule_->instructions_size() - 1;
+  }
+
+ private:
+  proto::Schedule* schedule_;
+};
+
+}  // namespace
+
+StatusOr<bool> Zero3Pass::Run(proto::Schedule* schedule, const PassContext& /*context*/) {
+  const proto::Program& program = schedule->program();
+  DC_RETURN_IF_ERROR(ValidateProgram(program));
+  if (schedule->world_size() < 1) return Status::Error("world size must be at least 1");
+  const int gas = static_cast<int>(std::max<int64_t>(1, program.config().gas()));
+
+  int forward_end = 0, backward_end = 0;
+  for (const auto& op : program.ops()) {
+    if (op.phase() == proto::PHASE_FORWARD) forward_end = op.id() + 1;
+    if (op.phase() != proto::PHASE_OPTIMIZER) backward_end = op.id() + 1;
+  }
+  // Params are released after their last use within their phase (and gathered again for
+  // backward); activations, inputs and grads after their last use in the micro-step.
+  const std::vector<int> last_forward = LastUse(program, 0, forward_end);
+  const std::vector<int> last_backward = LastUse(program, forward_end, backward_end);
+  const std::vector<int> last_micro = LastUse(program, 0, backward_end);
+
+  schedule->clear_instructions();
+  StreamBuilder out(schedule);
+  std::map<int, std::vector<int>> grad_reductions;  // grad tensor -> reduce-scatter indices
+
+  for (int micro = 0; micro < gas; ++micro) {
+    std::vector<bool> gathered(program.tensors_size(), false);
+    for (int op_id = 0; op_id < backward_end; ++op_id) {
+      const proto::Op& op = program.ops(op_id);
+      const bool forward = op.phase() == proto::PHASE_FORWARD;
+      std::vector<int> deps;
+      for (int t : op.inputs()) {
+        if (program.tensors(t).role() != proto::ROLE_PARAM || gathered[t]) continue;
+        deps.push_back(out.Emit(proto::INSTR_ALL_GATHER, proto::STREAM_GATHER, micro, -1, {t}, {}));
+        gathered[t] = true;
+      }
+      const int compute = out.Emit(proto::INSTR_COMPUTE, proto::STREAM_COMPUTE, micro, op_id, {}, deps);
+
+      std::vector<int> released;
+      auto release_if_last = [&](int t) {
+        const proto::Tensor& tensor = program.tensors(t);
+        if (tensor.role() == proto::ROLE_GRAD) return;  // released after its reduce-scatter
+        if (tensor.role() == proto::ROLE_PARAM) {
+          const int last = forward ? last_forward[t] : last_backward[t];
+          if (last == op_id && gathered[t]) {
+            released.push_back(t);
+            gathered[t] = false;
+          }
+        } else if (last_micro[t] == op_id) {
+          released.push_back(t);
+        }
+      };
+      for (int t : op.inputs()) release_if_last(t);
+      for (int t : op.outputs()) release_if_last(t);
+      if (!released.empty()) {
+        out.Emit(proto::INSTR_RELEASE, proto::STREAM_COMPUTE, micro, -1, released, {compute});
+      }
+      for (int t : op.outputs()) {
+        if (program.tensors(t).role() != proto::ROLE_GRAD) continue;
+        const int rs = out.Emit(proto::INSTR_REDUCE_SCATTER, proto::STREAM_REDUCE, micro, -1, {t}, {compute});
+        grad_reductions[t].push_back(rs);
+        out.Emit(proto::INSTR_RELEASE, proto::STREAM_REDUCE, micro, -1, {t}, {rs});
+      }
+    }
+  }
+  for (int op_id = backward_end; op_id < program.ops_size(); ++op_id) {
+    std::vector<int> deps;
+    for (int t : program.ops(op_id).inputs()) {
+      auto it = grad_reductions.find(t);
+      if (it != grad_reductions.end()) deps.push_back(it->second.back());
+    }
+    out.Emit(proto::INSTR_COMPUTE, proto::STREAM_COMPUTE, -1, op_id, {}, deps);
+  }
+  return true;
+}
+
+}  // namespace dc

@@ -1,0 +1,188 @@
+// The three commands end to end on the tiny model, as a user runs them.
+#include <gtest/gtest.h>
+#include <sqlite3.h>
+
+#include <cmath>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "tests/run_command.h"
+
+namespace dc {
+namespace {
+
+using testing::FreshDir;
+using testing::RunCommand;
+using testing::Tool;
+using json = nlohmann::json;
+
+json ParseJson(const std::string& text) {
+  json j = json::parse(text, nullptr, false);
+  EXPECT_FALSE(j.is_discarded()) << "not JSON: " << text;
+  return j;
+}
+
+class EndToEnd : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = FreshDir("e2e");
+    auto collect = RunCommand(Tool("dc-collect") + " --model tiny --nproc 2 --steps 3 --warmup 1 -o " + dir_ +
+                              "/trace.db --json");
+    ASSERT_EQ(collect.exit_code, 0) << collect.err;
+    collect_ = ParseJson(collect.out);
+  }
+  static std::string dir_;
+  static json collect_;
+};
+std::string EndToEnd::dir_;
+json EndToEnd::collect_;
+
+TEST_F(EndToEnd, CollectReportsWhatItRecorded) {
+  EXPECT_EQ(collect_["trace"], dir_ + "/trace.db");
+  EXPECT_EQ(collect_["ranks"], 2);
+  EXPECT_EQ(collect_["steps"], 3);
+  EXPECT_GT(collect_["activities"].get<int64_t>(), 100);
+  EXPECT_GT(collect_["memory_events"].get<int64_t>(), 100);
+  EXPECT_EQ(collect_["dropped_records"], 0);
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/trace.db"));
+  // Nothing half-written or temporary is left beside it.
+  for (const auto& entry : std::filesystem::directory_iterator(dir_)) {
+    EXPECT_EQ(entry.path().filename(), "trace.db");
+  }
+}
+
+TEST_F(EndToEnd, TraceHasNsysColumnNames) {
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open_v2((dir_ + "/trace.db").c_str(), &db, SQLITE_OPEN_READONLY, nullptr), SQLITE_OK);
+  auto columns = [&](const std::string& table) {
+    std::set<std::string> names;
+    sqlite3_stmt* stmt = nullptr;
+    sqlite3_prepare_v2(db, ("PRAGMA table_info(" + table + ")").c_str(), -1, &stmt, nullptr);
+    while (sqlite3_step(stmt) == SQLITE_ROW) names.insert(reinterpret_cast<const char*>(sqlite3_column_text(stmt, 1)));
+    sqlite3_finalize(stmt);
+    return names;
+  };
+  for (const char* c : {"start", "end", "deviceId", "contextId", "streamId", "correlationId", "globalPid",
+                        "demangledName", "shortName", "gridX", "blockX"}) {
+    EXPECT_TRUE(columns("CUPTI_ACTIVITY_KIND_KERNEL").count(c)) << c;
+  }
+  for (const char* c : {"start", "globalPid", "deviceId", "address", "bytes", "memKind", "memoryOperationType"}) {
+    EXPECT_TRUE(columns("CUDA_GPU_MEMORY_USAGE_EVENTS").count(c)) << c;
+  }
+  EXPECT_TRUE(columns("StringIds").count("value"));
+  // Kernel names resolve through StringIds, as nsys recipes join them.
+  sqlite3_stmt* stmt = nullptr;
+  sqlite3_prepare_v2(db,
+                     "SELECT COUNT(*) FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.shortName "
+                     "WHERE s.value LIKE 'layers.0.%'",
+                     -1, &stmt, nullptr);
+  ASSERT_EQ(sqlite3_step(stmt), SQLITE_ROW);
+  EXPECT_GT(sqlite3_column_int64(stmt, 0), 0);
+  sqlite3_finalize(stmt);
+  sqlite3_close(db);
+}
+
+TEST_F(EndToEnd, PlanThenCacheHitThenRunWithFallingLoss) {
+  const std::string cache = dir_ + "/cache";
+  const std::string plan_cmd = Tool("dc-plan") + " " + dir_ + "/trace.db --cache-dir " + cache + " -o " + dir_ +
+                               "/plan.dcplan --json";
+  auto first = RunCommand(plan_cmd);
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  json plan = ParseJson(first.out);
+  EXPECT_EQ(plan["cache"], "miss");
+  EXPECT_GT(plan["predicted"]["step_seconds"].get<double>(), 0);
+  EXPECT_GT(plan["predicted"]["peak_device_bytes"].get<int64_t>(), 0);
+  EXPECT_GT(plan["baseline"]["peak_device_bytes"].get<int64_t>(), 0);
+  ASSERT_FALSE(plan["passes"].empty());
+  EXPECT_EQ(plan["passes"][0]["name"], "zero3");
+  EXPECT_EQ(plan["budget_bytes"], 0);
+
+  auto second = RunCommand(plan_cmd);
+  ASSERT_EQ(second.exit_code, 0) << second.err;
+  EXPECT_EQ(ParseJson(second.out)["cache"], "hit");
+
+  auto run = RunCommand(Tool("dc-run") + " " + dir_ + "/plan.dcplan --steps 20 --json");
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  json r = ParseJson(run.out);
+  ASSERT_EQ(r["losses"].size(), 20u);
+  EXPECT_EQ(r["world_size"], 2);
+  EXPECT_EQ(r["backend"], "cpu");
+  EXPECT_GT(r["tokens_per_second"].get<double>(), 0);
+  EXPECT_GT(r["step_seconds_median"].get<double>(), 0);
+  // The measured peak is exactly what the plan predicted: one accounting for both.
+  EXPECT_EQ(r["peak_device_bytes"], plan["predicted"]["peak_device_bytes"]);
+  const double first_loss = r["losses"][0], last_loss = r["losses"][19];
+  EXPECT_LT(last_loss, 0.8 * first_loss) << "the loss did not fall: " << r["losses"].dump();
+}
+
+TEST_F(EndToEnd, TooSmallDeviceMemoryFailsLikeAnOom) {
+  auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache -o " + dir_ + "/oom.dcplan");
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  auto run = RunCommand(Tool("dc-run") + " " + dir_ + "/oom.dcplan --steps 1 --device-memory 64KiB");
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.err.find("out of device memory at"), std::string::npos) << run.err;
+  EXPECT_NE(run.err.find("asked for"), std::string::npos) << run.err;
+}
+
+TEST_F(EndToEnd, BudgetBelowTheBaselineIsRefused) {
+  auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache --budget 4KiB -o " + dir_ +
+                         "/small.dcplan");
+  EXPECT_EQ(plan.exit_code, 1);
+  EXPECT_NE(plan.err.find("over the budget"), std::string::npos) << plan.err;
+  EXPECT_EQ(std::count(plan.err.begin(), plan.err.end(), '\n'), 1) << plan.err;
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/small.dcplan"));
+}
+
+TEST_F(EndToEnd, ReplanFromATraceOfAnotherProgramIsRefused) {
+  const std::string other = dir_ + "/other.db";
+  auto collect = RunCommand(Tool("dc-collect") + " --model tiny --layers 1 --steps 1 --warmup 0 -o " + other);
+  ASSERT_EQ(collect.exit_code, 0) << collect.err;
+  auto base = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache -o " + dir_ + "/base.dcplan");
+  ASSERT_EQ(base.exit_code, 0) << base.err;
+  auto replan = RunCommand(Tool("dc-plan") + " " + other + " --from-plan " + dir_ + "/base.dcplan --no-cache -o " +
+                           dir_ + "/mixed.dcplan");
+  EXPECT_EQ(replan.exit_code, 1);
+  EXPECT_NE(replan.err.find("another program"), std::string::npos) << replan.err;
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/mixed.dcplan"));
+}
+
+TEST(Losses, AgreeAcrossOneTwoAndFourRanks) {
+  // The same global batch of 4 sequences split over 1, 2 and 4 ranks.
+  std::vector<std::vector<double>> losses;
+  for (int ranks : {1, 2, 4}) {
+    const std::string dir = FreshDir("agree" + std::to_string(ranks));
+    auto run = RunCommand(Tool("dc-collect") + " --model tiny --nproc " + std::to_string(ranks) +
+                          " --micro-batch " + std::to_string(4 / ranks) + " --gas 2 --steps 6 --warmup 0 -o " +
+                          dir + "/t.db --json");
+    ASSERT_EQ(run.exit_code, 0) << run.err;
+    losses.push_back(ParseJson(run.out)["losses"].get<std::vector<double>>());
+  }
+  for (size_t r = 1; r < losses.size(); ++r) {
+    ASSERT_EQ(losses[r].size(), losses[0].size());
+    for (size_t s = 0; s < losses[0].size(); ++s) {
+      EXPECT_NEAR(losses[r][s], losses[0][s], 1e-5 * std::fabs(losses[0][s])) << "ranks index " << r << " step " << s;
+    }
+  }
+}
+
+TEST(Commands, HelpExplainsEveryFlagWithAnExample) {
+  for (const char* tool : {"dc-collect", "dc-plan", "dc-run"}) {
+    auto help = RunCommand(Tool(tool) + " --help");
+    EXPECT_EQ(help.exit_code, 0) << tool;
+    EXPECT_NE(help.out.find("Example:"), std::string::npos) << tool;
+  }
+}
+
+TEST(Commands, UnknownPresetIsOneClearLine) {
+  const std::string dir = FreshDir("preset");
+  auto run = RunCommand(Tool("dc-collect") + " --model gpt5 -o " + dir + "/t.db");
+  EXPECT_EQ(run.exit_code, 1);
+  EXPECT_NE(run.err.find("gpt5"), std::string::npos) << run.err;
+  EXPECT_NE(run.err.find("tiny"), std::string::npos) << run.err;
+  EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/t.db"));
+}
+
+}  // namespace
+}  // namespace dc

@@ -1,0 +1,54 @@
+#include "tools/cli.h"
+
+#include <iostream>
+
+#include "schemas/units.h"
+
+namespace dc::cli {
+
+namespace {
+template <typename T>
+void AddOptional(CLI::App& app, const std::string& name, std::optional<T>* target, const std::string& help) {
+  app.add_option_function<T>(name, [target](const T& v) { *target = v; }, help);
+}
+}  // namespace
+
+void ModelFlags::Add(CLI::App& app) {
+  app.add_option("--model", preset, "model preset: " + [] {
+    std::string names;
+    for (const auto& n : PresetNames()) names += (names.empty() ? "" : ", ") + n;
+    return names;
+  }())->capture_default_str();
+  AddOptional(app, "--layers", &overrides.layers, "override the number of decoder layers");
+  AddOptional(app, "--hidden", &overrides.hidden, "override the hidden size");
+  AddOptional(app, "--heads", &overrides.heads, "override the attention heads");
+  AddOptional(app, "--kv-heads", &overrides.kv_heads, "override the key/value heads (grouped-query)");
+  AddOptional(app, "--ffn", &overrides.ffn, "override the MLP inner size");
+  AddOptional(app, "--vocab", &overrides.vocab, "override the vocabulary size");
+  AddOptional(app, "--seq", &overrides.seq, "override the sequence length");
+  AddOptional(app, "--micro-batch", &overrides.micro_batch, "sequences per rank per micro-step");
+  AddOptional(app, "--gas", &overrides.gas, "gradient-accumulation micro-steps per optimizer step");
+  AddOptional(app, "--seed", &overrides.seed, "seed of the initial weights and synthetic data");
+  AddOptional(app, "--data", &overrides.data_path,
+              "flat binary file of uint16 token ids (as nanoGPT writes them) instead of synthetic tokens");
+}
+
+CLI::Option* AddBytesOption(CLI::App& app, const std::string& name, int64_t* bytes, const std::string& help) {
+  return app.add_option_function<std::string>(
+      name,
+      [bytes, name](const std::string& text) {
+        StatusOr<int64_t> parsed = ParseBytes(text);
+        if (!parsed.ok()) throw CLI::ValidationError(name, parsed.status().message());
+        *bytes = *parsed;
+      },
+      help);
+}
+
+int Fail(const std::string& program, const Status& status) {
+  std::cerr << program << ": " << status.message() << "\n";
+  return 1;
+}
+
+std::vector<std::string> Args(int argc, char** argv) { return std::vector<std::string>(argv, argv + argc); }
+
+}  // namespace dc::cli

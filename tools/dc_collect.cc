@@ -1,0 +1,102 @@
+// dc-collect: run training steps of a model under the host tracer and write one trace.
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <iostream>
+#include <unistd.h>
+
+#include "executor/launch.h"
+#include "executor/session.h"
+#include "rewriter/planner.h"
+#include "tools/cli.h"
+
+int main(int argc, char** argv) {
+  using namespace dc;
+  CLI::App app{
+      "dc-collect: run training steps of a model under a profiler and record kernels, "
+      "collectives and every allocation into one SQLite trace (Nsight Systems' schema).\n"
+      "Example: dc-collect --model tiny --nproc 2 --steps 5 --warmup 1 -o trace.db",
+      "dc-collect"};
+  cli::ModelFlags model;
+  model.Add(app);
+  int nproc = 1, steps = 5, warmup = 1, timeout_s = 60;
+  std::string backend = "auto", out, rendezvous;
+  int64_t device_memory = 0;
+  bool json = false, quiet = false;
+  app.add_option("--nproc", nproc, "ranks to start on this machine")->check(CLI::Range(1, 256))->capture_default_str();
+  app.add_option("--backend", backend, "auto (cuda when a GPU is present, else cpu) or cpu")
+      ->check(CLI::IsMember({"auto", "cpu"}))->capture_default_str();
+  app.add_option("--steps", steps, "measured optimizer steps")->check(CLI::Range(1, 1000000))->capture_default_str();
+  app.add_option("--warmup", warmup, "warm-up steps run first and excluded from the profile")
+      ->check(CLI::Range(0, 1000000))->capture_default_str();
+  cli::AddBytesOption(app, "--device-memory", &device_memory,
+                      "device memory capacity of the cpu backend, e.g. 1GiB (default: unlimited)");
+  app.add_option("-o,--output", out, "trace file to write (SQLite)")->required();
+  app.add_option("--rendezvous", rendezvous, "shared directory for ranks started by an outside launcher");
+  app.add_option("--timeout", timeout_s, "seconds to wait for other ranks")->capture_default_str();
+  app.add_flag("--json", json, "print one JSON object instead of text");
+  app.add_flag("--quiet", quiet, "no progress on stderr");
+  CLI11_PARSE(app, argc, argv);
+
+  if (nproc > 1 && !IsRankProcess()) {
+    LaunchOptions launch;
+    launch.nproc = nproc;
+    launch.program = "dc-collect";
+    return LaunchLocal(launch, cli::Args(argc, argv));
+  }
+  auto config = MakeConfig(model.preset, model.overrides);
+  if (!config.ok()) return cli::Fail("dc-collect", config.status());
+  auto program = BuildProgram(*config);
+  if (!program.ok()) return cli::Fail("dc-collect", program.status());
+  auto env = RankEnvFromEnvironment(rendezvous);
+  if (!env.ok()) return cli::Fail("dc-collect", env.status());
+
+  // The baseline schedule is what gets recorded; dc-plan improves on it.
+  PlanRequest request;
+  request.program = *program;
+  request.world_size = env->world_size;
+  request.backend = "cpu";
+  request.policy = "baseline";
+  auto schedule = MakePlan(request);
+  if (!schedule.ok()) return cli::Fail("dc-collect", schedule.status());
+
+  SessionOptions session;
+  session.run.steps = steps;
+  session.run.warmup_steps = warmup;
+  session.run.device_memory_bytes = device_memory;
+  session.trace_path = out;
+  session.rendezvous_flag = rendezvous;
+  session.timeout = std::chrono::seconds(timeout_s);
+  const bool progress = !quiet && !json && ::isatty(STDERR_FILENO);
+  if (progress) {
+    session.run.on_step = [&](int step, double loss, double seconds) {
+      std::fprintf(stderr, "\rdc-collect: step %d/%d loss %.4f (%.3f s)", step + 1, steps + warmup, loss, seconds);
+      if (step + 1 == steps + warmup) std::fprintf(stderr, "\n");
+    };
+  }
+  auto result = RunAsRank(*schedule, session);
+  if (!result.ok()) return cli::Fail("dc-collect", result.status());
+  if (result->env.rank != 0) return 0;
+  const MergeSummary& trace = *result->trace;
+  if (json) {
+    nlohmann::json j;
+    j["trace"] = out;
+    j["steps"] = steps;
+    j["warmup_steps"] = warmup;
+    j["ranks"] = trace.ranks;
+    j["activities"] = trace.activities;
+    j["memory_events"] = trace.memory_events;
+    j["dropped_records"] = trace.dropped_records;
+    j["losses"] = result->run.losses;
+    j["step_seconds_median"] = result->run.step_seconds_median;
+    j["peak_device_bytes"] = result->run.peak_device_bytes;
+    j["backend"] = "cpu";
+    std::cout << j.dump() << "\n";
+  } else {
+    std::printf("wrote %s: %d rank(s), %d step(s) + %d warm-up, %lld activities, %lld memory events, "
+                "%lld dropped\n",
+                out.c_str(), trace.ranks, steps, warmup, static_cast<long long>(trace.activities),
+                static_cast<long long>(trace.memory_events), static_cast<long long>(trace.dropped_records));
+  }
+  return 0;
+}

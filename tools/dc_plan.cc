@@ -1,0 +1,178 @@
+// dc-plan: read a trace, derive the profile, plan an optimized schedule (cached).
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+
+#include "analyzer/profile.h"
+#include "analyzer/simulator.h"
+#include "analyzer/trace.h"
+#include "rewriter/plan_cache.h"
+#include "rewriter/planner.h"
+#include "schemas/files.h"
+#include "schemas/plan_file.h"
+#include "schemas/units.h"
+#include "tools/cli.h"
+
+namespace {
+
+using namespace dc;
+
+nlohmann::json PredictionJson(const proto::Prediction& p) {
+  nlohmann::json j;
+  j["step_seconds"] = p.step_seconds();
+  j["peak_device_bytes"] = p.peak_device_bytes();
+  j["exposed_communication_seconds"] = p.exposed_communication_seconds();
+  j["compute_seconds"] = p.compute_seconds();
+  j["communication_seconds"] = p.communication_seconds();
+  nlohmann::json by_kind = nlohmann::json::object();
+  for (const auto& k : p.peak_by_kind()) by_kind[k.kind()] = k.bytes();
+  j["peak_by_kind"] = by_kind;
+  return j;
+}
+
+void PrintReport(const Profile& profile, const proto::Schedule& plan) {
+  std::printf("profile of %s: %d rank(s), %d measured step(s), median step %.4f s\n",
+              profile.trace_path.c_str(), profile.world_size, profile.steps_measured,
+              profile.step_seconds_median);
+  double compute = 0, comm = 0, overlap = 0, exposed = 0;
+  for (const auto& o : profile.overlap) {
+    compute += o.compute_seconds;
+    comm += o.communication_seconds;
+    overlap += o.overlap_seconds;
+    exposed += o.exposed_communication_seconds;
+  }
+  const double n = profile.overlap.empty() ? 1.0 : static_cast<double>(profile.overlap.size());
+  std::printf("per step and rank: compute %.4f s, communication %.4f s, overlapped %.4f s, exposed "
+              "communication %.4f s\n",
+              compute / n, comm / n, overlap / n, exposed / n);
+  std::printf("all-gather cost: %.1f us + bytes / %.2f GB/s; reduce-scatter: %.1f us + bytes / %.2f GB/s\n",
+              profile.costs.all_gather.latency_seconds * 1e6,
+              profile.costs.all_gather.bandwidth_bytes_per_second / 1e9,
+              profile.costs.reduce_scatter.latency_seconds * 1e6,
+              profile.costs.reduce_scatter.bandwidth_bytes_per_second / 1e9);
+  const auto& mem = profile.memory;
+  std::printf("measured memory timeline (rank 0): peak %s at %.4f s\n", FormatBytes(mem.peak_bytes).c_str(),
+              mem.peak_ts_ns / 1e9);
+  for (size_t k = 0; k < mem.kinds.size() && k < mem.peak_by_kind.size(); ++k) {
+    if (mem.peak_by_kind[k] > 0) std::printf("  %-16s %s\n", mem.kinds[k].c_str(), FormatBytes(mem.peak_by_kind[k]).c_str());
+  }
+  // A coarse picture of live bytes over the step: 16 samples of the measured timeline.
+  if (!mem.points.empty() && mem.peak_bytes > 0) {
+    const int64_t t0 = mem.points.front().ts_ns, t1 = mem.points.back().ts_ns;
+    constexpr int kSamples = 16, kBarWidth = 40;
+    size_t i = 0;
+    for (int s = 0; s < kSamples; ++s) {
+      const int64_t t = t0 + (t1 - t0) * s / (kSamples - 1);
+      while (i + 1 < mem.points.size() && mem.points[i + 1].ts_ns <= t) ++i;
+      const int64_t live = mem.points[i].total_bytes;
+      const int bar = static_cast<int>(kBarWidth * live / mem.peak_bytes);
+      std::printf("  %8.4f s |%-*s| %s\n", (t - t0) / 1e9, kBarWidth, std::string(bar, '#').c_str(),
+                  FormatBytes(live).c_str());
+    }
+  }
+  std::printf("plan (%s): predicted step %.4f s, peak %s; baseline %.4f s, peak %s\n", plan.policy().c_str(),
+              plan.prediction().step_seconds(), FormatBytes(plan.prediction().peak_device_bytes()).c_str(),
+              plan.baseline().step_seconds(), FormatBytes(plan.baseline().peak_device_bytes()).c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "dc-plan: read a trace, derive the memory timeline and costs, and plan an optimized "
+      "schedule into a plan file (cached across runs).\n"
+      "Example: dc-plan trace.db --budget 1GiB -o plan.dcplan --report",
+      "dc-plan"};
+  std::string trace_path, out = "plan.dcplan", cache_dir, policy = "dc", from_plan;
+  int64_t budget = 0;
+  bool no_cache = false, report = false, json = false;
+  app.add_option("trace", trace_path, "trace written by dc-collect or dc-run --trace")->required();
+  cli::AddBytesOption(app, "--budget", &budget, "device memory budget per rank, e.g. 1GiB (default: unlimited)");
+  app.add_option("--policy", policy, "pass pipeline: baseline (ZeRO-3) or dc")
+      ->check(CLI::IsMember(PolicyNames()))->capture_default_str();
+  app.add_option("--from-plan", from_plan,
+                 "re-plan this plan's program with the trace's profile (the trace must be of the same program)");
+  app.add_option("--cache-dir", cache_dir, "plan cache directory (default: $XDG_CACHE_HOME/dc or ~/.cache/dc)");
+  app.add_flag("--no-cache", no_cache, "neither read nor write the plan cache");
+  app.add_option("-o,--output", out, "plan file to write")->capture_default_str();
+  app.add_flag("--report", report, "print the memory timeline and overlap summary");
+  app.add_flag("--json", json, "print one JSON object");
+  CLI11_PARSE(app, argc, argv);
+
+  auto trace = Trace::Open(trace_path);
+  if (!trace.ok()) return cli::Fail("dc-plan", trace.status());
+  if (!(*trace)->program()) {
+    return cli::Fail("dc-plan", Status::Error(trace_path + ": a foreign (" +
+                                              std::string((*trace)->source() == TraceSource::kNsys ? "nsys" : "unknown") +
+                                              ") trace has no program to plan; analysis is report-only (dc-trace summary)"));
+  }
+  auto profile = BuildProfile(**trace);
+  if (!profile.ok()) return cli::Fail("dc-plan", profile.status());
+
+  PlanRequest request;
+  request.program = *(*trace)->program();
+  request.world_size = static_cast<int>((*trace)->ranks().size());
+  request.backend = (*trace)->ranks().empty() ? "cpu" : (*trace)->ranks().front().backend;
+  request.device = (*trace)->ranks().empty() ? "cpu" : (*trace)->ranks().front().device;
+  request.budget_bytes = budget;
+  request.policy = policy;
+  request.costs = profile->costs;
+  request.profile_digest = profile->digest;
+  if (!from_plan.empty()) {
+    auto base = LoadPlan(from_plan);
+    if (!base.ok()) return cli::Fail("dc-plan", base.status());
+    if (base->program_digest() != (*trace)->program_digest()) {
+      return cli::Fail("dc-plan", Status::Error(trace_path + ": recorded under another program than " + from_plan +
+                                                " (digest " + (*trace)->program_digest().substr(0, 12) + " vs " +
+                                                base->program_digest().substr(0, 12) +
+                                                "); record a trace of that plan with dc-run --trace"));
+    }
+    request.world_size = base->world_size();
+    if (budget == 0) request.budget_bytes = base->budget_bytes();
+  }
+
+  auto key = PlanKey(request);
+  if (!key.ok()) return cli::Fail("dc-plan", key.status());
+  PlanCache cache(cache_dir.empty() ? DefaultCacheDir() : cache_dir);
+  std::optional<proto::Schedule> plan;
+  if (!no_cache) plan = cache.Lookup(*key);
+  const bool hit = plan.has_value();
+  if (!hit) {
+    auto made = MakePlan(request);
+    if (!made.ok()) return cli::Fail("dc-plan", made.status().Prefixed(trace_path + ": "));
+    plan = std::move(made).value();
+    if (!no_cache) {
+      if (Status stored = cache.Store(*key, *plan); !stored.ok()) return cli::Fail("dc-plan", stored);
+    }
+  }
+  if (Status saved = SavePlan(out, *plan); !saved.ok()) return cli::Fail("dc-plan", saved);
+
+  if (json) {
+    nlohmann::json j;
+    j["plan"] = out;
+    j["cache"] = hit ? "hit" : "miss";
+    j["cache_key"] = *key;
+    j["policy"] = plan->policy();
+    j["world_size"] = plan->world_size();
+    j["budget_bytes"] = plan->budget_bytes();
+    j["instructions"] = plan->instructions_size();
+    j["predicted"] = PredictionJson(plan->prediction());
+    j["baseline"] = PredictionJson(plan->baseline());
+    j["passes"] = nlohmann::json::array();
+    for (const auto& p : plan->passes()) {
+      j["passes"].push_back({{"name", p.name()}, {"changed", p.changed()}, {"seconds", p.seconds()}});
+    }
+    j["measured_step_seconds"] = profile->step_seconds_median;
+    std::cout << j.dump() << "\n";
+    return 0;
+  }
+  std::printf("plan %s: cache %s, %d instructions for %d rank(s), predicted step %.4f s, peak %s (budget %s)\n",
+              out.c_str(), hit ? "hit" : "miss", plan->instructions_size(), plan->world_size(),
+              plan->prediction().step_seconds(), FormatBytes(plan->prediction().peak_device_bytes()).c_str(),
+              plan->budget_bytes() ? FormatBytes(plan->budget_bytes()).c_str() : "unlimited");
+  if (report) PrintReport(*profile, *plan);
+  for (const auto& note : (*trace)->notes()) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
+  return 0;
+}
