@@ -1,0 +1,50 @@
+// Cost estimates for a program on hardware it never ran on: a roofline per op and NCCL's ring
+// model per collective, from a HardwareProfile (analyzer/hardware.h), as the CostModel the
+// simulator consumes. A profile built from a trace (analyzer/profile.h) supersedes these numbers
+// wherever it measured something. Thread-safe (pure functions).
+#pragma once
+
+#include <cstdint>
+
+#include "analyzer/cost_model.h"
+#include "analyzer/hardware.h"
+#include "schemas/program.h"
+
+namespace dc {
+
+// The roofline of one op on one rank.
+struct OpRoofline {
+  double flops = 0;            // this rank's floating-point operations
+  int64_t bytes = 0;           // device memory read and written
+  double compute_seconds = 0;  // flops / (peak for its math × matmul_efficiency)
+  double memory_seconds = 0;   // bytes / (memory bandwidth × memory_efficiency)
+  double seconds = 0;          // max(compute, memory) + kernel launch
+  bool memory_bound() const { return memory_seconds > compute_seconds; }
+};
+
+// Roofline of `op` on one of `world_size` ranks.
+// - Peak: matmuls and attention (and their backwards) run on tensor cores at the rate of the
+//   program's compute dtype (bf16 / fp16: peak_bf16, fp32: peak_fp32); every other op runs on
+//   the vector units at peak_fp32 (norms and softmax reduce in fp32).
+// - Bytes: every input and output once, params gathered in the compute dtype
+//   (TransientBytes); an embedding reads only the table rows of its tokens.
+// - Optimizer-phase ops update this rank's fp32 shards in place: they read every input shard and
+//   write back the param and optimizer-state shards; their flops are divided by the world size.
+OpRoofline EstimateOp(const proto::Program& program, const proto::Op& op, const HardwareProfile& hw,
+                      int world_size);
+
+// Ring all-gather or reduce-scatter over `cluster`, as NCCL models it (src/graph/tuning.cc), in
+// terms of the WHOLE gathered (or reduced) bytes B: each rank moves B (N-1)/N at the ring's bus
+// bandwidth, so bandwidth_bytes_per_second = bus_bandwidth × N / (N - 1), and latency_seconds =
+// base + (N - nodes) intra-node steps + (nodes - 1) inter-node steps. The bus bandwidth is the
+// NVLink busBw in one node; across nodes NCCL spreads its ring channels over every NIC of a node,
+// so it is min(NVLink busBw, gpus_per_node × network bandwidth per GPU). One rank: a local copy.
+LinearCost RingCollectiveCost(const HardwareProfile& hw, const ClusterShape& cluster);
+
+// The whole cost model of `program` on `cluster` of `hw`: op_seconds for every op (EstimateOp),
+// all_gather and reduce_scatter (RingCollectiveCost), host copies over the host link, the
+// fallback flops rate, serial_streams and overlap_compute_slowdown from the profile.
+CostModel EstimateCostModel(const proto::Program& program, const HardwareProfile& hw,
+                            const ClusterShape& cluster);
+
+}  // namespace dc

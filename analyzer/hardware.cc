@@ -1,0 +1,305 @@
+#include "analyzer/hardware.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <type_traits>
+#include <variant>
+
+namespace dc {
+
+namespace hardware_internal {
+// Defined in the generated hardware_profiles.cc (analyzer/hardware_profiles.cc.in).
+const char* EmbeddedHardwareProfilesJson();
+}  // namespace hardware_internal
+
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr char kFormat[] = "dc.hardware_profiles/1";
+
+// What values a constant may take.
+enum class Range {
+  kPositive,     // > 0
+  kNonNegative,  // >= 0
+  kFraction,     // in (0, 1]
+  kAtLeastOne,   // >= 1
+  kBoolean,      // true or false
+};
+
+// One constant of a profile: its key in the file, where it goes, and its valid values.
+struct Field {
+  const char* key;
+  std::variant<double HardwareProfile::*, int64_t HardwareProfile::*, int HardwareProfile::*,
+               bool HardwareProfile::*>
+      member;
+  Range range;
+};
+
+const Field kFields[] = {
+    {"peak_bf16_flops_per_s", &HardwareProfile::peak_bf16_flops_per_s, Range::kPositive},
+    {"peak_fp32_flops_per_s", &HardwareProfile::peak_fp32_flops_per_s, Range::kPositive},
+    {"device_memory_bytes", &HardwareProfile::device_memory_bytes, Range::kNonNegative},
+    {"memory_bandwidth_bytes_per_s", &HardwareProfile::memory_bandwidth_bytes_per_s,
+     Range::kPositive},
+    {"matmul_efficiency", &HardwareProfile::matmul_efficiency, Range::kFraction},
+    {"memory_efficiency", &HardwareProfile::memory_efficiency, Range::kFraction},
+    {"intra_node_bus_bandwidth_bytes_per_s", &HardwareProfile::intra_node_bus_bandwidth_bytes_per_s,
+     Range::kPositive},
+    {"inter_node_bandwidth_per_gpu_bytes_per_s",
+     &HardwareProfile::inter_node_bandwidth_per_gpu_bytes_per_s, Range::kPositive},
+    {"collective_base_latency_s", &HardwareProfile::collective_base_latency_s, Range::kNonNegative},
+    {"intra_node_step_latency_s", &HardwareProfile::intra_node_step_latency_s, Range::kNonNegative},
+    {"inter_node_step_latency_s", &HardwareProfile::inter_node_step_latency_s, Range::kNonNegative},
+    {"host_link_bandwidth_bytes_per_s", &HardwareProfile::host_link_bandwidth_bytes_per_s,
+     Range::kPositive},
+    {"host_link_latency_s", &HardwareProfile::host_link_latency_s, Range::kNonNegative},
+    {"kernel_launch_seconds", &HardwareProfile::kernel_launch_seconds, Range::kNonNegative},
+    {"overlap_compute_slowdown", &HardwareProfile::overlap_compute_slowdown, Range::kAtLeastOne},
+    {"serial_streams", &HardwareProfile::serial_streams, Range::kBoolean},
+    {"max_gpus_per_node", &HardwareProfile::max_gpus_per_node, Range::kNonNegative},
+};
+
+bool InRange(double v, Range range) {
+  if (!std::isfinite(v)) return false;
+  switch (range) {
+    case Range::kPositive:
+      return v > 0;
+    case Range::kNonNegative:
+      return v >= 0;
+    case Range::kFraction:
+      return v > 0 && v <= 1;
+    case Range::kAtLeastOne:
+      return v >= 1;
+    case Range::kBoolean:
+      return false;
+  }
+  return false;
+}
+
+const char* RangeText(Range range) {
+  switch (range) {
+    case Range::kPositive:
+      return "> 0";
+    case Range::kNonNegative:
+      return ">= 0";
+    case Range::kFraction:
+      return "in (0, 1]";
+    case Range::kAtLeastOne:
+      return ">= 1";
+    case Range::kBoolean:
+      return "true or false";
+  }
+  return "";
+}
+
+std::string Lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+// Sets one constant from its {"value": ..., "source": "..."} entry.
+Status ParseField(const Field& field, const Json& entry, HardwareProfile* profile) {
+  if (!entry.is_object()) return Status::Error("is not an object {\"value\", \"source\"}");
+  for (auto it = entry.begin(); it != entry.end(); ++it) {
+    if (it.key() != "value" && it.key() != "source") {
+      return Status::Error("unknown key '" + it.key() + "' (expected \"value\" and \"source\")");
+    }
+  }
+  const auto source = entry.find("source");
+  if (source == entry.end() || !source->is_string() || source->get<std::string>().empty()) {
+    return Status::Error("has no \"source\": say where the number comes from");
+  }
+  const auto value = entry.find("value");
+  if (value == entry.end()) return Status::Error("has no \"value\"");
+  return std::visit(
+      [&](auto member) -> Status {
+        using T = std::remove_reference_t<decltype(profile->*member)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          if (!value->is_boolean()) return Status::Error("value is not true or false");
+          profile->*member = value->get<bool>();
+          return Status::Ok();
+        } else {
+          if constexpr (std::is_integral_v<T>) {
+            if (!value->is_number_integer()) return Status::Error("value is not an integer");
+          } else if (!value->is_number()) {
+            return Status::Error("value is not a number");
+          }
+          const double v = value->get<double>();
+          if (!InRange(v, field.range)) {
+            return Status::Error("value " + value->dump() + " is out of range (must be " +
+                                 RangeText(field.range) + ")");
+          }
+          if constexpr (std::is_integral_v<T>) {
+            if (v > static_cast<double>(std::numeric_limits<T>::max())) {
+              return Status::Error("value " + value->dump() + " is too large");
+            }
+            profile->*member = static_cast<T>(value->get<int64_t>());
+          } else {
+            profile->*member = v;
+          }
+          return Status::Ok();
+        }
+      },
+      field.member);
+}
+
+StatusOr<std::string> RequiredString(const Json& object, const char* key) {
+  const auto it = object.find(key);
+  if (it == object.end() || !it->is_string() || it->get<std::string>().empty()) {
+    return Status::Error(std::string("no \"") + key + "\" string");
+  }
+  return it->get<std::string>();
+}
+
+// Everything of a profile but its name.
+Status ParseProfileBody(const Json& object, HardwareProfile* profile) {
+  for (auto it = object.begin(); it != object.end(); ++it) {
+    const std::string& key = it.key();
+    if (key != "name" && key != "aliases" && key != "description" && key != "constants") {
+      return Status::Error("unknown key '" + key + "'");
+    }
+  }
+  DC_ASSIGN_OR_RETURN(profile->description, RequiredString(object, "description"));
+  const auto aliases = object.find("aliases");
+  if (aliases != object.end()) {
+    if (!aliases->is_array()) return Status::Error("\"aliases\" is not an array of strings");
+    for (const Json& alias : *aliases) {
+      if (!alias.is_string() || alias.get<std::string>().empty()) {
+        return Status::Error("\"aliases\" is not an array of strings");
+      }
+      profile->aliases.push_back(alias.get<std::string>());
+    }
+  }
+  const auto constants = object.find("constants");
+  if (constants == object.end() || !constants->is_object()) {
+    return Status::Error("no \"constants\" object");
+  }
+  std::set<std::string> known;
+  for (const Field& field : kFields) {
+    known.insert(field.key);
+    const auto entry = constants->find(field.key);
+    if (entry == constants->end()) {
+      return Status::Error(std::string("constant '") + field.key + "' is missing");
+    }
+    DC_RETURN_IF_ERROR(
+        ParseField(field, *entry, profile).Prefixed(std::string("constant '") + field.key + "' "));
+  }
+  for (auto it = constants->begin(); it != constants->end(); ++it) {
+    if (!known.count(it.key())) return Status::Error("unknown constant '" + it.key() + "'");
+  }
+  return Status::Ok();
+}
+
+StatusOr<HardwareProfile> ParseProfile(const Json& object) {
+  if (!object.is_object()) return Status::Error("is not an object");
+  HardwareProfile profile;
+  DC_ASSIGN_OR_RETURN(profile.name, RequiredString(object, "name"));
+  DC_RETURN_IF_ERROR(
+      ParseProfileBody(object, &profile).Prefixed("profile '" + profile.name + "': "));
+  return profile;
+}
+
+const StatusOr<std::vector<HardwareProfile>>& EmbeddedProfiles() {
+  static const StatusOr<std::vector<HardwareProfile>> profiles = ParseHardwareProfiles(
+      hardware_internal::EmbeddedHardwareProfilesJson(), "analyzer/hardware_profiles.json");
+  return profiles;
+}
+
+}  // namespace
+
+StatusOr<std::vector<HardwareProfile>> ParseHardwareProfiles(const std::string& json_text,
+                                                             const std::string& origin) {
+  const Json root = Json::parse(json_text, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded()) return Status::Error(origin + ": not valid JSON");
+  if (!root.is_object()) return Status::Error(origin + ": the top level is not an object");
+  const auto format = root.find("format");
+  if (format == root.end() || !format->is_string() || format->get<std::string>() != kFormat) {
+    return Status::Error(origin + ": \"format\" is not \"" + kFormat + "\"");
+  }
+  const auto list = root.find("profiles");
+  if (list == root.end() || !list->is_array() || list->empty()) {
+    return Status::Error(origin + ": no \"profiles\" array");
+  }
+  std::vector<HardwareProfile> profiles;
+  std::set<std::string> names;
+  for (size_t i = 0; i < list->size(); ++i) {
+    StatusOr<HardwareProfile> profile = ParseProfile((*list)[i]);
+    if (!profile.ok()) {
+      return profile.status().Prefixed(origin + ": profile " + std::to_string(i) + ": ");
+    }
+    std::vector<std::string> own = profile->aliases;
+    own.push_back(profile->name);
+    for (const std::string& name : own) {
+      if (!names.insert(Lower(name)).second) {
+        return Status::Error(origin + ": the name '" + name + "' is used twice");
+      }
+    }
+    profiles.push_back(std::move(profile).value());
+  }
+  return profiles;
+}
+
+StatusOr<std::vector<HardwareProfile>> HardwareProfiles() { return EmbeddedProfiles(); }
+
+std::vector<std::string> HardwareNames() {
+  std::vector<std::string> names;
+  const auto& profiles = EmbeddedProfiles();
+  if (!profiles.ok()) return names;
+  for (const HardwareProfile& p : *profiles) names.push_back(p.name);
+  return names;
+}
+
+StatusOr<HardwareProfile> FindHardware(const std::string& name) {
+  const auto& profiles = EmbeddedProfiles();
+  if (!profiles.ok()) return profiles.status();
+  const std::string wanted = Lower(name);
+  std::string known;
+  for (const HardwareProfile& p : *profiles) {
+    if (Lower(p.name) == wanted) return p;
+    for (const std::string& alias : p.aliases) {
+      if (Lower(alias) == wanted) return p;
+    }
+    known += (known.empty() ? "" : ", ") + p.name;
+  }
+  return Status::Error("--hardware: unknown hardware '" + name + "'; known: " + known +
+                       " (analyzer/hardware_profiles.json)");
+}
+
+StatusOr<ClusterShape> MakeCluster(int world, int gpus_per_node) {
+  if (world < 1) {
+    return Status::Error("--world " + std::to_string(world) + ": need at least one rank");
+  }
+  if (gpus_per_node < 1) {
+    return Status::Error("--gpus-per-node " + std::to_string(gpus_per_node) +
+                         ": need at least one GPU per node");
+  }
+  if (world <= gpus_per_node) return ClusterShape{1, world};
+  if (world % gpus_per_node != 0) {
+    return Status::Error("--world " + std::to_string(world) + " is not a multiple of " +
+                         "--gpus-per-node " + std::to_string(gpus_per_node) +
+                         ": ranks fill whole nodes; use a multiple of " +
+                         std::to_string(gpus_per_node) + " or another --gpus-per-node");
+  }
+  return ClusterShape{world / gpus_per_node, gpus_per_node};
+}
+
+Status ValidateCluster(const HardwareProfile& hw, const ClusterShape& cluster) {
+  if (cluster.nodes < 1 || cluster.gpus_per_node < 1) {
+    return Status::Error("cluster of " + std::to_string(cluster.nodes) + " nodes x " +
+                         std::to_string(cluster.gpus_per_node) + " GPUs is empty");
+  }
+  if (hw.max_gpus_per_node > 0 && cluster.gpus_per_node > hw.max_gpus_per_node) {
+    return Status::Error("--gpus-per-node " + std::to_string(cluster.gpus_per_node) + ": " +
+                         hw.name + " nodes have at most " + std::to_string(hw.max_gpus_per_node) +
+                         " GPUs in one NVLink domain");
+  }
+  return Status::Ok();
+}
+
+}  // namespace dc

@@ -1,0 +1,85 @@
+// Hardware profiles: what one GPU (or one cpu-backend rank) of a known machine can do, for cost
+// estimates of programs that were never run here (analyzer/estimate.h). The numbers are
+// checked-in data (analyzer/hardware_profiles.json, embedded at build time), each with its
+// source; analyzer/HARDWARE.md says which are datasheet facts and which are assumptions to be
+// replaced by measurements. Thread-safe: profiles are parsed once and never change.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "schemas/status.h"
+
+namespace dc {
+
+// One accelerator and its links, per GPU. Rates are what the hardware can sustain before the
+// efficiency factors, except where the source says the number is already an achievable rate.
+struct HardwareProfile {
+  std::string name;                  // "h100-sxm"
+  std::vector<std::string> aliases;  // other names FindHardware accepts
+  std::string description;
+
+  // Compute: dense tensor-core bf16 / fp16 rate, and the fp32 rate of the vector units.
+  double peak_bf16_flops_per_s = 0;
+  double peak_fp32_flops_per_s = 0;
+  // Memory: capacity as the runtime reports it (0 = no fixed capacity) and peak bandwidth.
+  int64_t device_memory_bytes = 0;
+  double memory_bandwidth_bytes_per_s = 0;
+  // Achievable fractions (0, 1] of the compute peak and of the memory bandwidth.
+  double matmul_efficiency = 1;
+  double memory_efficiency = 1;
+
+  // Collectives: the achievable ring bus bandwidth inside a node (NCCL-tests' busBw), the
+  // achievable network bandwidth per GPU between nodes, and NCCL's ring latency model.
+  double intra_node_bus_bandwidth_bytes_per_s = 0;
+  double inter_node_bandwidth_per_gpu_bytes_per_s = 0;
+  double collective_base_latency_s = 0;
+  double intra_node_step_latency_s = 0;
+  double inter_node_step_latency_s = 0;
+
+  // Host link (H2D / D2H copies of pinned memory).
+  double host_link_bandwidth_bytes_per_s = 0;
+  double host_link_latency_s = 0;
+
+  // Floor on the duration of one op: launching its kernels.
+  double kernel_launch_seconds = 0;
+  // Compute that overlaps a collective runs this much slower (>= 1).
+  double overlap_compute_slowdown = 1;
+  // The backend runs one instruction at a time (the cpu backend).
+  bool serial_streams = false;
+  // GPUs in one NVLink domain; 0 = no limit.
+  int max_gpus_per_node = 0;
+};
+
+// Ranks spread evenly over nodes: rank r is on node r / gpus_per_node.
+struct ClusterShape {
+  int nodes = 1;
+  int gpus_per_node = 1;
+  int world_size() const { return nodes * gpus_per_node; }
+};
+
+// The profile named `name` or one of its aliases (case-insensitive). Unknown name: the message
+// lists the known ones.
+StatusOr<HardwareProfile> FindHardware(const std::string& name);
+
+// Names of the checked-in profiles, in file order.
+std::vector<std::string> HardwareNames();
+
+// All checked-in profiles, in file order, or why the embedded data does not parse.
+StatusOr<std::vector<HardwareProfile>> HardwareProfiles();
+
+// Parses profiles in the hardware_profiles.json format. Every constant must be present, in
+// range and carry a non-empty source; unknown keys are errors (they are typos). `origin` names
+// the text in messages.
+StatusOr<std::vector<HardwareProfile>> ParseHardwareProfiles(const std::string& json_text,
+                                                             const std::string& origin);
+
+// `world` ranks with `gpus_per_node` per node. A world smaller than one node is one partial node;
+// otherwise the world must be a whole number of nodes. Messages name the command-line flags.
+StatusOr<ClusterShape> MakeCluster(int world, int gpus_per_node);
+
+// Checks that `cluster` can be built from `hw` (no more GPUs per node than one NVLink domain).
+Status ValidateCluster(const HardwareProfile& hw, const ClusterShape& cluster);
+
+}  // namespace dc
