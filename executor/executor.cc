@@ -5,6 +5,9 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <span>
+#include <tuple>
+#include <cstring>
 
 #include "executor/cpu_kernels.h"
 #include "executor/device_memory.h"
@@ -34,17 +37,26 @@ Status CheckRunnable(const proto::Schedule& schedule, int world_size) {
 
 namespace {
 
-// A buffer on the (simulated) device: fp32 storage, or int32 for token tensors.
+// A buffer on the (simulated) device: fp32 storage, or int32 for token tensors. It lives in the
+// plan's arena at its planned offset when the plan has a memory plan, else in its own storage.
 struct Buffer {
-  std::vector<float> f32;
-  std::vector<int32_t> i32;
+  float* f32 = nullptr;
+  int32_t* i32 = nullptr;
+  int64_t elements = 0;
   int64_t accounted_bytes = 0;
   BufferKind kind = BufferKind::kActivation;
+  std::vector<float> owned_f32;
+  std::vector<int32_t> owned_i32;
+  std::span<float> floats() { return {f32, static_cast<size_t>(elements)}; }
 };
+
+// The memory plan's placements by (instruction, tensor, micro-step).
+using PlacementKey = std::tuple<int, int, int>;
 
 // The gathered copy of a param is keyed by micro-step kGatheredKey; everything else by its own
 // micro-step, so activations of different micro-steps never alias.
 constexpr int kGatheredKey = -2;
+constexpr int kPersistentKey = -3;
 
 class RankRunner {
  public:
@@ -76,18 +88,24 @@ class RankRunner {
   std::string Describe(int index) const;
   int64_t Now() const { return tracer_ ? tracer_->NowNs() : 0; }
 
-  Status Allocate(int tensor, int key, BufferKind kind, int64_t bytes, int64_t elements, bool ints,
-                  const std::string& what);
+  // Creates the buffer of (tensor, key) for instruction `index` (-1 at start-up).
+  Status Allocate(int index, int tensor, int key, BufferKind kind, int64_t bytes, int64_t elements,
+                  bool ints, const std::string& what);
+  Status Place(int index, int tensor, int key, Buffer* buffer, bool ints);
   void Release(int tensor, int key);
   Buffer* Find(int tensor, int key) {
     auto it = live_.find({tensor, key});
     return it == live_.end() ? nullptr : &it->second;
   }
+  // The persistent shard of a param, grad or optimizer state; null while offloaded.
+  Buffer* Shard(int tensor) { return Find(tensor, kPersistentKey); }
   Status Execute(int index, int step, const InstructionRef& ref);
   Status Compute(const proto::Instruction& instr, int index, int step);
   Status Gather(const proto::Instruction& instr, int index);
   Status ReduceScatter(const proto::Instruction& instr);
-  Status LoadInput(int tensor, int micro, int step, const std::string& what);
+  Status Offload(const proto::Instruction& instr, int index);
+  Status Reload(const proto::Instruction& instr, int index);
+  Status LoadInput(int index, int tensor, int micro, int step, const std::string& what);
   void FlushMemoryEvents(int64_t correlation_id);
 
   const proto::Schedule& schedule_;
@@ -100,9 +118,12 @@ class RankRunner {
   const int world_;
   const int rank_;
 
-  // Persistent per-rank shards (fp32): params, grad accumulators, optimizer states.
-  std::map<int, std::vector<float>> shards_;
+  // Every device buffer by (tensor, key): persistent shards under kPersistentKey, gathered
+  // params under kGatheredKey, the rest under their micro-step.
   std::map<std::pair<int, int>, Buffer> live_;
+  std::map<int, std::vector<float>> host_;  // offloaded shards, by tensor
+  std::vector<std::byte> arena_;
+  std::map<PlacementKey, int64_t> placements_;
   std::vector<Pending> pending_;
   double loss_sum_ = 0;
   int loss_tensor_ = -1;
@@ -122,17 +143,46 @@ std::string RankRunner::Describe(int index) const {
   return text + ") on rank " + std::to_string(rank_);
 }
 
-Status RankRunner::Allocate(int tensor, int key, BufferKind kind, int64_t bytes, int64_t elements,
-                            bool ints, const std::string& what) {
+Status RankRunner::Place(int index, int tensor, int key, Buffer* buffer, bool ints) {
+  if (arena_.empty()) {
+    if (ints) {
+      buffer->owned_i32.assign(buffer->elements, 0);
+      buffer->i32 = buffer->owned_i32.data();
+    } else {
+      buffer->owned_f32.assign(buffer->elements, 0.0f);
+      buffer->f32 = buffer->owned_f32.data();
+    }
+    return Status::Ok();
+  }
+  const int micro = key == kPersistentKey ? -1 : key;
+  auto it = placements_.find({index, tensor, micro});
+  if (it == placements_.end()) {
+    return Status::Error("the memory plan has no place for " + program_.tensors(tensor).name() +
+                         " at instruction " + std::to_string(index) + "; re-plan it");
+  }
+  constexpr int64_t kElementBytes = 4;
+  if (it->second + buffer->elements * kElementBytes > static_cast<int64_t>(arena_.size())) {
+    return Status::Error("the memory plan places " + program_.tensors(tensor).name() +
+                         " past the end of the arena; re-plan it");
+  }
+  std::byte* base = arena_.data() + it->second;
+  std::memset(base, 0, buffer->elements * kElementBytes);
+  if (ints) {
+    buffer->i32 = reinterpret_cast<int32_t*>(base);
+  } else {
+    buffer->f32 = reinterpret_cast<float*>(base);
+  }
+  return Status::Ok();
+}
+
+Status RankRunner::Allocate(int index, int tensor, int key, BufferKind kind, int64_t bytes,
+                            int64_t elements, bool ints, const std::string& what) {
   DC_RETURN_IF_ERROR(memory_.Allocate(kind, bytes, what));
   Buffer& buffer = live_[{tensor, key}];
-  if (ints) {
-    buffer.i32.assign(elements, 0);
-  } else {
-    buffer.f32.assign(elements, 0.0f);
-  }
+  buffer.elements = elements;
   buffer.accounted_bytes = bytes;
   buffer.kind = kind;
+  DC_RETURN_IF_ERROR(Place(index, tensor, key, &buffer, ints));
   const int64_t address = next_address_++;
   addresses_[{tensor, key}] = address;
   pending_.push_back({Now(), address, bytes, true, tensor, kind});
@@ -160,6 +210,15 @@ void RankRunner::FlushMemoryEvents(int64_t correlation_id) {
 
 Status RankRunner::Init() {
   const proto::ModelConfig& config = program_.config();
+  const proto::MemoryPlan& plan = schedule_.memory_plan();
+  // The arena holds fp32 storage at the accounted sizes, which match only for fp32 programs;
+  // other programs on this backend keep one allocation per buffer.
+  if (plan.arena_bytes() > 0 && config.compute_dtype() == proto::DTYPE_F32) {
+    arena_.assign(plan.arena_bytes(), std::byte{0});
+    for (const auto& p : plan.placements()) {
+      placements_[{p.instruction(), p.tensor(), p.micro_step()}] = p.offset_bytes();
+    }
+  }
   for (const auto& t : program_.tensors()) {
     if (t.name() == "loss") loss_tensor_ = t.id();
     BufferKind kind;
@@ -174,21 +233,19 @@ Status RankRunner::Init() {
     }
     const int64_t shard = ShardOf(t.id());
     constexpr int64_t kF32Bytes = 4;
-    DC_RETURN_IF_ERROR(memory_.Allocate(kind, shard * kF32Bytes,
-                                        "start-up (persistent shard of " + t.name() + ")"));
-    std::vector<float>& storage = shards_[t.id()];
-    storage.assign(shard, 0.0f);
-    if (t.role() == proto::ROLE_PARAM) InitParamSlice(config, t, rank_ * shard, shard, storage.data());
-    if (tracer_) tracer_->Memory(Now(), next_address_++, shard * kF32Bytes, true, t.name(), kind, 0);
+    DC_RETURN_IF_ERROR(Allocate(-1, t.id(), kPersistentKey, kind, shard * kF32Bytes, shard, false,
+                                "start-up (persistent shard of " + t.name() + ")"));
+    if (t.role() == proto::ROLE_PARAM) InitParamSlice(config, t, rank_ * shard, shard, Shard(t.id())->f32);
   }
+  FlushMemoryEvents(0);
   if (loss_tensor_ < 0) return Status::Error("the plan's program has no tensor named 'loss'");
   return Status::Ok();
 }
 
-Status RankRunner::LoadInput(int tensor, int micro, int step, const std::string& what) {
+Status RankRunner::LoadInput(int index, int tensor, int micro, int step, const std::string& what) {
   const proto::ModelConfig& config = program_.config();
   const proto::Tensor& t = program_.tensors(tensor);
-  DC_RETURN_IF_ERROR(Allocate(tensor, micro, BufferKind::kInput, TransientBytes(program_, t),
+  DC_RETURN_IF_ERROR(Allocate(index, tensor, micro, BufferKind::kInput, TransientBytes(program_, t),
                               NumElements(t), true, what));
   Buffer* tokens = Find(tensor, micro);
   const int64_t seq = config.seq();
@@ -196,7 +253,7 @@ Status RankRunner::LoadInput(int tensor, int micro, int step, const std::string&
   for (int64_t b = 0; b < config.micro_batch(); ++b) {
     data_->Sample(SampleIndex(config, world_, step, micro, rank_, b), inputs.data(), targets.data());
     const auto& source = t.name() == "targets" ? targets : inputs;
-    std::copy(source.begin(), source.end(), tokens->i32.begin() + b * seq);
+    std::copy(source.begin(), source.end(), tokens->i32 + b * seq);
   }
   return Status::Ok();
 }
@@ -210,27 +267,28 @@ Status RankRunner::Compute(const proto::Instruction& instr, int index, int step)
   auto view_of = [](Buffer& b, const proto::Tensor& t) {
     TensorRef ref;
     ref.shape.assign(t.shape().begin(), t.shape().end());
-    if (!b.i32.empty()) {
-      ref.i32 = b.i32.data();
-    } else {
-      ref.f32 = b.f32.data();
-    }
+    ref.i32 = b.i32;
+    ref.f32 = b.f32;
     return ref;
   };
   for (int tensor : op.inputs()) {
     const proto::Tensor& t = program_.tensors(tensor);
     if (optimizer) {
-      auto it = shards_.find(tensor);
-      if (it == shards_.end()) return Status::Error(what + ": " + t.name() + " has no shard");
+      Buffer* shard = Shard(tensor);
+      if (!shard) {
+        return Status::Error(what + ": " + t.name() +
+                             (host_.count(tensor) ? "'s shard is offloaded; the plan must reload it first"
+                                                  : " has no shard"));
+      }
       TensorRef ref;
-      ref.f32 = it->second.data();
-      ref.shape = {static_cast<int64_t>(it->second.size())};
+      ref.f32 = shard->f32;
+      ref.shape = {shard->elements};
       inputs.push_back(ref);
       continue;
     }
     const int key = t.role() == proto::ROLE_PARAM ? kGatheredKey : micro;
     if (t.role() == proto::ROLE_INPUT && !Find(tensor, micro)) {
-      DC_RETURN_IF_ERROR(LoadInput(tensor, micro, step, what));
+      DC_RETURN_IF_ERROR(LoadInput(index, tensor, micro, step, what));
     }
     Buffer* buffer = Find(tensor, key);
     if (!buffer) {
@@ -243,7 +301,7 @@ Status RankRunner::Compute(const proto::Instruction& instr, int index, int step)
   for (int tensor : op.outputs()) {
     const proto::Tensor& t = program_.tensors(tensor);
     if (Find(tensor, micro)) return Status::Error(what + ": " + t.name() + " is already live");
-    DC_RETURN_IF_ERROR(Allocate(tensor, micro, TransientKind(t), TransientBytes(program_, t),
+    DC_RETURN_IF_ERROR(Allocate(index, tensor, micro, TransientKind(t), TransientBytes(program_, t),
                                 NumElements(t), t.dtype() == proto::DTYPE_I32, what));
     outputs.push_back(view_of(*Find(tensor, micro), t));
   }
@@ -259,7 +317,10 @@ Status RankRunner::Compute(const proto::Instruction& instr, int index, int step)
   return Status::Ok();
 }
 
+// A multi-tensor all-gather is one grouped call: the shards are packed side by side, gathered
+// once, and each rank's chunk unpacked into the whole params.
 Status RankRunner::Gather(const proto::Instruction& instr, int index) {
+  int64_t packed_elements = 0;
   for (int tensor : instr.tensors()) {
     const proto::Tensor& t = program_.tensors(tensor);
     if (t.role() != proto::ROLE_PARAM) {
@@ -268,28 +329,101 @@ Status RankRunner::Gather(const proto::Instruction& instr, int index) {
     if (Find(tensor, kGatheredKey)) {
       return Status::Error(Describe(index) + ": " + t.name() + " is already gathered");
     }
-    const int64_t shard = ShardOf(tensor);
-    DC_RETURN_IF_ERROR(Allocate(tensor, kGatheredKey, BufferKind::kGathered,
-                                TransientBytes(program_, t), shard * world_, false, Describe(index)));
-    Buffer* buffer = Find(tensor, kGatheredKey);
-    DC_RETURN_IF_ERROR(comm_->AllGather(shards_[tensor].data(), shard, buffer->f32.data()));
-    buffer->f32.resize(NumElements(t));  // drop the shard padding
+    if (!Shard(tensor)) return Status::Error(Describe(index) + ": " + t.name() + "'s shard is offloaded");
+    packed_elements += ShardOf(tensor);
+  }
+  std::vector<float> packed(packed_elements), gathered(packed_elements * world_);
+  int64_t offset = 0;
+  for (int tensor : instr.tensors()) {
+    const Buffer* shard = Shard(tensor);
+    std::copy(shard->f32, shard->f32 + shard->elements, packed.begin() + offset);
+    offset += shard->elements;
+  }
+  DC_RETURN_IF_ERROR(comm_->AllGather(packed.data(), packed_elements, gathered.data()));
+  offset = 0;
+  for (int tensor : instr.tensors()) {
+    const proto::Tensor& t = program_.tensors(tensor);
+    const int64_t shard = ShardOf(tensor), numel = NumElements(t);
+    DC_RETURN_IF_ERROR(Allocate(index, tensor, kGatheredKey, BufferKind::kGathered,
+                                TransientBytes(program_, t), numel, false, Describe(index)));
+    float* whole = Find(tensor, kGatheredKey)->f32;
+    for (int r = 0; r < world_; ++r) {
+      const int64_t begin = r * shard;
+      const int64_t count = std::max<int64_t>(0, std::min(shard, numel - begin));
+      const float* chunk = gathered.data() + r * packed_elements + offset;
+      std::copy(chunk, chunk + count, whole + begin);
+    }
+    offset += shard;
   }
   return Status::Ok();
 }
 
+// A multi-tensor reduce-scatter is one grouped call: rank r's chunk of the packed buffer holds
+// rank r's slice of every grad, side by side.
 Status RankRunner::ReduceScatter(const proto::Instruction& instr) {
+  int64_t packed_elements = 0;
   for (int tensor : instr.tensors()) {
-    const proto::Tensor& t = program_.tensors(tensor);
-    Buffer* grad = Find(tensor, instr.micro_step());
-    if (!grad) return Status::Error("reduce-scatter of " + t.name() + ", which is not live");
+    if (!Find(tensor, instr.micro_step())) {
+      return Status::Error("reduce-scatter of " + program_.tensors(tensor).name() + ", which is not live");
+    }
+    if (!Shard(tensor)) {
+      return Status::Error("reduce-scatter into " + program_.tensors(tensor).name() + "'s offloaded shard");
+    }
+    packed_elements += ShardOf(tensor);
+  }
+  std::vector<float> packed(packed_elements * world_, 0.0f), reduced(packed_elements);
+  int64_t offset = 0;
+  for (int tensor : instr.tensors()) {
+    const Buffer* grad = Find(tensor, instr.micro_step());
     const int64_t shard = ShardOf(tensor);
-    std::vector<float> padded(shard * world_, 0.0f);
-    std::copy(grad->f32.begin(), grad->f32.end(), padded.begin());
-    std::vector<float> reduced(shard);
-    DC_RETURN_IF_ERROR(comm_->ReduceScatterSum(padded.data(), shard, reduced.data()));
-    std::vector<float>& accumulator = shards_[tensor];
-    for (int64_t i = 0; i < shard; ++i) accumulator[i] += reduced[i];
+    for (int r = 0; r < world_; ++r) {
+      const int64_t begin = r * shard;
+      const int64_t count = std::max<int64_t>(0, std::min(shard, grad->elements - begin));
+      std::copy(grad->f32 + begin, grad->f32 + begin + count, packed.begin() + r * packed_elements + offset);
+    }
+    offset += shard;
+  }
+  DC_RETURN_IF_ERROR(comm_->ReduceScatterSum(packed.data(), packed_elements, reduced.data()));
+  offset = 0;
+  for (int tensor : instr.tensors()) {
+    Buffer* accumulator = Shard(tensor);
+    for (int64_t i = 0; i < accumulator->elements; ++i) accumulator->f32[i] += reduced[offset + i];
+    offset += accumulator->elements;
+  }
+  return Status::Ok();
+}
+
+// Offload copies a persistent shard to host memory and frees it on the device; reload brings
+// it back. Both are real copies.
+Status RankRunner::Offload(const proto::Instruction& instr, int index) {
+  for (int tensor : instr.tensors()) {
+    Buffer* shard = Shard(tensor);
+    if (!shard) {
+      return Status::Error(Describe(index) + ": " + program_.tensors(tensor).name() +
+                           " is not a persistent shard on the device (the cpu backend offloads shards only)");
+    }
+    host_[tensor].assign(shard->f32, shard->f32 + shard->elements);
+    Release(tensor, kPersistentKey);
+  }
+  return Status::Ok();
+}
+
+Status RankRunner::Reload(const proto::Instruction& instr, int index) {
+  for (int tensor : instr.tensors()) {
+    auto it = host_.find(tensor);
+    if (it == host_.end()) {
+      return Status::Error(Describe(index) + ": " + program_.tensors(tensor).name() + " is not offloaded");
+    }
+    const proto::Tensor& t = program_.tensors(tensor);
+    const BufferKind kind = t.role() == proto::ROLE_PARAM  ? BufferKind::kShard
+                            : t.role() == proto::ROLE_GRAD ? BufferKind::kGradShard
+                                                           : BufferKind::kOptimizerState;
+    constexpr int64_t kF32Bytes = 4;
+    const int64_t elements = static_cast<int64_t>(it->second.size());
+    DC_RETURN_IF_ERROR(Allocate(index, tensor, kPersistentKey, kind, elements * kF32Bytes, elements,
+                                false, Describe(index)));
+    std::copy(it->second.begin(), it->second.end(), Shard(tensor)->f32);
+    host_.erase(it);
   }
   return Status::Ok();
 }
@@ -307,6 +441,12 @@ Status RankRunner::Execute(int index, int step, const InstructionRef& ref) {
       break;
     case proto::INSTR_REDUCE_SCATTER:
       status = ReduceScatter(instr).Prefixed(Describe(index) + ": ");
+      break;
+    case proto::INSTR_OFFLOAD:
+      status = Offload(instr, index);
+      break;
+    case proto::INSTR_RELOAD:
+      status = Reload(instr, index);
       break;
     case proto::INSTR_RELEASE:
       for (int tensor : instr.tensors()) {
@@ -329,6 +469,11 @@ Status RankRunner::Execute(int index, int step, const InstructionRef& ref) {
     int64_t correlation = 0;
     if (instr.kind() == proto::INSTR_COMPUTE) {
       correlation = tracer_->Kernel(program_.ops(instr.op()).name(), instr.stream(), start_ns, end_ns, ref);
+    } else if (instr.kind() == proto::INSTR_OFFLOAD || instr.kind() == proto::INSTR_RELOAD) {
+      constexpr int64_t kF32Bytes = 4;
+      int64_t bytes = 0;
+      for (int tensor : instr.tensors()) bytes += ShardOf(tensor) * kF32Bytes;
+      correlation = tracer_->Copy(instr.kind(), instr.stream(), start_ns, end_ns, bytes, ref);
     } else if (instr.kind() == proto::INSTR_ALL_GATHER || instr.kind() == proto::INSTR_REDUCE_SCATTER) {
       int64_t bytes = 0;
       for (int tensor : instr.tensors()) bytes += TransientBytes(program_, program_.tensors(tensor));
@@ -350,14 +495,19 @@ Status RankRunner::RunStep(int step, bool warmup, double* loss, double* seconds)
     InstructionRef ref{step, schedule_.instructions(i).micro_step(), i};
     DC_RETURN_IF_ERROR(Execute(i, step, ref));
   }
-  if (!live_.empty()) {
-    const auto& [key, buffer] = *live_.begin();
-    return Status::Error("the plan leaves " + program_.tensors(key.first).name() +
-                         " live at the end of the step; re-plan it");
+  for (auto& [key, buffer] : live_) {
+    if (key.second != kPersistentKey) {
+      return Status::Error("the plan leaves " + program_.tensors(key.first).name() +
+                           " live at the end of the step; re-plan it");
+    }
+    // The grad accumulators start the next step empty.
+    if (program_.tensors(key.first).role() == proto::ROLE_GRAD) {
+      std::fill(buffer.f32, buffer.f32 + buffer.elements, 0.0f);
+    }
   }
-  // The grad accumulators start the next step empty.
-  for (auto& [tensor, storage] : shards_) {
-    if (program_.tensors(tensor).role() == proto::ROLE_GRAD) std::fill(storage.begin(), storage.end(), 0.0f);
+  if (!host_.empty()) {
+    return Status::Error("the plan leaves " + program_.tensors(host_.begin()->first).name() +
+                         " offloaded at the end of the step; re-plan it");
   }
   double sum = loss_sum_;
   DC_RETURN_IF_ERROR(comm_->AllReduceSum(&sum, 1));
