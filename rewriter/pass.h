@@ -31,6 +31,8 @@ class Pass {
   virtual std::string OptionsText() const { return ""; }
   // Rewrites `schedule`; returns whether anything changed, or why it could not run.
   virtual StatusOr<bool> Run(proto::Schedule* schedule, const PassContext& context) = 0;
+  // What the last Run changed, for --explain ("moved 80 gathers earlier by 3.1 ops on average").
+  virtual std::string Summary() const { return ""; }
 };
 
 class Pipeline {

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <fstream>
 #include <set>
 
 #include "tests/run_command.h"
@@ -182,6 +183,55 @@ TEST(Commands, UnknownPresetIsOneClearLine) {
   EXPECT_NE(run.err.find("tiny"), std::string::npos) << run.err;
   EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
   EXPECT_FALSE(std::filesystem::exists(dir + "/t.db"));
+}
+
+}  // namespace
+}  // namespace dc
+
+namespace dc {
+namespace {
+
+TEST(Synthetic, PlansLlama3_70bOn32H100sWithoutATrace) {
+  const std::string dir = FreshDir("synthetic");
+  auto plan = RunCommand(Tool("dc-plan") +
+                         " --synthetic --model llama3-70b --world 32 --hardware h100-sxm --gpus-per-node 8 --gas 1 "
+                         "--micro-batch 1 --seq 1024 --no-cache --explain --json -o " + dir + "/70b.dcplan");
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  json j = ParseJson(plan.out);
+  EXPECT_EQ(j["world_size"], 32);
+  EXPECT_NE(j["device"].get<std::string>().find("h100"), std::string::npos);
+  // The default budget is the GPU's memory; the plan fits it.
+  EXPECT_GT(j["budget_bytes"].get<int64_t>(), 79LL << 30);
+  EXPECT_LE(j["predicted"]["peak_device_bytes"].get<int64_t>(), j["budget_bytes"].get<int64_t>());
+  // Forward + backward of 70B at 1024 tokens per rank takes a fraction of a second or more.
+  EXPECT_GT(j["baseline"]["step_seconds"].get<double>(), 0.3);
+  for (const auto& pass : j["passes"]) {
+    EXPECT_GT(pass["instructions"].get<int>(), 0);
+    EXPECT_GT(pass["predicted_step_seconds"].get<double>(), 0);
+  }
+}
+
+TEST(Synthetic, BadHardwareAndClusterAreOneClearLine) {
+  auto hw = RunCommand(Tool("dc-plan") + " --synthetic --model tiny --hardware tpu-v9 --no-cache -o /dev/null");
+  EXPECT_EQ(hw.exit_code, 1);
+  EXPECT_NE(hw.err.find("h100-sxm"), std::string::npos) << hw.err;
+  auto cluster = RunCommand(Tool("dc-plan") + " --synthetic --model tiny --world 12 --gpus-per-node 8 --no-cache -o /dev/null");
+  EXPECT_EQ(cluster.exit_code, 1);
+  EXPECT_EQ(std::count(cluster.err.begin(), cluster.err.end(), '\n'), 1) << cluster.err;
+  auto neither = RunCommand(Tool("dc-plan") + " --no-cache");
+  EXPECT_EQ(neither.exit_code, 1);
+  EXPECT_NE(neither.err.find("--synthetic"), std::string::npos) << neither.err;
+}
+
+TEST(DumpAfter, WritesTheScheduleTextOfThePass) {
+  const std::string dir = FreshDir("dump");
+  auto plan = RunCommand(Tool("dc-plan") + " --synthetic --model tiny --world 2 --hardware cpu --gpus-per-node 2 "
+                         "--budget 1GiB --no-cache --dump-after zero3 -o " + dir + "/p.dcplan");
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  std::ifstream dump(dir + "/p.dcplan.zero3.txt");
+  std::string first;
+  std::getline(dump, first);
+  EXPECT_EQ(first.rfind("0: all_gather gather m0 [embed]", 0), 0u) << first;
 }
 
 }  // namespace

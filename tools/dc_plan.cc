@@ -5,11 +5,15 @@
 #include <filesystem>
 #include <iostream>
 
+#include "analyzer/estimate.h"
+#include "analyzer/hardware.h"
 #include "analyzer/profile.h"
 #include "analyzer/simulator.h"
 #include "analyzer/trace.h"
 #include "rewriter/plan_cache.h"
 #include "rewriter/planner.h"
+#include "rewriter/schedule_text.h"
+#include "schemas/digest.h"
 #include "schemas/files.h"
 #include "schemas/plan_file.h"
 #include "schemas/units.h"
@@ -30,6 +34,55 @@ nlohmann::json PredictionJson(const proto::Prediction& p) {
   for (const auto& k : p.peak_by_kind()) by_kind[k.kind()] = k.bytes();
   j["peak_by_kind"] = by_kind;
   return j;
+}
+
+Status SyntheticRequest(const cli::ModelFlags& model, const std::string& hardware, int world, int gpus_per_node,
+                        int64_t budget, PlanRequest* request) {
+  DC_ASSIGN_OR_RETURN(proto::ModelConfig config, MakeConfig(model.preset, model.overrides));
+  DC_ASSIGN_OR_RETURN(proto::Program program, BuildProgram(config));
+  DC_ASSIGN_OR_RETURN(HardwareProfile hw, FindHardware(hardware));
+  DC_ASSIGN_OR_RETURN(ClusterShape cluster, MakeCluster(world, gpus_per_node));
+  DC_RETURN_IF_ERROR(ValidateCluster(hw, cluster));
+  request->world_size = world;
+  request->backend = hw.serial_streams ? "cpu" : "cuda";
+  request->device = hw.name + " x" + std::to_string(world) + " (" + std::to_string(cluster.nodes) + " x " +
+                    std::to_string(cluster.gpus_per_node) + ")";
+  request->costs = EstimateCostModel(program, hw, cluster);
+  request->profile_digest = Sha256Hex(CostModelText(request->costs));
+  request->budget_bytes = budget > 0 ? budget : hw.device_memory_bytes;
+  request->program = std::move(program);
+  return Status::Ok();
+}
+
+Status TraceRequest(const std::string& trace_path, const std::string& from_plan, int64_t budget,
+                    PlanRequest* request, std::optional<Profile>* measured, std::vector<std::string>* notes) {
+  DC_ASSIGN_OR_RETURN(auto trace, Trace::Open(trace_path));
+  if (!trace->program()) {
+    return Status::Error(trace_path + ": a foreign (" +
+                         std::string(trace->source() == TraceSource::kNsys ? "nsys" : "unknown") +
+                         ") trace has no program to plan; its analysis is report-only (dc-trace summary)");
+  }
+  DC_ASSIGN_OR_RETURN(Profile profile, BuildProfile(*trace));
+  request->program = *trace->program();
+  request->world_size = static_cast<int>(trace->ranks().size());
+  request->backend = trace->ranks().empty() ? "cpu" : trace->ranks().front().backend;
+  request->device = trace->ranks().empty() ? "cpu" : trace->ranks().front().device;
+  request->budget_bytes = budget;
+  request->costs = profile.costs;
+  request->profile_digest = profile.digest;
+  if (!from_plan.empty()) {
+    DC_ASSIGN_OR_RETURN(proto::Schedule base, LoadPlan(from_plan));
+    if (base.program_digest() != trace->program_digest()) {
+      return Status::Error(trace_path + ": recorded under another program than " + from_plan + " (digest " +
+                           trace->program_digest().substr(0, 12) + " vs " + base.program_digest().substr(0, 12) +
+                           "); record a trace of that plan with dc-run --trace");
+    }
+    request->world_size = base.world_size();
+    if (budget == 0) request->budget_bytes = base.budget_bytes();
+  }
+  *notes = trace->notes();
+  *measured = std::move(profile);
+  return Status::Ok();
 }
 
 void PrintReport(const Profile& profile, const proto::Schedule& plan) {
@@ -77,6 +130,25 @@ void PrintReport(const Profile& profile, const proto::Schedule& plan) {
               plan.baseline().step_seconds(), FormatBytes(plan.baseline().peak_device_bytes()).c_str());
 }
 
+void PrintExplain(const proto::Schedule& plan) {
+  std::printf("passes (%s):\n", plan.policy().c_str());
+  double previous_seconds = plan.baseline().step_seconds();
+  int64_t previous_peak = plan.baseline().peak_device_bytes();
+  for (const auto& p : plan.passes()) {
+    const double step = p.predicted_step_seconds();
+    const int64_t peak = p.predicted_peak_bytes();
+    std::printf("  %-20s %-9s %8.3f ms  step %.6f s (%+.6f)  peak %s (%+lld B)  %d instructions\n",
+                p.name().c_str(), p.changed() ? "changed" : "unchanged", p.seconds() * 1e3, step,
+                step - previous_seconds, FormatBytes(peak).c_str(), static_cast<long long>(peak - previous_peak),
+                p.instructions());
+    if (!p.summary().empty()) std::printf("  %-20s %s\n", "", p.summary().c_str());
+    previous_seconds = step;
+    previous_peak = peak;
+  }
+  const double base = plan.baseline().step_seconds(), now = plan.prediction().step_seconds();
+  if (now > 0) std::printf("  speed-up over the zero3 baseline: %.3fx\n", base / now);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -88,7 +160,24 @@ int main(int argc, char** argv) {
   std::string trace_path, out = "plan.dcplan", cache_dir, policy = "dc", from_plan;
   int64_t budget = 0;
   bool no_cache = false, report = false, json = false;
-  app.add_option("trace", trace_path, "trace written by dc-collect or dc-run --trace")->required();
+  app.add_option("trace", trace_path, "trace written by dc-collect or dc-run --trace (omit with --synthetic)");
+  bool synthetic = false, explain = false;
+  std::string hardware = "h100-sxm", dump_after;
+  int world = 8, gpus_per_node = 8;
+  cli::ModelFlags model;
+  app.add_flag("--synthetic", synthetic,
+               "plan a model on a hardware profile without a trace (roofline and NCCL-ring cost estimates), "
+               "e.g. --synthetic --model llama3-70b --world 32 --hardware h100-sxm --gpus-per-node 8");
+  model.Add(app);
+  app.add_option("--world", world, "ranks (--synthetic)")->capture_default_str();
+  app.add_option("--hardware", hardware, "hardware profile (--synthetic): " + [] {
+    std::string names;
+    for (const auto& n : HardwareNames()) names += (names.empty() ? "" : ", ") + n;
+    return names;
+  }())->capture_default_str();
+  app.add_option("--gpus-per-node", gpus_per_node, "GPUs per node (--synthetic)")->capture_default_str();
+  app.add_flag("--explain", explain, "say per pass what it changed and what it bought (predicted seconds and bytes)");
+  app.add_option("--dump-after", dump_after, "write the schedule after this pass as text to <plan>.<pass>.txt");
   cli::AddBytesOption(app, "--budget", &budget, "device memory budget per rank, e.g. 1GiB (default: unlimited)");
   app.add_option("--policy", policy, "pass pipeline: baseline (ZeRO-3) or dc")
       ->check(CLI::IsMember(PolicyNames()))->capture_default_str();
@@ -100,48 +189,39 @@ int main(int argc, char** argv) {
   app.add_flag("--report", report, "print the memory timeline and overlap summary");
   app.add_flag("--json", json, "print one JSON object");
   CLI11_PARSE(app, argc, argv);
-
-  auto trace = Trace::Open(trace_path);
-  if (!trace.ok()) return cli::Fail("dc-plan", trace.status());
-  if (!(*trace)->program()) {
-    return cli::Fail("dc-plan", Status::Error(trace_path + ": a foreign (" +
-                                              std::string((*trace)->source() == TraceSource::kNsys ? "nsys" : "unknown") +
-                                              ") trace has no program to plan; analysis is report-only (dc-trace summary)"));
+  if (synthetic == !trace_path.empty()) {
+    return cli::Fail("dc-plan", Status::Error("give a trace, or --synthetic with --model (see --help)"));
   }
-  auto profile = BuildProfile(**trace);
-  if (!profile.ok()) return cli::Fail("dc-plan", profile.status());
 
   PlanRequest request;
-  request.program = *(*trace)->program();
-  request.world_size = static_cast<int>((*trace)->ranks().size());
-  request.backend = (*trace)->ranks().empty() ? "cpu" : (*trace)->ranks().front().backend;
-  request.device = (*trace)->ranks().empty() ? "cpu" : (*trace)->ranks().front().device;
-  request.budget_bytes = budget;
+  std::optional<Profile> measured;
+  std::vector<std::string> notes;
+  Status prepared = synthetic ? SyntheticRequest(model, hardware, world, gpus_per_node, budget, &request)
+                              : TraceRequest(trace_path, from_plan, budget, &request, &measured, &notes);
+  if (!prepared.ok()) return cli::Fail("dc-plan", prepared);
   request.policy = policy;
-  request.costs = profile->costs;
-  request.profile_digest = profile->digest;
-  if (!from_plan.empty()) {
-    auto base = LoadPlan(from_plan);
-    if (!base.ok()) return cli::Fail("dc-plan", base.status());
-    if (base->program_digest() != (*trace)->program_digest()) {
-      return cli::Fail("dc-plan", Status::Error(trace_path + ": recorded under another program than " + from_plan +
-                                                " (digest " + (*trace)->program_digest().substr(0, 12) + " vs " +
-                                                base->program_digest().substr(0, 12) +
-                                                "); record a trace of that plan with dc-run --trace"));
-    }
-    request.world_size = base->world_size();
-    if (budget == 0) request.budget_bytes = base->budget_bytes();
+  if (!dump_after.empty()) {
+    request.dump_after = dump_after;
+    request.dump = [&](std::string_view pass, const proto::Schedule& schedule) {
+      const std::string path = out + "." + std::string(pass) + ".txt";
+      if (Status written = WriteFileAtomic(path, ScheduleToText(schedule)); written.ok()) {
+        std::fprintf(stderr, "dc-plan: wrote the schedule after %s to %s\n", std::string(pass).c_str(),
+                     path.c_str());
+      } else {
+        std::fprintf(stderr, "dc-plan: %s\n", written.message().c_str());
+      }
+    };
   }
-
   auto key = PlanKey(request);
   if (!key.ok()) return cli::Fail("dc-plan", key.status());
   PlanCache cache(cache_dir.empty() ? DefaultCacheDir() : cache_dir);
   std::optional<proto::Schedule> plan;
-  if (!no_cache) plan = cache.Lookup(*key);
+  // A dump is a side effect of planning: skip the cache so it is written.
+  if (!no_cache && dump_after.empty()) plan = cache.Lookup(*key);
   const bool hit = plan.has_value();
   if (!hit) {
     auto made = MakePlan(request);
-    if (!made.ok()) return cli::Fail("dc-plan", made.status().Prefixed(trace_path + ": "));
+    if (!made.ok()) return cli::Fail("dc-plan", made.status().Prefixed(synthetic ? "" : trace_path + ": "));
     plan = std::move(made).value();
     if (!no_cache) {
       if (Status stored = cache.Store(*key, *plan); !stored.ok()) return cli::Fail("dc-plan", stored);
@@ -164,7 +244,15 @@ int main(int argc, char** argv) {
     for (const auto& p : plan->passes()) {
       j["passes"].push_back({{"name", p.name()}, {"changed", p.changed()}, {"seconds", p.seconds()}});
     }
-    j["measured_step_seconds"] = profile->step_seconds_median;
+    if (measured) j["measured_step_seconds"] = measured->step_seconds_median;
+    j["device"] = plan->device();
+    for (int i = 0; i < plan->passes_size(); ++i) {
+      const auto& p = plan->passes(i);
+      j["passes"][i]["summary"] = p.summary();
+      j["passes"][i]["predicted_step_seconds"] = p.predicted_step_seconds();
+      j["passes"][i]["predicted_peak_bytes"] = p.predicted_peak_bytes();
+      j["passes"][i]["instructions"] = p.instructions();
+    }
     std::cout << j.dump() << "\n";
     return 0;
   }
@@ -172,7 +260,8 @@ int main(int argc, char** argv) {
               out.c_str(), hit ? "hit" : "miss", plan->instructions_size(), plan->world_size(),
               plan->prediction().step_seconds(), FormatBytes(plan->prediction().peak_device_bytes()).c_str(),
               plan->budget_bytes() ? FormatBytes(plan->budget_bytes()).c_str() : "unlimited");
-  if (report) PrintReport(*profile, *plan);
-  for (const auto& note : (*trace)->notes()) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
+  if (explain) PrintExplain(*plan);
+  if (report && measured) PrintReport(*measured, *plan);
+  for (const auto& note : notes) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
   return 0;
 }
