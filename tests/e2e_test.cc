@@ -117,6 +117,26 @@ TEST_F(EndToEnd, PlanThenCacheHitThenRunWithFallingLoss) {
   EXPECT_LT(last_loss, 0.8 * first_loss) << "the loss did not fall: " << r["losses"].dump();
 }
 
+TEST_F(EndToEnd, ProfileGuidedRoundsReportPredictedAndMeasured) {
+  const std::string rounds_dir = FreshDir("rounds");
+  auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --rounds 2 --round-steps 2 --no-cache --json -o " +
+                         rounds_dir + "/best.dcplan");
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  json j = ParseJson(plan.out);
+  ASSERT_EQ(j["rounds"].size(), 2u);
+  for (const auto& round : j["rounds"]) {
+    EXPECT_GT(round["measured_step_seconds"].get<double>(), 0);
+    EXPECT_GT(round["predicted_step_seconds"].get<double>(), 0);
+  }
+  // Only the chosen plan remains: the rounds' plans and traces are cleaned up.
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(rounds_dir)) {
+    EXPECT_EQ(entry.path().filename(), "best.dcplan");
+    ++files;
+  }
+  EXPECT_EQ(files, 1);
+}
+
 TEST_F(EndToEnd, TooSmallDeviceMemoryFailsLikeAnOom) {
   auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache -o " + dir_ + "/oom.dcplan");
   ASSERT_EQ(plan.exit_code, 0) << plan.err;

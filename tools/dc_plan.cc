@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 
 #include "analyzer/estimate.h"
 #include "analyzer/hardware.h"
@@ -83,6 +84,70 @@ Status TraceRequest(const std::string& trace_path, const std::string& from_plan,
   *notes = trace->notes();
   *measured = std::move(profile);
   return Status::Ok();
+}
+
+std::string ShellQuote(const std::string& s) {
+  std::string quoted = "'";
+  for (char c : s) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return quoted + "'";
+}
+
+// dc-run beside this binary, else on PATH.
+std::string DcRunPath() {
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const auto sibling = self.parent_path() / "dc-run";
+    if (std::filesystem::exists(sibling, ec)) return sibling.string();
+  }
+  return "dc-run";
+}
+
+struct RoundOptions {
+  int rounds = 0;
+  int steps = 3;   // measured steps per round
+  int warmup = 1;  // warm-up steps per round, left out of the profile
+};
+
+// Profile-guided rounds: run the plan with collection on its backend, re-plan from the new
+// trace, and keep the plan with the best measured step time. Appends one JSON object per round.
+StatusOr<proto::Schedule> RunRounds(PlanRequest request, proto::Schedule plan, const RoundOptions& options,
+                                    const std::string& out, nlohmann::json* report) {
+  if (request.backend != "cpu") {
+    return Status::Error("--rounds runs plans on this machine's cpu backend; this plan is for " + request.backend);
+  }
+  proto::Schedule best = plan;
+  double best_seconds = std::numeric_limits<double>::infinity();
+  for (int round = 1; round <= options.rounds; ++round) {
+    const std::string base = out + ".round" + std::to_string(round);
+    DC_RETURN_IF_ERROR(SavePlan(base + ".dcplan", plan));
+    const std::string command = ShellQuote(DcRunPath()) + " " + ShellQuote(base + ".dcplan") + " --steps " +
+                                std::to_string(options.steps) + " --warmup " + std::to_string(options.warmup) +
+                                " --trace " + ShellQuote(base + ".db") + " --quiet >/dev/null";
+    const int rc = std::system(command.c_str());
+    std::error_code ec;
+    std::filesystem::remove(base + ".dcplan", ec);
+    if (rc != 0) return Status::Error("round " + std::to_string(round) + ": dc-run failed (see its message above)");
+    DC_ASSIGN_OR_RETURN(auto trace, Trace::Open(base + ".db"));
+    DC_ASSIGN_OR_RETURN(Profile profile, BuildProfile(*trace));
+    std::filesystem::remove(base + ".db", ec);
+    const double measured = profile.step_seconds_median;
+    report->push_back({{"round", round},
+                       {"predicted_step_seconds", plan.prediction().step_seconds()},
+                       {"measured_step_seconds", measured},
+                       {"instructions", plan.instructions_size()}});
+    std::fprintf(stderr, "dc-plan: round %d: predicted %.6f s, measured %.6f s per step\n", round,
+                 plan.prediction().step_seconds(), measured);
+    if (measured < best_seconds) {
+      best_seconds = measured;
+      best = plan;
+    }
+    if (round == options.rounds) break;
+    request.costs = profile.costs;
+    request.profile_digest = profile.digest;
+    DC_ASSIGN_OR_RETURN(plan, MakePlan(request));
+  }
+  return best;
 }
 
 void PrintReport(const Profile& profile, const proto::Schedule& plan) {
@@ -177,6 +242,12 @@ int main(int argc, char** argv) {
   }())->capture_default_str();
   app.add_option("--gpus-per-node", gpus_per_node, "GPUs per node (--synthetic)")->capture_default_str();
   app.add_flag("--explain", explain, "say per pass what it changed and what it bought (predicted seconds and bytes)");
+  RoundOptions rounds;
+  app.add_option("--rounds", rounds.rounds,
+                 "profile-guided rounds: run the plan with collection, re-plan from the new trace, keep the "
+                 "best measured plan")
+      ->check(CLI::Range(0, 100));
+  app.add_option("--round-steps", rounds.steps, "measured steps per round")->capture_default_str();
   app.add_option("--dump-after", dump_after, "write the schedule after this pass as text to <plan>.<pass>.txt");
   cli::AddBytesOption(app, "--budget", &budget, "device memory budget per rank, e.g. 1GiB (default: unlimited)");
   app.add_option("--policy", policy, "pass pipeline: baseline (ZeRO-3) or dc")
@@ -227,6 +298,13 @@ int main(int argc, char** argv) {
       if (Status stored = cache.Store(*key, *plan); !stored.ok()) return cli::Fail("dc-plan", stored);
     }
   }
+  nlohmann::json rounds_report = nlohmann::json::array();
+  if (rounds.rounds > 0) {
+    if (synthetic) return cli::Fail("dc-plan", Status::Error("--rounds needs a trace to start from, not --synthetic"));
+    auto best = RunRounds(request, *plan, rounds, out, &rounds_report);
+    if (!best.ok()) return cli::Fail("dc-plan", best.status());
+    plan = std::move(best).value();
+  }
   if (Status saved = SavePlan(out, *plan); !saved.ok()) return cli::Fail("dc-plan", saved);
 
   if (json) {
@@ -245,6 +323,7 @@ int main(int argc, char** argv) {
       j["passes"].push_back({{"name", p.name()}, {"changed", p.changed()}, {"seconds", p.seconds()}});
     }
     if (measured) j["measured_step_seconds"] = measured->step_seconds_median;
+    if (rounds.rounds > 0) j["rounds"] = rounds_report;
     j["device"] = plan->device();
     for (int i = 0; i < plan->passes_size(); ++i) {
       const auto& p = plan->passes(i);

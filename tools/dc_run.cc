@@ -18,11 +18,13 @@ int main(int argc, char** argv) {
       "Example: dc-run plan.dcplan --steps 20 --nproc 2 --json",
       "dc-run"};
   std::string plan_path, trace_out, rendezvous, backend = "auto";
-  int steps = 20, nproc = 0, timeout_s = 60;
+  int steps = 20, warmup = 0, nproc = 0, timeout_s = 60;
   int64_t device_memory = 0;
   bool json = false, quiet = false;
   app.add_option("plan", plan_path, "plan file written by dc-plan")->required();
   app.add_option("--steps", steps, "optimizer steps to train")->check(CLI::Range(1, 100000000))->capture_default_str();
+  app.add_option("--warmup", warmup, "steps run first and left out of the losses, timings and profile")
+      ->check(CLI::Range(0, 1000000))->capture_default_str();
   app.add_option("--nproc", nproc, "ranks to start on this machine (default: the plan's world size)")
       ->check(CLI::Range(1, 256));
   app.add_option("--backend", backend, "auto (cuda when a GPU is present, else cpu) or cpu")
@@ -54,6 +56,7 @@ int main(int argc, char** argv) {
   }
   SessionOptions session;
   session.run.steps = steps;
+  session.run.warmup_steps = warmup;
   session.run.device_memory_bytes = device_memory;
   session.trace_path = trace_out;
   session.rendezvous_flag = rendezvous;
