@@ -109,11 +109,11 @@ int RunPerfetto(const Common& common, const std::string& out) {
               << "\n";
     return 0;
   }
-  std::printf("wrote %s: %d process(es), %d thread(s), %lld slice(s), %lld memory counter(s), "
-              "%lld flow(s); open it in ui.perfetto.dev or chrome://tracing\n",
-              out.c_str(), stats->processes, stats->threads,
-              static_cast<long long>(stats->slices), static_cast<long long>(stats->counters),
-              static_cast<long long>(stats->flows));
+  std::printf(
+      "wrote %s: %d process(es), %d thread(s), %lld slice(s), %lld memory counter(s), "
+      "%lld flow(s); open it in ui.perfetto.dev or chrome://tracing\n",
+      out.c_str(), stats->processes, stats->threads, static_cast<long long>(stats->slices),
+      static_cast<long long>(stats->counters), static_cast<long long>(stats->flows));
   PrintNotes(**timeline);
   return 0;
 }
@@ -136,11 +136,12 @@ int RunMemory(const Common& common, const std::string& out, MemoryChartOptions o
     std::cout << j.dump() << "\n";
     return 0;
   }
-  std::printf("wrote %s: %s, peak %s at %.6f s, %zu kind(s), %zu all-gather(s), %zu offload(s), "
-              "%zu reload(s)\n",
-              out.c_str(), chart->title.c_str(), FormatBytes(chart->peak_bytes).c_str(),
-              static_cast<double>(chart->peak_t_ns) * 1e-9, chart->kinds.size(),
-              chart->gathers_ns.size(), chart->offloads_ns.size(), chart->reloads_ns.size());
+  std::printf(
+      "wrote %s: %s, peak %s at %.6f s, %zu kind(s), %zu all-gather(s), %zu offload(s), "
+      "%zu reload(s)\n",
+      out.c_str(), chart->title.c_str(), FormatBytes(chart->peak_bytes).c_str(),
+      static_cast<double>(chart->peak_t_ns) * 1e-9, chart->kinds.size(), chart->gathers_ns.size(),
+      chart->offloads_ns.size(), chart->reloads_ns.size());
   PrintNotes(**timeline);
   return 0;
 }
@@ -173,11 +174,13 @@ int main(int argc, char** argv) {
   Common summary_args;
   int summary_top = 10;
   CLI::App* summary = app.add_subcommand(
-      "summary", "per rank and step: step time, compute / communication / copy / idle time, "
-                 "overlap and exposed communication (HTA's definitions), top kernels, streams, "
-                 "peak memory by kind, dropped records");
-  summary->add_option("trace", summary_args.inputs,
-                      "a dc trace, nsys export, plan, or PyTorch traces (files or a directory)")
+      "summary",
+      "per rank and step: step time, compute / communication / copy / idle time, "
+      "overlap and exposed communication (HTA's definitions), top kernels, streams, "
+      "peak memory by kind, dropped records");
+  summary
+      ->add_option("trace", summary_args.inputs,
+                   "a dc trace, nsys export, plan, or PyTorch traces (files or a directory)")
       ->required();
   summary->add_option("--top", summary_top, "kernels to list per rank")->capture_default_str();
   AddCommon(summary, &summary_args);
@@ -185,22 +188,25 @@ int main(int argc, char** argv) {
 
   Common perfetto_args;
   std::string perfetto_out;
-  CLI::App* perfetto = app.add_subcommand(
-      "perfetto", "write Chrome trace-event JSON for ui.perfetto.dev: a process per rank, a "
-                  "track per stream, memory counters, all-gather -> use flow arrows");
+  CLI::App* perfetto =
+      app.add_subcommand("perfetto",
+                         "write Chrome trace-event JSON for ui.perfetto.dev: a process per rank, a "
+                         "track per stream, memory counters, all-gather -> use flow arrows");
   perfetto->add_option("trace", perfetto_args.inputs, "a trace, plan or PyTorch traces")
       ->required();
   perfetto->add_option("-o,--output", perfetto_out, "JSON file to write")->required();
   AddCommon(perfetto, &perfetto_args);
-  perfetto->footer("Example: dc-trace perfetto trace.db -o trace.json   (then open it in "
-                   "ui.perfetto.dev)");
+  perfetto->footer(
+      "Example: dc-trace perfetto trace.db -o trace.json   (then open it in "
+      "ui.perfetto.dev)");
 
   Common memory_args;
   std::string memory_in, memory_out;
   MemoryChartOptions memory_options;
   CLI::App* memory = app.add_subcommand(
-      "memory", "draw live device memory by kind over one rank's step as an SVG (budget line, "
-                "peak, all-gather / offload ticks)");
+      "memory",
+      "draw live device memory by kind over one rank's step as an SVG (budget line, "
+      "peak, all-gather / offload ticks)");
   memory->add_option("input", memory_in, "a trace or a plan")->required();
   memory->add_option("-o,--output", memory_out, "SVG file to write")->required();
   cli::AddBytesOption(*memory, "--budget", &memory_options.budget_bytes,
@@ -214,8 +220,9 @@ int main(int argc, char** argv) {
   std::string diff_a, diff_b;
   int diff_top = 10;
   CLI::App* diff = app.add_subcommand(
-      "diff", "compare two traces, or a trace and a plan's prediction: step time, exposed "
-              "communication, peak memory, and the instructions whose time changed most");
+      "diff",
+      "compare two traces, or a trace and a plan's prediction: step time, exposed "
+      "communication, peak memory, and the instructions whose time changed most");
   diff->add_option("a", diff_a, "the first trace or plan")->required();
   diff->add_option("b", diff_b, "the second trace or plan")->required();
   diff->add_option("--top", diff_top, "changed instructions to list")->capture_default_str();

@@ -1,0 +1,304 @@
+// dc-trace's library: one timeline view over every source it reads (dc traces and nsys exports
+// through analyzer/trace.h, PyTorch profiler traces through analyzer/kineto.h, a plan's
+// simulated step), and the reports made from it: the per-rank, per-step summary with HTA's
+// overlap definitions, and the diff of two timelines.
+//
+// A Timeline streams: Summarize and Diff read activities and memory events once or twice in
+// order and keep only aggregates, so a dc trace with millions of activities is summarized in
+// bounded memory. Timelines are not thread-safe; the functions here are pure.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "analyzer/cost_model.h"
+#include "analyzer/simulator.h"
+#include "schemas/program.h"
+#include "schemas/status.h"
+
+namespace dc {
+
+// Called now and then during long reads with what is being read and how many records so far.
+using ProgressFn = std::function<void(const std::string& what, int64_t records)>;
+
+enum class ActivityClass { kCompute, kCommunication, kCopy };
+const char* ActivityClassName(ActivityClass kind);
+
+struct TimelineRank {
+  int rank = 0;  // the rank's number in its run
+  int64_t global_pid = 0;
+  std::string device;
+  int64_t device_memory_bytes = 0;
+};
+
+// One device activity. `rank_index` indexes Timeline::ranks().
+struct TimelineActivity {
+  int rank_index = 0;
+  int64_t stream_id = 0;
+  ActivityClass kind = ActivityClass::kCompute;
+  std::string name;  // kernel name, collective kind, "[CUDA memcpy Device-to-Host]", ...
+  int64_t start_ns = 0, end_ns = 0;
+  int64_t bytes = 0;  // copies and collectives; 0 when unknown
+  // The schedule instruction it ran and the step it ran in, where the source knows them (dc
+  // traces when asked for, plans); else -1.
+  int instruction = -1;
+  int step = -1;
+};
+
+// An allocation or free on the device. `tracked` events name a buffer by address (a free
+// subtracts what the allocation at that address added; a free of an address never allocated is
+// a buffer made before the capture). Untracked events change `kind` by `bytes` directly.
+struct TimelineMemoryEvent {
+  int rank_index = 0;
+  int64_t ts_ns = 0;
+  int64_t address = 0;
+  int64_t bytes = 0;
+  bool alloc = true;
+  bool tracked = true;
+  std::string kind;  // a BufferKindName (dc), the memKind label (nsys), "allocated" (Kineto)
+};
+
+struct TimelineStep {
+  int rank_index = 0;
+  int step = 0;
+  int64_t start_ns = 0, end_ns = 0;
+  bool warmup = false;
+};
+
+enum class TimelineFormat { kDc, kNsys, kKineto, kPlan };
+const char* TimelineFormatName(TimelineFormat format);
+
+struct ActivityOptions {
+  // Fill TimelineActivity::instruction and ::step where the source can (a lookup per activity
+  // in dc traces).
+  bool with_instructions = false;
+  ProgressFn progress;
+};
+
+// A trace as ranks, step windows, activities and memory events.
+class Timeline {
+ public:
+  virtual ~Timeline() = default;
+  virtual const std::string& path() const = 0;
+  virtual TimelineFormat format() const = 0;
+  // Ordered by rank.
+  virtual const std::vector<TimelineRank>& ranks() const = 0;
+  // Ordered by (rank_index, start_ns). Empty where the source has no step markers.
+  virtual const std::vector<TimelineStep>& steps() const = 0;
+  // The schedule the activities ran (dc traces, plans); null for foreign traces.
+  virtual const proto::Schedule* schedule() const = 0;
+  virtual const std::vector<std::string>& notes() const = 0;
+  virtual int64_t dropped_records() const = 0;
+  virtual std::string StreamName(int rank_index, int64_t stream_id) const = 0;
+  // Activities ordered by (rank_index, start_ns).
+  virtual Status ForEachActivity(const ActivityOptions& options,
+                                 const std::function<void(const TimelineActivity&)>& fn) const = 0;
+  // Memory events ordered by (rank_index, ts_ns).
+  virtual Status ForEachMemoryEvent(
+      const std::function<void(const TimelineMemoryEvent&)>& fn) const = 0;
+};
+
+// Everything in memory: what Kineto import and plans produce, and what tests construct.
+struct TimelineData {
+  std::string path;
+  TimelineFormat format = TimelineFormat::kKineto;
+  std::vector<TimelineRank> ranks;
+  std::vector<TimelineStep> steps;
+  std::optional<proto::Schedule> schedule;
+  std::vector<std::string> notes;
+  int64_t dropped_records = 0;
+  struct StreamLabel {
+    int rank_index = 0;
+    int64_t stream_id = 0;
+    std::string name;
+  };
+  std::vector<StreamLabel> stream_names;
+  std::vector<TimelineActivity> activities;
+  std::vector<TimelineMemoryEvent> memory_events;
+};
+
+// Sorts the steps, activities and memory events of `data` into the orders Timeline promises;
+// the ranks stay as given (activities index them), so give them in rank order.
+std::unique_ptr<Timeline> MakeTimeline(TimelineData data);
+
+// A dc trace or nsys export (Trace::Open's checks and messages), streaming from SQLite.
+StatusOr<std::unique_ptr<Timeline>> OpenTraceTimeline(const std::string& path);
+
+// A plan's step as the simulator predicts it, on one rank (every rank runs the same stream):
+// one activity per instruction that takes time, the memory timeline by BufferKind as untracked
+// events, one step window [0, step].
+std::unique_ptr<Timeline> PlanTimeline(const std::string& path, const proto::Schedule& plan,
+                                       const SimResult& sim);
+
+// The costs to re-simulate a plan with: the profile of `profile_trace` when given, else the
+// default CostModel (serial streams for the cpu backend). `note` says which.
+struct PlanCosts {
+  CostModel costs;
+  std::string note;
+};
+StatusOr<PlanCosts> CostsForPlan(const proto::Schedule& plan, const std::string& profile_trace);
+
+enum class InputKind { kTrace, kKineto, kPlan };
+// By content: the plan magic, SQLite's header, JSON or gzip; a directory holds Kineto traces.
+StatusOr<InputKind> DetectInput(const std::string& path);
+
+// Opens any input: a dc trace, an nsys export, Kineto traces (a file, several files or a
+// directory of them, one per rank), or a plan (re-simulated with CostsForPlan).
+struct OpenOptions {
+  std::string profile_trace;  // for plans
+  ProgressFn progress;
+};
+StatusOr<std::unique_ptr<Timeline>> OpenTimeline(const std::vector<std::string>& paths,
+                                                 const OpenOptions& options);
+
+// A readable name of schedule instruction `index`: the op of a compute, else its kind and
+// first tensor ("all_gather layers.0.wq +3"). Like ops, the name repeats in every micro-step.
+std::string InstructionName(const proto::Schedule& schedule, int index);
+
+// What a diff matches on: a compute is its op; a collective, offload or reload is one part per
+// tensor ("all_gather layers.0.wq"), its time shared by the tensors' bytes, so a bucketed
+// gather in one schedule still matches the single gathers of another. Shares sum to 1.
+struct InstructionPart {
+  std::string name;
+  double share = 1;
+};
+std::vector<InstructionPart> InstructionParts(const proto::Schedule& schedule, int index);
+
+// ----- summary -----
+
+struct PeakMemory {
+  int64_t bytes = 0;
+  int64_t at_ns = 0;
+  std::vector<std::pair<std::string, int64_t>> by_kind;  // kinds with bytes at the peak
+};
+
+// HTA's definitions over one rank's step window, activities clipped to it: C the union of
+// compute, N of communication, M of copies (memcpy, memset).
+struct StepSummary {
+  int step = 0;
+  int64_t start_ns = 0, end_ns = 0;
+  double step_seconds = 0;
+  double compute_seconds = 0;                // |C|
+  double communication_seconds = 0;          // |N|
+  double copy_seconds = 0;                   // |M|
+  double overlap_seconds = 0;                // |C ∩ N|
+  double overlap_ratio = 0;                  // |C ∩ N| / |N|; 0 without communication
+  double exposed_communication_seconds = 0;  // |N \ C|
+  double idle_seconds = 0;                   // span - |C ∪ N ∪ M|
+  std::optional<PeakMemory> peak_memory;     // where the source has memory events
+};
+
+struct NameStat {
+  std::string name;
+  ActivityClass kind = ActivityClass::kCompute;
+  int64_t count = 0;
+  int64_t total_ns = 0;
+  int64_t bytes = 0;
+};
+
+struct StreamStat {
+  int64_t stream_id = 0;
+  std::string name;
+  int64_t activities = 0;
+  int64_t busy_ns = 0;  // union of the stream's activity intervals
+};
+
+// Rank-level figures count the activities that start inside a measured window.
+struct RankSummary {
+  TimelineRank rank;
+  std::vector<StepSummary> steps;
+  std::vector<StreamStat> streams;    // by stream id
+  std::vector<NameStat> top_kernels;  // compute and communication, by total time
+  std::vector<NameStat> copies;       // memcpy / memset by name
+  std::optional<PeakMemory> peak_memory;
+  int64_t activities = 0;
+};
+
+struct Summary {
+  std::string path;
+  TimelineFormat format = TimelineFormat::kDc;
+  bool report_only = false;  // a foreign trace: no program to re-plan
+  std::vector<std::string> notes;
+  int64_t dropped_records = 0;
+  int warmup_steps_excluded = 0;  // (rank, step) windows
+  std::vector<RankSummary> ranks;
+  // Over all ranks and measured steps: medians of step time and exposed communication, the
+  // largest peak.
+  double step_seconds_median = 0;
+  double exposed_communication_seconds_median = 0;
+  int64_t peak_memory_bytes = 0;
+  int measured_windows = 0;
+  // Filled with SummaryOptions::by_instruction: per InstructionParts name (the kernel name
+  // where the instruction is unknown), summed over ranks and measured windows. Ordered by name.
+  std::vector<NameStat> by_instruction;
+};
+
+struct SummaryOptions {
+  int top_kernels = 10;
+  bool by_instruction = false;
+  ProgressFn progress;
+};
+
+StatusOr<Summary> Summarize(const Timeline& timeline, const SummaryOptions& options);
+nlohmann::json SummaryJson(const Summary& summary);
+std::string SummaryText(const Summary& summary);
+
+// ----- diff -----
+
+struct DiffRow {
+  std::string name;
+  ActivityClass kind = ActivityClass::kCompute;
+  // Seconds per measured window (per rank and step), -1 where the side lacks the name.
+  double a_seconds = -1, b_seconds = -1;
+  double change_seconds = 0;  // b - a (a missing side counts as 0)
+};
+
+struct Diff {
+  Summary a, b;
+  std::vector<DiffRow> rows;  // top N by |change|, then by name
+  int changed = 0;            // names whose time differs at all
+  int only_a = 0, only_b = 0;
+};
+
+StatusOr<Diff> DiffTimelines(const Timeline& a, const Timeline& b, int top,
+                             const ProgressFn& progress);
+nlohmann::json DiffJson(const Diff& diff);
+std::string DiffText(const Diff& diff);
+
+// ----- shared by the writers -----
+
+// Live bytes by kind of each rank, replayed from the memory events (two passes: the first
+// finds the kinds and the buffers that were live before the capture).
+struct MemoryLevel {
+  int rank_index = 0;
+  int64_t ts_ns = 0;
+  int64_t total_bytes = 0;
+  const std::vector<int64_t>* bytes_by_kind = nullptr;  // index = position in kinds
+};
+class MemoryReplay {
+ public:
+  static StatusOr<MemoryReplay> Prepare(const Timeline& timeline);
+  // Kinds in a fixed order: dc's BufferKind order, then others sorted by name.
+  const std::vector<std::string>& kinds() const { return kinds_; }
+  bool empty() const { return events_ == 0; }
+  // Bytes by kind live before the rank's first event (buffers made before the capture).
+  const std::vector<int64_t>& preexisting(int rank_index) const;
+  // Calls `fn` once per (rank, distinct timestamp), after applying the events at it.
+  Status Run(const Timeline& timeline, const std::function<void(const MemoryLevel&)>& fn) const;
+
+ private:
+  std::vector<std::string> kinds_;
+  std::vector<std::vector<int64_t>> preexisting_;  // [rank_index][kind]
+  int64_t events_ = 0;
+};
+
+// The all-gather -> first consumer compute pairs of a schedule: for each all-gather, the
+// lowest-indexed compute instruction that depends on it. Ordered by gather.
+std::vector<std::pair<int, int>> GatherConsumers(const proto::Schedule& schedule);
+
+}  // namespace dc
