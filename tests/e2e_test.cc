@@ -103,6 +103,14 @@ TEST_F(EndToEnd, PlanThenCacheHitThenRunWithFallingLoss) {
   ASSERT_EQ(second.exit_code, 0) << second.err;
   EXPECT_EQ(ParseJson(second.out)["cache"], "hit");
 
+  // The simulated timeline opens in Perfetto beside the measured one.
+  auto perfetto = RunCommand(plan_cmd + " --perfetto " + dir_ + "/plan.perfetto.json");
+  ASSERT_EQ(perfetto.exit_code, 0) << perfetto.err;
+  json timeline = json::parse(std::ifstream(dir_ + "/plan.perfetto.json"), nullptr, false);
+  ASSERT_FALSE(timeline.is_discarded());
+  EXPECT_GT(timeline["traceEvents"].size(), 100u);
+  std::filesystem::remove(dir_ + "/plan.perfetto.json");
+
   auto run = RunCommand(Tool("dc-run") + " " + dir_ + "/plan.dcplan --steps 20 --json");
   ASSERT_EQ(run.exit_code, 0) << run.err;
   json r = ParseJson(run.out);

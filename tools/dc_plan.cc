@@ -8,6 +8,7 @@
 
 #include "analyzer/estimate.h"
 #include "analyzer/hardware.h"
+#include "analyzer/perfetto.h"
 #include "analyzer/profile.h"
 #include "analyzer/simulator.h"
 #include "analyzer/trace.h"
@@ -248,6 +249,10 @@ int main(int argc, char** argv) {
                  "best measured plan")
       ->check(CLI::Range(0, 100));
   app.add_option("--round-steps", rounds.steps, "measured steps per round")->capture_default_str();
+  std::string perfetto;
+  app.add_option("--perfetto", perfetto,
+                 "write the plan's simulated timeline as Chrome trace-event JSON (ui.perfetto.dev), to open "
+                 "beside `dc-trace perfetto` of a measured trace");
   app.add_option("--dump-after", dump_after, "write the schedule after this pass as text to <plan>.<pass>.txt");
   cli::AddBytesOption(app, "--budget", &budget, "device memory budget per rank, e.g. 1GiB (default: unlimited)");
   app.add_option("--policy", policy, "pass pipeline: baseline (ZeRO-3) or dc")
@@ -306,6 +311,12 @@ int main(int argc, char** argv) {
     plan = std::move(best).value();
   }
   if (Status saved = SavePlan(out, *plan); !saved.ok()) return cli::Fail("dc-plan", saved);
+  if (!perfetto.empty()) {
+    auto sim = Simulate(*plan, request.costs);
+    if (!sim.ok()) return cli::Fail("dc-plan", sim.status());
+    auto written = WritePlanPerfettoFile(*plan, *sim, perfetto);
+    if (!written.ok()) return cli::Fail("dc-plan", written.status());
+  }
 
   if (json) {
     nlohmann::json j;
