@@ -22,15 +22,31 @@ std::string Pipeline::OptionsText() const {
 }
 
 Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context) const {
-  for (const auto& pass : passes_) {
+  // Before the first enabled memory-freeing pass, passes plan against the relaxed budget and
+  // the verifier checks structure only; from it on, the real budget holds.
+  size_t first_freeing = passes_.size();
+  for (size_t i = 0; i < passes_.size(); ++i) {
+    if (!disabled_.count(std::string(passes_[i]->name())) && passes_[i]->FreesMemory()) {
+      first_freeing = i;
+      break;
+    }
+  }
+  PassContext relaxed = context;
+  if (context.relaxed_budget_bytes > 0) relaxed.budget_bytes = context.relaxed_budget_bytes;
+  PassContext structural = context;
+  structural.budget_bytes = 0;
+  for (size_t i = 0; i < passes_.size(); ++i) {
+    const auto& pass = passes_[i];
     const std::string name(pass->name());
     if (disabled_.count(name)) continue;
+    const bool before_freeing = i < first_freeing && first_freeing < passes_.size();
+    const PassContext& pass_context = before_freeing ? relaxed : context;
     const auto start = std::chrono::steady_clock::now();
-    StatusOr<bool> changed = pass->Run(schedule, context);
+    StatusOr<bool> changed = pass->Run(schedule, pass_context);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!changed.ok()) return changed.status().Prefixed("pass " + name + ": ");
-    if (Status verified = verifier_(*schedule, context); !verified.ok()) {
+    if (Status verified = verifier_(*schedule, before_freeing ? structural : context); !verified.ok()) {
       return verified.Prefixed("after pass " + name + ": ");
     }
     auto* record = schedule->add_passes();

@@ -20,6 +20,9 @@ namespace dc {
 struct PassContext {
   const CostModel* costs = nullptr;
   int64_t budget_bytes = 0;  // 0 = unlimited
+  // The budget the passes before the first memory-freeing pass (offload) plan against: they
+  // may spend memory that offloading will give back. 0 = budget_bytes.
+  int64_t relaxed_budget_bytes = 0;
 };
 
 class Pass {
@@ -31,6 +34,9 @@ class Pass {
   virtual std::string OptionsText() const { return ""; }
   // Rewrites `schedule`; returns whether anything changed, or why it could not run.
   virtual StatusOr<bool> Run(proto::Schedule* schedule, const PassContext& context) = 0;
+  // True for passes that free device memory (offload): the passes before the first of them plan
+  // against PassContext::relaxed_budget_bytes, and the budget is enforced from it on.
+  virtual bool FreesMemory() const { return false; }
   // What the last Run changed, for --explain ("moved 80 gathers earlier by 3.1 ops on average").
   virtual std::string Summary() const { return ""; }
 };

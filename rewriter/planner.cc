@@ -1,31 +1,115 @@
 #include "rewriter/planner.h"
 
+#include "rewriter/memory_plan.h"
+#include "rewriter/offload.h"
+
 #include "analyzer/simulator.h"
+#include "rewriter/bucket.h"
+#include "rewriter/deepcompile.h"
 #include "rewriter/plan_cache.h"
+#include "rewriter/prefetch.h"
+#include "rewriter/unshard.h"
 #include "rewriter/verifier.h"
 #include "rewriter/zero3.h"
 #include "schemas/digest.h"
 
 namespace dc {
 
-std::vector<std::string> PolicyNames() { return {"baseline", "dc"}; }
+namespace {
 
-StatusOr<std::unique_ptr<Pipeline>> MakePipeline(const std::string& policy) {
+// Every pass by name, with its default options.
+struct PassFactory {
+  const char* name;
+  std::unique_ptr<Pass> (*make)();
+};
+
+template <typename P>
+std::unique_ptr<Pass> Make() {
+  return std::make_unique<P>();
+}
+
+constexpr PassFactory kPasses[] = {
+    {"zero3", Make<Zero3Pass>},
+    {"bucket", Make<BucketPass>},
+    {"prefetch", Make<PrefetchPass>},
+    {"unshard", Make<UnshardPass>},
+    {"dc-prefetch", Make<DcPrefetchPass>},
+    {"dc-selective-gather", Make<DcSelectiveGatherPass>},
+    {"offload", Make<OffloadPass>},
+    {"offload-all", Make<ZeroOffloadPass>},
+    {"dc-offload", Make<DcOffloadPass>},
+    {"memory-plan", Make<MemoryPlanPass>},
+};
+
+// The optimization sequence of each policy. dc: bucket first, on the zero3 stream whose
+// gathers run as early as the gather stream allows, so fusion is judged where communication
+// is hidden as well as it can be; prefetch then bounds how far ahead each gather (or bucket)
+// runs, which leaves the memory unshard fills; a last prefetch re-times the gathers that
+// remain, as the removed ones free both the gather stream and memory.
+struct Policy {
+  const char* name;
+  std::vector<std::string> passes;
+};
+
+const std::vector<Policy>& Policies() {
+  static const std::vector<Policy> policies = {
+      {"baseline", {"zero3"}},
+      {"zero3-offload", {"zero3", "offload-all", "memory-plan"}},
+      {"deepcompile", {"zero3", "dc-prefetch", "dc-selective-gather", "dc-offload", "memory-plan"}},
+      {"dc", {"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload", "memory-plan"}},
+  };
+  return policies;
+}
+
+std::string JoinNames(const std::vector<std::string>& names) {
+  std::string text;
+  for (size_t i = 0; i < names.size(); ++i) text += (i ? ", " : "") + names[i];
+  return text;
+}
+
+}  // namespace
+
+std::vector<std::string> PolicyNames() {
+  std::vector<std::string> names;
+  for (const Policy& policy : Policies()) names.push_back(policy.name);
+  return names;
+}
+
+std::vector<std::string> PassNames() {
+  std::vector<std::string> names;
+  for (const PassFactory& factory : kPasses) names.push_back(factory.name);
+  return names;
+}
+
+StatusOr<std::unique_ptr<Pipeline>> MakePipelineFromNames(const std::vector<std::string>& names) {
   auto pipeline = std::make_unique<Pipeline>(VerifySchedule);
-  if (policy == "baseline") {
-    pipeline->Add(std::make_unique<Zero3Pass>());
-  } else if (policy == "dc") {
-    pipeline->Add(std::make_unique<Zero3Pass>());
-  } else {
-    return Status::Error("unknown policy '" + policy + "'; choose baseline or dc");
+  for (const std::string& name : names) {
+    const PassFactory* found = nullptr;
+    for (const PassFactory& factory : kPasses) {
+      if (name == factory.name) found = &factory;
+    }
+    if (!found) {
+      return Status::Error("unknown pass '" + name + "'; known passes: " + JoinNames(PassNames()));
+    }
+    pipeline->Add(found->make());
   }
   return pipeline;
+}
+
+StatusOr<std::unique_ptr<Pipeline>> MakePipeline(const std::string& policy) {
+  for (const Policy& p : Policies()) {
+    if (policy == p.name) return MakePipelineFromNames(p.passes);
+  }
+  return Status::Error("unknown policy '" + policy + "'; choose one of " +
+                       JoinNames(PolicyNames()));
 }
 
 namespace {
 
 StatusOr<std::unique_ptr<Pipeline>> PipelineFor(const PlanRequest& request) {
-  DC_ASSIGN_OR_RETURN(auto pipeline, MakePipeline(request.policy));
+  DC_ASSIGN_OR_RETURN(auto pipeline, request.passes.empty()
+                                         ? MakePipeline(request.policy)
+                                         : MakePipelineFromNames(request.passes));
   for (const auto& name : request.disabled_passes) pipeline->Disable(name);
   if (!request.dump_after.empty()) pipeline->DumpAfter(request.dump_after, request.dump);
   return pipeline;
@@ -67,7 +151,15 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   if (request.world_size < 1) return Status::Error("world size must be at least 1");
   DC_ASSIGN_OR_RETURN(auto pipeline, PipelineFor(request));
   DC_ASSIGN_OR_RETURN(std::string key, PlanKey(request));
-  const PassContext context{&request.costs, request.budget_bytes};
+  PassContext context{&request.costs, request.budget_bytes};
+  // Passes before offloading may spend up to half the optimizer-state bytes that offloading can
+  // give back; offload then frees what must go.
+  constexpr int64_t kRelaxedShareOfStates = 2;
+  if (request.budget_bytes > 0) {
+    const int64_t states =
+        PersistentBytesByKind(request.program, request.world_size)[static_cast<int>(BufferKind::kOptimizerState)];
+    context.relaxed_budget_bytes = request.budget_bytes + states / kRelaxedShareOfStates;
+  }
 
   // The baseline on the same simulator, for comparison; it alone must fit the budget for the
   // budget error to name what the baseline needs.

@@ -18,8 +18,10 @@ struct PlanRequest {
   int world_size = 1;
   std::string backend = "cpu";
   std::string device = "cpu";
-  int64_t budget_bytes = 0;  // 0 = unlimited
-  std::string policy = "dc";  // baseline | dc
+  int64_t budget_bytes = 0;   // 0 = unlimited
+  std::string policy = "dc";  // one of PolicyNames()
+  // Non-empty: run these passes (PassNames()) in this order instead of the policy's (--passes).
+  std::vector<std::string> passes;
   std::vector<std::string> disabled_passes;
   CostModel costs;
   std::string profile_digest;
@@ -27,10 +29,17 @@ struct PlanRequest {
   Pipeline::DumpFn dump;
 };
 
+// The policies: baseline (zero3), deepcompile (zero3, then DeepCompile's prefetch and selective
+// unsharding rules) and dc (zero3, bucket, prefetch, unshard, prefetch).
 std::vector<std::string> PolicyNames();
+// Every pass a pipeline can be built from, by name.
+std::vector<std::string> PassNames();
 
 // The pipeline of `policy` (error for an unknown one).
 StatusOr<std::unique_ptr<Pipeline>> MakePipeline(const std::string& policy);
+// A pipeline of the named passes in order, each with its default options (--passes
+// zero3,prefetch,...). An unknown name is an error that lists the known ones.
+StatusOr<std::unique_ptr<Pipeline>> MakePipelineFromNames(const std::vector<std::string>& names);
 
 // The cache key of the plan `request` would produce.
 StatusOr<std::string> PlanKey(const PlanRequest& request);

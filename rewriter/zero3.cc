@@ -1,5 +1,6 @@
 #include "rewriter/zero3.h"
 
+#include <algorithm>
 #include <map>
 #include <vector>
 
@@ -38,6 +39,10 @@ class StreamBuilder {
 
 }  // namespace
 
+std::string Zero3Pass::OptionsText() const {
+  return "lookahead_ops=" + std::to_string(options_.lookahead_ops);
+}
+
 StatusOr<bool> Zero3Pass::Run(proto::Schedule* schedule, const PassContext& /*context*/) {
   const proto::Program& program = schedule->program();
   DC_RETURN_IF_ERROR(ValidateProgram(program));
@@ -59,18 +64,30 @@ StatusOr<bool> Zero3Pass::Run(proto::Schedule* schedule, const PassContext& /*co
   StreamBuilder out(schedule);
   std::map<int, std::vector<int>> grad_reductions;  // grad tensor -> reduce-scatter indices
 
+  // The release of each param's latest gathered copy: its next gather waits for it.
+  std::vector<int> last_release(program.tensors_size(), -1);
+  std::vector<int> computes;  // compute instructions of the step so far
+  int gathers = 0, reductions = 0;
   for (int micro = 0; micro < gas; ++micro) {
     std::vector<bool> gathered(program.tensors_size(), false);
     for (int op_id = 0; op_id < backward_end; ++op_id) {
       const proto::Op& op = program.ops(op_id);
       const bool forward = op.phase() == proto::PHASE_FORWARD;
       std::vector<int> deps;
+      const int issue_after = static_cast<int>(computes.size()) - 1 - options_.lookahead_ops;
       for (int t : op.inputs()) {
         if (program.tensors(t).role() != proto::ROLE_PARAM || gathered[t]) continue;
-        deps.push_back(out.Emit(proto::INSTR_ALL_GATHER, proto::STREAM_GATHER, micro, -1, {t}, {}));
+        std::vector<int> gather_deps;
+        if (issue_after >= 0) gather_deps.push_back(computes[issue_after]);
+        if (last_release[t] >= 0) gather_deps.push_back(last_release[t]);
+        std::sort(gather_deps.begin(), gather_deps.end());
+        gather_deps.erase(std::unique(gather_deps.begin(), gather_deps.end()), gather_deps.end());
+        deps.push_back(out.Emit(proto::INSTR_ALL_GATHER, proto::STREAM_GATHER, micro, -1, {t}, gather_deps));
         gathered[t] = true;
+        ++gathers;
       }
       const int compute = out.Emit(proto::INSTR_COMPUTE, proto::STREAM_COMPUTE, micro, op_id, {}, deps);
+      computes.push_back(compute);
 
       std::vector<int> released;
       auto release_if_last = [&](int t) {
@@ -89,12 +106,16 @@ StatusOr<bool> Zero3Pass::Run(proto::Schedule* schedule, const PassContext& /*co
       for (int t : op.inputs()) release_if_last(t);
       for (int t : op.outputs()) release_if_last(t);
       if (!released.empty()) {
-        out.Emit(proto::INSTR_RELEASE, proto::STREAM_COMPUTE, micro, -1, released, {compute});
+        const int release = out.Emit(proto::INSTR_RELEASE, proto::STREAM_COMPUTE, micro, -1, released, {compute});
+        for (int t : released) {
+          if (program.tensors(t).role() == proto::ROLE_PARAM) last_release[t] = release;
+        }
       }
       for (int t : op.outputs()) {
         if (program.tensors(t).role() != proto::ROLE_GRAD) continue;
         const int rs = out.Emit(proto::INSTR_REDUCE_SCATTER, proto::STREAM_REDUCE, micro, -1, {t}, {compute});
         grad_reductions[t].push_back(rs);
+        ++reductions;
         out.Emit(proto::INSTR_RELEASE, proto::STREAM_REDUCE, micro, -1, {t}, {rs});
       }
     }
@@ -107,6 +128,9 @@ StatusOr<bool> Zero3Pass::Run(proto::Schedule* schedule, const PassContext& /*co
     }
     out.Emit(proto::INSTR_COMPUTE, proto::STREAM_COMPUTE, -1, op_id, {}, deps);
   }
+  summary_ = std::to_string(schedule->instructions_size()) + " instructions: " + std::to_string(gathers) +
+             " all-gathers (" + std::to_string(options_.lookahead_ops) + " op of lookahead), " +
+             std::to_string(reductions) + " reduce-scatters over " + std::to_string(gas) + " micro-step(s)";
   return true;
 }
 

@@ -142,7 +142,8 @@ TEST(Planner, BudgetBelowTheBaselineIsAClearError) {
   request.budget_bytes = 1024;
   auto plan = MakePlan(request);
   ASSERT_FALSE(plan.ok());
-  EXPECT_NE(plan.status().message().find("over the budget"), std::string::npos) << plan.status().message();
+  EXPECT_NE(plan.status().message().find("over the budget"), std::string::npos)
+      << plan.status().message();
   EXPECT_NE(plan.status().message().find("raise --budget"), std::string::npos);
 }
 

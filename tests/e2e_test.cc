@@ -264,3 +264,48 @@ TEST(DumpAfter, WritesTheScheduleTextOfThePass) {
 
 }  // namespace
 }  // namespace dc
+
+namespace dc {
+namespace {
+
+// Every policy's plan trains to the same losses as the baseline, inside a budget the baseline
+// does not fit (so offload and the memory plan are exercised), with the measured peak equal to
+// the predicted one.
+TEST(OptimizedPlans, SameLossesInsideABudgetTheBaselineExceeds) {
+  const std::string dir = FreshDir("optimized");
+  auto collect = RunCommand(Tool("dc-collect") + " --model tiny --nproc 2 --gas 2 --steps 2 --warmup 1 -o " + dir +
+                            "/t.db");
+  ASSERT_EQ(collect.exit_code, 0) << collect.err;
+  auto run_plan = [&](const std::string& policy, const std::string& budget) {
+    const std::string plan = dir + "/" + policy + budget + ".dcplan";
+    auto planned = RunCommand(Tool("dc-plan") + " " + dir + "/t.db --no-cache --policy " + policy +
+                              (budget.empty() ? "" : " --budget " + budget) + " --json -o " + plan);
+    EXPECT_EQ(planned.exit_code, 0) << policy << ": " << planned.err;
+    auto run = RunCommand(Tool("dc-run") + " " + plan + " --steps 5 --json");
+    EXPECT_EQ(run.exit_code, 0) << policy << ": " << run.err;
+    return std::make_pair(ParseJson(planned.out), ParseJson(run.out));
+  };
+  const auto [baseline_plan, baseline_run] = run_plan("baseline", "");
+  const int64_t baseline_peak = baseline_plan["predicted"]["peak_device_bytes"];
+  const int64_t budget = baseline_peak * 87 / 100;
+  auto refused = RunCommand(Tool("dc-plan") + " " + dir + "/t.db --no-cache --policy baseline --budget " +
+                            std::to_string(budget) + " -o " + dir + "/refused.dcplan");
+  EXPECT_EQ(refused.exit_code, 1) << "the baseline was expected not to fit";
+  const auto losses = baseline_run["losses"].get<std::vector<double>>();
+  for (const std::string policy : {"zero3-offload", "deepcompile", "dc"}) {
+    const auto [plan, run] = run_plan(policy, std::to_string(budget));
+    const auto policy_losses = run["losses"].get<std::vector<double>>();
+    ASSERT_EQ(policy_losses.size(), losses.size()) << policy;
+    for (size_t s = 0; s < losses.size(); ++s) {
+      EXPECT_NEAR(policy_losses[s], losses[s], 1e-6 * std::fabs(losses[s])) << policy << " step " << s;
+    }
+    EXPECT_LE(run["peak_device_bytes"].get<int64_t>(), budget) << policy;
+    EXPECT_EQ(run["peak_device_bytes"], plan["predicted"]["peak_device_bytes"]) << policy;
+    bool planned_memory = false;
+    for (const auto& pass : plan["passes"]) planned_memory |= pass["name"] == "memory-plan";
+    EXPECT_TRUE(planned_memory) << policy;
+  }
+}
+
+}  // namespace
+}  // namespace dc

@@ -255,7 +255,14 @@ int main(int argc, char** argv) {
                  "beside `dc-trace perfetto` of a measured trace");
   app.add_option("--dump-after", dump_after, "write the schedule after this pass as text to <plan>.<pass>.txt");
   cli::AddBytesOption(app, "--budget", &budget, "device memory budget per rank, e.g. 1GiB (default: unlimited)");
-  app.add_option("--policy", policy, "pass pipeline: baseline (ZeRO-3) or dc")
+  std::vector<std::string> passes;
+  app.add_option("--passes", passes,
+                 "run exactly these passes in order instead of the policy's, e.g. --passes zero3,prefetch,bucket")
+      ->delimiter(',');
+  std::vector<std::string> disable;
+  app.add_option("--disable", disable, "switch these passes of the policy off by name, e.g. --disable bucket")
+      ->delimiter(',');
+  app.add_option("--policy", policy, "pass pipeline: baseline (ZeRO-3), deepcompile (the paper's rules) or dc (ours)")
       ->check(CLI::IsMember(PolicyNames()))->capture_default_str();
   app.add_option("--from-plan", from_plan,
                  "re-plan this plan's program with the trace's profile (the trace must be of the same program)");
@@ -275,7 +282,9 @@ int main(int argc, char** argv) {
   Status prepared = synthetic ? SyntheticRequest(model, hardware, world, gpus_per_node, budget, &request)
                               : TraceRequest(trace_path, from_plan, budget, &request, &measured, &notes);
   if (!prepared.ok()) return cli::Fail("dc-plan", prepared);
-  request.policy = policy;
+  request.policy = passes.empty() ? policy : "custom";
+  request.passes = passes;
+  request.disabled_passes = disable;
   if (!dump_after.empty()) {
     request.dump_after = dump_after;
     request.dump = [&](std::string_view pass, const proto::Schedule& schedule) {

@@ -1,0 +1,815 @@
+#include "rewriter/memory_plan.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <optional>
+#include <tuple>
+#include <utility>
+
+#include "analyzer/simulator.h"
+#include "schemas/units.h"
+
+namespace dc {
+namespace {
+
+constexpr int64_t kF32Bytes = 4;  // persistent shards are fp32 (schemas/program.h)
+
+bool IsPersistentRole(proto::Role role) {
+  return role == proto::ROLE_PARAM || role == proto::ROLE_GRAD ||
+         role == proto::ROLE_OPTIMIZER_STATE;
+}
+
+std::string Where(int index, const proto::Instruction& instr) {
+  return "instruction " + std::to_string(index) + " (" + InstrKindName(instr.kind()) + ")";
+}
+
+// Replays the stream in index order and records when each buffer is allocated and freed.
+class LifetimeReplay {
+ public:
+  explicit LifetimeReplay(const proto::Schedule& schedule)
+      : schedule_(schedule),
+        program_(schedule.program()),
+        n_(schedule.instructions_size()),
+        world_size_(std::max(1, schedule.world_size())) {}
+
+  StatusOr<std::vector<BufferLifetime>> Run() {
+    int max_micro_step = 0;
+    for (const auto& instr : schedule_.instructions()) {
+      max_micro_step = std::max(max_micro_step, instr.micro_step());
+    }
+    const int num_tensors = program_.tensors_size();
+    stride_ = max_micro_step + 2;
+    persistent_.assign(num_tensors, -1);
+    gathered_.assign(num_tensors, -1);
+    transient_.assign(static_cast<size_t>(num_tensors) * stride_, -1);
+    for (const proto::Tensor& t : program_.tensors()) {
+      if (!IsPersistentRole(t.role())) continue;
+      persistent_[t.id()] = Open(-1, t.id(), -1, ShardBytes(t.id()));
+    }
+    for (int i = 0; i < n_; ++i) DC_RETURN_IF_ERROR(Apply(i, schedule_.instructions(i)));
+    return std::move(buffers_);
+  }
+
+ private:
+  int64_t ShardBytes(int t) const {
+    return ShardElements(NumElements(program_.tensors(t)), world_size_) * kF32Bytes;
+  }
+  int64_t TransientSize(int t) const { return TransientBytes(program_, program_.tensors(t)); }
+  const std::string& Name(int t) const { return program_.tensors(t).name(); }
+  proto::Role Role(int t) const { return program_.tensors(t).role(); }
+  int& Transient(int t, int micro_step) {
+    return transient_[static_cast<size_t>(t) * stride_ + (micro_step + 1)];
+  }
+
+  int Open(int instruction, int tensor, int micro_step, int64_t size_bytes) {
+    BufferLifetime b;
+    b.instruction = instruction;
+    b.tensor = tensor;
+    b.micro_step = micro_step;
+    b.alloc_index = instruction;
+    b.free_index = n_;
+    b.size_bytes = size_bytes;
+    buffers_.push_back(b);
+    return static_cast<int>(buffers_.size()) - 1;
+  }
+  void Close(int* open, int i) {
+    buffers_[*open].free_index = i;
+    *open = -1;
+  }
+
+  Status Apply(int i, const proto::Instruction& instr) {
+    if (instr.micro_step() < -1) return Status::Error(Where(i, instr) + " has a bad micro-step");
+    for (int t : instr.tensors()) {
+      if (t < 0 || t >= program_.tensors_size()) {
+        return Status::Error(Where(i, instr) + " names a bad tensor id " + std::to_string(t));
+      }
+    }
+    const int micro = instr.micro_step();
+    switch (instr.kind()) {
+      case proto::INSTR_ALL_GATHER:
+        for (int t : instr.tensors()) {
+          if (Role(t) != proto::ROLE_PARAM || gathered_[t] >= 0) {
+            return Status::Error(Where(i, instr) + " gathers " + Name(t) +
+                                 ", which is not a param or is already gathered");
+          }
+          gathered_[t] = Open(i, t, -2, TransientSize(t));
+        }
+        return Status::Ok();
+      case proto::INSTR_COMPUTE:
+        return Compute(i, instr);
+      case proto::INSTR_RELEASE:
+        for (int t : instr.tensors()) {
+          int* open = Role(t) == proto::ROLE_PARAM ? &gathered_[t] : &Transient(t, micro);
+          if (*open < 0) {
+            return Status::Error(Where(i, instr) + " releases " + Name(t) + ", which is not live");
+          }
+          Close(open, i);
+        }
+        return Status::Ok();
+      case proto::INSTR_OFFLOAD:
+        for (int t : instr.tensors()) {
+          int* open = IsPersistentRole(Role(t)) ? &persistent_[t] : &Transient(t, micro);
+          if (*open < 0) {
+            return Status::Error(Where(i, instr) + " offloads " + Name(t) +
+                                 ", which is not on the device");
+          }
+          Close(open, i);
+        }
+        return Status::Ok();
+      case proto::INSTR_RELOAD:
+        for (int t : instr.tensors()) {
+          const bool persistent = IsPersistentRole(Role(t));
+          int* open = persistent ? &persistent_[t] : &Transient(t, micro);
+          if (*open >= 0) {
+            return Status::Error(Where(i, instr) + " reloads " + Name(t) +
+                                 ", which is already on the device");
+          }
+          *open = persistent ? Open(i, t, -1, ShardBytes(t)) : Open(i, t, micro, TransientSize(t));
+        }
+        return Status::Ok();
+      default:
+        return Status::Ok();
+    }
+  }
+
+  Status Compute(int i, const proto::Instruction& instr) {
+    if (instr.op() < 0 || instr.op() >= program_.ops_size()) {
+      return Status::Error(Where(i, instr) + " computes a bad op id " + std::to_string(instr.op()));
+    }
+    const proto::Op& op = program_.ops(instr.op());
+    const bool optimizer = op.phase() == proto::PHASE_OPTIMIZER;
+    const int micro = instr.micro_step();
+    for (int t : op.inputs()) {
+      const proto::Role role = Role(t);
+      if (IsPersistentRole(role) && (optimizer || role == proto::ROLE_OPTIMIZER_STATE)) {
+        if (persistent_[t] < 0) {
+          return Status::Error(Where(i, instr) + " reads " + Name(t) +
+                               ", which is offloaded to the host");
+        }
+        continue;
+      }
+      if (role == proto::ROLE_PARAM) {
+        if (gathered_[t] < 0) {
+          return Status::Error(Where(i, instr) + " reads param " + Name(t) +
+                               ", which is not gathered");
+        }
+        continue;
+      }
+      int& open = Transient(t, micro);
+      if (open >= 0) continue;
+      if (role != proto::ROLE_INPUT) {
+        return Status::Error(Where(i, instr) + " reads " + Name(t) + " (micro-step " +
+                             std::to_string(micro) + "), which is not live");
+      }
+      open = Open(i, t, micro, TransientSize(t));  // inputs arrive with their first reader
+    }
+    for (int t : op.outputs()) {
+      if (optimizer && IsPersistentRole(Role(t))) continue;  // updated in place
+      int& open = Transient(t, micro);
+      if (open >= 0) {
+        return Status::Error(Where(i, instr) + " writes " + Name(t) +
+                             ", which is still live from an earlier write");
+      }
+      open = Open(i, t, micro, TransientSize(t));
+    }
+    return Status::Ok();
+  }
+
+  const proto::Schedule& schedule_;
+  const proto::Program& program_;
+  const int n_;
+  const int world_size_;
+  int stride_ = 1;
+  std::vector<int> persistent_, gathered_, transient_;  // open buffer index, -1 if none
+  std::vector<BufferLifetime> buffers_;
+};
+
+int64_t AlignUp(int64_t bytes, int64_t alignment) {
+  return (bytes + alignment - 1) / alignment * alignment;
+}
+
+const char* OrderName(MemoryPlanOptions::Order order) {
+  switch (order) {
+    case MemoryPlanOptions::Order::kSizeDescending:
+      return "size-descending";
+    case MemoryPlanOptions::Order::kAreaDescending:
+      return "area-descending";
+  }
+  return "?";
+}
+
+// The address ranges taken during a lifetime, as placement goes: a segment tree over time
+// (instruction index + 1). A placed buffer's range joins the `covering` union of every node in
+// the canonical cover of its lifetime, and the `below` union of those nodes and their
+// ancestors. The ranges taken at some instant of [a, f] are the `below` unions of the cover of
+// [a, f] and the `covering` unions of the cover's ancestors. Unions are sorted disjoint runs, so
+// adding costs O(log² n) runs touched and a query the runs it returns, not the buffers behind
+// them: a dense packing has few holes.
+class Occupancy {
+ public:
+  using Range = std::pair<int64_t, int64_t>;  // [offset, end)
+
+  explicit Occupancy(int num_instructions) {
+    while (leaves_ < num_instructions + 2) leaves_ *= 2;
+    covering_.resize(2 * static_cast<size_t>(leaves_));
+    below_.resize(2 * static_cast<size_t>(leaves_));
+    stamp_.assign(2 * static_cast<size_t>(leaves_), 0);
+  }
+
+  void Add(int alloc_index, int free_index, Range range) {
+    ++epoch_;
+    ForCover(alloc_index, free_index, [&](int node) {
+      AddToUnion(&covering_[node], range);
+      for (int p = node; p >= 1 && stamp_[p] != epoch_; p /= 2) {
+        stamp_[p] = epoch_;
+        AddToUnion(&below_[p], range);
+      }
+    });
+  }
+
+  // Appends the ranges taken at some instant of [alloc_index, free_index]; they may overlap.
+  void Collect(int alloc_index, int free_index, std::vector<Range>* out) const {
+    ++epoch_;
+    ForCover(alloc_index, free_index, [&](int node) {
+      out->insert(out->end(), below_[node].begin(), below_[node].end());
+      for (int p = node / 2; p >= 1 && stamp_[p] != epoch_; p /= 2) {
+        stamp_[p] = epoch_;
+        out->insert(out->end(), covering_[p].begin(), covering_[p].end());
+      }
+    });
+  }
+
+ private:
+  // Calls fn(node) for the canonical cover of [alloc_index, free_index].
+  template <typename Fn>
+  void ForCover(int alloc_index, int free_index, Fn&& fn) const {
+    int lo = alloc_index + 1 + leaves_, hi = free_index + 2 + leaves_;  // half-open
+    while (lo < hi) {
+      if (lo & 1) fn(lo++);
+      if (hi & 1) fn(--hi);
+      lo /= 2;
+      hi /= 2;
+    }
+  }
+  // Adds `range` to a sorted union of disjoint, non-touching runs.
+  static void AddToUnion(std::vector<Range>* runs, Range range) {
+    auto first = std::lower_bound(runs->begin(), runs->end(), range.first,
+                                  [](const Range& r, int64_t start) { return r.second < start; });
+    auto last = first;
+    while (last != runs->end() && last->first <= range.second) {
+      range.first = std::min(range.first, last->first);
+      range.second = std::max(range.second, last->second);
+      ++last;
+    }
+    if (first == last) {
+      runs->insert(first, range);
+      return;
+    }
+    *first = range;
+    runs->erase(first + 1, last);
+  }
+
+  int leaves_ = 1;
+  std::vector<std::vector<Range>> covering_, below_;
+  // Marks of the nodes visited by the current Add or Collect (scratch, hence mutable).
+  mutable std::vector<uint32_t> stamp_;
+  mutable uint32_t epoch_ = 0;
+};
+
+// Sorts [offset, end) ranges by offset: a bucket sort over the offsets' span (one bucket per
+// range on average), then an insertion sort that only fixes order inside buckets: expected
+// O(k) for the spread-out offsets of a packing; crowded buckets fall back to std::sort. Ranges
+// with equal offsets may come out in any order (the gap scan does not depend on it).
+class OffsetSorter {
+ public:
+  using Range = std::pair<int64_t, int64_t>;
+  void Sort(std::vector<Range>* ranges) {
+    std::vector<Range>& v = *ranges;
+    const size_t k = v.size();
+    if (k < kSmall) {
+      std::sort(v.begin(), v.end());
+      return;
+    }
+    int64_t lo = v[0].first, hi = v[0].first;
+    for (const Range& r : v) {
+      lo = std::min(lo, r.first);
+      hi = std::max(hi, r.first);
+    }
+    const size_t buckets = k;
+    // Monotone in the offset, so buckets come out in order.
+    const double scale = static_cast<double>(buckets) / (static_cast<double>(hi - lo) + 1.0);
+    bucket_.resize(k);
+    next_.assign(buckets, 0);  // counts, then each bucket's next free slot, then its end
+    for (size_t i = 0; i < k; ++i) {
+      bucket_[i] = static_cast<uint32_t>(
+          std::min(buckets - 1, static_cast<size_t>(static_cast<double>(v[i].first - lo) * scale)));
+      ++next_[bucket_[i]];
+    }
+    uint32_t start = 0;
+    for (size_t b = 0; b < buckets; ++b) {
+      const uint32_t count = next_[b];
+      next_[b] = start;
+      start += count;
+    }
+    scratch_.resize(k);
+    for (size_t i = 0; i < k; ++i) scratch_[next_[bucket_[i]]++] = v[i];
+    v.swap(scratch_);
+    auto by_offset = [](const Range& a, const Range& b) { return a.first < b.first; };
+    size_t begin = 0;
+    for (size_t b = 0; b < buckets; ++b) {
+      const size_t end = next_[b];
+      if (end - begin > kSmall) {
+        std::sort(v.begin() + begin, v.begin() + end, by_offset);
+      } else {
+        for (size_t j = begin + 1; j < end; ++j) {
+          const Range r = v[j];
+          size_t m = j;
+          for (; m > begin && r.first < v[m - 1].first; --m) v[m] = v[m - 1];
+          v[m] = r;
+        }
+      }
+      begin = end;
+    }
+  }
+
+ private:
+  static constexpr size_t kSmall = 32;  // below this, std::sort is as fast
+  std::vector<uint32_t> bucket_, next_;
+  std::vector<Range> scratch_;
+};
+
+struct Packing {
+  std::vector<int64_t> offsets;  // per buffer
+  int64_t arena_bytes = 0;
+  int spilled = 0;  // buffers placed in a gap free in instruction order only
+};
+
+// Lifetimes on one axis: each buffer's alloc_index / free_index are positions in [-1, length].
+struct Axis {
+  const std::vector<BufferLifetime>* buffers = nullptr;
+  int length = 0;
+};
+
+// Best-fit decreasing in `order` over `primary` lifetimes. With `spill` and spill_above_bytes
+// > 0, a buffer whose best place over `primary` ends above spill_above_bytes may take a gap that
+// is free over the `spill` lifetimes (which conflict less) if that place ends lower.
+Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
+             int64_t alignment_bytes, MemoryPlanOptions::Order order) {
+  const std::vector<BufferLifetime>& buffers = *primary.buffers;
+  const int n = static_cast<int>(buffers.size());
+  Packing packing;
+  packing.offsets.assign(n, 0);
+  std::vector<int64_t> reserve(n);
+  for (int b = 0; b < n; ++b) reserve[b] = AlignUp(buffers[b].size_bytes, alignment_bytes);
+  auto whole_step = [&](int b) {
+    return buffers[b].alloc_index < 0 && buffers[b].free_index >= primary.length;
+  };
+  // Ties after the order's keys: the placement key, for determinism.
+  auto key_less = [&](int a, int b) {
+    const BufferLifetime& x = buffers[a];
+    const BufferLifetime& y = buffers[b];
+    return std::tie(x.instruction, x.tensor, x.micro_step) <
+           std::tie(y.instruction, y.tensor, y.micro_step);
+  };
+
+  // Whole-step buffers stacked at the bottom, largest first.
+  std::vector<int> stacked, rest;
+  for (int b = 0; b < n; ++b) (whole_step(b) ? stacked : rest).push_back(b);
+  std::sort(stacked.begin(), stacked.end(), [&](int a, int b) {
+    return reserve[a] != reserve[b] ? reserve[a] > reserve[b] : key_less(a, b);
+  });
+  int64_t base = 0;
+  for (int b : stacked) {
+    packing.offsets[b] = base;
+    base += reserve[b];
+  }
+
+  auto lifetime = [&](int b) {
+    return static_cast<int64_t>(buffers[b].free_index) - buffers[b].alloc_index + 1;
+  };
+  std::sort(rest.begin(), rest.end(), [&](int a, int b) {
+    if (order == MemoryPlanOptions::Order::kAreaDescending) {
+      // Below 2^63: sizes are under 2^40 bytes and lifetimes under 2^23 positions.
+      const int64_t area_a = reserve[a] * lifetime(a);
+      const int64_t area_b = reserve[b] * lifetime(b);
+      if (area_a != area_b) return area_a > area_b;
+    }
+    if (reserve[a] != reserve[b]) return reserve[a] > reserve[b];
+    if (buffers[a].alloc_index != buffers[b].alloc_index) {
+      return buffers[a].alloc_index < buffers[b].alloc_index;
+    }
+    return key_less(a, b);
+  });
+
+  std::vector<Occupancy::Range> taken;
+  OffsetSorter sorter;
+  // The best-fitting gap for `size` among the ranges `occupancy` has taken during a lifetime,
+  // or the top of them.
+  auto best_fit = [&](const Occupancy& occupancy, const BufferLifetime& life, int64_t size) {
+    taken.clear();
+    occupancy.Collect(life.alloc_index, life.free_index, &taken);
+    sorter.Sort(&taken);
+    int64_t cursor = base, best_offset = -1;
+    int64_t best_gap = std::numeric_limits<int64_t>::max();
+    for (const auto& [start, end] : taken) {
+      const int64_t gap = start - cursor;
+      if (gap >= size && gap < best_gap) {
+        best_gap = gap;
+        best_offset = cursor;
+      }
+      cursor = std::max(cursor, end);
+    }
+    return best_offset >= 0 ? best_offset : cursor;
+  };
+  Occupancy occupancy(primary.length);
+  std::optional<Occupancy> spill_occupancy;
+  if (spill && spill_above_bytes > 0) spill_occupancy.emplace(spill->length);
+  for (int b : rest) {
+    if (reserve[b] == 0) {
+      packing.offsets[b] = base;  // empty: overlaps nothing
+      continue;
+    }
+    int64_t offset = best_fit(occupancy, buffers[b], reserve[b]);
+    if (spill_occupancy && offset + buffers[b].size_bytes > spill_above_bytes) {
+      const int64_t spilled = best_fit(*spill_occupancy, (*spill->buffers)[b], reserve[b]);
+      if (spilled < offset) {
+        offset = spilled;
+        ++packing.spilled;
+      }
+    }
+    packing.offsets[b] = offset;
+    const Occupancy::Range range{offset, offset + reserve[b]};
+    occupancy.Add(buffers[b].alloc_index, buffers[b].free_index, range);
+    if (spill_occupancy) {
+      spill_occupancy->Add((*spill->buffers)[b].alloc_index, (*spill->buffers)[b].free_index,
+                           range);
+    }
+  }
+  for (int b = 0; b < n; ++b) {
+    if (buffers[b].size_bytes > 0) {
+      packing.arena_bytes =
+          std::max(packing.arena_bytes, packing.offsets[b] + buffers[b].size_bytes);
+    }
+  }
+  return packing;
+}
+
+// Most bytes live at once in instruction order, and the first instruction where that happens
+// (-1: before the first instruction).
+std::pair<int64_t, int> LivePeak(const std::vector<BufferLifetime>& buffers, int num_instructions) {
+  // delta[i + 1]: change when instruction i starts (i = -1: start-up).
+  std::vector<int64_t> delta(num_instructions + 2, 0);
+  for (const BufferLifetime& b : buffers) {
+    delta[b.alloc_index + 1] += b.size_bytes;
+    if (b.free_index + 2 < static_cast<int>(delta.size())) delta[b.free_index + 2] -= b.size_bytes;
+  }
+  int64_t live = 0, peak = 0;
+  int at = -1;
+  for (int i = 0; i < static_cast<int>(delta.size()); ++i) {
+    live += delta[i];
+    if (live > peak) {
+      peak = live;
+      at = i - 1;
+    }
+  }
+  return {peak, at};
+}
+
+}  // namespace
+
+StatusOr<std::vector<BufferLifetime>> BufferLifetimes(const proto::Schedule& schedule) {
+  return LifetimeReplay(schedule).Run();
+}
+
+// Moves lifetimes onto an axis that orders events by simulated time, then instruction index.
+// A buffer is freed when its freeing instruction ends, and allocated when its allocating
+// instruction starts or, if sooner, when any instruction issued after it frees something (so a
+// buffer freed later in issue order never hands its bytes to one allocated earlier: that wait
+// would point forwards). Two buffers then share bytes only if one is freed, in time and in issue
+// order, before the other is allocated. Positions are ranks of those keys (-1 and the axis
+// length keep meaning start-up and end of step); `instruction_at` maps a rank back.
+Status ToSimulatedTimeAxis(const proto::Schedule& schedule, const CostModel& costs,
+                           std::vector<BufferLifetime>* buffers, int* axis_length,
+                           std::vector<int>* instruction_at) {
+  SimOptions options;
+  options.memory_timeline = false;
+  DC_ASSIGN_OR_RETURN(SimResult sim, Simulate(schedule, costs, options));
+  const int n = schedule.instructions_size();
+  std::vector<bool> frees(n, false);
+  for (const BufferLifetime& b : *buffers) {
+    if (b.free_index >= 0 && b.free_index < n) frees[b.free_index] = true;
+  }
+  // first_free_after[i]: the earliest end of a freeing instruction issued after i.
+  std::vector<double> first_free_after(n + 1, std::numeric_limits<double>::infinity());
+  for (int i = n - 2; i >= 0; --i) {
+    first_free_after[i] = first_free_after[i + 1];
+    if (frees[i + 1]) first_free_after[i] = std::min(first_free_after[i], sim.end_seconds[i + 1]);
+  }
+  using TimeKey = std::pair<double, int>;
+  auto alloc_key = [&](const BufferLifetime& b) {
+    return TimeKey{std::min(sim.start_seconds[b.alloc_index], first_free_after[b.alloc_index]),
+                   b.alloc_index};
+  };
+  auto free_key = [&](const BufferLifetime& b) {
+    return TimeKey{sim.end_seconds[b.free_index], b.free_index};
+  };
+  std::vector<TimeKey> keys;
+  keys.reserve(2 * buffers->size());
+  for (const BufferLifetime& b : *buffers) {
+    if (b.alloc_index >= 0) keys.push_back(alloc_key(b));
+    if (b.free_index < n) keys.push_back(free_key(b));
+  }
+  std::sort(keys.begin(), keys.end());
+  keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+  auto rank = [&](const TimeKey& key) {
+    return static_cast<int>(std::lower_bound(keys.begin(), keys.end(), key) - keys.begin());
+  };
+  const int length = static_cast<int>(keys.size());
+  for (BufferLifetime& b : *buffers) {
+    const int alloc = b.alloc_index >= 0 ? rank(alloc_key(b)) : -1;
+    const int free = b.free_index < n ? rank(free_key(b)) : length;
+    b.alloc_index = alloc;
+    b.free_index = free;
+  }
+  *axis_length = length;
+  instruction_at->clear();
+  for (const TimeKey& key : keys) instruction_at->push_back(key.second);
+  return Status::Ok();
+}
+
+StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
+                                       const MemoryPlanOptions& options, int64_t budget_bytes,
+                                       const CostModel* costs, MemoryPlanStats* stats) {
+  if (options.alignment_bytes <= 0 ||
+      (options.alignment_bytes & (options.alignment_bytes - 1)) != 0) {
+    return Status::Error("memory plan alignment must be a power of two, not " +
+                         std::to_string(options.alignment_bytes));
+  }
+  if (options.orders.empty()) return Status::Error("memory plan: no packing order to try");
+  DC_ASSIGN_OR_RETURN(const std::vector<BufferLifetime> in_order, BufferLifetimes(schedule));
+  // Lifetimes are positions on an axis of length n: instruction indices, or ranks of simulated
+  // times (then `in_order` is the axis a buffer may spill to).
+  std::vector<BufferLifetime> buffers = in_order;
+  int n = schedule.instructions_size();
+  const Axis instruction_axis{&in_order, n};
+  std::vector<int> instruction_at;
+  const bool in_time =
+      options.lifetimes == MemoryPlanOptions::Lifetimes::kInstructionAndSimulatedTime && costs;
+  if (in_time) {
+    DC_RETURN_IF_ERROR(ToSimulatedTimeAxis(schedule, *costs, &buffers, &n, &instruction_at));
+  }
+  const Axis primary{&buffers, n};
+  const Axis* spill = in_time && options.spill_to_instruction_order ? &instruction_axis : nullptr;
+
+  MemoryPlanStats local;
+  MemoryPlanStats& s = stats ? *stats : local;
+  s = MemoryPlanStats();
+  s.lifetimes = options.lifetimes;
+  if (!costs) s.lifetimes = MemoryPlanOptions::Lifetimes::kInstructionOrder;
+  s.buffers = static_cast<int>(buffers.size());
+  std::tie(s.instruction_order_peak_bytes, s.instruction_order_peak_instruction) =
+      LivePeak(in_order, schedule.instructions_size());
+  std::tie(s.live_peak_bytes, s.live_peak_instruction) = LivePeak(buffers, n);
+  if (!instruction_at.empty() && s.live_peak_instruction >= 0) {
+    s.live_peak_instruction = instruction_at[s.live_peak_instruction];
+  }
+
+  // Attempts in turn until one fits the budget: every order over the primary lifetimes
+  // (spilling only what would end above the budget); then spilling from a lower mark, with the
+  // first order; then every order in instruction order alone.
+  struct Attempt {
+    const Axis* axis;
+    const Axis* spill;
+    double headroom_fraction;
+    MemoryPlanOptions::Order order;
+  };
+  std::vector<Attempt> attempts;
+  for (MemoryPlanOptions::Order order : options.orders) {
+    attempts.push_back({&primary, spill, 0.0, order});
+  }
+  if (spill) {
+    for (double fraction : options.spill_headroom_fractions) {
+      if (fraction > 0) attempts.push_back({&primary, spill, fraction, options.orders.front()});
+    }
+  }
+  if (in_time && options.fall_back_to_instruction_order) {
+    for (MemoryPlanOptions::Order order : options.orders) {
+      attempts.push_back({&instruction_axis, nullptr, 0.0, order});
+    }
+  }
+  Packing best;
+  best.arena_bytes = -1;
+  for (const Attempt& attempt : attempts) {
+    ++s.orders_tried;
+    const int64_t spill_above =
+        budget_bytes -
+        static_cast<int64_t>(static_cast<double>(budget_bytes) * attempt.headroom_fraction);
+    Packing packing =
+        Pack(*attempt.axis, attempt.spill, spill_above, options.alignment_bytes, attempt.order);
+    if (best.arena_bytes < 0 || packing.arena_bytes < best.arena_bytes) {
+      best = std::move(packing);
+      s.order = OrderName(attempt.order);
+      if (attempt.axis == &instruction_axis && in_time) {
+        s.lifetimes = MemoryPlanOptions::Lifetimes::kInstructionOrder;
+        s.live_peak_bytes = s.instruction_order_peak_bytes;
+        s.live_peak_instruction = s.instruction_order_peak_instruction;
+      }
+    }
+    if (budget_bytes <= 0 || best.arena_bytes <= budget_bytes) break;
+  }
+  s.arena_bytes = best.arena_bytes;
+  s.spilled_buffers = best.spilled;
+
+  std::vector<int> sorted(buffers.size());
+  std::iota(sorted.begin(), sorted.end(), 0);
+  std::sort(sorted.begin(), sorted.end(), [&](int a, int b) {
+    const BufferLifetime& x = buffers[a];
+    const BufferLifetime& y = buffers[b];
+    return std::tie(x.instruction, x.tensor, x.micro_step) <
+           std::tie(y.instruction, y.tensor, y.micro_step);
+  });
+  proto::MemoryPlan plan;
+  plan.set_arena_bytes(best.arena_bytes);
+  plan.mutable_placements()->Reserve(static_cast<int>(buffers.size()));
+  for (int b : sorted) {
+    proto::BufferPlacement* p = plan.add_placements();
+    p->set_instruction(buffers[b].instruction);
+    p->set_tensor(buffers[b].tensor);
+    p->set_micro_step(buffers[b].micro_step);
+    p->set_offset_bytes(best.offsets[b]);
+    p->set_size_bytes(buffers[b].size_bytes);
+  }
+  return plan;
+}
+
+StatusOr<std::vector<std::pair<int, int>>> ReuseDependencies(const proto::Schedule& schedule) {
+  DC_ASSIGN_OR_RETURN(std::vector<BufferLifetime> buffers, BufferLifetimes(schedule));
+  const proto::MemoryPlan& plan = schedule.memory_plan();
+  if (static_cast<size_t>(plan.placements_size()) != buffers.size()) {
+    return Status::Error("the memory plan places " + std::to_string(plan.placements_size()) +
+                         " buffers but the schedule has " + std::to_string(buffers.size()) +
+                         "; run the memory-plan pass again");
+  }
+  std::map<std::tuple<int, int, int>, int64_t> offset_of;
+  for (const proto::BufferPlacement& p : plan.placements()) {
+    offset_of[{p.instruction(), p.tensor(), p.micro_step()}] = p.offset_bytes();
+  }
+  std::vector<int> order(buffers.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return buffers[a].alloc_index < buffers[b].alloc_index; });
+  // Address segments [start, end) -> the buffer that last occupied them.
+  std::map<int64_t, std::pair<int64_t, int>> last;
+  std::vector<std::pair<int, int>> deps;
+  const int n = schedule.instructions_size();
+  for (int b : order) {
+    const BufferLifetime& buffer = buffers[b];
+    auto found = offset_of.find({buffer.instruction, buffer.tensor, buffer.micro_step});
+    if (found == offset_of.end()) {
+      return Status::Error("the memory plan has no placement for " +
+                           schedule.program().tensors(buffer.tensor).name() + " of instruction " +
+                           std::to_string(buffer.instruction) + "; run the memory-plan pass again");
+    }
+    if (buffer.size_bytes == 0) continue;
+    const int64_t start = found->second, end = start + buffer.size_bytes;
+    // Split the segments straddling the ends, then take over everything in between.
+    for (const int64_t cut : {start, end}) {
+      auto it = last.upper_bound(cut);
+      if (it == last.begin()) continue;
+      --it;
+      if (it->first < cut && it->second.first > cut) {
+        last.emplace(cut, std::make_pair(it->second.first, it->second.second));
+        it->second.first = cut;
+      }
+    }
+    for (auto it = last.lower_bound(start); it != last.end() && it->first < end;) {
+      const BufferLifetime& previous = buffers[it->second.second];
+      if (previous.free_index >= buffer.alloc_index) {
+        return Status::Error("the memory plan overlaps two live buffers (" +
+                             schedule.program().tensors(previous.tensor).name() + " and " +
+                             schedule.program().tensors(buffer.tensor).name() +
+                             "); run the memory-plan pass again");
+      }
+      const int freed_by = previous.free_index;
+      const int allocated_by = buffer.alloc_index;
+      if (freed_by >= 0 && freed_by < n && allocated_by >= 0 &&
+          schedule.instructions(freed_by).stream() !=
+              schedule.instructions(allocated_by).stream()) {
+        deps.emplace_back(allocated_by, freed_by);
+      }
+      it = last.erase(it);
+    }
+    last.emplace(start, std::make_pair(end, b));
+  }
+  std::sort(deps.begin(), deps.end());
+  deps.erase(std::unique(deps.begin(), deps.end()), deps.end());
+  return deps;
+}
+
+Status AddReuseDependencies(proto::Schedule* schedule, int* added) {
+  DC_ASSIGN_OR_RETURN(auto deps, ReuseDependencies(*schedule));
+  int count = 0;
+  for (size_t i = 0; i < deps.size();) {
+    const int instruction = deps[i].first;
+    proto::Instruction* instr = schedule->mutable_instructions(instruction);
+    std::vector<int> all(instr->deps().begin(), instr->deps().end());
+    std::sort(all.begin(), all.end());
+    all.erase(std::unique(all.begin(), all.end()), all.end());
+    const size_t before = all.size();
+    for (; i < deps.size() && deps[i].first == instruction; ++i) all.push_back(deps[i].second);
+    std::sort(all.begin(), all.end());
+    all.erase(std::unique(all.begin(), all.end()), all.end());
+    count += static_cast<int>(all.size() - before);
+    instr->clear_deps();
+    for (int d : all) instr->add_deps(d);
+  }
+  if (added) *added = count;
+  return Status::Ok();
+}
+
+std::string MemoryPlanPass::OptionsText() const {
+  std::string text = "alignment=" + std::to_string(options_.alignment_bytes) + ",orders=";
+  for (size_t i = 0; i < options_.orders.size(); ++i) {
+    text += std::string(i ? "+" : "") + OrderName(options_.orders[i]);
+  }
+  text += std::string(",lifetimes=") +
+          (options_.lifetimes == MemoryPlanOptions::Lifetimes::kInstructionOrder
+               ? "instruction-order"
+               : "instruction-and-simulated-time");
+  text += std::string(",spill=") + (options_.spill_to_instruction_order ? "1" : "0");
+  for (double fraction : options_.spill_headroom_fractions) {
+    text += "," + std::to_string(fraction);
+  }
+  text += std::string(",fall_back=") + (options_.fall_back_to_instruction_order ? "1" : "0");
+  text += std::string(",reuse_dependencies=") + (options_.add_reuse_dependencies ? "1" : "0");
+  return text;
+}
+
+StatusOr<bool> MemoryPlanPass::Run(proto::Schedule* schedule, const PassContext& context) {
+  summary_.clear();
+  reuse_dependencies_added_ = 0;
+  const int64_t budget = context.budget_bytes;
+  DC_ASSIGN_OR_RETURN(proto::MemoryPlan plan,
+                      PlanMemory(*schedule, options_, budget, context.costs, &stats_));
+  static const CostModel kFallback;
+  const CostModel& costs = context.costs ? *context.costs : kFallback;
+  SimOptions sim_options;
+  sim_options.memory_timeline = false;
+  DC_ASSIGN_OR_RETURN(SimResult sim, Simulate(*schedule, costs, sim_options));
+  simulated_peak_bytes_ = sim.peak_device_bytes;
+  const bool in_order = stats_.lifetimes == MemoryPlanOptions::Lifetimes::kInstructionOrder;
+  const double fragmentation =
+      stats_.live_peak_bytes > 0
+          ? 100.0 * static_cast<double>(stats_.arena_bytes - stats_.live_peak_bytes) /
+                static_cast<double>(stats_.live_peak_bytes)
+          : 0.0;
+  char text[512];
+  std::snprintf(text, sizeof(text),
+                "arena %s for %d buffers (%s lifetimes, %s order, %d tried, %d buffers reuse "
+                "bytes in instruction order only); live peak %s (%+.2f%% fragmentation); "
+                "simulated peak %s; budget %s",
+                FormatBytes(stats_.arena_bytes).c_str(), stats_.buffers,
+                in_order ? "instruction-order" : "simulated-time", stats_.order.c_str(),
+                stats_.orders_tried, stats_.spilled_buffers,
+                FormatBytes(stats_.live_peak_bytes).c_str(), fragmentation,
+                FormatBytes(simulated_peak_bytes_).c_str(),
+                budget > 0 ? FormatBytes(budget).c_str() : "none");
+  summary_ = text;
+  if (budget > 0 && stats_.arena_bytes > budget) {
+    std::string why;
+    if (stats_.instruction_order_peak_bytes > budget) {
+      why = "; " + FormatBytes(stats_.instruction_order_peak_bytes) +
+            " are held at once at instruction " +
+            std::to_string(stats_.instruction_order_peak_instruction) + ", so no packing fits";
+    } else {
+      why = "; at most " + FormatBytes(stats_.live_peak_bytes) + " are held at once (" +
+            (in_order ? "instruction order" : "simulated time") + ")";
+    }
+    return Status::Error("the memory plan's arena needs " + FormatBytes(stats_.arena_bytes) +
+                         " (best of " + std::to_string(stats_.orders_tried) +
+                         " packing orders), over the budget of " + FormatBytes(budget) + why +
+                         " (simulated peak " + FormatBytes(simulated_peak_bytes_) +
+                         "); raise --budget");
+  }
+  bool changed = schedule->memory_plan().SerializeAsString() != plan.SerializeAsString();
+  *schedule->mutable_memory_plan() = std::move(plan);
+  // Reuse in instruction order only is safe on asynchronous streams only with its waits.
+  if (options_.add_reuse_dependencies || in_order || stats_.spilled_buffers > 0) {
+    DC_RETURN_IF_ERROR(AddReuseDependencies(schedule, &reuse_dependencies_added_));
+    changed |= reuse_dependencies_added_ > 0;
+    DC_ASSIGN_OR_RETURN(SimResult ordered, Simulate(*schedule, costs, sim_options));
+    std::snprintf(text, sizeof(text), "; %d reuse dependencies: step %.4f s -> %.4f s",
+                  reuse_dependencies_added_, sim.step_seconds, ordered.step_seconds);
+    summary_ += text;
+  }
+  return changed;
+}
+
+std::unique_ptr<Pass> MakeMemoryPlanPass(MemoryPlanOptions options) {
+  return std::make_unique<MemoryPlanPass>(std::move(options));
+}
+
+}  // namespace dc

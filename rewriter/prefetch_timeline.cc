@@ -1,0 +1,515 @@
+#include "rewriter/prefetch_timeline.h"
+
+#include <algorithm>
+#include <array>
+#include <limits>
+#include <string>
+
+namespace dc::rewriter_internal {
+namespace {
+
+constexpr int kNumStreams = proto::Stream_MAX + 1;
+constexpr int64_t kF32Bytes = 4;  // persistent shards are fp32 (schemas/program.h)
+// Padding leaves of the segment tree: below any real value.
+constexpr int64_t kNoPoint = std::numeric_limits<int64_t>::min() / 4;
+
+bool IsPersistentRole(proto::Role role) {
+  return role == proto::ROLE_PARAM || role == proto::ROLE_GRAD ||
+         role == proto::ROLE_OPTIMIZER_STATE;
+}
+
+// The simulator's buffer accounting (analyzer/simulator.cc), reduced to one byte delta per
+// instruction: transients by (tensor, micro-step), gathered params by tensor.
+class DeltaReplay {
+ public:
+  explicit DeltaReplay(const proto::Schedule& schedule) : program_(schedule.program()) {
+    int max_micro = 0;
+    for (const auto& instr : schedule.instructions()) {
+      max_micro = std::max(max_micro, instr.micro_step());
+    }
+    stride_ = max_micro + 2;
+    const int world = std::max(1, schedule.world_size());
+    for (const proto::Tensor& t : program_.tensors()) {
+      role_.push_back(t.role());
+      bytes_.push_back(TransientBytes(program_, t));
+      shard_bytes_.push_back(ShardElements(NumElements(t), world) * kF32Bytes);
+    }
+    live_.assign(role_.size() * stride_, 0);
+  }
+
+  // Bytes instruction `instr` allocates (+) and frees (-) and whether that happens at its end.
+  int64_t Delta(const proto::Instruction& instr, bool* at_end) {
+    *at_end = false;
+    const int micro = instr.micro_step();
+    int64_t delta = 0;
+    switch (instr.kind()) {
+      case proto::INSTR_ALL_GATHER:
+        for (int t : instr.tensors()) delta += bytes_[t];
+        break;
+      case proto::INSTR_COMPUTE: {
+        const proto::Op& op = program_.ops(instr.op());
+        const bool optimizer = op.phase() == proto::PHASE_OPTIMIZER;
+        for (int t : op.inputs()) {
+          const proto::Role role = role_[t];
+          if (role == proto::ROLE_PARAM || (IsPersistentRole(role) && optimizer) ||
+              role == proto::ROLE_OPTIMIZER_STATE) {
+            continue;
+          }
+          if (role == proto::ROLE_INPUT && !Live(t, micro)) {
+            SetLive(t, micro, true);
+            delta += bytes_[t];
+          }
+        }
+        for (int t : op.outputs()) {
+          if (optimizer && IsPersistentRole(role_[t])) continue;
+          SetLive(t, micro, true);
+          delta += bytes_[t];
+        }
+        break;
+      }
+      case proto::INSTR_RELEASE:
+        for (int t : instr.tensors()) {
+          if (role_[t] != proto::ROLE_PARAM) SetLive(t, micro, false);
+          delta -= bytes_[t];
+        }
+        break;
+      case proto::INSTR_OFFLOAD:
+        *at_end = true;
+        for (int t : instr.tensors()) {
+          if (IsPersistentRole(role_[t])) {
+            delta -= shard_bytes_[t];
+          } else {
+            SetLive(t, micro, false);
+            delta -= bytes_[t];
+          }
+        }
+        break;
+      case proto::INSTR_RELOAD:
+        for (int t : instr.tensors()) {
+          if (IsPersistentRole(role_[t])) {
+            delta += shard_bytes_[t];
+          } else {
+            SetLive(t, micro, true);
+            delta += bytes_[t];
+          }
+        }
+        break;
+      default:
+        break;
+    }
+    return delta;
+  }
+
+ private:
+  size_t Index(int t, int micro) const {
+    return static_cast<size_t>(t) * stride_ + static_cast<size_t>(micro + 1);
+  }
+  bool Live(int t, int micro) const { return live_[Index(t, micro)]; }
+  void SetLive(int t, int micro, bool live) { live_[Index(t, micro)] = live; }
+
+  const proto::Program& program_;
+  size_t stride_ = 1;
+  std::vector<proto::Role> role_;
+  std::vector<int64_t> bytes_, shard_bytes_;
+  std::vector<uint8_t> live_;
+};
+
+}  // namespace
+
+// ----- LiveCurve -----
+
+StatusOr<LiveCurve> LiveCurve::Build(const proto::Schedule& schedule, const SimResult& sim) {
+  const int n = schedule.instructions_size();
+  if (static_cast<int>(sim.start_seconds.size()) != n ||
+      static_cast<int>(sim.end_seconds.size()) != n) {
+    return Status::Error("the simulation does not belong to this schedule (" +
+                         std::to_string(sim.start_seconds.size()) + " instructions simulated, " +
+                         std::to_string(n) + " in the schedule)");
+  }
+  LiveCurve curve;
+  for (int64_t bytes : PersistentBytesByKind(schedule.program(), schedule.world_size())) {
+    curve.persistent_bytes_ += bytes;
+  }
+  DeltaReplay replay(schedule);
+  std::vector<int64_t> delta(n);
+  std::vector<double> time(n);
+  std::array<std::vector<int>, kNumStreams> by_stream;
+  for (int i = 0; i < n; ++i) {
+    const proto::Instruction& instr = schedule.instructions(i);
+    bool at_end = false;
+    delta[i] = replay.Delta(instr, &at_end);
+    time[i] = at_end ? sim.end_seconds[i] : sim.start_seconds[i];
+    const int stream = instr.stream() >= 0 && instr.stream() < kNumStreams ? instr.stream() : 0;
+    by_stream[stream].push_back(i);
+  }
+  // Each stream's events are in time order already: merge the streams (time, then index).
+  std::array<size_t, kNumStreams> next{};
+  curve.point_of_.assign(n, 0);
+  curve.times_.reserve(n);
+  std::vector<int64_t> values;
+  values.reserve(n);
+  int64_t now = curve.persistent_bytes_;
+  for (int p = 0; p < n; ++p) {
+    int best = -1;
+    for (int s = 0; s < kNumStreams; ++s) {
+      if (next[s] == by_stream[s].size()) continue;
+      const int i = by_stream[s][next[s]];
+      if (best < 0) {
+        best = s;
+        continue;
+      }
+      const int b = by_stream[best][next[best]];
+      if (time[i] < time[b] || (time[i] == time[b] && i < b)) best = s;
+    }
+    const int i = by_stream[best][next[best]++];
+    now += delta[i];
+    curve.point_of_[i] = p;
+    curve.times_.push_back(time[i]);
+    values.push_back(now);
+  }
+  curve.BuildTree(values);
+  return curve;
+}
+
+void LiveCurve::BuildTree(const std::vector<int64_t>& values) {
+  leaves_ = 1;
+  while (leaves_ < static_cast<int>(values.size())) leaves_ *= 2;
+  max_.assign(2 * leaves_, kNoPoint);
+  pending_.assign(2 * leaves_, 0);
+  for (size_t i = 0; i < values.size(); ++i) max_[leaves_ + i] = values[i];
+  for (int node = leaves_ - 1; node >= 1; --node) {
+    max_[node] = std::max(max_[2 * node], max_[2 * node + 1]);
+  }
+}
+
+LiveCurve LiveCurve::Flat(int64_t bytes) const {
+  LiveCurve flat;
+  flat.times_ = times_;
+  flat.point_of_ = point_of_;
+  flat.persistent_bytes_ = bytes;
+  flat.BuildTree(std::vector<int64_t>(times_.size(), bytes));
+  return flat;
+}
+
+int LiveCurve::FirstPointAtOrAfter(double time_seconds) const {
+  return static_cast<int>(std::lower_bound(times_.begin(), times_.end(), time_seconds) -
+                          times_.begin());
+}
+
+void LiveCurve::Apply(int node, int64_t bytes) {
+  max_[node] += bytes;
+  if (node < leaves_) pending_[node] += bytes;
+}
+
+void LiveCurve::Push(int node) {
+  if (pending_[node] != 0) {
+    Apply(2 * node, pending_[node]);
+    Apply(2 * node + 1, pending_[node]);
+    pending_[node] = 0;
+  }
+}
+
+void LiveCurve::AddRange(int node, int lo, int hi, int begin, int end, int64_t bytes) {
+  if (end <= lo || hi <= begin) return;
+  if (begin <= lo && hi <= end) {
+    Apply(node, bytes);
+    return;
+  }
+  Push(node);
+  const int mid = (lo + hi) / 2;
+  AddRange(2 * node, lo, mid, begin, end, bytes);
+  AddRange(2 * node + 1, mid, hi, begin, end, bytes);
+  max_[node] = std::max(max_[2 * node], max_[2 * node + 1]);
+}
+
+int64_t LiveCurve::MaxRange(int node, int lo, int hi, int begin, int end) const {
+  if (end <= lo || hi <= begin) return kNoPoint;
+  if (begin <= lo && hi <= end) return max_[node];
+  const int mid = (lo + hi) / 2;
+  return pending_[node] + std::max(MaxRange(2 * node, lo, mid, begin, end),
+                                   MaxRange(2 * node + 1, mid, hi, begin, end));
+}
+
+void LiveCurve::Add(int begin, int end, int64_t bytes) {
+  begin = std::max(begin, 0);
+  end = std::min(end, size());
+  if (begin >= end || bytes == 0) return;
+  AddRange(1, 0, leaves_, begin, end, bytes);
+}
+
+int64_t LiveCurve::Max(int begin, int end) const {
+  begin = std::max(begin, 0);
+  end = std::min(end, size());
+  if (begin >= end) return persistent_bytes_;
+  return MaxRange(1, 0, leaves_, begin, end);
+}
+
+int LiveCurve::LeftmostFitting(int lo, int end, int64_t limit) const {
+  // Max(p, end) does not grow with p: binary search for the first p that fits.
+  int a = std::max(lo, 0), b = std::max(end, a);
+  while (a < b) {
+    const int mid = a + (b - a) / 2;
+    if (Max(mid, end) <= limit) {
+      b = mid;
+    } else {
+      a = mid + 1;
+    }
+  }
+  return a;
+}
+
+// ----- GatherIndex -----
+
+int GatherIndex::FirstUse(int gather) const {
+  int first = -1;
+  for (const auto& [param, span] : opened[gather]) {
+    const int use = spans_by_param[param][span].first_use;
+    if (use >= 0 && (first < 0 || use < first)) first = use;
+  }
+  return first;
+}
+
+GatherIndex IndexGathers(const proto::Schedule& schedule) {
+  const proto::Program& program = schedule.program();
+  const int n = schedule.instructions_size();
+  GatherIndex index;
+  index.spans_by_param.resize(program.tensors_size());
+  index.compute_stream_before.resize(n);
+  index.opened.resize(n);
+  std::vector<int> open(program.tensors_size(), -1);  // span index of a live gathered param
+  for (int i = 0; i < n; ++i) {
+    const proto::Instruction& instr = schedule.instructions(i);
+    index.compute_stream_before[i] = static_cast<int>(index.compute_stream.size());
+    if (instr.stream() == proto::STREAM_COMPUTE) index.compute_stream.push_back(i);
+    switch (instr.kind()) {
+      case proto::INSTR_ALL_GATHER:
+        for (int t : instr.tensors()) {
+          auto& spans = index.spans_by_param[t];
+          spans.push_back({i, -1, -1});
+          open[t] = static_cast<int>(spans.size()) - 1;
+          index.opened[i].emplace_back(t, open[t]);
+        }
+        break;
+      case proto::INSTR_COMPUTE: {
+        const proto::Op& op = program.ops(instr.op());
+        if (op.phase() == proto::PHASE_OPTIMIZER) break;
+        for (int t : op.inputs()) {
+          if (program.tensors(t).role() != proto::ROLE_PARAM || open[t] < 0) continue;
+          GatheredSpan& span = index.spans_by_param[t][open[t]];
+          if (span.first_use < 0) span.first_use = i;
+        }
+        break;
+      }
+      case proto::INSTR_RELEASE:
+        for (int t : instr.tensors()) {
+          if (program.tensors(t).role() != proto::ROLE_PARAM || open[t] < 0) continue;
+          index.spans_by_param[t][open[t]].release = i;
+          open[t] = -1;
+        }
+        break;
+      default:
+        break;
+    }
+  }
+  return index;
+}
+
+std::vector<int64_t> TensorBytes(const proto::Program& program) {
+  std::vector<int64_t> bytes;
+  bytes.reserve(program.tensors_size());
+  for (const proto::Tensor& t : program.tensors()) bytes.push_back(TransientBytes(program, t));
+  return bytes;
+}
+
+// ----- ScheduleEditor -----
+
+ScheduleEditor::ScheduleEditor(const proto::Schedule& in, proto::Schedule* out)
+    : in_(in),
+      out_(out->mutable_instructions()),
+      new_of_old_(in.instructions_size(), -1),
+      drop_targets_(in.instructions_size()),
+      dropped_(in.instructions_size(), 0) {
+  out_->Clear();
+  out_->Reserve(in.instructions_size());
+}
+
+proto::Instruction* ScheduleEditor::Keep(int old) {
+  proto::Instruction* instr = out_->Add();
+  *instr = in_.instructions(old);
+  new_of_old_[old] = out_->size() - 1;
+  return instr;
+}
+
+proto::Instruction* ScheduleEditor::AddMerged(const std::vector<int>& olds) {
+  proto::Instruction* instr = out_->Add();
+  for (int old : olds) new_of_old_[old] = out_->size() - 1;
+  return instr;
+}
+
+void ScheduleEditor::Drop(int old, std::vector<int> targets) {
+  dropped_[old] = 1;
+  drop_targets_[old] = std::move(targets);
+}
+
+void ScheduleEditor::Resolve(int old, std::vector<int>* out) {
+  if (new_of_old_[old] >= 0) {
+    out->push_back(new_of_old_[old]);
+    return;
+  }
+  // Targets of a drop point to earlier instructions, so this terminates.
+  for (int target : drop_targets_[old]) {
+    if (target < old) Resolve(target, out);
+  }
+}
+
+Status ScheduleEditor::Finish() {
+  for (int old = 0; old < static_cast<int>(new_of_old_.size()); ++old) {
+    if (new_of_old_[old] < 0 && !dropped_[old]) {
+      return Status::Error("internal: instruction " + std::to_string(old) +
+                           " was neither kept nor dropped by the pass");
+    }
+  }
+  std::vector<int> deps;
+  for (int i = 0; i < out_->size(); ++i) {
+    proto::Instruction& instr = *out_->Mutable(i);
+    deps.clear();
+    for (int d : instr.deps()) {
+      if (d >= 0 && d < static_cast<int>(new_of_old_.size())) Resolve(d, &deps);
+    }
+    std::sort(deps.begin(), deps.end());
+    deps.erase(std::unique(deps.begin(), deps.end()), deps.end());
+    instr.clear_deps();
+    for (int d : deps) {
+      if (d == i) continue;  // merged with what it waited for
+      if (d > i) {
+        return Status::Error("internal: new instruction " + std::to_string(i) +
+                             " would depend on the later instruction " + std::to_string(d));
+      }
+      instr.add_deps(d);
+    }
+  }
+  return Status::Ok();
+}
+
+// ----- shared helpers -----
+
+proto::Schedule* ScheduleShell(proto::Schedule* schedule, google::protobuf::Arena* arena) {
+  google::protobuf::RepeatedPtrField<proto::Instruction> saved;
+  saved.Swap(schedule->mutable_instructions());
+  proto::Schedule* shell = google::protobuf::Arena::CreateMessage<proto::Schedule>(arena);
+  *shell = *schedule;
+  saved.Swap(schedule->mutable_instructions());
+  return shell;
+}
+
+bool SameInstructions(const proto::Schedule& a, const proto::Schedule& b) {
+  if (a.instructions_size() != b.instructions_size()) return false;
+  for (int i = 0; i < a.instructions_size(); ++i) {
+    const proto::Instruction& x = a.instructions(i);
+    const proto::Instruction& y = b.instructions(i);
+    if (x.kind() != y.kind() || x.stream() != y.stream() || x.micro_step() != y.micro_step() ||
+        x.op() != y.op() || x.bucket() != y.bucket() || x.tensors_size() != y.tensors_size() ||
+        x.deps_size() != y.deps_size()) {
+      return false;
+    }
+    if (!std::equal(x.tensors().begin(), x.tensors().end(), y.tensors().begin()) ||
+        !std::equal(x.deps().begin(), x.deps().end(), y.deps().begin())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool OrderGathersAfterReleases(const GatherIndex& index, proto::Schedule* schedule) {
+  bool added = false;
+  for (const auto& spans : index.spans_by_param) {
+    for (size_t s = 1; s < spans.size(); ++s) {
+      const int release = spans[s - 1].release;
+      const int gather = spans[s].gather;
+      if (release < 0 || gather < 0) continue;
+      const bool release_on_compute =
+          schedule->instructions(release).stream() == proto::STREAM_COMPUTE;
+      bool ordered = false;
+      for (int d : schedule->instructions(gather).deps()) {
+        // A compute-stream dep at or after a compute-stream release implies the release.
+        ordered |= d == release || (release_on_compute && d > release &&
+                                    schedule->instructions(d).stream() == proto::STREAM_COMPUTE);
+      }
+      if (ordered) continue;
+      schedule->mutable_instructions(gather)->add_deps(release);
+      added = true;
+    }
+  }
+  return added;
+}
+
+bool Acceptable(const SimResult& input, const SimResult& output, int64_t budget_bytes,
+                double slowdown_tolerance) {
+  const bool fits = budget_bytes <= 0 || output.peak_device_bytes <= budget_bytes;
+  if (!fits) return false;
+  const bool input_fits = budget_bytes <= 0 || input.peak_device_bytes <= budget_bytes;
+  if (!input_fits) return true;  // a schedule that fits beats one that does not
+  return output.step_seconds <= input.step_seconds * (1 + slowdown_tolerance);
+}
+
+Status ApplyBridges(const proto::Schedule& in, const GatherIndex& index,
+                    const std::vector<Bridge>& bridges, proto::Schedule* out) {
+  const int n = in.instructions_size();
+  // Per instruction: the params it loses.
+  std::vector<std::vector<int>> lose(n);
+  // The gather that keeps each bridged param live, by the gather instruction it replaces.
+  std::vector<std::vector<std::pair<int, int>>> kept_by(n);  // removed gather -> (param, keeper)
+  std::vector<std::vector<char>> bridged(index.spans_by_param.size());
+  for (const Bridge& b : bridges) {
+    auto& flags = bridged[b.param];
+    if (flags.empty()) flags.assign(index.spans_by_param[b.param].size(), 0);
+    flags[b.span] = 1;
+  }
+  for (size_t param = 0; param < bridged.size(); ++param) {
+    const auto& flags = bridged[param];
+    if (flags.empty()) continue;
+    const auto& spans = index.spans_by_param[param];
+    int keeper = spans[0].gather;
+    for (size_t s = 0; s + 1 < spans.size(); ++s) {
+      if (!flags[s]) {
+        keeper = spans[s + 1].gather;
+        continue;
+      }
+      if (spans[s].release < 0) {
+        return Status::Error("internal: bridging a span of tensor " + std::to_string(param) +
+                             " that is never released");
+      }
+      lose[spans[s].release].push_back(static_cast<int>(param));
+      lose[spans[s + 1].gather].push_back(static_cast<int>(param));
+      kept_by[spans[s + 1].gather].emplace_back(static_cast<int>(param), keeper);
+    }
+  }
+  ScheduleEditor editor(in, out);
+  for (int i = 0; i < n; ++i) {
+    const proto::Instruction& instr = in.instructions(i);
+    if (lose[i].empty()) {
+      editor.Keep(i);
+      continue;
+    }
+    std::vector<int> remaining;
+    for (int t : instr.tensors()) {
+      if (std::find(lose[i].begin(), lose[i].end(), t) == lose[i].end()) remaining.push_back(t);
+    }
+    // Dependents of a removed gather wait for the gathers that keep its params instead (and
+    // for what the gather waited for); of a removed release, for what the release waited for.
+    std::vector<int> targets(instr.deps().begin(), instr.deps().end());
+    for (const auto& [param, keeper] : kept_by[i]) targets.push_back(keeper);
+    if (remaining.empty()) {
+      editor.Drop(i, std::move(targets));
+      continue;
+    }
+    // A gather that keeps other params still runs after its keepers (same stream, earlier),
+    // so computes that wait for it wait for them too.
+    proto::Instruction* kept = editor.Keep(i);
+    kept->clear_tensors();
+    for (int t : remaining) kept->add_tensors(t);
+  }
+  return editor.Finish();
+}
+
+}  // namespace dc::rewriter_internal

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs dc into a temporary prefix and builds a separate project against find_package(dc).
+set -euo pipefail
+build_dir=$1
+source_dir=$2
+prefix=$(mktemp -d /tmp/dc-install-XXXXXX)
+trap 'rm -rf "$prefix"' EXIT
+cmake --install "$build_dir" --prefix "$prefix" >/dev/null
+test -x "$prefix/bin/dc-collect" && test -x "$prefix/bin/dc-plan" && test -x "$prefix/bin/dc-run"
+cmake -S "$source_dir/tests/install_consumer" -B "$prefix/consumer" -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
+cmake --build "$prefix/consumer" >/dev/null
+"$prefix/consumer/consumer" | grep -q "planned [0-9]* instructions"
+echo "installed package works"
