@@ -1,0 +1,128 @@
+// The few device facilities the kernels in kernels.cuh use, spelled once so that the same kernel
+// source compiles two ways: with nvcc for the GPU, and with the host C++ compiler against
+// kernel_emulator.h, which runs each block's threads as host threads. The emulated build lets
+// the kernels' indexing, tiling and barrier logic be checked against the CPU backend on machines
+// without a GPU (kernel_emulation_test.cc).
+//
+// Rules for kernel code: 1-D blocks whose size is a multiple of 32; warp shuffles through
+// ShflXor only, executed by all 32 lanes; shared memory through DC_SHARED and
+// DC_DYNAMIC_SMEM; atomics through the wrappers below; no device-runtime calls.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <driver_types.h>
+#include <vector_types.h>
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+
+#define DC_DEVICE __device__ __forceinline__
+#define DC_GLOBAL __global__
+#define DC_SHARED __shared__
+#define DC_LAUNCH_BOUNDS(threads) __launch_bounds__(threads)
+#define DC_UNROLL _Pragma("unroll")
+// Declares `name`, a `type*` to the block's dynamic shared memory (16-byte aligned).
+#define DC_DYNAMIC_SMEM(type, name)                                 \
+  extern __shared__ __align__(16) unsigned char dc_dynamic_smem_[]; \
+  type* name = reinterpret_cast<type*>(dc_dynamic_smem_)
+
+namespace dc::cuda_kernels {
+
+DC_DEVICE void SyncThreads() { __syncthreads(); }
+
+template <typename T>
+DC_DEVICE T ShflXor(T value, int lane_mask) {
+  return __shfl_xor_sync(0xffffffffu, value, lane_mask);
+}
+
+DC_DEVICE int32_t AtomicCasI32(int32_t* address, int32_t compare, int32_t value) {
+  return atomicCAS(reinterpret_cast<int*>(address), compare, value);
+}
+
+// Double arithmetic that is never contracted into fused multiply-adds, so that it rounds exactly
+// as the CPU backend's plain C++ does.
+DC_DEVICE double DMul(double a, double b) { return __dmul_rn(a, b); }
+DC_DEVICE double DAdd(double a, double b) { return __dadd_rn(a, b); }
+DC_DEVICE double DDiv(double a, double b) { return __ddiv_rn(a, b); }
+DC_DEVICE double DSqrt(double a) { return __dsqrt_rn(a); }
+
+// Launches `kernel` on `stream` and returns the launch's error (bad configuration, no device).
+template <typename... KernelArgs, typename... Args>
+cudaError_t LaunchKernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
+                         size_t dynamic_smem_bytes, cudaStream_t stream, Args... args) {
+  kernel<<<grid, block, dynamic_smem_bytes, stream>>>(static_cast<KernelArgs>(args)...);
+  return cudaGetLastError();
+}
+
+// Allows `kernel` up to `bytes` of dynamic shared memory (needed above 48 KiB).
+template <typename... KernelArgs>
+cudaError_t AllowDynamicSmem(void (*kernel)(KernelArgs...), int64_t bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(bytes));
+}
+
+inline cudaError_t MemsetZeroAsync(void* data, int64_t bytes, cudaStream_t stream) {
+  return cudaMemsetAsync(data, 0, static_cast<size_t>(bytes), stream);
+}
+
+}  // namespace dc::cuda_kernels
+
+#else  // host emulation
+
+#include "executor/cuda/kernel_emulator.h"
+
+#define DC_DEVICE inline
+#define DC_GLOBAL
+#define DC_SHARED static
+#define DC_LAUNCH_BOUNDS(threads)
+#define DC_UNROLL
+#define DC_DYNAMIC_SMEM(type, name) type* name = reinterpret_cast<type*>(::dc::emu::DynamicSmem())
+
+#define threadIdx (::dc::emu::thread_idx)
+#define blockIdx (::dc::emu::block_idx)
+#define blockDim (::dc::emu::block_dim)
+#define gridDim (::dc::emu::grid_dim)
+
+namespace dc::cuda_kernels {
+
+inline void SyncThreads() { ::dc::emu::SyncThreads(); }
+
+template <typename T>
+T ShflXor(T value, int lane_mask) {
+  return ::dc::emu::WarpExchange(value, static_cast<int>(threadIdx.x % 32) ^ lane_mask);
+}
+
+inline int32_t AtomicCasI32(int32_t* address, int32_t compare, int32_t value) {
+  std::atomic_ref<int32_t> ref(*address);
+  ref.compare_exchange_strong(compare, value);
+  return compare;
+}
+
+inline double DMul(double a, double b) { return a * b; }
+inline double DAdd(double a, double b) { return a + b; }
+inline double DDiv(double a, double b) { return a / b; }
+inline double DSqrt(double a) { return std::sqrt(a); }
+
+template <typename... KernelArgs, typename... Args>
+cudaError_t LaunchKernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
+                         size_t dynamic_smem_bytes, cudaStream_t, Args... args) {
+  return ::dc::emu::Launch(kernel, grid, block, dynamic_smem_bytes,
+                           static_cast<KernelArgs>(args)...);
+}
+
+template <typename... KernelArgs>
+cudaError_t AllowDynamicSmem(void (*)(KernelArgs...), int64_t) {
+  return cudaSuccess;
+}
+
+inline cudaError_t MemsetZeroAsync(void* data, int64_t bytes, cudaStream_t) {
+  std::memset(data, 0, static_cast<size_t>(bytes));
+  return cudaSuccess;
+}
+
+}  // namespace dc::cuda_kernels
+
+#endif
