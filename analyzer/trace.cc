@@ -308,6 +308,12 @@ Status Trace::LoadDc(const std::set<std::string>& tables) {
   return Status::Ok();
 }
 
+bool Trace::IsAttachCapture() const {
+  Query query(db_, path_, "SELECT value FROM META_DATA_EXPORT WHERE name = 'dc.capture'");
+  StatusOr<bool> row = query.Next();
+  return row.ok() && *row && query.Text(0) == "attach";
+}
+
 Status Trace::LoadDcBlobs() {
   std::map<std::string, Blob> blobs;
   Query query(db_, path_, "SELECT name, formatVersion, digest, data FROM TC_BLOB");
@@ -315,6 +321,11 @@ Status Trace::LoadDcBlobs() {
     DC_ASSIGN_OR_RETURN(bool row, query.Next());
     if (!row) break;
     blobs[query.Text(0)] = {query.Int(1), query.Text(2), query.Blob(3)};
+  }
+  if (blobs.empty() && IsAttachCapture()) {
+    // `dc-collect --attach` of a program that is not ours: there is no program to re-plan.
+    notes_.push_back("captured with dc-collect --attach from a foreign program: report-only, no program to plan");
+    return Status::Ok();
   }
   if (!blobs.contains("schedule")) {
     return Status::Error(path_ + ": dc trace without the schedule it ran (TC_BLOB 'schedule'); " +

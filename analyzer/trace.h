@@ -104,6 +104,7 @@ class Trace {
   Status Load();
   Status LoadDc(const std::set<std::string>& tables);
   Status LoadDcBlobs();
+  bool IsAttachCapture() const;
   Status LoadNsys(const std::set<std::string>& tables);
   Status LoadNsysRanks(const std::set<std::string>& tables);
   Status BuildQueries(const std::set<std::string>& tables);

@@ -109,6 +109,23 @@ TEST(TraceOpenTest, EditedBlobData) {
   ExpectOpenError(trace, "TC_BLOB 'program' does not match its digest");
 }
 
+// A trace of a foreign program captured with dc-collect --attach has no blobs: it opens for
+// report-only analysis. Without that marker, missing blobs are an error.
+TEST(TraceOpenTest, AttachCaptureWithoutBlobsIsReportOnly) {
+  TempDir dir;
+  const std::string trace = testing::WriteProfileTrace(dir);
+  ASSERT_FALSE(trace.empty());
+  ExecSql(trace, "DELETE FROM TC_BLOB");
+  ExpectOpenError(trace, "without the schedule it ran");
+  ExecSql(trace, "INSERT INTO META_DATA_EXPORT(name, value) VALUES ('dc.capture', 'attach')");
+  auto opened = Trace::Open(trace);
+  ASSERT_TRUE(opened.ok()) << opened.status().message();
+  EXPECT_FALSE((*opened)->program().has_value());
+  bool noted = false;
+  for (const auto& note : (*opened)->notes()) noted |= note.find("report-only") != std::string::npos;
+  EXPECT_TRUE(noted);
+}
+
 TEST(TraceOpenTest, NewerSchemaVersion) {
   TempDir dir;
   const std::string trace = testing::WriteProfileTrace(dir);

@@ -5,6 +5,9 @@
 #include <iostream>
 #include <unistd.h>
 
+#ifdef DC_HAVE_CUPTI_ATTACH
+#include "collector/cupti/attach.h"
+#endif
 #include "executor/launch.h"
 #include "executor/session.h"
 #include "rewriter/planner.h"
@@ -36,7 +39,31 @@ int main(int argc, char** argv) {
   app.add_option("--timeout", timeout_s, "seconds to wait for other ranks")->capture_default_str();
   app.add_flag("--json", json, "print one JSON object instead of text");
   app.add_flag("--quiet", quiet, "no progress on stderr");
+  bool attach = false;
+  std::string capture_range = "auto";
+  std::vector<std::string> command;
+  app.add_flag("--attach", attach,
+               "trace an unmodified CUDA program given after --, e.g. dc-collect --attach -o t.db -- python train.py");
+  app.add_option("--capture-range", capture_range, "with --attach: auto (cudaProfilerStart/Stop if used), "
+                 "cudaProfilerApi or all")
+      ->check(CLI::IsMember({"auto", "cudaProfilerApi", "all"}))->capture_default_str();
+  app.add_option("command", command, "with --attach: the program and its arguments, after --");
   CLI11_PARSE(app, argc, argv);
+  if (attach) {
+#ifdef DC_HAVE_CUPTI_ATTACH
+    AttachOptions options;
+    options.output_path = out;
+    options.capture_range = capture_range;
+    options.json = json;
+    options.quiet = quiet;
+    return RunAttached(options, command);
+#else
+    return cli::Fail("dc-collect", Status::Error("--attach needs dc built with the CUDA toolkit (CUPTI)"));
+#endif
+  }
+  if (!command.empty()) {
+    return cli::Fail("dc-collect", Status::Error("a command after -- needs --attach"));
+  }
 
   if (nproc > 1 && !IsRankProcess()) {
     LaunchOptions launch;
