@@ -11,6 +11,8 @@
 
 #include "executor/cpu_kernels.h"
 #include "executor/device_memory.h"
+#include "schemas/digest.h"
+#include "schemas/units.h"
 #include "models/data.h"
 
 namespace dc {
@@ -73,6 +75,9 @@ class RankRunner {
         rank_(comm->rank()) {}
 
   Status Init();
+  int64_t arena_bytes() const { return static_cast<int64_t>(arena_.size()); }
+  // SHA-256 of this rank's param shards in tensor order.
+  std::string ParamsDigest();
   Status RunStep(int step, bool warmup, double* loss, double* seconds);
   const DeviceMemory& memory() const { return memory_; }
 
@@ -214,6 +219,15 @@ Status RankRunner::Init() {
   // The arena holds fp32 storage at the accounted sizes, which match only for fp32 programs;
   // other programs on this backend keep one allocation per buffer.
   if (plan.arena_bytes() > 0 && config.compute_dtype() == proto::DTYPE_F32) {
+    // The arena is the one device allocation: it must fit the capacity, and then every buffer
+    // placed inside it does too.
+    const int64_t capacity = memory_.capacity_bytes();
+    if (capacity > 0 && plan.arena_bytes() > capacity) {
+      return Status::Error("out of device memory at start-up: the memory plan's arena of " +
+                           FormatBytes(plan.arena_bytes()) + " is over the capacity of " + FormatBytes(capacity) +
+                           "; raise --device-memory or plan with a lower --budget");
+    }
+    memory_ = DeviceMemory(0);
     arena_.assign(plan.arena_bytes(), std::byte{0});
     for (const auto& p : plan.placements()) {
       placements_[{p.instruction(), p.tensor(), p.micro_step()}] = p.offset_bytes();
@@ -240,6 +254,16 @@ Status RankRunner::Init() {
   FlushMemoryEvents(0);
   if (loss_tensor_ < 0) return Status::Error("the plan's program has no tensor named 'loss'");
   return Status::Ok();
+}
+
+std::string RankRunner::ParamsDigest() {
+  std::string bytes;
+  for (const auto& t : program_.tensors()) {
+    if (t.role() != proto::ROLE_PARAM) continue;
+    const Buffer* shard = Shard(t.id());
+    if (shard) bytes.append(reinterpret_cast<const char*>(shard->f32), shard->elements * sizeof(float));
+  }
+  return Sha256Hex(bytes);
 }
 
 Status RankRunner::LoadInput(int index, int tensor, int micro, int step, const std::string& what) {
@@ -543,9 +567,20 @@ StatusOr<RunResult> RunSchedule(const proto::Schedule& schedule, const RunOption
     }
     if (options.on_step && comm->rank() == 0) options.on_step(step, loss, seconds);
   }
-  double peak = static_cast<double>(runner.memory().peak_bytes());
-  DC_RETURN_IF_ERROR(comm->AllReduceMax(&peak, 1));
-  result.peak_device_bytes = static_cast<int64_t>(peak);
+  double peaks[2] = {static_cast<double>(runner.memory().peak_bytes()), static_cast<double>(runner.arena_bytes())};
+  DC_RETURN_IF_ERROR(comm->AllReduceMax(peaks, 2));
+  result.peak_live_bytes = static_cast<int64_t>(peaks[0]);
+  result.arena_bytes = static_cast<int64_t>(peaks[1]);
+  result.peak_device_bytes = std::max(result.peak_live_bytes, result.arena_bytes);
+  // Every rank's shard digest, 48 bits each (exact in a double), joined into one digest.
+  constexpr int kDigestHexDigits = 12;
+  std::vector<double> rank_digests(comm->world_size(), 0.0);
+  rank_digests[comm->rank()] =
+      static_cast<double>(std::stoull(runner.ParamsDigest().substr(0, kDigestHexDigits), nullptr, 16));
+  DC_RETURN_IF_ERROR(comm->AllReduceSum(rank_digests.data(), comm->world_size()));
+  std::string joined;
+  for (double d : rank_digests) joined += std::to_string(static_cast<uint64_t>(d)) + ";";
+  result.params_digest = Sha256Hex(joined);
   result.peak_by_kind = runner.memory().peak_by_kind();
   result.step_seconds_median = Median(result.step_seconds);
   if (result.step_seconds_median > 0) {

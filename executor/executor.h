@@ -29,7 +29,13 @@ struct RunOptions {
 struct RunResult {
   std::vector<double> losses;        // measured steps, mean loss over the global batch
   std::vector<double> step_seconds;  // measured steps
-  int64_t peak_device_bytes = 0;     // max over ranks
+  // Max over ranks of the device memory the run held at its peak: the arena's size when the
+  // plan has a memory plan (one allocation), else the peak of live buffers.
+  int64_t peak_device_bytes = 0;
+  int64_t peak_live_bytes = 0;       // max over ranks of the peak of live buffers
+  int64_t arena_bytes = 0;           // 0 when the plan has no memory plan
+  // SHA-256 over every rank's fp32 param shards after the run: equal digests, equal params.
+  std::string params_digest;
   std::vector<int64_t> peak_by_kind;  // this rank, at its peak, index = BufferKind
   int world_size = 1;
   int64_t tokens_per_step = 0;

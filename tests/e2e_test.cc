@@ -268,43 +268,87 @@ TEST(DumpAfter, WritesTheScheduleTextOfThePass) {
 namespace dc {
 namespace {
 
-// Every policy's plan trains to the same losses as the baseline, inside a budget the baseline
-// does not fit (so offload and the memory plan are exercised), with the measured peak equal to
-// the predicted one.
-TEST(OptimizedPlans, SameLossesInsideABudgetTheBaselineExceeds) {
-  const std::string dir = FreshDir("optimized");
-  auto collect = RunCommand(Tool("dc-collect") + " --model tiny --nproc 2 --gas 2 --steps 2 --warmup 1 -o " + dir +
-                            "/t.db");
-  ASSERT_EQ(collect.exit_code, 0) << collect.err;
-  auto run_plan = [&](const std::string& policy, const std::string& budget) {
-    const std::string plan = dir + "/" + policy + budget + ".dcplan";
-    auto planned = RunCommand(Tool("dc-plan") + " " + dir + "/t.db --no-cache --policy " + policy +
-                              (budget.empty() ? "" : " --budget " + budget) + " --json -o " + plan);
-    EXPECT_EQ(planned.exit_code, 0) << policy << ": " << planned.err;
-    auto run = RunCommand(Tool("dc-run") + " " + plan + " --steps 5 --json");
-    EXPECT_EQ(run.exit_code, 0) << policy << ": " << run.err;
-    return std::make_pair(ParseJson(planned.out), ParseJson(run.out));
-  };
-  const auto [baseline_plan, baseline_run] = run_plan("baseline", "");
-  const int64_t baseline_peak = baseline_plan["predicted"]["peak_device_bytes"];
-  const int64_t budget = baseline_peak * 87 / 100;
-  auto refused = RunCommand(Tool("dc-plan") + " " + dir + "/t.db --no-cache --policy baseline --budget " +
-                            std::to_string(budget) + " -o " + dir + "/refused.dcplan");
-  EXPECT_EQ(refused.exit_code, 1) << "the baseline was expected not to fit";
-  const auto losses = baseline_run["losses"].get<std::vector<double>>();
-  for (const std::string policy : {"zero3-offload", "deepcompile", "dc"}) {
-    const auto [plan, run] = run_plan(policy, std::to_string(budget));
-    const auto policy_losses = run["losses"].get<std::vector<double>>();
-    ASSERT_EQ(policy_losses.size(), losses.size()) << policy;
-    for (size_t s = 0; s < losses.size(); ++s) {
-      EXPECT_NEAR(policy_losses[s], losses[s], 1e-6 * std::fabs(losses[s])) << policy << " step " << s;
-    }
-    EXPECT_LE(run["peak_device_bytes"].get<int64_t>(), budget) << policy;
-    EXPECT_EQ(run["peak_device_bytes"], plan["predicted"]["peak_device_bytes"]) << policy;
-    bool planned_memory = false;
-    for (const auto& pass : plan["passes"]) planned_memory |= pass["name"] == "memory-plan";
-    EXPECT_TRUE(planned_memory) << policy;
+// Every pass alone and every policy trains to bit-identical losses and final params as the
+// baseline (tiny, 2 ranks, GAS 4, 10 steps), inside a budget the baseline does not fit where
+// the pass frees memory; a plan run with --device-memory equal to its budget does not run out,
+// and its measured peak is the memory plan's arena.
+class OptimizedPlans : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = FreshDir("optimized");
+    auto collect = RunCommand(Tool("dc-collect") + " --model tiny --nproc 2 --gas 4 --steps 2 --warmup 1 -o " +
+                              dir_ + "/t.db");
+    ASSERT_EQ(collect.exit_code, 0) << collect.err;
+    auto [plan, run] = PlanAndRun("--policy baseline", "", "baseline");
+    baseline_plan_ = plan;
+    baseline_run_ = run;
+    budget_ = baseline_plan_["predicted"]["peak_device_bytes"].get<int64_t>() * 87 / 100;
   }
+  // Plans with `flags` (and --budget if given), runs 10 steps with --device-memory = budget.
+  static std::pair<json, json> PlanAndRun(const std::string& flags, const std::string& budget,
+                                          const std::string& name) {
+    const std::string plan = dir_ + "/" + name + ".dcplan";
+    auto planned = RunCommand(Tool("dc-plan") + " " + dir_ + "/t.db --no-cache " + flags +
+                              (budget.empty() ? "" : " --budget " + budget) + " --json -o " + plan);
+    EXPECT_EQ(planned.exit_code, 0) << name << ": " << planned.err;
+    auto run = RunCommand(Tool("dc-run") + " " + plan + " --steps 10 --json" +
+                          (budget.empty() ? "" : " --device-memory " + budget));
+    EXPECT_EQ(run.exit_code, 0) << name << ": " << run.err;
+    return {ParseJson(planned.out), ParseJson(run.out)};
+  }
+  void ExpectSameTraining(const json& run, const std::string& name) {
+    EXPECT_EQ(run["losses"], baseline_run_["losses"]) << name;
+    EXPECT_EQ(run["params_digest"], baseline_run_["params_digest"]) << name;
+  }
+  static std::string dir_;
+  static json baseline_plan_, baseline_run_;
+  static int64_t budget_;
+};
+std::string OptimizedPlans::dir_;
+json OptimizedPlans::baseline_plan_, OptimizedPlans::baseline_run_;
+int64_t OptimizedPlans::budget_ = 0;
+
+TEST_F(OptimizedPlans, EveryPassAloneTrainsBitIdentically) {
+  for (const std::string pass : {"bucket", "prefetch", "unshard", "dc-prefetch", "dc-selective-gather"}) {
+    auto [plan, run] = PlanAndRun("--passes zero3," + pass, "", pass);
+    ExpectSameTraining(run, pass);
+  }
+  // The memory passes act under a budget the baseline exceeds.
+  for (const std::string passes : {"offload,memory-plan", "offload-all", "dc-offload", "memory-plan"}) {
+    const bool frees = passes != "memory-plan";
+    auto [plan, run] = PlanAndRun("--passes zero3," + passes, frees ? std::to_string(budget_) : "", passes);
+    ExpectSameTraining(run, passes);
+  }
+}
+
+TEST_F(OptimizedPlans, EveryPolicyTrainsBitIdenticallyInsideABudgetTheBaselineExceeds) {
+  auto refused = RunCommand(Tool("dc-plan") + " " + dir_ + "/t.db --no-cache --policy baseline --budget " +
+                            std::to_string(budget_) + " -o " + dir_ + "/refused.dcplan");
+  EXPECT_EQ(refused.exit_code, 1) << "the baseline was expected not to fit";
+  EXPECT_NE(refused.err.find("the smallest budget the baseline policy meets is"), std::string::npos)
+      << refused.err;
+  for (const std::string policy : {"zero3-offload", "deepcompile", "dc"}) {
+    auto [plan, run] = PlanAndRun("--policy " + policy, std::to_string(budget_), policy);
+    ExpectSameTraining(run, policy);
+    EXPECT_GT(plan["arena_bytes"].get<int64_t>(), 0) << policy;
+    EXPECT_LE(plan["arena_bytes"].get<int64_t>(), budget_) << policy;
+    EXPECT_EQ(run["peak_device_bytes"], plan["arena_bytes"]) << policy;
+    EXPECT_EQ(run["peak_live_bytes"], plan["predicted"]["peak_device_bytes"]) << policy;
+  }
+}
+
+TEST_F(OptimizedPlans, SameInputsGiveAByteIdenticalPlanFile) {
+  std::string bytes[2];
+  for (int i = 0; i < 2; ++i) {
+    const std::string path = dir_ + "/same" + std::to_string(i) + ".dcplan";
+    auto planned = RunCommand(Tool("dc-plan") + " " + dir_ + "/t.db --no-cache --budget " + std::to_string(budget_) +
+                              " -o " + path);
+    ASSERT_EQ(planned.exit_code, 0) << planned.err;
+    std::ifstream in(path, std::ios::binary);
+    bytes[i] = std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  EXPECT_FALSE(bytes[0].empty());
+  EXPECT_TRUE(bytes[0] == bytes[1]);
 }
 
 }  // namespace

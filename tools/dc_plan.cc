@@ -151,6 +151,39 @@ StatusOr<proto::Schedule> RunRounds(PlanRequest request, proto::Schedule plan, c
   return best;
 }
 
+// The plan as stored: planning times vary run to run, so they stay out of the file and the same
+// inputs give a byte-identical plan. They are reported on stdout.
+proto::Schedule WithoutTimings(proto::Schedule plan) {
+  for (auto& pass : *plan.mutable_passes()) pass.clear_seconds();
+  return plan;
+}
+
+// When a plan fails at its budget but plans without one: the smallest budget that plans. Budgets
+// grow by kGrowth until one plans (feasibility need not be monotonic near the unconstrained peak,
+// where the passes spend all they are given), then bisection narrows it to kBudgetPrecision.
+std::optional<int64_t> SmallestBudget(PlanRequest request) {
+  constexpr double kBudgetPrecision = 0.005;
+  constexpr double kGrowth = 1.25;
+  constexpr int kMaxGrowthSteps = 16;
+  if (request.budget_bytes <= 0) return std::nullopt;
+  auto plans_at = [&](int64_t budget) {
+    request.budget_bytes = budget;
+    return MakePlan(request).ok();
+  };
+  int64_t lo = request.budget_bytes, hi = lo;
+  for (int step = 0;; ++step) {
+    if (step == kMaxGrowthSteps) return std::nullopt;
+    hi = static_cast<int64_t>(static_cast<double>(hi) * kGrowth);
+    if (plans_at(hi)) break;
+    lo = hi;
+  }
+  while (hi - lo > std::max<int64_t>(4096, static_cast<int64_t>(kBudgetPrecision * hi))) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (plans_at(mid) ? hi : lo) = mid;
+  }
+  return hi;
+}
+
 void PrintReport(const Profile& profile, const proto::Schedule& plan) {
   std::printf("profile of %s: %d rank(s), %d measured step(s), median step %.4f s\n",
               profile.trace_path.c_str(), profile.world_size, profile.steps_measured,
@@ -306,10 +339,18 @@ int main(int argc, char** argv) {
   const bool hit = plan.has_value();
   if (!hit) {
     auto made = MakePlan(request);
-    if (!made.ok()) return cli::Fail("dc-plan", made.status().Prefixed(synthetic ? "" : trace_path + ": "));
+    if (!made.ok()) {
+      Status failed = made.status().Prefixed(synthetic ? "" : trace_path + ": ");
+      if (auto smallest = SmallestBudget(request); smallest.has_value()) {
+        failed = Status::Error(failed.message() + "; the smallest budget the " + request.policy +
+                               " policy meets is " + FormatBytes(*smallest) + " (--budget " +
+                               std::to_string(*smallest) + ")");
+      }
+      return cli::Fail("dc-plan", failed);
+    }
     plan = std::move(made).value();
     if (!no_cache) {
-      if (Status stored = cache.Store(*key, *plan); !stored.ok()) return cli::Fail("dc-plan", stored);
+      if (Status stored = cache.Store(*key, WithoutTimings(*plan)); !stored.ok()) return cli::Fail("dc-plan", stored);
     }
   }
   nlohmann::json rounds_report = nlohmann::json::array();
@@ -319,7 +360,7 @@ int main(int argc, char** argv) {
     if (!best.ok()) return cli::Fail("dc-plan", best.status());
     plan = std::move(best).value();
   }
-  if (Status saved = SavePlan(out, *plan); !saved.ok()) return cli::Fail("dc-plan", saved);
+  if (Status saved = SavePlan(out, WithoutTimings(*plan)); !saved.ok()) return cli::Fail("dc-plan", saved);
   if (!perfetto.empty()) {
     auto sim = Simulate(*plan, request.costs);
     if (!sim.ok()) return cli::Fail("dc-plan", sim.status());
@@ -336,6 +377,7 @@ int main(int argc, char** argv) {
     j["world_size"] = plan->world_size();
     j["budget_bytes"] = plan->budget_bytes();
     j["instructions"] = plan->instructions_size();
+    j["arena_bytes"] = plan->memory_plan().arena_bytes();
     j["predicted"] = PredictionJson(plan->prediction());
     j["baseline"] = PredictionJson(plan->baseline());
     j["passes"] = nlohmann::json::array();

@@ -80,6 +80,9 @@ int main(int argc, char** argv) {
     j["step_seconds_median"] = run.step_seconds_median;
     j["tokens_per_second"] = run.tokens_per_second;
     j["peak_device_bytes"] = run.peak_device_bytes;
+    j["peak_live_bytes"] = run.peak_live_bytes;
+    j["arena_bytes"] = run.arena_bytes;
+    j["params_digest"] = run.params_digest;
     j["predicted_step_seconds"] = plan->prediction().step_seconds();
     j["predicted_peak_device_bytes"] = plan->prediction().peak_device_bytes();
     j["world_size"] = run.world_size;
