@@ -1,16 +1,26 @@
-// plan_bench: how long planning takes, pass by pass, and what the baseline, deepcompile and dc
-// policies predict (step time, peak device bytes) for Llama 3 models on simulated H100
-// clusters (analyzer/estimate.h costs). Sequence 1024, micro-batch 1, an 80 GB budget.
+// plan_bench: what the baseline, zero3-offload, deepcompile and dc policies predict (step time,
+// peak device bytes) for Llama 3 models on simulated H100 clusters (analyzer/estimate.h costs),
+// and how long dc takes to plan, pass by pass. Sequence 1024, micro-batch 1, 8 GPUs per node.
 //
-//   plan_bench                      the standard cases
+//   plan_bench            the standard table: llama3-8b and llama3-70b at 8, 32 and 64 ranks,
+//                         GAS 1, 4 and 16, a loose budget (the GPU's memory) and a tight one
+//                         (0.8 x the baseline's peak: offloading must act); then the planning
+//                         time of dc for llama3-70b at 32 ranks, GAS 1 and 16, pass by pass;
+//                         then the pass records of the rows where dc does not beat deepcompile
+//   plan_bench --quick    the same sections for a small subset (a smoke test)
 //   plan_bench PRESET GAS NODES GPUS_PER_NODE [BUDGET_GB [PASSES]]
-//                                   one case; PASSES a comma-separated pass list (then only it)
+//                         one case; PASSES a comma-separated pass list (then only it)
 //
-// Pass times are wall-clock seconds of Pass::Run as the pipeline records them (the verifier's
-// simulation after each pass is not included); "plan" is the whole pipeline with verifiers.
+// Planning seconds are wall-clock seconds of MakePlan (the pipeline with the verifier after every
+// pass, the baseline's simulation and the final one); pass seconds are Pass::Run as the pipeline
+// records them (PassRecord::seconds). Planning is single-threaded: run it pinned to one core
+// (taskset -c 0) for planning times that mean something.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -24,12 +34,25 @@ namespace {
 
 using dc::StatusOr;
 
+constexpr int64_t kSeq = 1024;
+constexpr int kGpusPerNode = 8;
+constexpr double kGB = 1e9;
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+// The tight budget: this fraction of the baseline's unbounded peak.
+constexpr double kTightShareOfBaselinePeak = 0.8;
+// Each planning-time measurement is the median of this many MakePlan calls.
+constexpr int kTimingRepeats = 3;
+// dc "beats" deepcompile when its step is shorter by more than this relative margin.
+constexpr double kBeatMargin = 1e-3;
+
 struct Case {
   std::string preset;
   int gas = 1;
   dc::ClusterShape cluster;
   int64_t budget_bytes = 0;
 };
+
+// ----- the one-case mode (a pass list of one's own) -----
 
 struct Outcome {
   double plan_seconds = 0;
@@ -38,9 +61,6 @@ struct Outcome {
   int instructions = 0;
   std::string passes;  // "name seconds" per pass
 };
-
-constexpr int64_t kSeq = 1024;
-constexpr double kGB = 1e9;
 
 StatusOr<Outcome> Run(const Case& c, const dc::proto::Program& program, const dc::CostModel& costs,
                       std::unique_ptr<dc::Pipeline> pipeline) {
@@ -68,12 +88,12 @@ StatusOr<Outcome> Run(const Case& c, const dc::proto::Program& program, const dc
   return outcome;
 }
 
-StatusOr<dc::proto::Program> ProgramOf(const Case& c) {
+StatusOr<dc::proto::Program> ProgramOf(const std::string& preset, int gas) {
   dc::ModelOverrides overrides;
-  overrides.gas = c.gas;
+  overrides.gas = gas;
   overrides.seq = kSeq;
   overrides.micro_batch = 1;
-  DC_ASSIGN_OR_RETURN(dc::proto::ModelConfig config, dc::MakeConfig(c.preset, overrides));
+  DC_ASSIGN_OR_RETURN(dc::proto::ModelConfig config, dc::MakeConfig(preset, overrides));
   return dc::BuildProgram(config);
 }
 
@@ -89,50 +109,358 @@ int Fail(const dc::Status& status) {
   return 1;
 }
 
+int OneCase(int argc, char** argv, const dc::HardwareProfile& hw) {
+  const int64_t budget = static_cast<int64_t>((argc > 5 ? std::atof(argv[5]) : 80) * kGB);
+  const Case c{argv[1], std::atoi(argv[2]), {std::atoi(argv[3]), std::atoi(argv[4])}, budget};
+  auto program = ProgramOf(c.preset, c.gas);
+  if (!program.ok()) return Fail(program.status());
+  const dc::CostModel costs = dc::EstimateCostModel(*program, hw, c.cluster);
+  std::printf("%s, %d x %d H100, GAS %d, seq %lld, micro-batch 1, budget %.0f GB\n",
+              c.preset.c_str(), c.cluster.nodes, c.cluster.gpus_per_node, c.gas,
+              static_cast<long long>(kSeq), static_cast<double>(c.budget_bytes) / kGB);
+  std::vector<std::pair<std::string, StatusOr<std::unique_ptr<dc::Pipeline>>>> pipelines;
+  if (argc > 6) {
+    pipelines.emplace_back(argv[6], dc::MakePipelineFromNames(Split(argv[6])));
+  } else {
+    for (const std::string& policy : dc::PolicyNames()) {
+      pipelines.emplace_back(policy, dc::MakePipeline(policy));
+    }
+  }
+  double baseline_seconds = 0;
+  for (auto& [name, pipeline] : pipelines) {
+    if (!pipeline.ok()) return Fail(pipeline.status());
+    auto outcome = Run(c, *program, costs, std::move(*pipeline));
+    if (!outcome.ok()) return Fail(outcome.status().Prefixed(name + ": "));
+    if (baseline_seconds == 0) baseline_seconds = outcome->step_seconds;
+    std::printf(
+        "  %-12s step %8.4f s (x%.3f)  peak %6.2f GB  instructions %6d  plan %.3f s  [%s ]\n",
+        name.c_str(), outcome->step_seconds, baseline_seconds / outcome->step_seconds,
+        static_cast<double>(outcome->peak_bytes) / kGB, outcome->instructions,
+        outcome->plan_seconds, outcome->passes.c_str());
+  }
+  return 0;
+}
+
+// ----- the standard table -----
+
+struct Config {
+  std::string preset;
+  int ranks = 8;
+  int gas = 1;
+};
+
+// One policy's plan at one budget.
+struct PolicyRun {
+  bool ok = false;
+  std::string error;
+  double step_seconds = 0;
+  int64_t peak_bytes = 0;
+  double plan_seconds = 0;
+  std::vector<dc::proto::PassRecord> passes;
+};
+
+struct Row {
+  Config config;
+  std::string budget_name;  // "loose" or "tight"
+  int64_t budget_bytes = 0;
+  int64_t baseline_unbounded_peak_bytes = 0;
+  double baseline_unbounded_step_seconds = 0;
+  std::map<std::string, PolicyRun> runs;  // by policy
+};
+
+struct Model {
+  dc::proto::Program program;
+  dc::CostModel costs;
+  int world = 1;
+};
+
+StatusOr<Model> ModelOf(const Config& config, const dc::HardwareProfile& hw) {
+  Model model;
+  DC_ASSIGN_OR_RETURN(model.program, ProgramOf(config.preset, config.gas));
+  DC_ASSIGN_OR_RETURN(dc::ClusterShape cluster,
+                      dc::MakeCluster(config.ranks, std::min(config.ranks, kGpusPerNode)));
+  DC_RETURN_IF_ERROR(dc::ValidateCluster(hw, cluster));
+  model.costs = dc::EstimateCostModel(model.program, hw, cluster);
+  model.world = cluster.world_size();
+  return model;
+}
+
+PolicyRun Plan(const Model& model, const std::string& policy, int64_t budget_bytes) {
+  dc::PlanRequest request;
+  request.program = model.program;
+  request.world_size = model.world;
+  request.backend = "cuda";
+  request.device = "h100-sxm";
+  request.budget_bytes = budget_bytes;
+  request.policy = policy;
+  request.costs = model.costs;
+  const auto start = std::chrono::steady_clock::now();
+  StatusOr<dc::proto::Schedule> plan = dc::MakePlan(request);
+  PolicyRun run;
+  run.plan_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!plan.ok()) {
+    run.error = plan.status().message();
+    return run;
+  }
+  run.ok = true;
+  run.step_seconds = plan->prediction().step_seconds();
+  run.peak_bytes = plan->prediction().peak_device_bytes();
+  run.passes.assign(plan->passes().begin(), plan->passes().end());
+  return run;
+}
+
+std::string GiB(int64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.2f", static_cast<double>(bytes) / kGiB);
+  return text;
+}
+
+std::string Fixed(double value, int digits) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.*f", digits, value);
+  return text;
+}
+
+// Errors, numbered as the table's footnotes cite them; the same error is one footnote.
+class Footnotes {
+ public:
+  std::string Cite(const std::string& policy, const std::string& error) {
+    const std::string note = policy + ": " + error;
+    auto it = std::find(notes_.begin(), notes_.end(), note);
+    if (it == notes_.end()) it = notes_.insert(notes_.end(), note);
+    return "[" + std::to_string(it - notes_.begin() + 1) + "]";
+  }
+  void Print() const {
+    for (size_t i = 0; i < notes_.size(); ++i) {
+      std::printf("[%zu] %s\n\n", i + 1, notes_[i].c_str());
+    }
+  }
+
+ private:
+  std::vector<std::string> notes_;
+};
+
+std::string ConfigLabel(const Row& row) {
+  return row.config.preset + ", " + std::to_string(row.config.ranks) + " ranks, GAS " +
+         std::to_string(row.config.gas) + ", " + row.budget_name + " budget";
+}
+
+void PrintTable(const std::vector<Row>& rows, const dc::HardwareProfile& hw) {
+  std::printf("## Predicted step time and peak per rank\n\n");
+  std::printf(
+      "H100 SXM (%s), %d GPUs per node, sequence %lld, micro-batch 1. Budgets: loose = the GPU's "
+      "memory (%s GiB); tight = %.1f x the baseline's unbounded peak (the baseline does not fit, "
+      "so offloading must act). Steps in seconds, peaks in GiB per rank. Speed-ups are the other "
+      "policy's step over dc's; where the baseline does not fit, dc's is taken over zero3-offload "
+      "(ZeRO-3's own answer to the budget) and marked *. dc plan s: wall-clock seconds of "
+      "MakePlan for dc.\n\n",
+      hw.name.c_str(), kGpusPerNode, static_cast<long long>(kSeq),
+      GiB(hw.device_memory_bytes).c_str(), kTightShareOfBaselinePeak);
+  std::printf(
+      "| model | ranks | GAS | budget GiB | baseline step | baseline peak | zero3-offload step | "
+      "deepcompile step | deepcompile peak | dc step | dc peak | dc / baseline | "
+      "dc / deepcompile | dc plan s |\n");
+  std::printf("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  Footnotes notes;
+  for (const Row& row : rows) {
+    const PolicyRun& base = row.runs.at("baseline");
+    const PolicyRun& offload = row.runs.at("zero3-offload");
+    const PolicyRun& deep = row.runs.at("deepcompile");
+    const PolicyRun& dc = row.runs.at("dc");
+    auto step = [&](const std::string& policy, const PolicyRun& run) {
+      return run.ok ? Fixed(run.step_seconds, 4) : "fails " + notes.Cite(policy, run.error);
+    };
+    std::string base_step, base_peak;
+    if (base.ok) {
+      base_step = Fixed(base.step_seconds, 4);
+      base_peak = GiB(base.peak_bytes);
+    } else {
+      base_step = "does not fit";
+      base_peak = "needs " + GiB(row.baseline_unbounded_peak_bytes);
+    }
+    std::string over_base = "—", over_deep = "—";
+    if (dc.ok && base.ok) {
+      over_base = Fixed(base.step_seconds / dc.step_seconds, 3) + "x";
+    } else if (dc.ok && offload.ok) {
+      over_base = Fixed(offload.step_seconds / dc.step_seconds, 3) + "x*";
+    }
+    if (dc.ok && deep.ok) over_deep = Fixed(deep.step_seconds / dc.step_seconds, 3) + "x";
+    const std::string offload_step = step("zero3-offload", offload);
+    const std::string deep_step = step("deepcompile", deep);
+    const std::string dc_step = step("dc", dc);
+    std::printf("| %s | %d | %d | %s %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n",
+                row.config.preset.c_str(), row.config.ranks, row.config.gas,
+                row.budget_name.c_str(), GiB(row.budget_bytes).c_str(), base_step.c_str(),
+                base_peak.c_str(), offload_step.c_str(), deep_step.c_str(),
+                deep.ok ? GiB(deep.peak_bytes).c_str() : "—", dc_step.c_str(),
+                dc.ok ? GiB(dc.peak_bytes).c_str() : "—", over_base.c_str(), over_deep.c_str(),
+                Fixed(dc.plan_seconds, 3).c_str());
+  }
+  std::printf("\n");
+  notes.Print();
+}
+
+// Where dc does not beat deepcompile: both policies' pass records, as --explain shows them.
+void PrintNonWins(const std::vector<Row>& rows) {
+  std::printf("## Where dc does not beat deepcompile\n\n");
+  int shown = 0;
+  for (const Row& row : rows) {
+    const PolicyRun& deep = row.runs.at("deepcompile");
+    const PolicyRun& dc = row.runs.at("dc");
+    if (!dc.ok || !deep.ok || dc.step_seconds < deep.step_seconds * (1 - kBeatMargin)) continue;
+    ++shown;
+    std::printf("### %s: dc %.4f s, deepcompile %.4f s\n\n", ConfigLabel(row).c_str(),
+                dc.step_seconds, deep.step_seconds);
+    for (const char* policy : {"deepcompile", "dc"}) {
+      std::printf("%s:\n\n", policy);
+      for (const auto& record : row.runs.at(policy).passes) {
+        std::printf("- %s: step %.4f s, peak %s GiB, %d instructions: %s\n", record.name().c_str(),
+                    record.predicted_step_seconds(), GiB(record.predicted_peak_bytes()).c_str(),
+                    record.instructions(), record.summary().c_str());
+      }
+      std::printf("\n");
+    }
+  }
+  if (shown == 0) {
+    std::printf("None: dc's step is shorter by more than %.1f%% in every row both plan.\n\n",
+                kBeatMargin * 100);
+  }
+}
+
+// The median of kTimingRepeats plans of dc, and its pass records.
+PolicyRun MedianDcPlan(const Model& model, int64_t budget_bytes) {
+  std::vector<PolicyRun> runs;
+  for (int i = 0; i < kTimingRepeats; ++i) runs.push_back(Plan(model, "dc", budget_bytes));
+  std::sort(runs.begin(), runs.end(),
+            [](const PolicyRun& a, const PolicyRun& b) { return a.plan_seconds < b.plan_seconds; });
+  return runs[runs.size() / 2];
+}
+
+int PlanningTime(const std::vector<Config>& configs, const dc::HardwareProfile& hw) {
+  std::printf("## Planning time on one core\n\n");
+  std::printf(
+      "dc's MakePlan, median of %d, wall-clock seconds. Each pass's seconds are its Run "
+      "(PassRecord::seconds); \"verifier and simulations\" is the rest of MakePlan: the verifier "
+      "after every pass, the simulation each pass record carries, the baseline's plan and the "
+      "final simulation.\n\n",
+      kTimingRepeats);
+  struct Column {
+    std::string label;
+    PolicyRun run;
+    int instructions = 0;
+  };
+  std::vector<Column> columns;
+  for (const Config& config : configs) {
+    auto model = ModelOf(config, hw);
+    if (!model.ok()) return Fail(model.status());
+    const PolicyRun unbounded = Plan(*model, "baseline", 0);
+    if (!unbounded.ok) return Fail(dc::Status::Error(unbounded.error));
+    const int64_t tight =
+        static_cast<int64_t>(static_cast<double>(unbounded.peak_bytes) * kTightShareOfBaselinePeak);
+    for (const auto& [name, budget] : std::vector<std::pair<std::string, int64_t>>{
+             {"loose", hw.device_memory_bytes}, {"tight", tight}}) {
+      Column column;
+      column.label = config.preset + " " + std::to_string(config.ranks) + " ranks GAS " +
+                     std::to_string(config.gas) + " " + name;
+      column.run = MedianDcPlan(*model, budget);
+      if (!column.run.ok) {
+        return Fail(dc::Status::Error(column.label + ": dc: " + column.run.error));
+      }
+      if (!column.run.passes.empty()) column.instructions = column.run.passes.back().instructions();
+      columns.push_back(std::move(column));
+    }
+  }
+  std::printf("| pass |");
+  for (const Column& column : columns) std::printf(" %s |", column.label.c_str());
+  std::printf("\n|---|");
+  for (size_t i = 0; i < columns.size(); ++i) std::printf("---:|");
+  std::printf("\n");
+  const size_t passes = columns.empty() ? 0 : columns.front().run.passes.size();
+  for (size_t p = 0; p < passes; ++p) {
+    std::printf("| %s |", columns.front().run.passes[p].name().c_str());
+    for (const Column& column : columns) std::printf(" %.3f |", column.run.passes[p].seconds());
+    std::printf("\n");
+  }
+  std::printf("| verifier and simulations |");
+  for (const Column& column : columns) {
+    double pass_seconds = 0;
+    for (const auto& record : column.run.passes) pass_seconds += record.seconds();
+    std::printf(" %.3f |", column.run.plan_seconds - pass_seconds);
+  }
+  std::printf("\n| **MakePlan total** |");
+  for (const Column& column : columns) std::printf(" **%.3f** |", column.run.plan_seconds);
+  std::printf("\n| instructions in the plan |");
+  for (const Column& column : columns) std::printf(" %d |", column.instructions);
+  std::printf("\n\nWhat each pass did:\n\n");
+  for (const Column& column : columns) {
+    std::printf("%s:\n\n", column.label.c_str());
+    for (const auto& record : column.run.passes) {
+      std::printf("- %s (%.3f s; then step %.4f s, peak %s GiB): %s\n", record.name().c_str(),
+                  record.seconds(), record.predicted_step_seconds(),
+                  GiB(record.predicted_peak_bytes()).c_str(), record.summary().c_str());
+    }
+    std::printf("\n");
+  }
+  return 0;
+}
+
+int Standard(bool quick, const dc::HardwareProfile& hw) {
+  std::vector<Config> configs;
+  std::vector<Config> timing;
+  if (quick) {
+    configs = {{"llama3-8b", 8, 1}};
+    timing = {{"llama3-8b", 8, 1}};
+  } else {
+    for (const char* preset : {"llama3-8b", "llama3-70b"}) {
+      for (int ranks : {8, 32, 64}) {
+        for (int gas : {1, 4, 16}) configs.push_back({preset, ranks, gas});
+      }
+    }
+    timing = {{"llama3-70b", 32, 1}, {"llama3-70b", 32, 16}};
+  }
+  std::vector<Row> rows;
+  for (const Config& config : configs) {
+    std::fprintf(stderr, "plan_bench: %s %d ranks GAS %d\n", config.preset.c_str(), config.ranks,
+                 config.gas);
+    auto model = ModelOf(config, hw);
+    if (!model.ok()) return Fail(model.status());
+    const PolicyRun unbounded = Plan(*model, "baseline", 0);
+    if (!unbounded.ok) return Fail(dc::Status::Error(unbounded.error));
+    const int64_t tight =
+        static_cast<int64_t>(static_cast<double>(unbounded.peak_bytes) * kTightShareOfBaselinePeak);
+    for (const auto& [name, budget] : std::vector<std::pair<std::string, int64_t>>{
+             {"loose", hw.device_memory_bytes}, {"tight", tight}}) {
+      Row row;
+      row.config = config;
+      row.budget_name = name;
+      row.budget_bytes = budget;
+      row.baseline_unbounded_peak_bytes = unbounded.peak_bytes;
+      row.baseline_unbounded_step_seconds = unbounded.step_seconds;
+      for (const std::string& policy : dc::PolicyNames()) {
+        row.runs[policy] = Plan(*model, policy, budget);
+      }
+      rows.push_back(std::move(row));
+    }
+  }
+  PrintTable(rows, hw);
+  if (int failed = PlanningTime(timing, hw); failed != 0) return failed;
+  PrintNonWins(rows);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int64_t budget = static_cast<int64_t>((argc > 5 ? std::atof(argv[5]) : 80) * kGB);
-  std::vector<Case> cases;
-  if (argc > 4) {
-    cases.push_back(
-        {argv[1], std::atoi(argv[2]), {std::atoi(argv[3]), std::atoi(argv[4])}, budget});
-  } else {
-    cases = {{"llama3-70b", 1, {4, 8}, budget},
-             {"llama3-70b", 16, {4, 8}, budget},
-             {"llama3-8b", 1, {1, 8}, budget}};
-  }
   auto hw = dc::FindHardware("h100-sxm");
   if (!hw.ok()) return Fail(hw.status());
-
-  for (const Case& c : cases) {
-    auto program = ProgramOf(c);
-    if (!program.ok()) return Fail(program.status());
-    const dc::CostModel costs = dc::EstimateCostModel(*program, *hw, c.cluster);
-    std::printf("%s, %d x %d H100, GAS %d, seq %lld, micro-batch 1, budget %.0f GB\n",
-                c.preset.c_str(), c.cluster.nodes, c.cluster.gpus_per_node, c.gas,
-                static_cast<long long>(kSeq), static_cast<double>(c.budget_bytes) / kGB);
-    std::vector<std::pair<std::string, StatusOr<std::unique_ptr<dc::Pipeline>>>> pipelines;
-    if (argc > 6) {
-      pipelines.emplace_back(argv[6], dc::MakePipelineFromNames(Split(argv[6])));
-    } else {
-      for (const std::string& policy : dc::PolicyNames()) {
-        pipelines.emplace_back(policy, dc::MakePipeline(policy));
-      }
-    }
-    double baseline_seconds = 0;
-    for (auto& [name, pipeline] : pipelines) {
-      if (!pipeline.ok()) return Fail(pipeline.status());
-      auto outcome = Run(c, *program, costs, std::move(*pipeline));
-      if (!outcome.ok()) return Fail(outcome.status().Prefixed(name + ": "));
-      if (baseline_seconds == 0) baseline_seconds = outcome->step_seconds;
-      std::printf(
-          "  %-12s step %8.4f s (x%.3f)  peak %6.2f GB  instructions %6d  plan %.3f s  "
-          "[%s ]\n",
-          name.c_str(), outcome->step_seconds, baseline_seconds / outcome->step_seconds,
-          static_cast<double>(outcome->peak_bytes) / kGB, outcome->instructions,
-          outcome->plan_seconds, outcome->passes.c_str());
-    }
+  if (argc > 4) return OneCase(argc, argv, *hw);
+  const bool quick = argc == 2 && std::strcmp(argv[1], "--quick") == 0;
+  if (argc > 1 && !quick) {
+    std::fprintf(stderr,
+                 "usage: plan_bench [--quick] | plan_bench PRESET GAS NODES GPUS_PER_NODE "
+                 "[BUDGET_GB [PASSES]]\n");
+    return 2;
   }
-  return 0;
+  return Standard(quick, *hw);
 }
