@@ -65,6 +65,7 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context) cons
       }
     }
     if (dump_ && dump_after_ == name) dump_(name, *schedule);
+    if (progress_) progress_(*record);
   }
   return Status::Ok();
 }

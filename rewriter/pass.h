@@ -54,6 +54,9 @@ class Pipeline {
     dump_after_ = name;
     dump_ = std::move(fn);
   }
+  // Called after every pass with its record (progress for people on long plans).
+  using ProgressFn = std::function<void(const proto::PassRecord&)>;
+  void OnPass(ProgressFn fn) { progress_ = std::move(fn); }
   std::vector<std::string> PassNames() const;
   // Names and options of the enabled passes, for the cache key.
   std::string OptionsText() const;
@@ -68,6 +71,7 @@ class Pipeline {
   std::set<std::string> disabled_;
   std::string dump_after_;
   DumpFn dump_;
+  ProgressFn progress_;
 };
 
 }  // namespace dc

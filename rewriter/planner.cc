@@ -112,6 +112,7 @@ StatusOr<std::unique_ptr<Pipeline>> PipelineFor(const PlanRequest& request) {
                                          : MakePipelineFromNames(request.passes));
   for (const auto& name : request.disabled_passes) pipeline->Disable(name);
   if (!request.dump_after.empty()) pipeline->DumpAfter(request.dump_after, request.dump);
+  if (request.on_pass) pipeline->OnPass(request.on_pass);
   return pipeline;
 }
 

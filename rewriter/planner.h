@@ -27,6 +27,7 @@ struct PlanRequest {
   std::string profile_digest;
   std::string dump_after;  // pass name; the dump goes to `dump`
   Pipeline::DumpFn dump;
+  Pipeline::ProgressFn on_pass;  // after every pass of the plan (not of the baseline)
 };
 
 // The policies: baseline (zero3), deepcompile (zero3, then DeepCompile's prefetch and selective

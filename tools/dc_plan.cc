@@ -1,7 +1,9 @@
 // dc-plan: read a trace, derive the profile, plan an optimized schedule (cached).
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <cstdio>
+#include <unistd.h>
 #include <filesystem>
 #include <iostream>
 #include <limits>
@@ -108,6 +110,7 @@ struct RoundOptions {
   int rounds = 0;
   int steps = 3;   // measured steps per round
   int warmup = 1;  // warm-up steps per round, left out of the profile
+  bool progress = false;  // a line per round on stderr
 };
 
 // Profile-guided rounds: run the plan with collection on its backend, re-plan from the new
@@ -137,8 +140,10 @@ StatusOr<proto::Schedule> RunRounds(PlanRequest request, proto::Schedule plan, c
                        {"predicted_step_seconds", plan.prediction().step_seconds()},
                        {"measured_step_seconds", measured},
                        {"instructions", plan.instructions_size()}});
-    std::fprintf(stderr, "dc-plan: round %d: predicted %.6f s, measured %.6f s per step\n", round,
-                 plan.prediction().step_seconds(), measured);
+    if (options.progress) {
+      std::fprintf(stderr, "dc-plan: round %d: predicted %.6f s, measured %.6f s per step\n", round,
+                   plan.prediction().step_seconds(), measured);
+    }
     if (measured < best_seconds) {
       best_seconds = measured;
       best = plan;
@@ -304,6 +309,8 @@ int main(int argc, char** argv) {
   app.add_option("-o,--output", out, "plan file to write")->capture_default_str();
   app.add_flag("--report", report, "print the memory timeline and overlap summary");
   app.add_flag("--json", json, "print one JSON object");
+  bool quiet = false;
+  app.add_flag("--quiet", quiet, "no progress on stderr (progress shows only on a terminal anyway)");
   CLI11_PARSE(app, argc, argv);
   if (synthetic == !trace_path.empty()) {
     return cli::Fail("dc-plan", Status::Error("give a trace, or --synthetic with --model (see --help)"));
@@ -318,6 +325,20 @@ int main(int argc, char** argv) {
   request.policy = passes.empty() ? policy : "custom";
   request.passes = passes;
   request.disabled_passes = disable;
+  // Progress for plans that take a while: each pass once planning has run past a second.
+  const bool progress = !quiet && ::isatty(STDERR_FILENO);
+  const auto planning_start = std::chrono::steady_clock::now();
+  if (progress) {
+    request.on_pass = [planning_start](const proto::PassRecord& record) {
+      constexpr double kQuietSeconds = 1.0;
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - planning_start).count();
+      if (elapsed > kQuietSeconds) {
+        std::fprintf(stderr, "dc-plan: %.1f s: %s done (%d instructions)\n", elapsed, record.name().c_str(),
+                     record.instructions());
+      }
+    };
+  }
   if (!dump_after.empty()) {
     request.dump_after = dump_after;
     request.dump = [&](std::string_view pass, const proto::Schedule& schedule) {
@@ -356,6 +377,7 @@ int main(int argc, char** argv) {
   nlohmann::json rounds_report = nlohmann::json::array();
   if (rounds.rounds > 0) {
     if (synthetic) return cli::Fail("dc-plan", Status::Error("--rounds needs a trace to start from, not --synthetic"));
+    rounds.progress = progress;
     auto best = RunRounds(request, *plan, rounds, out, &rounds_report);
     if (!best.ok()) return cli::Fail("dc-plan", best.status());
     plan = std::move(best).value();
@@ -401,6 +423,10 @@ int main(int argc, char** argv) {
               out.c_str(), hit ? "hit" : "miss", plan->instructions_size(), plan->world_size(),
               plan->prediction().step_seconds(), FormatBytes(plan->prediction().peak_device_bytes()).c_str(),
               plan->budget_bytes() ? FormatBytes(plan->budget_bytes()).c_str() : "unlimited");
+  for (const auto& round : rounds_report) {
+    std::printf("round %d: predicted %.6f s, measured %.6f s per step\n", round["round"].get<int>(),
+                round["predicted_step_seconds"].get<double>(), round["measured_step_seconds"].get<double>());
+  }
   if (explain) PrintExplain(*plan);
   if (report && measured) PrintReport(*measured, *plan);
   for (const auto& note : notes) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
