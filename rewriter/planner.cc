@@ -1,5 +1,8 @@
 #include "rewriter/planner.h"
 
+#include <algorithm>
+#include <optional>
+
 #include "rewriter/memory_plan.h"
 #include "rewriter/offload.h"
 
@@ -148,31 +151,103 @@ StatusOr<std::string> PlanKey(const PlanRequest& request) {
   return PlanCacheKey(inputs);
 }
 
+namespace {
+
+// Runs `pipeline` over a fresh schedule and fills its prediction.
+StatusOr<proto::Schedule> RunPipeline(const PlanRequest& request, const Pipeline& pipeline,
+                                      const PassContext& context) {
+  proto::Schedule schedule = EmptySchedule(request);
+  DC_RETURN_IF_ERROR(pipeline.Run(&schedule, context));
+  DC_ASSIGN_OR_RETURN(SimResult sim, Simulate(schedule, request.costs));
+  *schedule.mutable_prediction() = ToPrediction(sim);
+  return schedule;
+}
+
+// Simpler pipelines of dc's own passes, tried when the full one fails at the budget (the
+// passes spent memory the arena then lacks) or predicts a slower step than the baseline. Each
+// entry: passes, and whether the passes before offload may spend the relaxed budget.
+struct Fallback {
+  std::vector<std::string> passes;
+  bool relaxed;
+};
+const std::vector<Fallback>& DcFallbacks() {
+  static const auto* fallbacks = new std::vector<Fallback>{
+      {{"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload", "memory-plan"}, false},
+      {{"zero3", "bucket", "prefetch", "offload", "memory-plan"}, false},
+      {{"zero3", "prefetch", "offload", "memory-plan"}, false},
+      {{"zero3", "offload", "memory-plan"}, false},
+      {{"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload"}, false},
+      {{"zero3", "offload"}, false},
+      {{"zero3"}, false},
+  };
+  return *fallbacks;
+}
+
+std::string Join(const std::vector<std::string>& names) {
+  std::string text;
+  for (const auto& n : names) text += (text.empty() ? "" : ",") + n;
+  return text;
+}
+
+}  // namespace
+
 StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   if (request.world_size < 1) return Status::Error("world size must be at least 1");
   DC_ASSIGN_OR_RETURN(auto pipeline, PipelineFor(request));
   DC_ASSIGN_OR_RETURN(std::string key, PlanKey(request));
   PassContext context{&request.costs, request.budget_bytes};
-  // Passes before offloading may spend up to half the optimizer-state bytes that offloading can
-  // give back; offload then frees what must go.
+  // dc's passes before offloading may spend up to half the optimizer-state bytes that
+  // offloading can give back; offload then frees what must go. Other policies plan against the
+  // budget as it is (DeepCompile's rules have no such give-back).
   constexpr int64_t kRelaxedShareOfStates = 2;
-  if (request.budget_bytes > 0) {
+  const bool dc_policy = request.passes.empty() && request.policy == "dc";
+  const bool offloads = dc_policy || std::count(request.passes.begin(), request.passes.end(), "offload") > 0;
+  if (request.budget_bytes > 0 && offloads) {
     const int64_t states =
         PersistentBytesByKind(request.program, request.world_size)[static_cast<int>(BufferKind::kOptimizerState)];
     context.relaxed_budget_bytes = request.budget_bytes + states / kRelaxedShareOfStates;
   }
 
-  // The baseline on the same simulator, for comparison; it alone must fit the budget for the
-  // budget error to name what the baseline needs.
+  // The baseline on the same simulator, for comparison.
   proto::Schedule baseline = EmptySchedule(request);
   Zero3Pass zero3;
   DC_RETURN_IF_ERROR(zero3.Run(&baseline, context).status());
   DC_ASSIGN_OR_RETURN(SimResult baseline_sim, Simulate(baseline, request.costs));
 
-  proto::Schedule schedule = EmptySchedule(request);
-  DC_RETURN_IF_ERROR(pipeline->Run(&schedule, context));
-  DC_ASSIGN_OR_RETURN(SimResult sim, Simulate(schedule, request.costs));
-  *schedule.mutable_prediction() = ToPrediction(sim);
+  StatusOr<proto::Schedule> planned = RunPipeline(request, *pipeline, context);
+  constexpr double kSlowerTolerance = 1e-9;
+  auto slower_than_baseline = [&](const proto::Schedule& s) {
+    return s.prediction().step_seconds() > baseline_sim.step_seconds * (1 + kSlowerTolerance);
+  };
+  if (dc_policy && (!planned.ok() || slower_than_baseline(*planned))) {
+    // dc never settles for less than a simpler pipeline of its own passes achieves.
+    std::optional<proto::Schedule> best;
+    std::string chosen;
+    if (planned.ok()) best = *planned;
+    for (const Fallback& fallback : DcFallbacks()) {
+      DC_ASSIGN_OR_RETURN(auto simpler, MakePipelineFromNames(fallback.passes));
+      for (const auto& name : request.disabled_passes) simpler->Disable(name);
+      PassContext fallback_context = context;
+      if (!fallback.relaxed) fallback_context.relaxed_budget_bytes = 0;
+      StatusOr<proto::Schedule> candidate = RunPipeline(request, *simpler, fallback_context);
+      if (!candidate.ok()) continue;
+      if (!best || candidate->prediction().step_seconds() < best->prediction().step_seconds()) {
+        best = *candidate;
+        chosen = Join(fallback.passes);
+      }
+    }
+    if (best) {
+      if (!chosen.empty()) {
+        best->add_notes(std::string("dc's full pipeline ") +
+                        (planned.ok() ? "predicted a slower step than the baseline"
+                                      : "did not fit the budget (" + planned.status().message() + ")") +
+                        "; planned with " + chosen);
+      }
+      planned = std::move(*best);
+    }
+  }
+  if (!planned.ok()) return planned.status();
+  proto::Schedule schedule = std::move(planned).value();
   *schedule.mutable_baseline() = ToPrediction(baseline_sim);
   schedule.set_cache_key(key);
   return schedule;

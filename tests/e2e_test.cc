@@ -119,8 +119,11 @@ TEST_F(EndToEnd, PlanThenCacheHitThenRunWithFallingLoss) {
   EXPECT_EQ(r["backend"], "cpu");
   EXPECT_GT(r["tokens_per_second"].get<double>(), 0);
   EXPECT_GT(r["step_seconds_median"].get<double>(), 0);
-  // The measured peak is exactly what the plan predicted: one accounting for both.
-  EXPECT_EQ(r["peak_device_bytes"], plan["predicted"]["peak_device_bytes"]);
+  // The measured live peak is exactly what the plan predicted (one accounting for both), and
+  // the device held exactly the memory plan's arena.
+  EXPECT_EQ(r["peak_live_bytes"], plan["predicted"]["peak_device_bytes"]);
+  EXPECT_GT(plan["arena_bytes"].get<int64_t>(), 0);
+  EXPECT_EQ(r["peak_device_bytes"], plan["arena_bytes"]);
   const double first_loss = r["losses"][0], last_loss = r["losses"][19];
   EXPECT_LT(last_loss, 0.8 * first_loss) << "the loss did not fall: " << r["losses"].dump();
 }
@@ -146,12 +149,20 @@ TEST_F(EndToEnd, ProfileGuidedRoundsReportPredictedAndMeasured) {
 }
 
 TEST_F(EndToEnd, TooSmallDeviceMemoryFailsLikeAnOom) {
-  auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache -o " + dir_ + "/oom.dcplan");
+  // Without a memory plan, the instruction that goes over names itself and the bytes.
+  auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --policy baseline --no-cache -o " + dir_ +
+                         "/oom.dcplan");
   ASSERT_EQ(plan.exit_code, 0) << plan.err;
   auto run = RunCommand(Tool("dc-run") + " " + dir_ + "/oom.dcplan --steps 1 --device-memory 64KiB");
   EXPECT_NE(run.exit_code, 0);
   EXPECT_NE(run.err.find("out of device memory at"), std::string::npos) << run.err;
   EXPECT_NE(run.err.find("asked for"), std::string::npos) << run.err;
+  // With one, the arena that does not fit is refused before the first step.
+  auto arena_plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache -o " + dir_ + "/arena.dcplan");
+  ASSERT_EQ(arena_plan.exit_code, 0) << arena_plan.err;
+  auto arena_run = RunCommand(Tool("dc-run") + " " + dir_ + "/arena.dcplan --steps 1 --device-memory 64KiB");
+  EXPECT_NE(arena_run.exit_code, 0);
+  EXPECT_NE(arena_run.err.find("arena of"), std::string::npos) << arena_run.err;
 }
 
 TEST_F(EndToEnd, BudgetBelowTheBaselineIsRefused) {

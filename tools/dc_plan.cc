@@ -400,6 +400,7 @@ int main(int argc, char** argv) {
     j["budget_bytes"] = plan->budget_bytes();
     j["instructions"] = plan->instructions_size();
     j["arena_bytes"] = plan->memory_plan().arena_bytes();
+    j["notes"] = std::vector<std::string>(plan->notes().begin(), plan->notes().end());
     j["predicted"] = PredictionJson(plan->prediction());
     j["baseline"] = PredictionJson(plan->baseline());
     j["passes"] = nlohmann::json::array();
@@ -429,6 +430,7 @@ int main(int argc, char** argv) {
   }
   if (explain) PrintExplain(*plan);
   if (report && measured) PrintReport(*measured, *plan);
+  for (const auto& note : plan->notes()) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
   for (const auto& note : notes) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
   return 0;
 }

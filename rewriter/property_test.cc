@@ -1,0 +1,284 @@
+// Property tests of the planner: random small programs (the tiny preset with random shapes), world
+// sizes, hardware and budgets, every policy. Whatever the input, a policy either returns a plan
+// that re-verifies, fits its budget and (for dc) is no slower than the baseline, or says that the
+// budget is too small, and only where it is. The same request gives the same plan twice.
+//
+// The cases come from one fixed seed (std::mt19937_64 is specified bit for bit by the standard;
+// draws use it directly, not the implementation-defined distributions), so a failure names a
+// case seed that reproduces it: rerun with --gtest_filter=Random/PlanProperties.Holds/<case>.
+#include <gtest/gtest.h>
+
+#include <array>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "analyzer/estimate.h"
+#include "analyzer/hardware.h"
+#include "analyzer/simulator.h"
+#include "models/model.h"
+#include "rewriter/planner.h"
+#include "rewriter/verifier.h"
+
+namespace dc {
+namespace {
+
+constexpr uint64_t kSeed = 20261121;
+// Cases per run; the environment variable DC_PROPERTY_CASES sets another count (a longer soak).
+constexpr int kCases = 40;
+// dc's predicted step may exceed the baseline's by this relative rounding slack at most.
+constexpr double kStepSlack = 1e-9;
+// A budget of 0 (unlimited) for one case in this many.
+constexpr uint64_t kUnlimitedOneIn = 4;
+// Budgets reach up to this multiple of the baseline's simulated peak.
+constexpr double kMaxBudgetOverPeak = 1.5;
+
+// Uniform in [lo, hi] from the engine's raw output (bias of at most 2^-40 here).
+int64_t Draw(std::mt19937_64& rng, int64_t lo, int64_t hi) {
+  return lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(hi - lo + 1));
+}
+template <typename T>
+T Pick(std::mt19937_64& rng, const std::vector<T>& choices) {
+  return choices[static_cast<size_t>(Draw(rng, 0, static_cast<int64_t>(choices.size()) - 1))];
+}
+
+struct RandomCase {
+  uint64_t seed = 0;
+  ModelOverrides overrides;
+  int world = 1;
+  std::string hardware;
+  bool unlimited = false;
+  uint64_t budget_draw = 0;  // picks the budget once the baseline's peak is known
+};
+
+RandomCase MakeCase(int index) {
+  RandomCase c;
+  c.seed = kSeed + static_cast<uint64_t>(index);
+  std::mt19937_64 rng(c.seed);
+  ModelOverrides& o = c.overrides;
+  o.layers = Draw(rng, 1, 3);
+  o.hidden = Pick<int64_t>(rng, {32, 64, 96});
+  std::vector<int64_t> heads;  // divide hidden with an even head dim (RoPE)
+  for (int64_t h : {1, 2, 3, 4, 6, 8}) {
+    if (*o.hidden % h == 0 && (*o.hidden / h) % 2 == 0) heads.push_back(h);
+  }
+  o.heads = Pick(rng, heads);
+  std::vector<int64_t> kv_heads;
+  for (int64_t k = 1; k <= *o.heads; ++k) {
+    if (*o.heads % k == 0) kv_heads.push_back(k);
+  }
+  o.kv_heads = Pick(rng, kv_heads);
+  o.ffn = Pick<int64_t>(rng, {64, 128, 160});
+  o.vocab = Pick<int64_t>(rng, {64, 256});
+  o.seq = Pick<int64_t>(rng, {8, 16, 32});
+  o.micro_batch = Draw(rng, 1, 2);
+  o.gas = Draw(rng, 1, 4);
+  c.world = static_cast<int>(Draw(rng, 1, 8));
+  c.hardware = Pick<std::string>(rng, {"h100-sxm", "a100-80gb", "cpu"});
+  c.unlimited = rng() % kUnlimitedOneIn == 0;
+  c.budget_draw = rng();
+  return c;
+}
+
+std::string Describe(const RandomCase& c, int64_t budget_bytes) {
+  const ModelOverrides& o = c.overrides;
+  char text[320];
+  std::snprintf(text, sizeof(text),
+                "case seed %llu: tiny --layers %lld --hidden %lld --heads %lld --kv-heads %lld "
+                "--ffn %lld --vocab %lld --seq %lld --micro-batch %lld --gas %lld, world %d, %s, "
+                "budget %lld bytes",
+                static_cast<unsigned long long>(c.seed), static_cast<long long>(*o.layers),
+                static_cast<long long>(*o.hidden), static_cast<long long>(*o.heads),
+                static_cast<long long>(*o.kv_heads), static_cast<long long>(*o.ffn),
+                static_cast<long long>(*o.vocab), static_cast<long long>(*o.seq),
+                static_cast<long long>(*o.micro_batch), static_cast<long long>(*o.gas), c.world,
+                c.hardware.c_str(), static_cast<long long>(budget_bytes));
+  return text;
+}
+
+int CaseCount() {
+  const char* text = std::getenv("DC_PROPERTY_CASES");
+  const int count = text ? std::atoi(text) : 0;
+  return count > 0 ? count : kCases;
+}
+
+// Cases run, and plans per policy and those refused for the budget (for the summary line).
+int& CasesRun() {
+  static int cases = 0;
+  return cases;
+}
+struct Counts {
+  int planned = 0;
+  int over_budget = 0;
+  int known = 0;  // refusals that break a property, listed in kKnownFailures
+};
+std::map<std::string, Counts>& CountsByPolicy() {
+  static std::map<std::string, Counts> counts;
+  return counts;
+}
+
+// Cases where a policy breaks a property today. The case still runs every other check, then
+// reports itself skipped; a listed failure that no longer happens fails the case (delete its
+// entry). Each entry says what goes wrong; the case seed is kSeed + case.
+struct KnownFailure {
+  int case_index;
+  const char* policy;
+  const char* why;
+};
+// None today: dc falls back to simpler pipelines of its own passes when its full pipeline
+// does not fit or is slower than the baseline, and only dc plans against the relaxed budget.
+constexpr std::array<KnownFailure, 0> kKnownFailures{};
+
+const KnownFailure* FindKnownFailure(int case_index, const std::string& policy) {
+  for (const KnownFailure& known : kKnownFailures) {
+    if (known.case_index == case_index && policy == known.policy) return &known;
+  }
+  return nullptr;
+}
+
+class PlanProperties : public ::testing::TestWithParam<int> {
+ public:
+  static void TearDownTestSuite() {
+    std::string line = "plan properties over " + std::to_string(CasesRun()) + " cases:";
+    for (const auto& [policy, counts] : CountsByPolicy()) {
+      line += " " + policy + " " + std::to_string(counts.planned) + " planned, " +
+              std::to_string(counts.over_budget) + " refused (" + std::to_string(counts.known) +
+              " known bugs);";
+    }
+    std::printf("%s\n", line.c_str());
+  }
+};
+
+proto::Schedule WithoutTimes(proto::Schedule plan) {
+  for (auto& record : *plan.mutable_passes()) record.clear_seconds();
+  return plan;
+}
+
+TEST_P(PlanProperties, Holds) {
+  const RandomCase c = MakeCase(GetParam());
+  ++CasesRun();
+  auto config = MakeConfig("tiny", c.overrides);
+  ASSERT_TRUE(config.ok()) << Describe(c, 0) << ": " << config.status().message();
+  auto program = BuildProgram(*config);
+  ASSERT_TRUE(program.ok()) << program.status().message();
+  auto hw = FindHardware(c.hardware);
+  ASSERT_TRUE(hw.ok()) << hw.status().message();
+  const int gpus_per_node = c.hardware == "cpu" ? c.world : std::min(c.world, 8);
+  auto cluster = MakeCluster(c.world, gpus_per_node);
+  ASSERT_TRUE(cluster.ok()) << cluster.status().message();
+
+  PlanRequest request;
+  request.program = *program;
+  request.world_size = c.world;
+  request.backend = c.hardware == "cpu" ? "cpu" : "cuda";
+  request.device = c.hardware;
+  request.costs = EstimateCostModel(*program, *hw, *cluster);
+
+  // The baseline without a budget: its peak bounds the budgets drawn.
+  request.policy = "baseline";
+  auto unlimited = MakePlan(request);
+  ASSERT_TRUE(unlimited.ok()) << Describe(c, 0) << ": " << unlimited.status().message();
+  const int64_t baseline_peak = unlimited->prediction().peak_device_bytes();
+  const std::vector<int64_t> persistent = PersistentBytesByKind(*program, c.world);
+  int64_t persistent_bytes = 0;
+  for (int64_t bytes : persistent) persistent_bytes += bytes;
+  const int64_t states_bytes = persistent[static_cast<int>(BufferKind::kOptimizerState)];
+  int64_t largest_transient = 0;
+  for (const auto& tensor : program->tensors()) {
+    if (tensor.role() == proto::ROLE_OPTIMIZER_STATE) continue;
+    largest_transient = std::max(largest_transient, TransientBytes(*program, tensor));
+  }
+  // No plan of any policy fits below the floor: the persistent shards other than the optimizer
+  // state and one transient must be on the device at once.
+  const int64_t floor_bytes = persistent_bytes - states_bytes + largest_transient;
+  const int64_t top_bytes = std::max(
+      floor_bytes, static_cast<int64_t>(static_cast<double>(baseline_peak) * kMaxBudgetOverPeak));
+  int64_t budget = 0;
+  if (!c.unlimited) {
+    budget = floor_bytes + static_cast<int64_t>(c.budget_draw %
+                                                static_cast<uint64_t>(top_bytes - floor_bytes + 1));
+  }
+  // The offloading policies must plan at any budget from here on: the baseline stream with every
+  // optimizer-state fragment on the host during forward and backward and all of them back for
+  // the optimizer step (which runs on the device with every persistent shard) peaks at no more.
+  const int64_t offload_bound = std::max(persistent_bytes, baseline_peak - states_bytes);
+  request.budget_bytes = budget;
+  SCOPED_TRACE(Describe(c, budget) + " (baseline peak " + std::to_string(baseline_peak) +
+               ", floor " + std::to_string(floor_bytes) + ", offload bound " +
+               std::to_string(offload_bound) + ")");
+
+  const KnownFailure* known_seen = nullptr;
+  std::map<std::string, StatusOr<proto::Schedule>> plans;
+  for (const std::string& policy : PolicyNames()) {
+    request.policy = policy;
+    auto plan = MakePlan(request);
+    Counts& counts = CountsByPolicy()[policy];
+    const KnownFailure* known = FindKnownFailure(GetParam(), policy);
+    if (!plan.ok()) {
+      ++counts.over_budget;
+      const std::string message = plan.status().message();
+      EXPECT_NE(message.find("budget"), std::string::npos) << policy << ": " << message;
+      EXPECT_GT(budget, 0) << policy << ": " << message;
+      // The baseline refuses exactly the budgets below its peak. DeepCompile's offload rule
+      // looks at the forward only (rewriter/offload.h), so it may miss any budget the baseline
+      // does not fit; ours and ZeRO-3's offload must meet every budget from the offload bound.
+      const int64_t refusable_below =
+          policy == "baseline" || policy == "deepcompile" ? baseline_peak : offload_bound;
+      if (budget >= refusable_below && known) {
+        known_seen = known;
+        ++counts.known;
+      } else {
+        EXPECT_LT(budget, refusable_below) << policy << " refuses: " << message;
+      }
+      plans.emplace(policy, std::move(plan));
+      continue;
+    }
+    ++counts.planned;
+    const PassContext context{&request.costs, budget};
+    const Status verified = VerifySchedule(*plan, context);
+    EXPECT_TRUE(verified.ok()) << policy << ": " << verified.message();
+    auto sim = Simulate(*plan, request.costs);
+    ASSERT_TRUE(sim.ok()) << policy << ": " << sim.status().message();
+    EXPECT_EQ(sim->peak_device_bytes, plan->prediction().peak_device_bytes()) << policy;
+    if (budget > 0) {
+      EXPECT_LE(sim->peak_device_bytes, budget) << policy;
+      if (plan->has_memory_plan()) {
+        EXPECT_LE(plan->memory_plan().arena_bytes(), budget) << policy;
+      }
+    }
+
+    auto again = MakePlan(request);
+    ASSERT_TRUE(again.ok()) << policy << ": " << again.status().message();
+    EXPECT_EQ(WithoutTimes(*again).SerializeAsString(), WithoutTimes(*plan).SerializeAsString())
+        << policy << ": the same request gave two different plans";
+    plans.emplace(policy, std::move(plan));
+  }
+
+  const auto& baseline = plans.at("baseline");
+  const auto& dc = plans.at("dc");
+  if (baseline.ok() && dc.ok()) {
+    EXPECT_LE(dc->prediction().step_seconds(),
+              baseline->prediction().step_seconds() * (1 + kStepSlack))
+        << "dc is slower than the baseline";
+  } else if (baseline.ok() && !(known_seen && std::string(known_seen->policy) == "dc")) {
+    ADD_FAILURE() << "dc fails where the baseline plans: " << dc.status().message();
+  }
+
+  for (const KnownFailure& known : kKnownFailures) {
+    if (known.case_index != GetParam()) continue;
+    if (&known == known_seen) GTEST_SKIP() << "KNOWN: " << known.policy << ": " << known.why;
+    ADD_FAILURE() << "the known failure of " << known.policy << " (" << known.why
+                  << ") no longer happens: delete its kKnownFailures entry";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Random, PlanProperties, ::testing::Range(0, CaseCount()));
+
+}  // namespace
+}  // namespace dc
