@@ -3,7 +3,6 @@
 
 #include <cstdio>
 #include <iostream>
-#include <unistd.h>
 
 #include "executor/launch.h"
 #include "executor/session.h"
@@ -35,7 +34,7 @@ int main(int argc, char** argv) {
   app.add_option("--rendezvous", rendezvous, "shared directory for ranks started by an outside launcher");
   app.add_option("--timeout", timeout_s, "seconds to wait for other ranks")->capture_default_str();
   app.add_flag("--json", json, "print one JSON object (losses, step_seconds_median, tokens_per_second, ...)");
-  app.add_flag("--quiet", quiet, "no progress on stderr");
+  app.add_flag("--quiet", quiet, "no per-step lines, only the summary");
   CLI11_PARSE(app, argc, argv);
 
   auto plan = LoadPlan(plan_path);
@@ -61,10 +60,9 @@ int main(int argc, char** argv) {
   session.trace_path = trace_out;
   session.rendezvous_flag = rendezvous;
   session.timeout = std::chrono::seconds(timeout_s);
-  const bool progress = !quiet && !json && ::isatty(STDERR_FILENO);
-  if (!json) {
+  if (!json && !quiet) {
     session.run.on_step = [&](int step, double loss, double seconds) {
-      if (progress || !quiet) std::printf("step %3d  loss %.5f  %.3f s\n", step + 1, loss, seconds);
+      std::printf("step %3d  loss %.5f  %.3f s\n", step + 1, loss, seconds);
       std::fflush(stdout);
     };
   }

@@ -357,26 +357,24 @@ void ActivityWriter::Add(const CUpti_Activity* record) {
   }
 }
 
-void ActivityWriter::AddKernel(const CUpti_ActivityKernel10& r) {
-  const KernelNames& names = NamesOf(r.name);
-  KindStats& stats = Stats(names.collective ? "collective" : "kernel");
+bool ActivityWriter::Admit(const char* kind, uint64_t start, uint64_t end) {
+  KindStats& stats = Stats(kind);
   ++stats.seen;
   // start == end == 0: CUPTI could not take the timestamps (device buffer full).
-  if (r.start == 0 || r.end == 0 || r.end < r.start) {
+  if (start == 0 || end == 0 || end < start) {
     ++stats.zero_timestamp;
-    return;
+    return false;
   }
-  if (!error_.ok()) return;
+  return error_.ok();
+}
+
+void ActivityWriter::AddKernel(const CUpti_ActivityKernel10& r) {
+  const KernelNames& names = NamesOf(r.name);
+  if (!Admit(names.collective ? "collective" : "kernel", r.start, r.end)) return;
   const int64_t start_ns = clock_.ToSessionNs(r.start);
   const int64_t end_ns = clock_.ToSessionNs(r.end);
   Statement& k = insert_kernel_;
-  k.Bind(1, start_ns);
-  k.Bind(2, end_ns);
-  k.Bind(3, I(r.deviceId));
-  k.Bind(4, I(r.contextId));
-  k.Bind(5, I(r.streamId));
-  k.Bind(6, I(r.correlationId));
-  k.Bind(7, global_pid_);
+  BindDeviceActivity(k, r);
   k.Bind(8, names.demangled_id);
   k.Bind(9, names.short_id);
   k.Bind(10, names.mangled_id);
@@ -411,21 +409,9 @@ void ActivityWriter::AddKernel(const CUpti_ActivityKernel10& r) {
 }
 
 void ActivityWriter::AddMemcpy(const CUpti_ActivityMemcpy6& r) {
-  KindStats& stats = Stats("memcpy");
-  ++stats.seen;
-  if (r.start == 0 || r.end == 0 || r.end < r.start) {
-    ++stats.zero_timestamp;
-    return;
-  }
-  if (!error_.ok()) return;
+  if (!Admit("memcpy", r.start, r.end)) return;
   Statement& m = insert_memcpy_;
-  m.Bind(1, clock_.ToSessionNs(r.start));
-  m.Bind(2, clock_.ToSessionNs(r.end));
-  m.Bind(3, I(r.deviceId));
-  m.Bind(4, I(r.contextId));
-  m.Bind(5, I(r.streamId));
-  m.Bind(6, I(r.correlationId));
-  m.Bind(7, global_pid_);
+  BindDeviceActivity(m, r);
   m.Bind(8, I(r.bytes));
   m.Bind(9, I(r.copyKind));  // ENUM_CUDA_MEMCPY_OPER numbers CUPTI's copy kinds as they are
   m.Bind(10, NsysMemKind(r.srcKind));
@@ -436,21 +422,9 @@ void ActivityWriter::AddMemcpy(const CUpti_ActivityMemcpy6& r) {
 }
 
 void ActivityWriter::AddPeerMemcpy(const CUpti_ActivityMemcpyPtoP4& r) {
-  KindStats& stats = Stats("memcpy");
-  ++stats.seen;
-  if (r.start == 0 || r.end == 0 || r.end < r.start) {
-    ++stats.zero_timestamp;
-    return;
-  }
-  if (!error_.ok()) return;
+  if (!Admit("memcpy", r.start, r.end)) return;
   Statement& m = insert_memcpy_;
-  m.Bind(1, clock_.ToSessionNs(r.start));
-  m.Bind(2, clock_.ToSessionNs(r.end));
-  m.Bind(3, I(r.deviceId));
-  m.Bind(4, I(r.contextId));
-  m.Bind(5, I(r.streamId));
-  m.Bind(6, I(r.correlationId));
-  m.Bind(7, global_pid_);
+  BindDeviceActivity(m, r);
   m.Bind(8, I(r.bytes));
   m.Bind(9, I(r.copyKind));
   m.Bind(10, NsysMemKind(r.srcKind));
@@ -464,21 +438,9 @@ void ActivityWriter::AddPeerMemcpy(const CUpti_ActivityMemcpyPtoP4& r) {
 }
 
 void ActivityWriter::AddMemset(const CUpti_ActivityMemset4& r) {
-  KindStats& stats = Stats("memset");
-  ++stats.seen;
-  if (r.start == 0 || r.end == 0 || r.end < r.start) {
-    ++stats.zero_timestamp;
-    return;
-  }
-  if (!error_.ok()) return;
+  if (!Admit("memset", r.start, r.end)) return;
   Statement& m = insert_memset_;
-  m.Bind(1, clock_.ToSessionNs(r.start));
-  m.Bind(2, clock_.ToSessionNs(r.end));
-  m.Bind(3, I(r.deviceId));
-  m.Bind(4, I(r.contextId));
-  m.Bind(5, I(r.streamId));
-  m.Bind(6, I(r.correlationId));
-  m.Bind(7, global_pid_);
+  BindDeviceActivity(m, r);
   m.Bind(8, I(r.value));
   m.Bind(9, I(r.bytes));
   BindOptional(m, 10, r.graphNodeId);
@@ -535,13 +497,7 @@ void ActivityWriter::AddMemory(const CUpti_ActivityMemory4& r) {
 }
 
 void ActivityWriter::AddApi(const CUpti_ActivityAPI& r, bool driver) {
-  KindStats& stats = Stats(driver ? "driver" : "runtime");
-  ++stats.seen;
-  if (r.start == 0 || r.end == 0 || r.end < r.start) {
-    ++stats.zero_timestamp;
-    return;
-  }
-  if (!error_.ok()) return;
+  if (!Admit(driver ? "driver" : "runtime", r.start, r.end)) return;
   auto [it, inserted] = api_name_ids_.try_emplace({driver, r.cbid}, 0);
   if (inserted) it->second = Intern(api_name_(driver, r.cbid));
   Statement& a = insert_api_;

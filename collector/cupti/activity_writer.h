@@ -159,6 +159,21 @@ class ActivityWriter {
   int64_t Intern(std::string_view value);
   const KernelNames& NamesOf(const char* mangled);
   KindStats& Stats(const char* kind) { return stats_[kind]; }
+  // Counts an interval record of `kind`; false when it is dropped for its timestamps (counted
+  // as zero_timestamp) or writing has already failed.
+  bool Admit(const char* kind, uint64_t start, uint64_t end);
+  // Binds the columns every device activity table starts with: start, end, deviceId,
+  // contextId, streamId, correlationId, globalPid.
+  template <typename Record>
+  void BindDeviceActivity(collector_internal::Statement& stmt, const Record& r) {
+    stmt.Bind(1, clock_.ToSessionNs(r.start));
+    stmt.Bind(2, clock_.ToSessionNs(r.end));
+    stmt.Bind(3, static_cast<int64_t>(r.deviceId));
+    stmt.Bind(4, static_cast<int64_t>(r.contextId));
+    stmt.Bind(5, static_cast<int64_t>(r.streamId));
+    stmt.Bind(6, static_cast<int64_t>(r.correlationId));
+    stmt.Bind(7, global_pid_);
+  }
   void Keep(Status status);
 
   void AddKernel(const CUpti_ActivityKernel10& r);
