@@ -2,6 +2,7 @@
 
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
+#include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/common/error.h>
 #include <gloo/math.h>
@@ -120,13 +121,18 @@ StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& options
     context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.world_size);
     context->setTimeout(options.timeout);
     context->connectFullMesh(store, device);
+    // Every rank has finished connecting before any goes on: a rank that fails right after
+    // (an out-of-memory at start-up) must not look like a failed rendezvous to the others.
+    gloo::BarrierOptions barrier(context);
+    gloo::barrier(barrier);
   });
   if (!connected.ok()) {
     return Status::Error("rank " + std::to_string(options.rank) + ": could not meet the other " +
                          std::to_string(options.world_size - 1) + " rank(s) through " +
                          options.store_dir + " within " +
                          std::to_string(options.timeout.count() / 1000) +
-                         " s; are all ranks started with the same rendezvous directory?");
+                         " s; are all ranks started with the same rendezvous directory? (" +
+                         connected.message() + ")");
   }
   return std::unique_ptr<Communicator>(new GlooCommunicator(std::move(context)));
 }

@@ -17,6 +17,9 @@ namespace dc {
 namespace {
 
 constexpr const char* kLocalLaunchVar = "DC_LOCAL_LAUNCH";
+// After the first rank fails, how long the others may take to fail on their own before they
+// are stopped.
+constexpr std::chrono::milliseconds kSettle{300};
 
 std::optional<int> EnvInt(const char* name) {
   const char* value = std::getenv(name);
@@ -124,10 +127,10 @@ int LaunchLocal(const LaunchOptions& options, const std::vector<std::string>& ar
   std::filesystem::create_directories(dir + "/store");
 
   int running = options.nproc;
-  int first_failed = -1;
-  int first_status = 0;
+  // Failures in the order they were reaped: (rank, status).
+  std::vector<std::pair<int, int>> failures;
   auto failed_at = std::chrono::steady_clock::time_point::max();
-  bool killed = false;
+  bool killed = false, stopped = false;
   while (running > 0) {
     int status = 0;
     pid_t done = ::waitpid(-1, &status, WNOHANG);
@@ -136,25 +139,44 @@ int LaunchLocal(const LaunchOptions& options, const std::vector<std::string>& ar
         if (pids[r] != done) continue;
         pids[r] = -1;
         --running;
-        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        if (!ok && first_failed < 0) {
-          first_failed = r;
-          first_status = status;
-          failed_at = std::chrono::steady_clock::now();
-          for (pid_t p : pids) {
-            if (p > 0) ::kill(p, SIGTERM);
+        if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+          failures.emplace_back(r, status);
+          if (failed_at == std::chrono::steady_clock::time_point::max()) {
+            failed_at = std::chrono::steady_clock::now();
           }
         }
       }
       continue;
     }
-    if (!killed && std::chrono::steady_clock::now() - failed_at > options.grace) {
+    const auto since_failure = std::chrono::steady_clock::now() - failed_at;
+    // Ranks that fail together (all out of memory at once) get a moment to say so before the
+    // rest are stopped, so the root cause is among the failures read below.
+    if (!stopped && since_failure > kSettle) {
+      for (pid_t p : pids) {
+        if (p > 0) ::kill(p, SIGTERM);
+      }
+      stopped = true;
+    }
+    if (!killed && since_failure > options.grace) {
       for (pid_t p : pids) {
         if (p > 0) ::kill(p, SIGKILL);
       }
       killed = true;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // The root cause: the first failure that is not a consequence of another rank's (a peer gone,
+  // a rendezvous abandoned, a rank we stopped).
+  int first_failed = -1, first_status = 0;
+  for (const auto& [rank, status] : failures) {
+    const std::string why = LastLine(dir + "/rank" + std::to_string(rank) + ".stderr");
+    const bool consequence = why.find("peer rank is gone") != std::string::npos ||
+                             why.find("could not meet") != std::string::npos || why.empty();
+    if (first_failed < 0 || !consequence) {
+      first_failed = rank;
+      first_status = status;
+      if (!consequence) break;
+    }
   }
 
   int rc = 0;

@@ -1,5 +1,6 @@
 #include "executor/session.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <ctime>
@@ -30,6 +31,9 @@ std::string RankPartPath(const RankEnv& env, const std::string& trace_path, int 
 }  // namespace
 
 StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const SessionOptions& options) {
+  // A write to a peer that died must fail the collective with a message, not kill this rank
+  // silently with SIGPIPE.
+  ::signal(SIGPIPE, SIG_IGN);
   SessionResult result;
   DC_ASSIGN_OR_RETURN(result.env, RankEnvFromEnvironment(options.rendezvous_flag));
   const RankEnv& env = result.env;

@@ -2,7 +2,6 @@
 
 #include <chrono>
 
-#include "analyzer/simulator.h"
 
 namespace dc {
 
@@ -46,7 +45,8 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context) cons
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!changed.ok()) return changed.status().Prefixed("pass " + name + ": ");
-    if (Status verified = verifier_(*schedule, before_freeing ? structural : context); !verified.ok()) {
+    SimResult sim;
+    if (Status verified = verifier_(*schedule, before_freeing ? structural : context, &sim); !verified.ok()) {
       return verified.Prefixed("after pass " + name + ": ");
     }
     auto* record = schedule->add_passes();
@@ -56,13 +56,8 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context) cons
     record->set_summary(pass->Summary());
     record->set_instructions(schedule->instructions_size());
     if (context.costs) {
-      SimOptions options;
-      options.memory_timeline = false;
-      StatusOr<SimResult> sim = Simulate(*schedule, *context.costs, options);
-      if (sim.ok()) {
-        record->set_predicted_step_seconds(sim->step_seconds);
-        record->set_predicted_peak_bytes(sim->peak_device_bytes);
-      }
+      record->set_predicted_step_seconds(sim.step_seconds);
+      record->set_predicted_peak_bytes(sim.peak_device_bytes);
     }
     if (dump_ && dump_after_ == name) dump_(name, *schedule);
     if (progress_) progress_(*record);

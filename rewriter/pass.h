@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "analyzer/cost_model.h"
+#include "analyzer/simulator.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 
@@ -44,7 +45,8 @@ class Pass {
 class Pipeline {
  public:
   using DumpFn = std::function<void(std::string_view pass_name, const proto::Schedule&)>;
-  using VerifyFn = std::function<Status(const proto::Schedule&, const PassContext&)>;
+  // Checks a schedule; fills the simulation it made (for the pass record) when given one.
+  using VerifyFn = std::function<Status(const proto::Schedule&, const PassContext&, SimResult*)>;
 
   explicit Pipeline(VerifyFn verifier) : verifier_(std::move(verifier)) {}
 

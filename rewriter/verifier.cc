@@ -48,16 +48,19 @@ Status CheckOpCounts(const proto::Schedule& schedule) {
 
 }  // namespace
 
-Status VerifySchedule(const proto::Schedule& schedule, const PassContext& context) {
+Status VerifySchedule(const proto::Schedule& schedule, const PassContext& context, SimResult* simulated) {
   DC_RETURN_IF_ERROR(CheckOpCounts(schedule));
   CostModel fallback;
-  DC_ASSIGN_OR_RETURN(SimResult sim, Simulate(schedule, context.costs ? *context.costs : fallback));
+  SimOptions options;
+  options.memory_timeline = false;  // the peak is all a check needs
+  DC_ASSIGN_OR_RETURN(SimResult sim, Simulate(schedule, context.costs ? *context.costs : fallback, options));
   if (context.budget_bytes > 0 && sim.peak_device_bytes > context.budget_bytes) {
     return Status::Error("the schedule needs " + FormatBytes(sim.peak_device_bytes) +
                          " of device memory at its peak (instruction " +
                          std::to_string(sim.peak_instruction) + "), over the budget of " +
                          FormatBytes(context.budget_bytes) + "; raise --budget");
   }
+  if (simulated) *simulated = std::move(sim);
   return Status::Ok();
 }
 

@@ -8,6 +8,8 @@
 
 namespace dc {
 
-Status VerifySchedule(const proto::Schedule& schedule, const PassContext& context);
+// `simulated`, when given, receives the simulation the check made (peak only, no timeline).
+Status VerifySchedule(const proto::Schedule& schedule, const PassContext& context,
+                      SimResult* simulated = nullptr);
 
 }  // namespace dc
