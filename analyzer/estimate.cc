@@ -13,6 +13,7 @@ constexpr int64_t kShardElementBytes = 4;
 
 bool RunsOnTensorCores(const std::string& kind) {
   return kind == op_kind::kMatmul || kind == op_kind::kMatmulBackward ||
+         kind == op_kind::kGroupedMatmul || kind == op_kind::kGroupedMatmulBackward ||
          kind == op_kind::kAttention || kind == op_kind::kAttentionBackward;
 }
 

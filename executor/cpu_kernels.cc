@@ -9,6 +9,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "models/moe_layout.h"
 #include "models/op_kinds.h"
 
 namespace dc {
@@ -666,6 +667,317 @@ Status AdamW(const proto::Op& op, Refs in, Refs out, const KernelContext& contex
 }
 
 // ---------------------------------------------------------------------------------------------
+// mixture of experts
+
+Status CheckNonNegativeFloatAttr(const proto::Op& op, const char* name, double* value) {
+  *value = AttrFloat(op, name, 0);
+  if (!(*value >= 0)) return OpError(op, std::string("attr '") + name + "' must not be negative");
+  return Status::Ok();
+}
+
+// The routing tensor `experts` [..., k] of `tokens` rows and its layout over `num_experts`.
+Status CheckRouting(const proto::Op& op, const TensorRef& experts, const Operand& what,
+                    int64_t num_experts, MoeLayout* layout) {
+  DC_RETURN_IF_ERROR(CheckI32(op, experts, what));
+  if (experts.shape.empty()) return OpError(op, what.Label() + " has no dimensions");
+  int64_t bad = -1;
+  auto made = MakeMoeLayout(experts.i32, experts.NumElements(), num_experts, &bad);
+  if (!made) {
+    return OpError(op, what.Label() + " names expert " + std::to_string(experts.i32[bad]) +
+                           " at slot " + std::to_string(bad) + ", outside the " +
+                           std::to_string(num_experts) + " experts");
+  }
+  *layout = std::move(*made);
+  return Status::Ok();
+}
+
+// softmax(row) in double.
+void SoftmaxRow(const float* row, int64_t n, std::vector<double>* p) {
+  const float max = *std::max_element(row, row + n);
+  double sum = 0;
+  p->resize(n);
+  for (int64_t i = 0; i < n; ++i) sum += (*p)[i] = std::exp(static_cast<double>(row[i] - max));
+  for (int64_t i = 0; i < n; ++i) (*p)[i] /= sum;
+}
+
+struct RouterDims {
+  int64_t tokens = 0, experts = 0, top_k = 0;
+  double aux_coef = 0;
+};
+
+Status CheckRouter(const proto::Op& op, const TensorRef& logits, size_t index, RouterDims* d) {
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, logits, 1, In(index, "logits")));
+  d->experts = logits.shape.back();
+  d->tokens = logits.NumElements() / d->experts;
+  DC_RETURN_IF_ERROR(RequireIntAttr(op, op_attr::kTopK, &d->top_k));
+  if (d->top_k > d->experts) {
+    return OpError(op, "top_k " + std::to_string(d->top_k) + " is more than the " +
+                           std::to_string(d->experts) + " experts");
+  }
+  return CheckNonNegativeFloatAttr(op, op_attr::kAuxCoef, &d->aux_coef);
+}
+
+Status MoeRouter(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 1, 3));
+  const TensorRef &logits = in[0], &gates = out[0], &experts = out[1], &aux = out[2];
+  RouterDims d;
+  DC_RETURN_IF_ERROR(CheckRouter(op, logits, 0, &d));
+  const Shape choice_shape = WithLast(logits.shape, d.top_k);
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, gates, choice_shape, Out(0, "gates")));
+  DC_RETURN_IF_ERROR(CheckI32(op, experts, Out(1, "experts")));
+  DC_RETURN_IF_ERROR(CheckShape(op, experts, choice_shape, Out(1, "experts")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, aux, {1}, Out(2, "aux_loss")));
+  std::vector<double> p, prob_sum(d.experts, 0.0);
+  std::vector<int64_t> count(d.experts, 0);
+  std::vector<char> taken(d.experts);
+  for (int64_t t = 0; t < d.tokens; ++t) {
+    SoftmaxRow(logits.f32 + t * d.experts, d.experts, &p);
+    for (int64_t e = 0; e < d.experts; ++e) prob_sum[e] += p[e];
+    std::fill(taken.begin(), taken.end(), 0);
+    double chosen_sum = 0;
+    int32_t* ids = experts.i32 + t * d.top_k;
+    for (int64_t j = 0; j < d.top_k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < d.experts; ++e) {
+        if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+      }
+      taken[best] = 1;
+      ids[j] = static_cast<int32_t>(best);
+      chosen_sum += p[best];
+      ++count[best];
+    }
+    for (int64_t j = 0; j < d.top_k; ++j) {
+      gates.f32[t * d.top_k + j] = static_cast<float>(p[ids[j]] / chosen_sum);
+    }
+  }
+  // M * aux_coef * E * sum_e (count_e / M) * (prob_sum_e / M): the layer's loss in sum scale.
+  double balance = 0;
+  for (int64_t e = 0; e < d.experts; ++e) balance += static_cast<double>(count[e]) * prob_sum[e];
+  aux.f32[0] = static_cast<float>(d.aux_coef * static_cast<double>(d.experts) * balance /
+                                  static_cast<double>(d.tokens));
+  return Status::Ok();
+}
+
+Status MoeRouterBackward(const proto::Op& op, Refs in, Refs out, const KernelContext& context) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 3, 1));
+  const TensorRef &dgates = in[0], &logits = in[1], &experts = in[2], &dlogits = out[0];
+  RouterDims d;
+  DC_RETURN_IF_ERROR(CheckRouter(op, logits, 1, &d));
+  const Shape choice_shape = WithLast(logits.shape, d.top_k);
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dgates, choice_shape, In(0, "dgates")));
+  DC_RETURN_IF_ERROR(CheckShape(op, experts, choice_shape, In(2, "experts")));
+  MoeLayout layout;
+  DC_RETURN_IF_ERROR(CheckRouting(op, experts, In(2, "experts"), d.experts, &layout));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dlogits, logits.shape, Out(0, "dlogits")));
+  // d(loss)/dp[t, e] from the balancing term: grad_scale * aux_coef * E * count_e / M.
+  std::vector<double> balance_grad(d.experts);
+  for (int64_t e = 0; e < d.experts; ++e) {
+    const double count = static_cast<double>(layout.offsets[e + 1] - layout.offsets[e]);
+    balance_grad[e] = context.grad_scale * d.aux_coef * static_cast<double>(d.experts) * count /
+                      static_cast<double>(d.tokens);
+  }
+  std::vector<double> p, dp(d.experts);
+  for (int64_t t = 0; t < d.tokens; ++t) {
+    SoftmaxRow(logits.f32 + t * d.experts, d.experts, &p);
+    dp = balance_grad;
+    const int32_t* ids = experts.i32 + t * d.top_k;
+    const float* dg = dgates.f32 + t * d.top_k;
+    // gates_j = p[e_j] / S: dp[e_i] += (dg_i - sum_j dg_j gates_j) / S.
+    double chosen_sum = 0;
+    for (int64_t j = 0; j < d.top_k; ++j) chosen_sum += p[ids[j]];
+    double weighted = 0;
+    for (int64_t j = 0; j < d.top_k; ++j) weighted += dg[j] * p[ids[j]] / chosen_sum;
+    for (int64_t j = 0; j < d.top_k; ++j) dp[ids[j]] += (dg[j] - weighted) / chosen_sum;
+    double dot = 0;
+    for (int64_t e = 0; e < d.experts; ++e) dot += p[e] * dp[e];
+    float* row = dlogits.f32 + t * d.experts;
+    for (int64_t e = 0; e < d.experts; ++e) row[e] = static_cast<float>(p[e] * (dp[e] - dot));
+  }
+  return Status::Ok();
+}
+
+// Checks a token-side tensor [..., H] against `experts` [..., k]; sets the rows, width and k.
+Status CheckTokenSide(const proto::Op& op, const TensorRef& x, const Operand& x_what,
+                      const TensorRef& experts, const Operand& experts_what, int64_t* tokens,
+                      int64_t* width, int64_t* top_k) {
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, x, 1, x_what));
+  DC_RETURN_IF_ERROR(CheckI32(op, experts, experts_what));
+  *width = x.shape.back();
+  *tokens = x.NumElements() / *width;
+  if (experts.shape.empty() || DropLast(experts.shape) != DropLast(x.shape)) {
+    return OpError(op, experts_what.Label() + " has shape " + ShapeString(experts.shape) +
+                           ", expected " + ShapeString(WithLast(x.shape, 0)) + " with k last");
+  }
+  *top_k = experts.shape.back();
+  return Status::Ok();
+}
+
+Status MoeDispatch(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 2, 1));
+  const TensorRef &x = in[0], &experts = in[1], &xs = out[0];
+  int64_t tokens = 0, hidden = 0, top_k = 0, num_experts = 0;
+  DC_RETURN_IF_ERROR(CheckTokenSide(op, x, In(0, "x"), experts, In(1, "experts"), &tokens, &hidden, &top_k));
+  DC_RETURN_IF_ERROR(RequireIntAttr(op, op_attr::kExperts, &num_experts));
+  MoeLayout layout;
+  DC_RETURN_IF_ERROR(CheckRouting(op, experts, In(1, "experts"), num_experts, &layout));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, xs, {tokens * top_k, hidden}, Out(0, "xs")));
+  for (int64_t s = 0; s < tokens * top_k; ++s) {
+    std::copy_n(x.f32 + (s / top_k) * hidden, hidden, xs.f32 + layout.row[s] * hidden);
+  }
+  return Status::Ok();
+}
+
+Status MoeDispatchBackward(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 2, 1));
+  const TensorRef &dxs = in[0], &experts = in[1], &dx = out[0];
+  int64_t tokens = 0, hidden = 0, top_k = 0, num_experts = 0;
+  DC_RETURN_IF_ERROR(CheckTokenSide(op, dx, Out(0, "dx"), experts, In(1, "experts"), &tokens, &hidden, &top_k));
+  DC_RETURN_IF_ERROR(RequireIntAttr(op, op_attr::kExperts, &num_experts));
+  MoeLayout layout;
+  DC_RETURN_IF_ERROR(CheckRouting(op, experts, In(1, "experts"), num_experts, &layout));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dxs, {tokens * top_k, hidden}, In(0, "dxs")));
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* row = dx.f32 + t * hidden;
+    std::copy_n(dxs.f32 + layout.row[t * top_k] * hidden, hidden, row);
+    for (int64_t j = 1; j < top_k; ++j) {
+      const float* src = dxs.f32 + layout.row[t * top_k + j] * hidden;
+      for (int64_t h = 0; h < hidden; ++h) row[h] += src[h];
+    }
+  }
+  return Status::Ok();
+}
+
+// Checks x [R, K] (input `x_index`), experts (the next input, R ids) and the E weights after
+// it, all [N, K]; sets the dims and the layout.
+Status CheckGroupedMatmul(const proto::Op& op, Refs in, size_t x_index, int64_t* rows, int64_t* n,
+                          int64_t* k, MoeLayout* layout) {
+  const size_t first_weight = x_index + 2;
+  if (in.size() < first_weight + 1) {
+    return OpError(op, "expects x, experts and at least one expert weight");
+  }
+  const TensorRef &x = in[x_index], &experts = in[x_index + 1];
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, x, 2, In(x_index, "x"), 2));
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, in[first_weight], 2, In(first_weight, "w_0"), 2));
+  *rows = x.shape[0];
+  *k = x.shape[1];
+  *n = in[first_weight].shape[0];
+  for (size_t i = first_weight; i < in.size(); ++i) {
+    DC_RETURN_IF_ERROR(CheckF32Shape(op, in[i], {*n, *k}, In(i, "w")));
+  }
+  DC_RETURN_IF_ERROR(CheckRouting(op, experts, In(x_index + 1, "experts"),
+                                  static_cast<int64_t>(in.size() - first_weight), layout));
+  if (experts.NumElements() != *rows) {
+    return OpError(op, In(x_index + 1, "experts").Label() + " routes " +
+                           std::to_string(experts.NumElements()) + " slots for " +
+                           std::to_string(*rows) + " rows of x");
+  }
+  return CheckBlasDims(op, {*rows, *n, *k});
+}
+
+Status GroupedMatmul(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  if (out.size() != 1) return OpError(op, "expects 1 output, got " + std::to_string(out.size()));
+  int64_t rows = 0, n = 0, k = 0;
+  MoeLayout layout;
+  DC_RETURN_IF_ERROR(CheckGroupedMatmul(op, in, 0, &rows, &n, &k, &layout));
+  const TensorRef& x = in[0];
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, out[0], {rows, n}, Out(0, "y")));
+  const int64_t num_experts = static_cast<int64_t>(layout.offsets.size()) - 1;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t begin = layout.offsets[e], count = layout.offsets[e + 1] - begin;
+    if (count == 0) continue;
+    Gemm(false, true, count, n, k, 1.0f, x.f32 + begin * k, k, in[2 + e].f32, k, 0.0f,
+         out[0].f32 + begin * n, n);
+  }
+  return Status::Ok();
+}
+
+Status GroupedMatmulBackward(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  int64_t rows = 0, n = 0, k = 0;
+  MoeLayout layout;
+  DC_RETURN_IF_ERROR(CheckGroupedMatmul(op, in, 1, &rows, &n, &k, &layout));
+  const int64_t num_experts = static_cast<int64_t>(layout.offsets.size()) - 1;
+  if (static_cast<int64_t>(out.size()) != 1 + num_experts) {
+    return OpError(op, "expects " + std::to_string(1 + num_experts) + " outputs (dx and one dW per expert), got " +
+                           std::to_string(out.size()));
+  }
+  const TensorRef &dy = in[0], &x = in[1];
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dy, {rows, n}, In(0, "dy")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, out[0], {rows, k}, Out(0, "dx")));
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const TensorRef& dw = out[1 + e];
+    DC_RETURN_IF_ERROR(CheckF32Shape(op, dw, {n, k}, Out(1 + e, "dw")));
+    const int64_t begin = layout.offsets[e], count = layout.offsets[e + 1] - begin;
+    if (count == 0) {
+      std::fill_n(dw.f32, n * k, 0.0f);
+      continue;
+    }
+    Gemm(false, false, count, k, n, 1.0f, dy.f32 + begin * n, n, in[3 + e].f32, k, 0.0f,
+         out[0].f32 + begin * k, k);
+    Gemm(true, false, n, k, count, 1.0f, dy.f32 + begin * n, n, x.f32 + begin * k, k, 0.0f, dw.f32, k);
+  }
+  return Status::Ok();
+}
+
+// Checks ys [M * k, H], gates f32 [..., k] and experts i32 [..., k] (inputs from `first`).
+Status CheckCombine(const proto::Op& op, Refs in, size_t first, int64_t* tokens, int64_t* hidden,
+                    int64_t* top_k, MoeLayout* layout) {
+  const TensorRef &ys = in[first], &gates = in[first + 1], &experts = in[first + 2];
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, ys, 2, In(first, "ys"), 2));
+  DC_RETURN_IF_ERROR(CheckF32Rank(op, gates, 1, In(first + 1, "gates")));
+  DC_RETURN_IF_ERROR(CheckShape(op, experts, gates.shape, In(first + 2, "experts")));
+  int64_t num_experts = 0;
+  DC_RETURN_IF_ERROR(RequireIntAttr(op, op_attr::kExperts, &num_experts));
+  DC_RETURN_IF_ERROR(CheckRouting(op, experts, In(first + 2, "experts"), num_experts, layout));
+  *top_k = gates.shape.back();
+  *tokens = gates.NumElements() / *top_k;
+  *hidden = ys.shape[1];
+  return CheckShape(op, ys, {*tokens * *top_k, *hidden}, In(first, "ys"));
+}
+
+Status MoeCombine(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 3, 1));
+  int64_t tokens = 0, hidden = 0, top_k = 0;
+  MoeLayout layout;
+  DC_RETURN_IF_ERROR(CheckCombine(op, in, 0, &tokens, &hidden, &top_k, &layout));
+  const TensorRef &ys = in[0], &gates = in[1], &y = out[0];
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, y, WithLast(gates.shape, hidden), Out(0, "y")));
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* row = y.f32 + t * hidden;
+    std::fill_n(row, hidden, 0.0f);
+    for (int64_t j = 0; j < top_k; ++j) {
+      const float g = gates.f32[t * top_k + j];
+      const float* src = ys.f32 + layout.row[t * top_k + j] * hidden;
+      for (int64_t h = 0; h < hidden; ++h) row[h] += g * src[h];
+    }
+  }
+  return Status::Ok();
+}
+
+Status MoeCombineBackward(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
+  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 4, 2));
+  int64_t tokens = 0, hidden = 0, top_k = 0;
+  MoeLayout layout;
+  DC_RETURN_IF_ERROR(CheckCombine(op, in, 1, &tokens, &hidden, &top_k, &layout));
+  const TensorRef &dy = in[0], &ys = in[1], &gates = in[2], &dys = out[0], &dgates = out[1];
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dy, WithLast(gates.shape, hidden), In(0, "dy")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dys, ys.shape, Out(0, "dys")));
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, dgates, gates.shape, Out(1, "dgates")));
+  for (int64_t s = 0; s < tokens * top_k; ++s) {
+    const float* dyr = dy.f32 + (s / top_k) * hidden;
+    const float* src = ys.f32 + layout.row[s] * hidden;
+    float* dst = dys.f32 + layout.row[s] * hidden;
+    const float g = gates.f32[s];
+    double dot = 0;
+    for (int64_t h = 0; h < hidden; ++h) {
+      dst[h] = g * dyr[h];
+      dot += static_cast<double>(dyr[h]) * src[h];
+    }
+    dgates.f32[s] = static_cast<float>(dot);
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
 // Dispatch
 
 using Kernel = Status (*)(const proto::Op&, Refs, Refs, const KernelContext&);
@@ -688,6 +1000,14 @@ const std::unordered_map<std::string, Kernel>& Kernels() {
       {op_kind::kCrossEntropy, CrossEntropy},
       {op_kind::kCrossEntropyBackward, CrossEntropyBackward},
       {op_kind::kAdamW, AdamW},
+      {op_kind::kMoeRouter, MoeRouter},
+      {op_kind::kMoeRouterBackward, MoeRouterBackward},
+      {op_kind::kMoeDispatch, MoeDispatch},
+      {op_kind::kMoeDispatchBackward, MoeDispatchBackward},
+      {op_kind::kGroupedMatmul, GroupedMatmul},
+      {op_kind::kGroupedMatmulBackward, GroupedMatmulBackward},
+      {op_kind::kMoeCombine, MoeCombine},
+      {op_kind::kMoeCombineBackward, MoeCombineBackward},
   };
   return *kernels;
 }

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <numeric>
 #include <random>
 
 #include "models/data.h"
@@ -573,6 +574,203 @@ TEST(Errors, ArityShapeKindAndValues) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Mixture of experts
+
+// Central differences of `objective` over every element of `x` against `analytic`.
+void CheckNumeric(const std::function<double()>& objective, std::vector<float>* x,
+                  const std::vector<float>& analytic, const std::string& what, double step = 1e-3,
+                  double abs_tolerance = 1e-3, double rel_tolerance = 1e-2) {
+  SCOPED_TRACE(what);
+  ASSERT_EQ(x->size(), analytic.size());
+  for (size_t e = 0; e < x->size(); ++e) {
+    const float saved = (*x)[e];
+    (*x)[e] = static_cast<float>(saved + step);
+    const double plus = objective();
+    (*x)[e] = static_cast<float>(saved - step);
+    const double minus = objective();
+    (*x)[e] = saved;
+    const double numeric = (plus - minus) / (2 * step);
+    ASSERT_NEAR(analytic[e], numeric, abs_tolerance + rel_tolerance * std::abs(numeric))
+        << "element " << e;
+  }
+}
+
+double Dot(const Buffer& a, const Buffer& b) {
+  double sum = 0;
+  for (size_t i = 0; i < a.f32.size(); ++i) sum += double{a.f32[i]} * b.f32[i];
+  return sum;
+}
+
+// Distinct experts per token, k of them, drawn from [0, experts - 1): the last expert gets no
+// tokens, so the empty segment is exercised too.
+Buffer RandomRouting(Shape shape, int32_t experts, std::mt19937* rng) {
+  Buffer b = Buffer::I32(shape);
+  const int64_t k = shape.back();
+  std::vector<int32_t> ids(experts - 1);
+  for (int64_t t = 0; t < Count(shape) / k; ++t) {
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), *rng);
+    std::copy_n(ids.begin(), k, b.i32.begin() + t * k);
+  }
+  return b;
+}
+
+TEST(Moe, RouterPicksTopKRenormalizesAndWeighsTheBalance) {
+  Buffer logits = Buffer::F32({1, 2, 4});
+  logits.f32 = {0, 2, 1, 3, /*token 1, a tie:*/ 1, 1, 0, 0};
+  Buffer gates = Buffer::F32({1, 2, 2}), experts = Buffer::I32({1, 2, 2}), aux = Buffer::F32({1});
+  constexpr double kCoef = 0.1;
+  const proto::Op op = MakeOp(op_kind::kMoeRouter, {{op_attr::kTopK, 2}}, {{op_attr::kAuxCoef, kCoef}});
+  ASSERT_TRUE(RunOp(op, {&logits}, {&gates, &experts, &aux}).ok());
+  EXPECT_EQ(experts.i32, (std::vector<int32_t>{3, 1, 0, 1})) << "descending p; a tie takes the lower id";
+  EXPECT_NEAR(gates.f32[0], std::exp(3.0) / (std::exp(3.0) + std::exp(2.0)), 1e-6);
+  EXPECT_NEAR(gates.f32[1], std::exp(2.0) / (std::exp(3.0) + std::exp(2.0)), 1e-6);
+  EXPECT_NEAR(gates.f32[2], 0.5, 1e-6);
+  EXPECT_NEAR(gates.f32[3], 0.5, 1e-6);
+  // aux (sum scale) = coef * E * sum_e count_e * sum_t p[t, e] / M.
+  const double z0 = 1 + std::exp(2.0) + std::exp(1.0) + std::exp(3.0), z1 = 2 * std::exp(1.0) + 2;
+  const double p_sum[4] = {1 / z0 + std::exp(1.0) / z1, std::exp(2.0) / z0 + std::exp(1.0) / z1,
+                           std::exp(1.0) / z0 + 1 / z1, std::exp(3.0) / z0 + 1 / z1};
+  const double counts[4] = {1, 2, 0, 1};
+  double balance = 0;
+  for (int e = 0; e < 4; ++e) balance += counts[e] * p_sum[e];
+  EXPECT_NEAR(aux.f32[0], kCoef * 4 * balance / 2, 1e-6);
+}
+
+TEST(Moe, DispatchGroupedMatmulCombineEqualEachTokensExperts) {
+  std::mt19937 rng(11);
+  constexpr int32_t kExperts = 4;
+  constexpr int64_t kTopK = 2, kHidden = 5, kOut = 3;
+  Buffer x = RandomF32({2, 3, kHidden}, &rng);
+  Buffer routing = RandomRouting({2, 3, kTopK}, kExperts, &rng);
+  Buffer gates = RandomF32({2, 3, kTopK}, &rng);
+  std::vector<Buffer> w;
+  for (int e = 0; e < kExperts; ++e) w.push_back(RandomF32({kOut, kHidden}, &rng));
+  Buffer xs = Buffer::F32({6 * kTopK, kHidden}), ys = Buffer::F32({6 * kTopK, kOut});
+  Buffer y = Buffer::F32({2, 3, kOut});
+  ASSERT_TRUE(RunOp(MakeOp(op_kind::kMoeDispatch, {{op_attr::kExperts, kExperts}}), {&x, &routing}, {&xs}).ok());
+  std::vector<Buffer*> matmul_in = {&xs, &routing};
+  for (Buffer& b : w) matmul_in.push_back(&b);
+  ASSERT_TRUE(RunOp(MakeOp(op_kind::kGroupedMatmul), matmul_in, {&ys}).ok());
+  ASSERT_TRUE(RunOp(MakeOp(op_kind::kMoeCombine, {{op_attr::kExperts, kExperts}}), {&ys, &gates, &routing}, {&y}).ok());
+  for (int64_t t = 0; t < 6; ++t) {
+    for (int64_t n = 0; n < kOut; ++n) {
+      double expected = 0;
+      for (int64_t j = 0; j < kTopK; ++j) {
+        const Buffer& we = w[routing.i32[t * kTopK + j]];
+        double dot = 0;
+        for (int64_t h = 0; h < kHidden; ++h) dot += double{x.f32[t * kHidden + h]} * we.f32[n * kHidden + h];
+        expected += gates.f32[t * kTopK + j] * dot;
+      }
+      EXPECT_NEAR(y.f32[t * kOut + n], expected, 1e-4) << "token " << t << " column " << n;
+    }
+  }
+  // Expert-major: the rows of expert 0 come first, in token order.
+  int64_t row = 0;
+  for (int32_t e = 0; e < kExperts; ++e) {
+    for (int64_t s = 0; s < 6 * kTopK; ++s) {
+      if (routing.i32[s] != e) continue;
+      EXPECT_EQ(xs.f32[row * kHidden], x.f32[(s / kTopK) * kHidden]) << "row " << row;
+      ++row;
+    }
+  }
+}
+
+TEST(GradCheck, MoeRouterWithTheBalancingLoss) {
+  std::mt19937 rng(12);
+  constexpr int64_t kTopK = 2;
+  constexpr double kCoef = 0.3, kGradScale = 0.25;
+  const std::map<std::string, int64_t> ints = {{op_attr::kTopK, kTopK}};
+  const std::map<std::string, double> floats = {{op_attr::kAuxCoef, kCoef}};
+  Buffer logits = RandomF32({3, 2, 5}, &rng);
+  Buffer cotangent = RandomF32({3, 2, kTopK}, &rng);
+  Buffer gates = Buffer::F32({3, 2, kTopK}), experts = Buffer::I32({3, 2, kTopK}), aux = Buffer::F32({1});
+  const proto::Op forward = MakeOp(op_kind::kMoeRouter, ints, floats);
+  // The executor's loss: <cotangent, gates> from the layers above, plus grad_scale * aux.
+  auto objective = [&] {
+    EXPECT_TRUE(RunOp(forward, {&logits}, {&gates, &experts, &aux}).ok());
+    return Dot(cotangent, gates) + kGradScale * aux.f32[0];
+  };
+  objective();
+  const std::vector<int32_t> routing = experts.i32;
+  Buffer dlogits = Buffer::F32({3, 2, 5});
+  KernelContext context;
+  context.grad_scale = kGradScale;
+  ASSERT_TRUE(RunOp(MakeOp(op_kind::kMoeRouterBackward, ints, floats), {&cotangent, &logits, &experts},
+                    {&dlogits}, context).ok());
+  CheckNumeric(objective, &logits.f32, dlogits.f32, "dlogits");
+  objective();
+  EXPECT_EQ(experts.i32, routing) << "the steps must not change the routing";
+}
+
+TEST(GradCheck, MoeDispatchGroupedMatmulAndCombine) {
+  std::mt19937 rng(13);
+  constexpr int32_t kExperts = 4;
+  constexpr int64_t kTopK = 2, kHidden = 4, kOut = 3, kSlots = 4 * kTopK;
+  Buffer routing = RandomRouting({2, 2, kTopK}, kExperts, &rng);
+  const std::map<std::string, int64_t> experts_attr = {{op_attr::kExperts, kExperts}};
+
+  // Dispatch: objective <c, xs> over x.
+  Buffer x = RandomF32({2, 2, kHidden}, &rng), xs = Buffer::F32({kSlots, kHidden});
+  Buffer c_xs = RandomF32({kSlots, kHidden}, &rng), dx = Buffer::F32({2, 2, kHidden});
+  const proto::Op dispatch = MakeOp(op_kind::kMoeDispatch, experts_attr);
+  ASSERT_TRUE(RunOp(MakeOp(op_kind::kMoeDispatchBackward, experts_attr), {&c_xs, &routing}, {&dx}).ok());
+  CheckNumeric([&] { EXPECT_TRUE(RunOp(dispatch, {&x, &routing}, {&xs}).ok()); return Dot(c_xs, xs); },
+               &x.f32, dx.f32, "dispatch dx");
+
+  // Grouped matmul: objective <c, y> over x and every expert's w (the unused expert's dW is 0).
+  std::vector<Buffer> w;
+  for (int e = 0; e < kExperts; ++e) w.push_back(RandomF32({kOut, kHidden}, &rng));
+  Buffer y = Buffer::F32({kSlots, kOut}), c_y = RandomF32({kSlots, kOut}, &rng);
+  std::vector<Buffer*> forward_in = {&xs, &routing}, backward_in = {&c_y, &xs, &routing};
+  for (Buffer& b : w) {
+    forward_in.push_back(&b);
+    backward_in.push_back(&b);
+  }
+  Buffer dxs = Buffer::F32({kSlots, kHidden});
+  std::vector<Buffer> dw(kExperts, Buffer::F32({kOut, kHidden}));
+  for (Buffer& b : dw) b.f32.assign(b.f32.size(), 7.0f);  // must be overwritten
+  std::vector<Buffer*> backward_out = {&dxs};
+  for (Buffer& b : dw) backward_out.push_back(&b);
+  ASSERT_TRUE(RunOp(MakeOp(op_kind::kGroupedMatmulBackward), backward_in, backward_out).ok());
+  const proto::Op grouped = MakeOp(op_kind::kGroupedMatmul);
+  auto matmul_objective = [&] { EXPECT_TRUE(RunOp(grouped, forward_in, {&y}).ok()); return Dot(c_y, y); };
+  CheckNumeric(matmul_objective, &xs.f32, dxs.f32, "grouped dx");
+  for (int e = 0; e < kExperts; ++e) CheckNumeric(matmul_objective, &w[e].f32, dw[e].f32, "grouped dw " + std::to_string(e));
+  EXPECT_EQ(dw[kExperts - 1].f32, std::vector<float>(kOut * kHidden, 0.0f)) << "an expert without tokens";
+
+  // Combine: objective <c, y> over the experts' rows and the gates.
+  Buffer gates = RandomF32({2, 2, kTopK}, &rng), combined = Buffer::F32({2, 2, kOut});
+  Buffer c_combined = RandomF32({2, 2, kOut}, &rng);
+  Buffer dys = Buffer::F32({kSlots, kOut}), dgates = Buffer::F32({2, 2, kTopK});
+  ASSERT_TRUE(RunOp(MakeOp(op_kind::kMoeCombineBackward, experts_attr), {&c_combined, &y, &gates, &routing},
+                    {&dys, &dgates}).ok());
+  const proto::Op combine = MakeOp(op_kind::kMoeCombine, experts_attr);
+  auto combine_objective = [&] {
+    EXPECT_TRUE(RunOp(combine, {&y, &gates, &routing}, {&combined}).ok());
+    return Dot(c_combined, combined);
+  };
+  CheckNumeric(combine_objective, &y.f32, dys.f32, "combine dys");
+  CheckNumeric(combine_objective, &gates.f32, dgates.f32, "combine dgates");
+}
+
+TEST(Moe, BadRoutingAndAttrsAreNamed) {
+  Buffer x = Buffer::F32({1, 2, 4}), routing = Buffer::I32({1, 2, 2}), xs = Buffer::F32({4, 4});
+  routing.i32 = {0, 1, 9, 2};
+  const Status bad_id = RunOp(MakeOp(op_kind::kMoeDispatch, {{op_attr::kExperts, 4}}), {&x, &routing}, {&xs});
+  EXPECT_EQ(bad_id.message(),
+            "op test.moe_dispatch (moe_dispatch): input 1 (experts) names expert 9 at slot 2, outside the 4 experts");
+  Buffer logits = Buffer::F32({1, 2, 4}), gates = Buffer::F32({1, 2, 5}), ids = Buffer::I32({1, 2, 5});
+  Buffer aux = Buffer::F32({1});
+  const Status too_many = RunOp(MakeOp(op_kind::kMoeRouter, {{op_attr::kTopK, 5}}), {&logits}, {&gates, &ids, &aux});
+  EXPECT_EQ(too_many.message(), "op test.moe_router (moe_router): top_k 5 is more than the 4 experts");
+  Buffer y = Buffer::F32({3, 4});
+  Buffer w = Buffer::F32({4, 4});
+  const Status rows = RunOp(MakeOp(op_kind::kGroupedMatmul), {&xs, &routing, &w}, {&y});
+  EXPECT_FALSE(rows.ok());
+}
+
+// ---------------------------------------------------------------------------------------------
 // The whole tiny program, op by op.
 
 // Every tensor of a program, allocated whole, with params initialized and inputs filled.
@@ -614,10 +812,25 @@ class ProgramRunner {
     }
   }
 
-  // Mean loss over the micro-batch's tokens.
+  // Mean loss over the micro-batch's tokens: the cross-entropy and any MoE balancing terms.
   double Loss() {
     RunPhase(proto::PHASE_FORWARD);
-    return ByName("loss").f32[0] * context_.grad_scale;
+    double sum = 0;
+    for (const auto& t : program_.tensors()) {
+      if (op_kind::IsLossTerm(t.name())) sum += buffers_[t.id()].f32[0];
+    }
+    return sum * context_.grad_scale;
+  }
+
+  // Every MoE layer's expert choice of the last forward, concatenated (empty for dense models).
+  std::vector<int32_t> Routing() const {
+    std::vector<int32_t> ids;
+    for (const auto& op : program_.ops()) {
+      if (op.kind() != op_kind::kMoeRouter) continue;
+      const std::vector<int32_t>& layer = buffers_[op.outputs(1)].i32;
+      ids.insert(ids.end(), layer.begin(), layer.end());
+    }
+    return ids;
   }
 
   Buffer& ByName(const std::string& name) {
@@ -636,23 +849,52 @@ class ProgramRunner {
   KernelContext context_;
 };
 
-proto::Program TinyProgram() {
-  auto config = MakeConfig("tiny", {});
+proto::Program TinyProgram(const std::string& preset = "tiny", ModelOverrides overrides = {}) {
+  auto config = MakeConfig(preset, overrides);
   EXPECT_TRUE(config.ok());
   auto program = BuildProgram(*config);
   EXPECT_TRUE(program.ok());
   return *program;
 }
 
-TEST(TinyProgram, BackwardMatchesFiniteDifferencesOfTheLoss) {
-  ProgramRunner runner(TinyProgram());
+class TinyPrograms : public ::testing::TestWithParam<std::string> {
+ protected:
+  // mixtral-tiny with a balancing-loss weight large enough to show in every router gradient.
+  static proto::Program Program() {
+    ModelOverrides overrides;
+    if (GetParam() == "mixtral-tiny") overrides.router_aux_coef = 1.0;
+    return TinyProgram(GetParam(), overrides);
+  }
+};
+INSTANTIATE_TEST_SUITE_P(DenseAndMoe, TinyPrograms, ::testing::Values("tiny", "mixtral-tiny"),
+                         [](const auto& info) { return info.param == "tiny" ? std::string("Tiny") : std::string("MixtralTiny"); });
+
+TEST_P(TinyPrograms, BackwardMatchesFiniteDifferencesOfTheLoss) {
+  ProgramRunner runner(Program());
   auto source = TokenSource::Open(runner.program().config());
   ASSERT_TRUE(source.ok());
   runner.LoadBatch(**source, 0);
   const double loss = runner.Loss();
-  EXPECT_NEAR(loss, std::log(256.0), 0.1) << "untrained: about log(vocab)";
+  // Untrained: about log(vocab) (plus aux_coef * top_k per MoE layer of balancing loss).
+  const double balance = GetParam() == "mixtral-tiny" ? 1.0 * 2 * 2 : 0.0;
+  EXPECT_NEAR(loss, std::log(256.0) + balance, 0.1);
   runner.RunPhase(proto::PHASE_BACKWARD);
 
+  // Top-k routing makes the MoE loss piecewise smooth: a central difference is valid only when
+  // neither side changes which experts a token goes to. Such a step is shrunk (up to 100x).
+  const std::vector<int32_t> routing = runner.Routing();
+  auto central = [&](const std::function<void(double)>& move, double step) {
+    for (int attempt = 0; attempt < 3; ++attempt, step /= 10) {
+      move(step);
+      const double plus = runner.Loss();
+      const bool plus_same = runner.Routing() == routing;
+      move(-step);
+      const double minus = runner.Loss();
+      if (plus_same && runner.Routing() == routing) return (plus - minus) / (2 * step);
+    }
+    ADD_FAILURE() << "every step changed the routing";
+    return 0.0;
+  };
   constexpr double kDirectionStep = 1e-2;
   constexpr double kElementStep = 1e-2;
   for (const auto& t : runner.program().tensors()) {
@@ -668,14 +910,13 @@ TEST(TinyProgram, BackwardMatchesFiniteDifferencesOfTheLoss) {
 
     // Along the gradient's own direction the derivative is |grad|: this checks every element
     // at once with a large, well-conditioned signal.
-    auto loss_along = [&](double step) {
-      for (size_t i = 0; i < param.size(); ++i) {
-        param[i] = static_cast<float>(saved[i] + step * grad[i] / norm);
-      }
-      return runner.Loss();
-    };
-    const double directional =
-        (loss_along(kDirectionStep) - loss_along(-kDirectionStep)) / (2 * kDirectionStep);
+    const double directional = central(
+        [&](double step) {
+          for (size_t i = 0; i < param.size(); ++i) {
+            param[i] = static_cast<float>(saved[i] + step * grad[i] / norm);
+          }
+        },
+        kDirectionStep);
     param = saved;
     EXPECT_NEAR(directional, norm, 0.02 * norm);
 
@@ -683,18 +924,15 @@ TEST(TinyProgram, BackwardMatchesFiniteDifferencesOfTheLoss) {
     const size_t e = std::max_element(grad.begin(), grad.end(),
                                       [](float a, float b) { return std::abs(a) < std::abs(b); }) -
                      grad.begin();
-    param[e] = static_cast<float>(saved[e] + kElementStep);
-    const double plus = runner.Loss();
-    param[e] = static_cast<float>(saved[e] - kElementStep);
-    const double minus = runner.Loss();
+    const double numeric =
+        central([&](double step) { param[e] = static_cast<float>(saved[e] + step); }, kElementStep);
     param = saved;
-    const double numeric = (plus - minus) / (2 * kElementStep);
     EXPECT_NEAR(grad[e], numeric, 0.05 * std::abs(numeric) + 1e-5) << "element " << e;
   }
 }
 
-TEST(TinyProgram, LossFallsWithinTwentyAdamSteps) {
-  ProgramRunner runner(TinyProgram());
+TEST_P(TinyPrograms, LossFallsWithinTwentyAdamSteps) {
+  ProgramRunner runner(Program());
   auto source = TokenSource::Open(runner.program().config());
   ASSERT_TRUE(source.ok());
   constexpr int kSteps = 20;

@@ -14,6 +14,7 @@
 #include "schemas/digest.h"
 #include "schemas/units.h"
 #include "models/data.h"
+#include "models/op_kinds.h"
 
 namespace dc {
 
@@ -131,7 +132,7 @@ class RankRunner {
   std::map<PlacementKey, int64_t> placements_;
   std::vector<Pending> pending_;
   double loss_sum_ = 0;
-  int loss_tensor_ = -1;
+  std::vector<char> is_loss_term_;  // by tensor id: the cross-entropy and the MoE aux losses
   int64_t next_address_ = 1;
   std::map<std::pair<int, int>, int64_t> addresses_;
 };
@@ -233,8 +234,11 @@ Status RankRunner::Init() {
       placements_[{p.instruction(), p.tensor(), p.micro_step()}] = p.offset_bytes();
     }
   }
+  is_loss_term_.assign(program_.tensors_size(), 0);
+  bool has_loss = false;
   for (const auto& t : program_.tensors()) {
-    if (t.name() == "loss") loss_tensor_ = t.id();
+    if (op_kind::IsLossTerm(t.name())) is_loss_term_[t.id()] = 1;
+    has_loss = has_loss || t.name() == op_kind::kLossName;
     BufferKind kind;
     if (t.role() == proto::ROLE_PARAM) {
       kind = BufferKind::kShard;
@@ -252,7 +256,7 @@ Status RankRunner::Init() {
     if (t.role() == proto::ROLE_PARAM) InitParamSlice(config, t, rank_ * shard, shard, Shard(t.id())->f32);
   }
   FlushMemoryEvents(0);
-  if (loss_tensor_ < 0) return Status::Error("the plan's program has no tensor named 'loss'");
+  if (!has_loss) return Status::Error("the plan's program has no tensor named 'loss'");
   return Status::Ok();
 }
 
@@ -336,7 +340,7 @@ Status RankRunner::Compute(const proto::Instruction& instr, int index, int step)
   context.num_threads = options_.num_threads;
   DC_RETURN_IF_ERROR(RunCpuOp(op, inputs, outputs, context).Prefixed(what + ": "));
   for (size_t i = 0; i < outputs.size(); ++i) {
-    if (op.outputs(i) == loss_tensor_) loss_sum_ += outputs[i].f32[0];
+    if (is_loss_term_[op.outputs(i)]) loss_sum_ += outputs[i].f32[0];
   }
   return Status::Ok();
 }

@@ -22,18 +22,21 @@ struct Preset {
   proto::DType compute_dtype;
   double rope_theta;
   double lr;
+  int64_t experts, top_k;  // 0, 0: a dense Llama MLP; else a Mixtral MoE block per layer
 };
 
-// Llama 3 shapes with their published rope theta; tiny and small are CPU-sized. The training
-// settings every preset shares are in CommonDefaults.
+// Llama 3 and Mixtral shapes with their published rope theta; tiny, small and mixtral-tiny are
+// CPU-sized. The training settings every preset shares are in CommonDefaults.
 // clang-format off
 constexpr Preset kPresets[] = {
-    // name        layers hidden heads kv  ffn    vocab   seq   mb gas dtype              theta lr
-    {"tiny",       2,     64,    4,    2,  128,   256,    32,   2, 1,  proto::DTYPE_F32,  1e4,  3e-3},
-    {"small",      4,     256,   8,    4,  688,   2048,   128,  4, 1,  proto::DTYPE_F32,  1e4,  1e-3},
-    {"llama-1b",   16,    2048,  32,   8,  8192,  128256, 2048, 1, 1,  proto::DTYPE_BF16, 5e5,  3e-4},
-    {"llama3-8b",  32,    4096,  32,   8,  14336, 128256, 2048, 1, 1,  proto::DTYPE_BF16, 5e5,  3e-4},
-    {"llama3-70b", 80,    8192,  64,   8,  28672, 128256, 2048, 1, 1,  proto::DTYPE_BF16, 5e5,  1.5e-4},
+    // name          layers hidden heads kv  ffn    vocab   seq   mb gas dtype              theta lr      E  k
+    {"tiny",         2,     64,    4,    2,  128,   256,    32,   2, 1,  proto::DTYPE_F32,  1e4,  3e-3,   0, 0},
+    {"small",        4,     256,   8,    4,  688,   2048,   128,  4, 1,  proto::DTYPE_F32,  1e4,  1e-3,   0, 0},
+    {"llama-1b",     16,    2048,  32,   8,  8192,  128256, 2048, 1, 1,  proto::DTYPE_BF16, 5e5,  3e-4,   0, 0},
+    {"llama3-8b",    32,    4096,  32,   8,  14336, 128256, 2048, 1, 1,  proto::DTYPE_BF16, 5e5,  3e-4,   0, 0},
+    {"llama3-70b",   80,    8192,  64,   8,  28672, 128256, 2048, 1, 1,  proto::DTYPE_BF16, 5e5,  1.5e-4, 0, 0},
+    {"mixtral-tiny", 2,     64,    4,    2,  64,    256,    32,   2, 1,  proto::DTYPE_F32,  1e6,  3e-3,   8, 2},
+    {"mixtral-8x7b", 32,    4096,  32,   8,  14336, 32000,  2048, 1, 1,  proto::DTYPE_BF16, 1e6,  3e-4,   8, 2},
 };
 // clang-format on
 
@@ -46,14 +49,17 @@ struct CommonDefaults {
   static constexpr double kAdamEps = 1e-8;
   static constexpr double kWeightDecay = 0.1;
   static constexpr uint64_t kSeed = 1234;
+  // Mixtral's load-balancing loss weight (Hugging Face MixtralConfig.router_aux_loss_coef).
+  static constexpr double kRouterAuxCoef = 0.001;
 };
 
 constexpr char kFamilyLlama[] = "llama";
+constexpr char kFamilyMixtral[] = "mixtral";
 
 proto::ModelConfig ConfigFromPreset(const Preset& p) {
   proto::ModelConfig c;
   c.set_preset(p.name);
-  c.set_family(kFamilyLlama);
+  c.set_family(p.experts > 0 ? kFamilyMixtral : kFamilyLlama);
   c.set_layers(p.layers);
   c.set_hidden(p.hidden);
   c.set_heads(p.heads);
@@ -73,6 +79,11 @@ proto::ModelConfig ConfigFromPreset(const Preset& p) {
   c.set_adam_eps(CommonDefaults::kAdamEps);
   c.set_weight_decay(CommonDefaults::kWeightDecay);
   c.set_seed(CommonDefaults::kSeed);
+  if (p.experts > 0) {
+    c.set_experts(p.experts);
+    c.set_top_k(p.top_k);
+    c.set_router_aux_coef(CommonDefaults::kRouterAuxCoef);
+  }
   return c;
 }
 
@@ -106,9 +117,14 @@ constexpr double kAdamWFlopsPerElement = 12;
 constexpr double kCausalFraction = 0.5;
 constexpr double kAttentionForwardGemms = 2;
 constexpr double kAttentionBackwardGemms = 5;
+// Mixture of experts (op_kinds.h).
+constexpr double kRouterFlopsPerElement = 6;
+constexpr double kRouterBackwardFlopsPerElement = 8;
+constexpr double kCombineFlopsPerElement = 2;
+constexpr double kCombineBackwardFlopsPerElement = 4;
 
 // ---------------------------------------------------------------------------------------------
-// The builder
+// The builder: Llama, and Mixtral (Llama attention, a mixture-of-experts MLP).
 
 class LlamaBuilder {
  public:
@@ -122,19 +138,25 @@ class LlamaBuilder {
         kv_heads_(config.kv_heads()),
         head_dim_(config.hidden() / config.heads()),
         ffn_(config.ffn()),
-        vocab_(config.vocab()) {}
+        vocab_(config.vocab()),
+        experts_(config.experts()),
+        top_k_(config.top_k()) {}
 
   proto::Program Build() &&;
 
  private:
+  // A dense layer has w_gate, w_up, w_down; a MoE layer a router and E of each instead.
   struct LayerParams {
-    int attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down;
+    int attn_norm, wq, wk, wv, wo, mlp_norm, w_gate = -1, w_up = -1, w_down = -1, router = -1;
+    std::vector<int> expert_gate, expert_up, expert_down;
   };
   // Forward tensors of one layer that its backward reads (q and k only name and shape their
-  // grads).
+  // grads). In a MoE layer gate, up and act are the experts' [M * k, F] rows.
   struct LayerActs {
     int x, attn_norm_out, q, k, q_rot, k_rot, v, ctx, h, mlp_norm_out, gate, up, act;
+    int router_logits = -1, gates = -1, experts = -1, xs = -1, ys = -1;
   };
+  bool moe() const { return experts_ > 0; }
 
   int AddTensor(const std::string& name, std::vector<int64_t> shape, proto::DType dtype,
                 proto::Role role, int layer, int param = -1);
@@ -150,8 +172,7 @@ class LlamaBuilder {
   }
   int AddGrad(int param);
   proto::Op* AddOp(const std::string& name, const char* kind, proto::Phase phase, int layer,
-                   std::initializer_list<int> inputs, std::initializer_list<int> outputs,
-                   double flops);
+                   const std::vector<int>& inputs, const std::vector<int>& outputs, double flops);
   const std::string& Name(int tensor) const { return program_.tensors(tensor).name(); }
   std::vector<int64_t> Tokens(int64_t width) const { return {batch_, seq_, width}; }
 
@@ -165,6 +186,11 @@ class LlamaBuilder {
   LayerParams MakeLayerParams(int layer);
   // Adds layer `layer` reading `x`; sets `*out` to its output.
   LayerActs LayerForward(int layer, const LayerParams& p, int x, int* out);
+  // The MoE MLP of a layer reading a->mlp_norm_out; returns its output.
+  int MoeForward(int layer, const LayerParams& p, LayerActs* a);
+  // One matmul per expert over its rows of x (an expert-major [M * k, K] activation).
+  int GroupedMatmul(const std::string& op_name, const std::string& out_name, int x, int experts,
+                    const std::vector<int>& weights, int layer);
 
   // Backward pieces; each returns the gradient of the forward op's activation input.
   int MatmulBackward(const std::string& fwd_op, int dy, int x, int w, const std::string& dx_name);
@@ -173,6 +199,11 @@ class LlamaBuilder {
   // The gradient of `x` from several consumers: one `add` op.
   int JoinGrads(int x, std::initializer_list<int> partials, int layer);
   int LayerBackward(int layer, const LayerParams& p, const LayerActs& a, int d_out);
+  // The MLP's backward from d_out; returns the gradient of a.mlp_norm_out.
+  int DenseMlpBackward(int layer, const LayerParams& p, const LayerActs& a, int d_out);
+  int MoeBackward(int layer, const LayerParams& p, const LayerActs& a, int d_out);
+  int GroupedMatmulBackward(const std::string& fwd_op, int dy, int x, int experts,
+                            const std::vector<int>& weights, const std::string& dx_name);
 
   void Optimizer();
   double AttentionFlops(double gemms) const {
@@ -182,6 +213,7 @@ class LlamaBuilder {
 
   const proto::ModelConfig& config_;
   const int64_t batch_, seq_, tokens_, hidden_, heads_, kv_heads_, head_dim_, ffn_, vocab_;
+  const int64_t experts_, top_k_;
   proto::Program program_;
   std::vector<int> params_;
   std::unordered_map<int, int> grad_of_;  // param id -> its grad's id
@@ -216,8 +248,8 @@ int LlamaBuilder::AddGrad(int param) {
 }
 
 proto::Op* LlamaBuilder::AddOp(const std::string& name, const char* kind, proto::Phase phase,
-                               int layer, std::initializer_list<int> inputs,
-                               std::initializer_list<int> outputs, double flops) {
+                               int layer, const std::vector<int>& inputs,
+                               const std::vector<int>& outputs, double flops) {
   auto* op = program_.add_ops();
   op->set_id(program_.ops_size() - 1);
   op->set_name(name);
@@ -279,9 +311,19 @@ LlamaBuilder::LayerParams LlamaBuilder::MakeLayerParams(int layer) {
   lp.wv = AddParam(p + pn::kWv, {kv_width, hidden_}, layer);
   lp.wo = AddParam(p + pn::kWo, {hidden_, q_width}, layer);
   lp.mlp_norm = AddParam(p + pn::kMlpNorm, {hidden_}, layer);
-  lp.w_gate = AddParam(p + pn::kWGate, {ffn_, hidden_}, layer);
-  lp.w_up = AddParam(p + pn::kWUp, {ffn_, hidden_}, layer);
-  lp.w_down = AddParam(p + pn::kWDown, {hidden_, ffn_}, layer);
+  if (!moe()) {
+    lp.w_gate = AddParam(p + pn::kWGate, {ffn_, hidden_}, layer);
+    lp.w_up = AddParam(p + pn::kWUp, {ffn_, hidden_}, layer);
+    lp.w_down = AddParam(p + pn::kWDown, {hidden_, ffn_}, layer);
+    return lp;
+  }
+  lp.router = AddParam(p + pn::kRouter, {experts_, hidden_}, layer);
+  for (int64_t e = 0; e < experts_; ++e) {
+    const std::string expert = pn::ExpertPrefix(layer, e);
+    lp.expert_gate.push_back(AddParam(expert + pn::kWGate, {ffn_, hidden_}, layer));
+    lp.expert_up.push_back(AddParam(expert + pn::kWUp, {ffn_, hidden_}, layer));
+    lp.expert_down.push_back(AddParam(expert + pn::kWDown, {hidden_, ffn_}, layer));
+  }
   return lp;
 }
 
@@ -306,6 +348,11 @@ LlamaBuilder::LayerActs LlamaBuilder::LayerForward(int layer, const LayerParams&
   a.h = Add(pre + "attn.add", pre + "h", {x, attn_out}, layer, proto::PHASE_FORWARD);
 
   a.mlp_norm_out = RmsNorm(pre + pn::kMlpNorm, a.h, p.mlp_norm, layer);
+  if (moe()) {
+    const int moe_out = MoeForward(layer, p, &a);
+    *out = Add(pre + "mlp.add", pre + "out", {a.h, moe_out}, layer, proto::PHASE_FORWARD);
+    return a;
+  }
   a.gate = Matmul(pre + "mlp.gate_proj", pre + "mlp.gate", a.mlp_norm_out, p.w_gate, layer);
   a.up = Matmul(pre + "mlp.up_proj", pre + "mlp.up", a.mlp_norm_out, p.w_up, layer);
   a.act = AddActivationLike(pre + "mlp.act", a.gate);
@@ -314,6 +361,116 @@ LlamaBuilder::LayerActs LlamaBuilder::LayerForward(int layer, const LayerParams&
   const int down = Matmul(pre + "mlp.down_proj", pre + "mlp.down", a.act, p.w_down, layer);
   *out = Add(pre + "mlp.add", pre + "out", {a.h, down}, layer, proto::PHASE_FORWARD);
   return a;
+}
+
+int LlamaBuilder::GroupedMatmul(const std::string& op_name, const std::string& out_name, int x,
+                                int experts, const std::vector<int>& weights, int layer) {
+  const int64_t rows = program_.tensors(x).shape(0);
+  const int64_t n = program_.tensors(weights.front()).shape(0);
+  const int64_t k = program_.tensors(weights.front()).shape(1);
+  const int y = AddActivation(out_name, {rows, n}, layer);
+  std::vector<int> inputs = {x, experts};
+  inputs.insert(inputs.end(), weights.begin(), weights.end());
+  AddOp(op_name, op_kind::kGroupedMatmul, proto::PHASE_FORWARD, layer, inputs, {y},
+        kFlopsPerMac * static_cast<double>(rows) * static_cast<double>(n * k));
+  return y;
+}
+
+int LlamaBuilder::MoeForward(int layer, const LayerParams& p, LayerActs* a) {
+  const std::string pre = pn::LayerPrefix(layer);
+  const double slots = static_cast<double>(tokens_ * top_k_);
+  a->router_logits =
+      Matmul(pre + "moe.router", pre + "moe.router_logits", a->mlp_norm_out, p.router, layer);
+  a->gates = AddTensor(pre + "moe.gates", Tokens(top_k_), proto::DTYPE_F32,
+                       proto::ROLE_ACTIVATION, layer);
+  a->experts = AddTensor(pre + "moe.experts", Tokens(top_k_), proto::DTYPE_I32,
+                         proto::ROLE_ACTIVATION, layer);
+  const int aux = AddTensor(pre + "moe" + op_kind::kAuxLossSuffix, {1}, proto::DTYPE_F32,
+                            proto::ROLE_ACTIVATION, layer);
+  auto* route = AddOp(pre + "moe.route", op_kind::kMoeRouter, proto::PHASE_FORWARD, layer,
+                      {a->router_logits}, {a->gates, a->experts, aux},
+                      kRouterFlopsPerElement * static_cast<double>(tokens_ * experts_));
+  SetAttr(route, op_attr::kTopK, top_k_);
+  SetAttrFloat(route, op_attr::kAuxCoef, config_.router_aux_coef());
+
+  a->xs = AddActivation(pre + "moe.dispatched", {tokens_ * top_k_, hidden_}, layer);
+  auto* dispatch = AddOp(pre + "moe.dispatch", op_kind::kMoeDispatch, proto::PHASE_FORWARD, layer,
+                         {a->mlp_norm_out, a->experts}, {a->xs}, 0);
+  SetAttr(dispatch, op_attr::kExperts, experts_);
+  a->gate = GroupedMatmul(pre + "experts.gate_proj", pre + "experts.gate", a->xs, a->experts,
+                          p.expert_gate, layer);
+  a->up = GroupedMatmul(pre + "experts.up_proj", pre + "experts.up", a->xs, a->experts,
+                        p.expert_up, layer);
+  a->act = AddActivationLike(pre + "experts.act", a->gate);
+  AddOp(pre + "experts.swiglu", op_kind::kSwiglu, proto::PHASE_FORWARD, layer, {a->gate, a->up},
+        {a->act}, kSwigluFlopsPerElement * slots * static_cast<double>(ffn_));
+  a->ys = GroupedMatmul(pre + "experts.down_proj", pre + "experts.down", a->act, a->experts,
+                        p.expert_down, layer);
+  const int y = AddActivation(pre + "moe.out", Tokens(hidden_), layer);
+  auto* combine = AddOp(pre + "moe.combine", op_kind::kMoeCombine, proto::PHASE_FORWARD, layer,
+                        {a->ys, a->gates, a->experts}, {y},
+                        kCombineFlopsPerElement * slots * static_cast<double>(hidden_));
+  SetAttr(combine, op_attr::kExperts, experts_);
+  return y;
+}
+
+int LlamaBuilder::GroupedMatmulBackward(const std::string& fwd_op, int dy, int x, int experts,
+                                        const std::vector<int>& weights,
+                                        const std::string& dx_name) {
+  const int layer = program_.tensors(x).layer();
+  const int dx = AddActivationLike(dx_name, x);
+  std::vector<int> inputs = {dy, x, experts};
+  inputs.insert(inputs.end(), weights.begin(), weights.end());
+  std::vector<int> outputs = {dx};
+  for (int w : weights) outputs.push_back(AddGrad(w));
+  const double macs = static_cast<double>(program_.tensors(x).shape(0)) *
+                      static_cast<double>(NumElements(program_.tensors(weights.front())));
+  AddOp(fwd_op + ".backward", op_kind::kGroupedMatmulBackward, proto::PHASE_BACKWARD, layer, inputs,
+        outputs, kMatmulBackwardGemms * kFlopsPerMac * macs);
+  return dx;
+}
+
+int LlamaBuilder::MoeBackward(int layer, const LayerParams& p, const LayerActs& a, int d_out) {
+  const std::string pre = pn::LayerPrefix(layer);
+  const double slots = static_cast<double>(tokens_ * top_k_);
+  auto partial = [&](int x, const char* consumer) {
+    return Name(x) + pn::kGradSuffix + ".from_" + consumer;
+  };
+  const int d_ys = AddActivationLike(Name(a.ys) + pn::kGradSuffix, a.ys);
+  const int d_gates = AddActivationLike(Name(a.gates) + pn::kGradSuffix, a.gates);
+  auto* combine = AddOp(pre + "moe.combine.backward", op_kind::kMoeCombineBackward,
+                        proto::PHASE_BACKWARD, layer, {d_out, a.ys, a.gates, a.experts},
+                        {d_ys, d_gates},
+                        kCombineBackwardFlopsPerElement * slots * static_cast<double>(hidden_));
+  SetAttr(combine, op_attr::kExperts, experts_);
+  const int d_act = GroupedMatmulBackward(pre + "experts.down_proj", d_ys, a.act, a.experts,
+                                          p.expert_down, Name(a.act) + pn::kGradSuffix);
+  const int d_gate = AddActivationLike(Name(a.gate) + pn::kGradSuffix, a.gate);
+  const int d_up = AddActivationLike(Name(a.up) + pn::kGradSuffix, a.up);
+  AddOp(pre + "experts.swiglu.backward", op_kind::kSwigluBackward, proto::PHASE_BACKWARD, layer,
+        {d_act, a.gate, a.up}, {d_gate, d_up},
+        kSwigluBackwardFlopsPerElement * slots * static_cast<double>(ffn_));
+  const int d_xs_up = GroupedMatmulBackward(pre + "experts.up_proj", d_up, a.xs, a.experts,
+                                            p.expert_up, partial(a.xs, "up_proj"));
+  const int d_xs_gate = GroupedMatmulBackward(pre + "experts.gate_proj", d_gate, a.xs, a.experts,
+                                              p.expert_gate, partial(a.xs, "gate_proj"));
+  const int d_xs = JoinGrads(a.xs, {d_xs_gate, d_xs_up}, layer);
+  const int d_n2_dispatch =
+      AddActivationLike(partial(a.mlp_norm_out, "dispatch"), a.mlp_norm_out);
+  auto* dispatch = AddOp(pre + "moe.dispatch.backward", op_kind::kMoeDispatchBackward,
+                         proto::PHASE_BACKWARD, layer, {d_xs, a.experts}, {d_n2_dispatch},
+                         slots * static_cast<double>(hidden_));
+  SetAttr(dispatch, op_attr::kExperts, experts_);
+  const int d_logits = AddActivationLike(Name(a.router_logits) + pn::kGradSuffix, a.router_logits);
+  auto* route = AddOp(pre + "moe.route.backward", op_kind::kMoeRouterBackward,
+                      proto::PHASE_BACKWARD, layer, {d_gates, a.router_logits, a.experts},
+                      {d_logits},
+                      kRouterBackwardFlopsPerElement * static_cast<double>(tokens_ * experts_));
+  SetAttr(route, op_attr::kTopK, top_k_);
+  SetAttrFloat(route, op_attr::kAuxCoef, config_.router_aux_coef());
+  const int d_n2_router = MatmulBackward(pre + "moe.router", d_logits, a.mlp_norm_out, p.router,
+                                         partial(a.mlp_norm_out, "router"));
+  return JoinGrads(a.mlp_norm_out, {d_n2_router, d_n2_dispatch}, layer);
 }
 
 int LlamaBuilder::MatmulBackward(const std::string& fwd_op, int dy, int x, int w,
@@ -356,12 +513,12 @@ int LlamaBuilder::JoinGrads(int x, std::initializer_list<int> partials, int laye
   return Add(grad_name + ".join", grad_name, partials, layer, proto::PHASE_BACKWARD);
 }
 
-int LlamaBuilder::LayerBackward(int layer, const LayerParams& p, const LayerActs& a, int d_out) {
+int LlamaBuilder::DenseMlpBackward(int layer, const LayerParams& p, const LayerActs& a,
+                                   int d_out) {
   const std::string pre = pn::LayerPrefix(layer);
   auto partial = [&](int x, const char* consumer) {
     return Name(x) + pn::kGradSuffix + ".from_" + consumer;
   };
-  // MLP. The residual add passes d_out unchanged to both of its inputs.
   const int d_act =
       MatmulBackward(pre + "mlp.down_proj", d_out, a.act, p.w_down, Name(a.act) + pn::kGradSuffix);
   const int d_gate = AddActivationLike(Name(a.gate) + pn::kGradSuffix, a.gate);
@@ -373,7 +530,16 @@ int LlamaBuilder::LayerBackward(int layer, const LayerParams& p, const LayerActs
                                      partial(a.mlp_norm_out, "up_proj"));
   const int d_n2_gate = MatmulBackward(pre + "mlp.gate_proj", d_gate, a.mlp_norm_out, p.w_gate,
                                        partial(a.mlp_norm_out, "gate_proj"));
-  const int d_n2 = JoinGrads(a.mlp_norm_out, {d_n2_gate, d_n2_up}, layer);
+  return JoinGrads(a.mlp_norm_out, {d_n2_gate, d_n2_up}, layer);
+}
+
+int LlamaBuilder::LayerBackward(int layer, const LayerParams& p, const LayerActs& a, int d_out) {
+  const std::string pre = pn::LayerPrefix(layer);
+  auto partial = [&](int x, const char* consumer) {
+    return Name(x) + pn::kGradSuffix + ".from_" + consumer;
+  };
+  // MLP. The residual add passes d_out unchanged to both of its inputs.
+  const int d_n2 = moe() ? MoeBackward(layer, p, a, d_out) : DenseMlpBackward(layer, p, a, d_out);
   const int d_h_norm =
       RmsNormBackward(pre + pn::kMlpNorm, d_n2, a.h, p.mlp_norm, partial(a.h, pn::kMlpNorm));
   const int d_h = JoinGrads(a.h, {d_out, d_h_norm}, layer);
@@ -483,9 +649,24 @@ std::vector<std::string> PresetNames() {
 }
 
 Status ValidateConfig(const proto::ModelConfig& c) {
-  if (c.family() != kFamilyLlama) {
-    return Status::Error("model config: family '" + c.family() + "' is not supported (only '" +
-                         kFamilyLlama + "')");
+  if (c.family() != kFamilyLlama && c.family() != kFamilyMixtral) {
+    return Status::Error("model config: family '" + c.family() + "' is not supported ('" +
+                         kFamilyLlama + "' or '" + kFamilyMixtral + "')");
+  }
+  if (c.family() == kFamilyLlama && (c.experts() != 0 || c.top_k() != 0)) {
+    return Status::Error("--experts and --top-k apply to the mixtral presets only (this is '" +
+                         c.preset() + "', a dense llama)");
+  }
+  if (c.family() == kFamilyMixtral) {
+    DC_RETURN_IF_ERROR(CheckPositive("--experts", c.experts()));
+    DC_RETURN_IF_ERROR(CheckPositive("--top-k", c.top_k()));
+    if (c.top_k() > c.experts()) {
+      return Status::Error("--top-k " + Str(c.top_k()) + " is more than --experts " +
+                           Str(c.experts()));
+    }
+    if (!(c.router_aux_coef() >= 0)) {
+      return Status::Error("--router-aux-coef must not be negative");
+    }
   }
   DC_RETURN_IF_ERROR(CheckPositive("--layers", c.layers()));
   DC_RETURN_IF_ERROR(CheckPositive("--hidden", c.hidden()));
@@ -552,6 +733,9 @@ StatusOr<proto::ModelConfig> MakeConfig(const std::string& preset,
   if (overrides.micro_batch) c.set_micro_batch(*overrides.micro_batch);
   if (overrides.gas) c.set_gas(*overrides.gas);
   if (overrides.seed) c.set_seed(*overrides.seed);
+  if (overrides.experts) c.set_experts(*overrides.experts);
+  if (overrides.top_k) c.set_top_k(*overrides.top_k);
+  if (overrides.router_aux_coef) c.set_router_aux_coef(*overrides.router_aux_coef);
   if (overrides.data_path) c.set_data_path(*overrides.data_path);
   DC_RETURN_IF_ERROR(ValidateConfig(c));
   return c;

@@ -1,6 +1,9 @@
 // Program builders: a Llama-style decoder (token embedding, RMSNorm, causal grouped-query
 // attention with RoPE, SwiGLU MLP, final norm, LM head, cross-entropy), its backward and an
-// AdamW step, as a proto::Program. Named presets from `tiny` to `llama3-70b`.
+// AdamW step, as a proto::Program. Named presets from `tiny` to `llama3-70b`. The Mixtral
+// family swaps each layer's MLP for a mixture of experts: a router, top-k choice, E SwiGLU
+// experts as grouped matrix products, a weighted combine and a load-balancing loss; presets
+// `mixtral-tiny` and `mixtral-8x7b`.
 #pragma once
 
 #include <optional>
@@ -15,6 +18,8 @@ namespace dc {
 // Overrides on top of a preset; unset fields keep the preset's value.
 struct ModelOverrides {
   std::optional<int64_t> layers, hidden, heads, kv_heads, ffn, vocab, seq, micro_batch, gas;
+  std::optional<int64_t> experts, top_k;  // mixtral presets only
+  std::optional<double> router_aux_coef;
   std::optional<uint64_t> seed;
   std::optional<std::string> data_path;
 };

@@ -128,7 +128,7 @@ TEST(Model, BadOverridesFailWithTheFlag) {
 TEST(Model, UnknownPresetListsKnownOnes) {
   EXPECT_EQ(BuildError("llama9", {}),
             "unknown preset 'llama9'; known presets: tiny, small, llama-1b, llama3-8b, "
-            "llama3-70b");
+            "llama3-70b, mixtral-tiny, mixtral-8x7b");
 }
 
 TEST(Model, BuildProgramRejectsABadConfig) {
@@ -236,6 +236,92 @@ TEST(Model, Llama3_8bMatmulFlopsDominate) {
   const double estimate = 6 * (static_cast<double>(ParamCount(program)) - embed_params) * tokens;
   // The norm gains (0.004% of the params) have no matmul.
   EXPECT_NEAR(matmul_flops / estimate, 1.0, 1e-4);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mixtral
+
+TEST(Mixtral, ParamCountIsThePublished46_7B) {
+  // Hugging Face's count for Mixtral-8x7B: 46,702,792,704 (untied embedding and LM head).
+  EXPECT_EQ(ParamCount(Build("mixtral-8x7b")), 46'702'792'704);
+  const proto::ModelConfig config = Build("mixtral-8x7b").config();
+  EXPECT_EQ(config.family(), "mixtral");
+  EXPECT_EQ(config.experts(), 8);
+  EXPECT_EQ(config.top_k(), 2);
+  EXPECT_EQ(config.hidden(), 4096);
+  EXPECT_EQ(config.ffn(), 14336);
+  EXPECT_EQ(config.kv_heads(), 8);
+  EXPECT_EQ(config.vocab(), 32000);
+}
+
+TEST(Mixtral, EachExpertIsItsOwnParamUsedOnlyByTheGroupedOps) {
+  const proto::Program program = Build("mixtral-tiny");
+  const auto& config = program.config();
+  std::map<std::string, int> by_name;
+  for (const auto& t : program.tensors()) by_name[t.name()] = t.id();
+  for (int64_t e = 0; e < config.experts(); ++e) {
+    const std::string w = "layers.1.experts." + std::to_string(e) + ".mlp.w_gate";
+    ASSERT_TRUE(by_name.contains(w)) << w;
+    EXPECT_TRUE(by_name.contains(w + ".grad"));
+    EXPECT_TRUE(by_name.contains(w + ".adam_m"));
+    // Read by exactly the forward gate_proj and its backward; nothing else gathers it.
+    std::vector<std::string> readers;
+    for (const auto& op : program.ops()) {
+      if (op.phase() == proto::PHASE_OPTIMIZER) continue;
+      for (int in : op.inputs()) {
+        if (in == by_name.at(w)) readers.push_back(op.name());
+      }
+    }
+    EXPECT_EQ(readers, (std::vector<std::string>{"layers.1.experts.gate_proj",
+                                                 "layers.1.experts.gate_proj.backward"}));
+  }
+  EXPECT_FALSE(by_name.contains("layers.0.mlp.w_gate")) << "no dense MLP in a MoE layer";
+  // Dispatched buffers are static: M * k rows whatever the routing.
+  const auto& xs = program.tensors(by_name.at("layers.0.moe.dispatched"));
+  EXPECT_EQ(xs.shape(0), config.micro_batch() * config.seq() * config.top_k());
+  EXPECT_EQ(program.tensors(by_name.at("layers.0.moe.experts")).dtype(), proto::DTYPE_I32);
+  EXPECT_TRUE(op_kind::IsLossTerm("layers.0.moe.aux_loss"));
+  EXPECT_TRUE(by_name.contains("layers.0.moe.aux_loss"));
+}
+
+TEST(Mixtral, MatmulFlopsAreSixTimesTheActiveParams) {
+  // Each token runs top_k of the experts: the step's matmul flops are 6 * active params *
+  // tokens, the router included, the embedding excluded.
+  const proto::Program program = Build("mixtral-8x7b");
+  const auto& c = program.config();
+  double matmul_flops = 0;
+  for (const auto& op : program.ops()) {
+    if (op.kind() == op_kind::kMatmul || op.kind() == op_kind::kMatmulBackward ||
+        op.kind() == op_kind::kGroupedMatmul || op.kind() == op_kind::kGroupedMatmulBackward) {
+      matmul_flops += op.flops();
+    }
+  }
+  const double expert_params = 3.0 * c.ffn() * c.hidden();
+  const double inactive = static_cast<double>(c.layers()) * (c.experts() - c.top_k()) * expert_params;
+  const double embed_params = static_cast<double>(c.vocab()) * c.hidden();
+  const double active = static_cast<double>(ParamCount(program)) - inactive - embed_params;
+  const double tokens = static_cast<double>(c.seq() * c.micro_batch());
+  EXPECT_NEAR(matmul_flops / (6 * active * tokens), 1.0, 1e-4);
+}
+
+TEST(Mixtral, BadExpertSettingsNameTheFlag) {
+  ModelOverrides dense_with_experts;
+  dense_with_experts.experts = 4;
+  EXPECT_EQ(BuildError("tiny", dense_with_experts),
+            "--experts and --top-k apply to the mixtral presets only (this is 'tiny', a dense llama)");
+  ModelOverrides too_many;
+  too_many.top_k = 9;
+  EXPECT_EQ(BuildError("mixtral-tiny", too_many), "--top-k 9 is more than --experts 8");
+  ModelOverrides no_experts;
+  no_experts.experts = 0;
+  EXPECT_EQ(BuildError("mixtral-tiny", no_experts), "--experts must be at least 1 (got 0)");
+  ModelOverrides negative;
+  negative.router_aux_coef = -1;
+  EXPECT_EQ(BuildError("mixtral-tiny", negative), "--router-aux-coef must not be negative");
+  ModelOverrides four;
+  four.experts = 4;
+  four.top_k = 1;
+  EXPECT_EQ(Build("mixtral-tiny", four).config().experts(), 4);
 }
 
 }  // namespace

@@ -95,6 +95,70 @@ inline constexpr char kCrossEntropyBackward[] = "cross_entropy_backward";
 //   flops   12 * elements
 inline constexpr char kAdamW[] = "adamw";
 
+// ---------------------------------------------------------------------------------------------
+// Mixture of experts (the Mixtral block). Tokens are routed to `top_k` of `experts` experts and
+// dispatched without dropping: the routed rows of a micro-batch are laid out expert after expert
+// in one [M * top_k, ...] buffer (inside an expert, by token, then by choice), so every buffer
+// has a static shape whatever the routing, and each expert's rows are a contiguous segment
+// whose bounds every op recomputes from the i32 `experts` tensor (a counting pass over M * k
+// ids). Expert e's params are ordinary params, inputs of the grouped ops that use them.
+
+// Top-k routing with renormalized gates and the load-balancing loss. p = softmax(logits) in
+// fp32; per token the top_k experts by p (ties: the lower index), gates = their p over the sum of
+// their p (Mixtral), experts = their ids in descending p. The auxiliary loss of this layer is
+// aux_coef * E * sum_e f_e * P_e with f_e = tokens choosing e / M and P_e = mean_t p[t, e]
+// over the micro-batch's M tokens (Switch Transformer / Mixtral; one term per MoE layer, as
+// each rank computes it on its own micro-batch); it is written in the cross-entropy's
+// sum scale, times M, so it joins the loss like another cross-entropy (see kAuxLossSuffix).
+//   inputs  [logits [..., E]]   outputs [gates f32 [..., k], experts i32 [..., k], aux_loss f32 [1]]
+//   attrs   top_k (i), aux_coef (f)
+//   flops   6 * M * E
+inline constexpr char kMoeRouter[] = "moe_router";
+// The gradient through the gates (the expert choice is not differentiable) plus the load
+// balancing term: dp[t, e] += grad_scale * aux_coef * E * f_e; softmax recomputed from logits.
+//   inputs  [dgates [..., k], logits [..., E], experts i32 [..., k]]   outputs [dlogits [..., E]]
+//   attrs   as moe_router
+//   flops   8 * M * E
+inline constexpr char kMoeRouterBackward[] = "moe_router_backward";
+
+// Copies each token's row once per chosen expert into the expert-major layout.
+//   inputs  [x [..., H], experts i32 [..., k]]   outputs [xs [M * k, H]]   attrs  experts (i)
+//   flops   0 (a gather)
+inline constexpr char kMoeDispatch[] = "moe_dispatch";
+//   inputs  [dxs [M * k, H], experts i32 [..., k]]   outputs [dx [..., H]] (sum of a token's rows)
+//   attrs   experts (i)
+//   flops   M * k * H
+inline constexpr char kMoeDispatchBackward[] = "moe_dispatch_backward";
+
+// One matrix product per expert over its segment of rows: y[r] = x[r] w_e^T for r in expert
+// e's segment. An expert with no tokens costs nothing (and gets a zero dW).
+//   inputs  [x [M * k, K], experts i32 [..., k], w_0 [N, K], ..., w_{E-1} [N, K]]
+//   outputs [y [M * k, N]]
+//   flops   2 * M * k * N * K (exact whatever the balance: the segments sum to M * k rows)
+inline constexpr char kGroupedMatmul[] = "grouped_matmul";
+//   inputs  [dy [M * k, N], x, experts, w_0, ..., w_{E-1}]   outputs [dx, dw_0, ..., dw_{E-1}]
+//   flops   4 * M * k * N * K
+inline constexpr char kGroupedMatmulBackward[] = "grouped_matmul_backward";
+
+// y[t] = sum_j gates[t, j] * ys[row of (t, j)]: the experts' outputs, weighted and summed back
+// per token.
+//   inputs  [ys [M * k, H], gates f32 [..., k], experts i32 [..., k]]   outputs [y [..., H]]
+//   attrs   experts (i)
+//   flops   2 * M * k * H
+inline constexpr char kMoeCombine[] = "moe_combine";
+//   inputs  [dy [..., H], ys, gates, experts]   outputs [dys [M * k, H], dgates f32 [..., k]]
+//   attrs   experts (i)
+//   flops   4 * M * k * H
+inline constexpr char kMoeCombineBackward[] = "moe_combine_backward";
+
+// A tensor whose name ends so is a term of the loss, in the cross-entropy's sum scale (the
+// executor adds it to the tensor named "loss" before dividing by the step's tokens).
+inline constexpr char kAuxLossSuffix[] = ".aux_loss";
+inline constexpr char kLossName[] = "loss";
+inline bool IsLossTerm(const std::string& tensor_name) {
+  return tensor_name == kLossName || tensor_name.ends_with(kAuxLossSuffix);
+}
+
 // The backward kind of a forward kind.
 inline std::string BackwardKind(const std::string& kind) { return kind + "_backward"; }
 
@@ -111,4 +175,7 @@ inline constexpr char kLr[] = "lr";
 inline constexpr char kBeta1[] = "beta1";
 inline constexpr char kBeta2[] = "beta2";
 inline constexpr char kWeightDecay[] = "weight_decay";
+inline constexpr char kExperts[] = "experts";
+inline constexpr char kTopK[] = "top_k";
+inline constexpr char kAuxCoef[] = "aux_coef";
 }  // namespace dc::op_attr

@@ -20,6 +20,8 @@ inline constexpr char kMlpNorm[] = "mlp_norm";
 inline constexpr char kWGate[] = "mlp.w_gate";
 inline constexpr char kWUp[] = "mlp.w_up";
 inline constexpr char kWDown[] = "mlp.w_down";
+// Mixture-of-experts layers: the router, and each expert's MLP after ExpertPrefix.
+inline constexpr char kRouter[] = "moe.router";
 
 // Suffixes of a param's grad and optimizer states.
 inline constexpr char kGradSuffix[] = ".grad";
@@ -27,6 +29,9 @@ inline constexpr char kAdamMSuffix[] = ".adam_m";
 inline constexpr char kAdamVSuffix[] = ".adam_v";
 
 inline std::string LayerPrefix(int layer) { return "layers." + std::to_string(layer) + "."; }
+inline std::string ExpertPrefix(int layer, int64_t expert) {
+  return LayerPrefix(layer) + "experts." + std::to_string(expert) + ".";
+}
 
 // Output projections write into the residual stream (attn.wo, mlp.w_down); their init is
 // scaled down with depth.

@@ -6,7 +6,9 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <fstream>
+#include <map>
 #include <set>
+#include <tuple>
 
 #include "tests/run_command.h"
 
@@ -187,14 +189,23 @@ TEST_F(EndToEnd, ReplanFromATraceOfAnotherProgramIsRefused) {
   EXPECT_FALSE(std::filesystem::exists(dir_ + "/mixed.dcplan"));
 }
 
-TEST(Losses, AgreeAcrossOneTwoAndFourRanks) {
-  // The same global batch of 4 sequences split over 1, 2 and 4 ranks.
+class Losses : public ::testing::TestWithParam<std::string> {};
+INSTANTIATE_TEST_SUITE_P(DenseAndMoe, Losses, ::testing::Values("tiny", "mixtral-tiny"),
+                         [](const auto& info) { return info.param == "tiny" ? std::string("Tiny") : std::string("MixtralTiny"); });
+
+TEST_P(Losses, AgreeAcrossOneTwoAndFourRanks) {
+  // The same global batch of 8 sequences split over 1, 2 and 4 ranks. The dense model splits
+  // micro-batches too; the MoE balancing loss is a statistic of each micro-batch (as where every
+  // rank computes it on its own micro-batch), so there the micro-batches stay whole and the
+  // accumulation steps are split.
+  const bool moe = GetParam() != "tiny";
   std::vector<std::vector<double>> losses;
   for (int ranks : {1, 2, 4}) {
-    const std::string dir = FreshDir("agree" + std::to_string(ranks));
-    auto run = RunCommand(Tool("dc-collect") + " --model tiny --nproc " + std::to_string(ranks) +
-                          " --micro-batch " + std::to_string(4 / ranks) + " --gas 2 --steps 6 --warmup 0 -o " +
-                          dir + "/t.db --json");
+    const std::string dir = FreshDir("agree-" + GetParam() + std::to_string(ranks));
+    const std::string batch = moe ? " --micro-batch 2 --gas " + std::to_string(4 / ranks)
+                                  : " --micro-batch " + std::to_string(4 / ranks) + " --gas 2";
+    auto run = RunCommand(Tool("dc-collect") + " --model " + GetParam() + " --nproc " + std::to_string(ranks) +
+                          batch + " --steps 6 --warmup 0 -o " + dir + "/t.db --json");
     ASSERT_EQ(run.exit_code, 0) << run.err;
     losses.push_back(ParseJson(run.out)["losses"].get<std::vector<double>>());
   }
@@ -280,26 +291,33 @@ namespace dc {
 namespace {
 
 // Every pass alone and every policy trains to bit-identical losses and final params as the
-// baseline (tiny, 2 ranks, GAS 4, 10 steps), inside a budget the baseline does not fit where
-// the pass frees memory; a plan run with --device-memory equal to its budget does not run out,
-// and its measured peak is the memory plan's arena.
-class OptimizedPlans : public ::testing::Test {
+// baseline (tiny and mixtral-tiny, 2 ranks, GAS 4, 10 steps), inside a budget the baseline does
+// not fit where the pass frees memory; a plan run with --device-memory equal to its budget does
+// not run out, and its measured peak is the memory plan's arena.
+class OptimizedPlans : public ::testing::TestWithParam<std::string> {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = FreshDir("optimized");
-    auto collect = RunCommand(Tool("dc-collect") + " --model tiny --nproc 2 --gas 4 --steps 2 --warmup 1 -o " +
-                              dir_ + "/t.db");
+  struct Baseline {
+    std::string dir;
+    json plan, run;
+    int64_t budget = 0;
+  };
+  // The model's trace and baseline, made by the first test of each model.
+  void SetUp() override {
+    Baseline& b = baselines_[GetParam()];
+    base_ = &b;
+    if (!b.dir.empty()) return;
+    b.dir = FreshDir("optimized-" + GetParam());
+    auto collect = RunCommand(Tool("dc-collect") + " --model " + GetParam() +
+                              " --nproc 2 --gas 4 --steps 2 --warmup 1 -o " + b.dir + "/t.db");
     ASSERT_EQ(collect.exit_code, 0) << collect.err;
-    auto [plan, run] = PlanAndRun("--policy baseline", "", "baseline");
-    baseline_plan_ = plan;
-    baseline_run_ = run;
-    budget_ = baseline_plan_["predicted"]["peak_device_bytes"].get<int64_t>() * 87 / 100;
+    std::tie(b.plan, b.run) = PlanAndRun("--policy baseline", "", "baseline");
+    b.budget = b.plan["predicted"]["peak_device_bytes"].get<int64_t>() * 87 / 100;
   }
   // Plans with `flags` (and --budget if given), runs 10 steps with --device-memory = budget.
-  static std::pair<json, json> PlanAndRun(const std::string& flags, const std::string& budget,
-                                          const std::string& name) {
-    const std::string plan = dir_ + "/" + name + ".dcplan";
-    auto planned = RunCommand(Tool("dc-plan") + " " + dir_ + "/t.db --no-cache " + flags +
+  std::pair<json, json> PlanAndRun(const std::string& flags, const std::string& budget,
+                                   const std::string& name) {
+    const std::string plan = base_->dir + "/" + name + ".dcplan";
+    auto planned = RunCommand(Tool("dc-plan") + " " + base_->dir + "/t.db --no-cache " + flags +
                               (budget.empty() ? "" : " --budget " + budget) + " --json -o " + plan);
     EXPECT_EQ(planned.exit_code, 0) << name << ": " << planned.err;
     auto run = RunCommand(Tool("dc-run") + " " + plan + " --steps 10 --json" +
@@ -308,18 +326,20 @@ class OptimizedPlans : public ::testing::Test {
     return {ParseJson(planned.out), ParseJson(run.out)};
   }
   void ExpectSameTraining(const json& run, const std::string& name) {
-    EXPECT_EQ(run["losses"], baseline_run_["losses"]) << name;
-    EXPECT_EQ(run["params_digest"], baseline_run_["params_digest"]) << name;
+    EXPECT_EQ(run["losses"], base_->run["losses"]) << name;
+    EXPECT_EQ(run["params_digest"], base_->run["params_digest"]) << name;
   }
-  static std::string dir_;
-  static json baseline_plan_, baseline_run_;
-  static int64_t budget_;
-};
-std::string OptimizedPlans::dir_;
-json OptimizedPlans::baseline_plan_, OptimizedPlans::baseline_run_;
-int64_t OptimizedPlans::budget_ = 0;
+  const std::string& dir() const { return base_->dir; }
+  int64_t budget() const { return base_->budget; }
 
-TEST_F(OptimizedPlans, EveryPassAloneTrainsBitIdentically) {
+  static std::map<std::string, Baseline> baselines_;
+  Baseline* base_ = nullptr;
+};
+std::map<std::string, OptimizedPlans::Baseline> OptimizedPlans::baselines_;
+INSTANTIATE_TEST_SUITE_P(DenseAndMoe, OptimizedPlans, ::testing::Values("tiny", "mixtral-tiny"),
+                         [](const auto& info) { return info.param == "tiny" ? std::string("Tiny") : std::string("MixtralTiny"); });
+
+TEST_P(OptimizedPlans, EveryPassAloneTrainsBitIdentically) {
   for (const std::string pass : {"bucket", "prefetch", "unshard", "dc-prefetch", "dc-selective-gather"}) {
     auto [plan, run] = PlanAndRun("--passes zero3," + pass, "", pass);
     ExpectSameTraining(run, pass);
@@ -327,32 +347,32 @@ TEST_F(OptimizedPlans, EveryPassAloneTrainsBitIdentically) {
   // The memory passes act under a budget the baseline exceeds.
   for (const std::string passes : {"offload,memory-plan", "offload-all", "dc-offload", "memory-plan"}) {
     const bool frees = passes != "memory-plan";
-    auto [plan, run] = PlanAndRun("--passes zero3," + passes, frees ? std::to_string(budget_) : "", passes);
+    auto [plan, run] = PlanAndRun("--passes zero3," + passes, frees ? std::to_string(budget()) : "", passes);
     ExpectSameTraining(run, passes);
   }
 }
 
-TEST_F(OptimizedPlans, EveryPolicyTrainsBitIdenticallyInsideABudgetTheBaselineExceeds) {
-  auto refused = RunCommand(Tool("dc-plan") + " " + dir_ + "/t.db --no-cache --policy baseline --budget " +
-                            std::to_string(budget_) + " -o " + dir_ + "/refused.dcplan");
+TEST_P(OptimizedPlans, EveryPolicyTrainsBitIdenticallyInsideABudgetTheBaselineExceeds) {
+  auto refused = RunCommand(Tool("dc-plan") + " " + dir() + "/t.db --no-cache --policy baseline --budget " +
+                            std::to_string(budget()) + " -o " + dir() + "/refused.dcplan");
   EXPECT_EQ(refused.exit_code, 1) << "the baseline was expected not to fit";
   EXPECT_NE(refused.err.find("the smallest budget the baseline policy meets is"), std::string::npos)
       << refused.err;
   for (const std::string policy : {"zero3-offload", "deepcompile", "dc"}) {
-    auto [plan, run] = PlanAndRun("--policy " + policy, std::to_string(budget_), policy);
+    auto [plan, run] = PlanAndRun("--policy " + policy, std::to_string(budget()), policy);
     ExpectSameTraining(run, policy);
     EXPECT_GT(plan["arena_bytes"].get<int64_t>(), 0) << policy;
-    EXPECT_LE(plan["arena_bytes"].get<int64_t>(), budget_) << policy;
+    EXPECT_LE(plan["arena_bytes"].get<int64_t>(), budget()) << policy;
     EXPECT_EQ(run["peak_device_bytes"], plan["arena_bytes"]) << policy;
     EXPECT_EQ(run["peak_live_bytes"], plan["predicted"]["peak_device_bytes"]) << policy;
   }
 }
 
-TEST_F(OptimizedPlans, SameInputsGiveAByteIdenticalPlanFile) {
+TEST_P(OptimizedPlans, SameInputsGiveAByteIdenticalPlanFile) {
   std::string bytes[2];
   for (int i = 0; i < 2; ++i) {
-    const std::string path = dir_ + "/same" + std::to_string(i) + ".dcplan";
-    auto planned = RunCommand(Tool("dc-plan") + " " + dir_ + "/t.db --no-cache --budget " + std::to_string(budget_) +
+    const std::string path = dir() + "/same" + std::to_string(i) + ".dcplan";
+    auto planned = RunCommand(Tool("dc-plan") + " " + dir() + "/t.db --no-cache --budget " + std::to_string(budget()) +
                               " -o " + path);
     ASSERT_EQ(planned.exit_code, 0) << planned.err;
     std::ifstream in(path, std::ios::binary);

@@ -28,6 +28,10 @@ void ModelFlags::Add(CLI::App& app) {
   AddOptional(app, "--seq", &overrides.seq, "override the sequence length");
   AddOptional(app, "--micro-batch", &overrides.micro_batch, "sequences per rank per micro-step");
   AddOptional(app, "--gas", &overrides.gas, "gradient-accumulation micro-steps per optimizer step");
+  AddOptional(app, "--experts", &overrides.experts, "experts per MoE layer (mixtral presets)");
+  AddOptional(app, "--top-k", &overrides.top_k, "experts each token is routed to (mixtral presets)");
+  AddOptional(app, "--router-aux-coef", &overrides.router_aux_coef,
+              "weight of the MoE load-balancing loss (mixtral presets)");
   AddOptional(app, "--seed", &overrides.seed, "seed of the initial weights and synthetic data");
   AddOptional(app, "--data", &overrides.data_path,
               "flat binary file of uint16 token ids (as nanoGPT writes them) instead of synthetic tokens");
