@@ -6,13 +6,16 @@
 // the time each plan took. Costs are the roofline and NCCL-ring estimates of analyzer/estimate.h
 // on the h100-sxm profile (constants and sources: bench/CALIBRATION.md, analyzer/HARDWARE.md).
 //
-//   paper_bench           the table (markdown on stdout; progress on stderr)
+//   paper_bench           the table (markdown on stdout; progress on stderr), then how dc's
+//                         speed-up moves when the least certain constants of the profile move
+//                         (matmul efficiency, overlap slowdown, network and host-link bandwidth)
 //
 // Planning seconds are wall-clock seconds of MakePlan: the median of three for dc, one run for
 // the others. Planning is single-threaded: run pinned to one core (taskset -c 0).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -51,6 +54,9 @@ struct PolicyRun {
 
 struct Row {
   Config config;
+  // What the speed-ups divide: the config's baseline, or ZeRO-3 with every optimizer state
+  // offloaded where plain ZeRO-3 does not fit (what a ZeRO-3 user would turn on).
+  std::string base_policy;
   double flops_per_rank_step = 0;  // forward and backward of every micro-step, one rank
   int64_t tokens_per_rank_step = 0;
   std::map<std::string, PolicyRun> runs;
@@ -102,7 +108,10 @@ PolicyRun Plan(const dc::proto::Program& program, const dc::CostModel& costs, in
   return run;
 }
 
-StatusOr<Row> Measure(const Config& config, const dc::HardwareProfile& hw) {
+// `policies` empty: the row's baseline(s), deepcompile and dc, dc's planning time the median of
+// kTimingRepeats.
+StatusOr<Row> Measure(const Config& config, const dc::HardwareProfile& hw,
+                      std::vector<std::string> policies = {}) {
   dc::ModelOverrides overrides;
   overrides.seq = config.seq;
   overrides.micro_batch = config.micro_batch;
@@ -120,12 +129,15 @@ StatusOr<Row> Measure(const Config& config, const dc::HardwareProfile& hw) {
   }
   row.flops_per_rank_step *= config.gas;
   row.tokens_per_rank_step = config.seq * config.micro_batch * config.gas;
-  std::vector<std::string> policies = {config.baseline, "deepcompile", "dc"};
-  if (config.baseline != "baseline") policies.insert(policies.begin(), "baseline");
+  const bool table = policies.empty();
+  if (table) {
+    policies = {config.baseline, "deepcompile", "dc"};
+    if (config.baseline != "baseline") policies.insert(policies.begin(), "baseline");
+  }
   for (const std::string& policy : policies) {
     std::fprintf(stderr, "paper_bench: %s: %s\n", config.label.c_str(), policy.c_str());
     PolicyRun run = Plan(program, costs, cluster.world_size(), policy, hw.device_memory_bytes);
-    if (policy == "dc" && run.ok) {
+    if (table && policy == "dc" && run.ok) {
       std::vector<double> seconds = {run.plan_seconds};
       for (int i = 1; i < kTimingRepeats; ++i) {
         seconds.push_back(Plan(program, costs, cluster.world_size(), policy, hw.device_memory_bytes).plan_seconds);
@@ -134,6 +146,13 @@ StatusOr<Row> Measure(const Config& config, const dc::HardwareProfile& hw) {
       run.plan_seconds = seconds[seconds.size() / 2];
     }
     row.runs[policy] = run;
+  }
+  row.base_policy = config.baseline;
+  if (table && !row.runs.at(config.baseline).ok && config.baseline == "baseline") {
+    row.base_policy = "zero3-offload";
+    std::fprintf(stderr, "paper_bench: %s: zero3-offload\n", config.label.c_str());
+    row.runs[row.base_policy] =
+        Plan(program, costs, cluster.world_size(), row.base_policy, hw.device_memory_bytes);
   }
   return row;
 }
@@ -166,16 +185,17 @@ void Print(const std::vector<Row>& rows, const dc::HardwareProfile& hw) {
       "Step and planning in seconds, peak in GiB per GPU, MFU against %.0f TFLOP/s dense bf16. "
       "\"x base\" is the step speed-up over the row's ZeRO-3 (for the offload row: ZeRO-3 "
       "offloading every optimizer state); \"paper\" is DeepCompile's published best speed-up for "
-      "that model and setting.\n\n",
+      "that model and setting. Where plain ZeRO-3 does not fit, the speed-ups are over ZeRO-3 "
+      "offloading every optimizer state (zero3-offload), as its users would run it.\n\n",
       hw.name.c_str(), kGpusPerNode, static_cast<double>(hw.device_memory_bytes) / kGiB,
       hw.peak_bf16_flops_per_s / 1e12);
   std::printf("| setting | policy | step s | tokens/s/GPU | MFU | peak GiB | x base | paper | plan s |\n");
   std::printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   Footnotes notes;
   for (const Row& row : rows) {
-    const PolicyRun& base = row.runs.at(row.config.baseline);
+    const PolicyRun& base = row.runs.at(row.base_policy);
     std::vector<std::string> order = {"baseline"};
-    if (row.config.baseline != "baseline") order.push_back(row.config.baseline);
+    if (row.base_policy != "baseline") order.push_back(row.base_policy);
     order.push_back("deepcompile");
     order.push_back("dc");
     for (const std::string& policy : order) {
@@ -188,7 +208,7 @@ void Print(const std::vector<Row>& rows, const dc::HardwareProfile& hw) {
       }
       const double tokens = static_cast<double>(row.tokens_per_rank_step) / run.step_seconds;
       const double mfu = row.flops_per_rank_step / run.step_seconds / hw.peak_bf16_flops_per_s;
-      const bool compared = base.ok && policy != row.config.baseline && policy != "baseline";
+      const bool compared = base.ok && policy != row.base_policy && policy != "baseline";
       const std::string speedup = compared ? Format("%.2fx", base.step_seconds / run.step_seconds) : "";
       const std::string paper =
           compared && policy == "dc" ? Format("%.2fx", row.config.paper_speedup) : "";
@@ -201,6 +221,56 @@ void Print(const std::vector<Row>& rows, const dc::HardwareProfile& hw) {
   }
   std::printf("\n");
   notes.Print();
+}
+
+// dc's speed-up over the row's baseline (and deepcompile's) when one constant moves: the
+// constants the HARDWARE.md calibration note marks as assumptions or as the least certain.
+int Sensitivity(const std::vector<Row>& rows, const dc::HardwareProfile& nominal) {
+  struct Variant {
+    std::string name;
+    std::function<void(dc::HardwareProfile*)> apply;
+  };
+  const std::vector<Variant> variants = {
+      {"nominal", [](dc::HardwareProfile*) {}},
+      {"matmul eff 0.55", [](dc::HardwareProfile* hw) { hw->matmul_efficiency = 0.55; }},
+      {"matmul eff 0.80", [](dc::HardwareProfile* hw) { hw->matmul_efficiency = 0.80; }},
+      {"overlap 1.00", [](dc::HardwareProfile* hw) { hw->overlap_compute_slowdown = 1.0; }},
+      {"overlap 1.25", [](dc::HardwareProfile* hw) { hw->overlap_compute_slowdown = 1.25; }},
+      {"network x0.5",
+       [](dc::HardwareProfile* hw) { hw->inter_node_bandwidth_per_gpu_bytes_per_s *= 0.5; }},
+      {"host link x0.5",
+       [](dc::HardwareProfile* hw) { hw->host_link_bandwidth_bytes_per_s *= 0.5; }},
+  };
+  std::printf("## Sensitivity: dc's speed-up over the baseline (deepcompile's in brackets)\n\n");
+  std::printf("Each column moves one constant of h100-sxm and re-plans the row. \"-\": the baseline "
+              "or dc refuses the row at that setting.\n\n| setting |");
+  for (const Variant& v : variants) std::printf(" %s |", v.name.c_str());
+  std::printf("\n| --- |");
+  for (size_t i = 0; i < variants.size(); ++i) std::printf(" ---: |");
+  std::printf("\n");
+  for (const Row& row : rows) {
+    if (!row.runs.at(row.base_policy).ok) continue;
+    std::printf("| %s |", row.config.label.c_str());
+    for (const Variant& v : variants) {
+      dc::HardwareProfile hw = nominal;
+      v.apply(&hw);
+      auto measured = Measure(row.config, hw, {row.base_policy, "deepcompile", "dc"});
+      if (!measured.ok()) return Fail(measured.status());
+      const PolicyRun& base = measured->runs.at(row.base_policy);
+      const PolicyRun& ours = measured->runs.at("dc");
+      const PolicyRun& theirs = measured->runs.at("deepcompile");
+      if (!base.ok || !ours.ok) {
+        std::printf(" - |");
+        continue;
+      }
+      const std::string bracket =
+          theirs.ok ? " (" + Format("%.2f", base.step_seconds / theirs.step_seconds) + ")" : " (-)";
+      std::printf(" %s%s |", Format("%.2fx", base.step_seconds / ours.step_seconds).c_str(), bracket.c_str());
+    }
+    std::printf("\n");
+  }
+  std::printf("\n");
+  return 0;
 }
 
 }  // namespace
@@ -220,5 +290,5 @@ int main(int argc, char** argv) {
     rows.push_back(std::move(*row));
   }
   Print(rows, *hw);
-  return 0;
+  return Sensitivity(rows, *hw);
 }
