@@ -32,7 +32,8 @@ struct CostModel {
   // True when the backend runs one instruction at a time (the cpu backend today): streams do not
   // overlap and the simulator serializes them.
   bool serial_streams = false;
-  // Compute that overlaps communication runs this much slower (1 = no slowdown).
+  // Compute runs this much slower (1 = no slowdown) over the part of it that overlaps an
+  // all-gather or reduce-scatter in flight (analyzer/simulator.h).
   double overlap_compute_slowdown = 1.0;
 
   // Measured seconds of `op_id` if op_seconds has them (>= 0), else its roofline estimate.
