@@ -114,7 +114,7 @@ TEST(FitCollectiveCostsTest, NeverBelowWhatItsOwnSamplesShow) {
   EXPECT_FALSE(fit.all_gather_pooled);
   EXPECT_EQ(fit.all_gather.latency_seconds, 0);
   EXPECT_DOUBLE_EQ(fit.all_gather.bandwidth_bytes_per_second, one / 5e-4);
-  // Neither kind with two sizes: nothing to pool.
+  // One size each, on one line through the origin: the fit over both has no latency to give.
   const CollectiveCosts flat = FitCollectiveCosts(gathers, {{2 * one, 1e-3}});
   EXPECT_FALSE(flat.all_gather_pooled);
   EXPECT_FALSE(flat.reduce_scatter_pooled);
