@@ -62,6 +62,45 @@ LinearCost ThroughOriginAtMedian(const std::vector<CostSample>& samples) {
   return {0, median_bytes / median_seconds};
 }
 
+// What a least-squares line through the samples needs.
+struct Moments {
+  double mean_x = 0, mean_y = 0, sxx = 0, sxy = 0;
+  // False for equal bytes everywhere (no slope to fit) or bigger transfers not slower (noise).
+  bool HasSlope() const { return sxx > 0 && sxy > 0; }
+};
+
+Moments MomentsOf(const std::vector<CostSample>& samples) {
+  Moments m;
+  if (samples.empty()) return m;
+  const double n = static_cast<double>(samples.size());
+  for (const CostSample& s : samples) {
+    m.mean_x += static_cast<double>(s.bytes) / n;
+    m.mean_y += s.seconds / n;
+  }
+  for (const CostSample& s : samples) {
+    const double dx = static_cast<double>(s.bytes) - m.mean_x;
+    m.sxx += dx * dx;
+    m.sxy += dx * (s.seconds - m.mean_y);
+  }
+  return m;
+}
+
+// `samples` cannot separate latency from bandwidth: `latency_seconds` (from elsewhere) and the
+// bandwidth that puts their median on the line; false where that latency leaves no time for
+// the bytes.
+bool WithLatency(const std::vector<CostSample>& samples, double latency_seconds, LinearCost* cost) {
+  std::vector<double> seconds, bytes;
+  for (const CostSample& s : samples) {
+    seconds.push_back(s.seconds);
+    bytes.push_back(static_cast<double>(s.bytes));
+  }
+  const double transfer_seconds = Median(seconds) - latency_seconds;
+  const double median_bytes = Median(bytes);
+  if (latency_seconds <= 0 || median_bytes <= 0 || transfer_seconds <= 0) return false;
+  *cost = {latency_seconds, median_bytes / transfer_seconds};
+  return true;
+}
+
 }  // namespace
 
 int64_t InstructionBytes(const proto::Program& program, const proto::Instruction& instruction) {
@@ -93,22 +132,10 @@ int64_t CopyBytes(const proto::Program& program, int world_size,
 
 LinearCost FitLinearCost(const std::vector<CostSample>& samples) {
   if (samples.empty()) return {};
-  const double n = static_cast<double>(samples.size());
-  double mean_x = 0, mean_y = 0;
-  for (const CostSample& s : samples) {
-    mean_x += static_cast<double>(s.bytes) / n;
-    mean_y += s.seconds / n;
-  }
-  double sxx = 0, sxy = 0;
-  for (const CostSample& s : samples) {
-    const double dx = static_cast<double>(s.bytes) - mean_x;
-    sxx += dx * dx;
-    sxy += dx * (s.seconds - mean_y);
-  }
-  // Equal bytes everywhere (no slope to fit), or bigger transfers not slower (noise).
-  if (sxx <= 0 || sxy <= 0) return ThroughOriginAtMedian(samples);
-  const double seconds_per_byte = sxy / sxx;
-  const double latency_seconds = mean_y - seconds_per_byte * mean_x;
+  const Moments m = MomentsOf(samples);
+  if (!m.HasSlope()) return ThroughOriginAtMedian(samples);
+  const double seconds_per_byte = m.sxy / m.sxx;
+  const double latency_seconds = m.mean_y - seconds_per_byte * m.mean_x;
   if (latency_seconds >= 0) return {latency_seconds, 1 / seconds_per_byte};
   // A negative intercept is not a latency: fit the line through the origin instead.
   double xx = 0, xy = 0;
@@ -117,6 +144,26 @@ LinearCost FitLinearCost(const std::vector<CostSample>& samples) {
     xy += static_cast<double>(s.bytes) * s.seconds;
   }
   return {0, xy > 0 ? xx / xy : 0};
+}
+
+CollectiveCosts FitCollectiveCosts(const std::vector<CostSample>& all_gather,
+                                   const std::vector<CostSample>& reduce_scatter) {
+  CollectiveCosts costs{FitLinearCost(all_gather), FitLinearCost(reduce_scatter)};
+  const bool gather_alone = all_gather.empty() || MomentsOf(all_gather).HasSlope();
+  const bool reduce_alone = reduce_scatter.empty() || MomentsOf(reduce_scatter).HasSlope();
+  if (gather_alone && reduce_alone) return costs;
+  std::vector<CostSample> both = all_gather;
+  both.insert(both.end(), reduce_scatter.begin(), reduce_scatter.end());
+  if (!MomentsOf(both).HasSlope()) return costs;
+  const double latency_seconds = FitLinearCost(both).latency_seconds;
+  if (!gather_alone) {
+    costs.all_gather_pooled = WithLatency(all_gather, latency_seconds, &costs.all_gather);
+  }
+  if (!reduce_alone) {
+    costs.reduce_scatter_pooled =
+        WithLatency(reduce_scatter, latency_seconds, &costs.reduce_scatter);
+  }
+  return costs;
 }
 
 std::string CostModelText(const CostModel& costs) {

@@ -32,7 +32,8 @@ struct CostModel {
   // True when the backend runs one instruction at a time (the cpu backend today): streams do not
   // overlap and the simulator serializes them.
   bool serial_streams = false;
-  // Compute that overlaps communication runs this much slower (1 = no slowdown).
+  // Compute runs this much slower (1 = no slowdown) over the part of it that overlaps an
+  // all-gather or reduce-scatter in flight (analyzer/simulator.h).
   double overlap_compute_slowdown = 1.0;
 
   // Measured seconds of `op_id` if op_seconds has them (>= 0), else its roofline estimate.
@@ -64,6 +65,24 @@ struct CostSample {
 // samples that all move the same bytes (or where more bytes are not slower) give latency 0 and
 // bandwidth = bytes / median seconds, or, with 0 bytes, a pure latency of the median.
 LinearCost FitLinearCost(const std::vector<CostSample>& samples);
+
+// The all-gather and reduce-scatter models from their samples, each FitLinearCost of its own
+// where its samples tell latency from bandwidth. Where they cannot (every sample moves the same
+// bytes, as in a trace that gathered tensors of one size only), FitLinearCost's fallback of
+// latency 0 would cost a grouped collective of k such tensors k times one: the latency paid k
+// times, which is exactly what fusing saves. Both kinds run the same ring over the same links
+// (NCCL models them alike), so such a kind takes the latency of the fit over both kinds' samples
+// together and the bandwidth that keeps its own median sample on its line; a grouped collective
+// then pays the latency once. Only where that latency is below the kind's median time: the
+// bandwidth stays finite and a fused collective never costs less than its bytes at the rate its
+// own samples show.
+struct CollectiveCosts {
+  LinearCost all_gather, reduce_scatter;
+  // Which kinds took their latency from the fit over both.
+  bool all_gather_pooled = false, reduce_scatter_pooled = false;
+};
+CollectiveCosts FitCollectiveCosts(const std::vector<CostSample>& all_gather,
+                                   const std::vector<CostSample>& reduce_scatter);
 
 // A stable text of every number the planner uses (%.9g), one "name value" per line; its
 // SHA-256 is the profile digest in plan cache keys.

@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <initializer_list>
+#include <string>
+#include <vector>
 
 namespace dc {
 namespace {
@@ -61,6 +64,61 @@ TEST(FitLinearCostTest, DegenerateInputs) {
   const LinearCost inverted = FitLinearCost({{100, 4e-6}, {200, 2e-6}});
   EXPECT_EQ(inverted.latency_seconds, 0);
   EXPECT_GT(inverted.bandwidth_bytes_per_second, 0);
+}
+
+// Single-tensor collectives at several sizes on the line latency + bytes / bandwidth.
+std::vector<CostSample> OnTheLine(double latency, double bandwidth,
+                                  std::initializer_list<int64_t> sizes) {
+  std::vector<CostSample> samples;
+  for (int64_t bytes : sizes) samples.push_back({bytes, latency + bytes / bandwidth});
+  return samples;
+}
+
+TEST(FitCollectiveCostsTest, EachKindFitsAloneWhereItsSizesDiffer) {
+  const CollectiveCosts fit = FitCollectiveCosts(OnTheLine(2e-5, 1e11, {1 << 20, 1 << 24}),
+                                                 OnTheLine(3e-5, 5e10, {1 << 21, 1 << 25}));
+  EXPECT_NEAR(fit.all_gather.latency_seconds, 2e-5, 1e-12);
+  EXPECT_NEAR(fit.reduce_scatter.latency_seconds, 3e-5, 1e-12);
+  EXPECT_FALSE(fit.all_gather_pooled);
+  EXPECT_FALSE(fit.reduce_scatter_pooled);
+}
+
+TEST(FitCollectiveCostsTest, OneSizeTakesTheLatencyOfBothKinds) {
+  // Every gather moved 1 MiB: alone, the fit is latency 0 and four of them fused cost four
+  // times one. The reduce-scatters (the same ring) show the latency.
+  const double latency = 2e-5, bandwidth = 1e11;
+  const int64_t one = 1 << 20;
+  const std::vector<CostSample> gathers = OnTheLine(latency, bandwidth, {one, one, one});
+  const std::vector<CostSample> reductions =
+      OnTheLine(latency, bandwidth, {2 * one, 8 * one, 32 * one});
+  const LinearCost alone = FitLinearCost(gathers);
+  EXPECT_EQ(alone.latency_seconds, 0);
+  EXPECT_DOUBLE_EQ(alone.Seconds(4 * one), 4 * alone.Seconds(one));
+
+  const CollectiveCosts fit = FitCollectiveCosts(gathers, reductions);
+  EXPECT_TRUE(fit.all_gather_pooled);
+  EXPECT_FALSE(fit.reduce_scatter_pooled);
+  EXPECT_NEAR(fit.all_gather.latency_seconds, latency, 1e-12);
+  EXPECT_NEAR(fit.all_gather.bandwidth_bytes_per_second / bandwidth, 1, 1e-9);
+  // Its own samples stay on its line; four fused pay the latency once.
+  EXPECT_NEAR(fit.all_gather.Seconds(one), latency + one / bandwidth, 1e-15);
+  EXPECT_NEAR(fit.all_gather.Seconds(4 * one), latency + 4 * one / bandwidth, 1e-15);
+}
+
+TEST(FitCollectiveCostsTest, NeverBelowWhatItsOwnSamplesShow) {
+  // The reduce-scatters' latency (1 ms) is longer than a whole measured gather (0.5 ms): it
+  // cannot be the gathers' latency, so they keep latency 0 and the rate they showed.
+  const int64_t one = 1 << 20;
+  const std::vector<CostSample> gathers = {{one, 5e-4}, {one, 5e-4}};
+  const CollectiveCosts fit = FitCollectiveCosts(gathers, OnTheLine(1e-3, 1e10, {one, 16 * one}));
+  EXPECT_FALSE(fit.all_gather_pooled);
+  EXPECT_EQ(fit.all_gather.latency_seconds, 0);
+  EXPECT_DOUBLE_EQ(fit.all_gather.bandwidth_bytes_per_second, one / 5e-4);
+  // One size each, on one line through the origin: the fit over both has no latency to give.
+  const CollectiveCosts flat = FitCollectiveCosts(gathers, {{2 * one, 1e-3}});
+  EXPECT_FALSE(flat.all_gather_pooled);
+  EXPECT_FALSE(flat.reduce_scatter_pooled);
+  EXPECT_EQ(flat.reduce_scatter.latency_seconds, 0);
 }
 
 proto::Program TwoTensorProgram() {
@@ -125,6 +183,34 @@ TEST(CostModelTest, InstructionSecondsPerKind) {
                    200 / 1e6);
   EXPECT_DOUBLE_EQ(costs.InstructionSeconds(program, 2, Instr(proto::INSTR_RELOAD, {0})), 1e-3);
   EXPECT_DOUBLE_EQ(costs.InstructionSeconds(program, 2, Instr(proto::INSTR_RELEASE, {0})), 7e-7);
+}
+
+TEST(CostModelTest, GroupedCollectiveCostsTheLatencyOnce) {
+  // A model fitted from single-tensor gathers, costing a bucket of four params: the fitted
+  // latency once plus all the bytes at the fitted bandwidth; never the sum of four
+  // single-tensor costs, never under the bandwidth bound.
+  proto::Program program = TwoTensorProgram();
+  for (int i = 0; i < 3; ++i) {
+    proto::Tensor* w = program.add_tensors();
+    *w = program.tensors(0);
+    w->set_id(program.tensors_size() - 1);
+    w->set_name("w" + std::to_string(i + 1));
+  }
+  const double latency = 25e-6, bandwidth = 1e9;
+  CostModel costs;
+  costs.all_gather = FitLinearCost(OnTheLine(latency, bandwidth, {100, 200, 400}));
+  costs.reduce_scatter = costs.all_gather;
+  const proto::Instruction bucket = Instr(proto::INSTR_ALL_GATHER, {0, 2, 3, 4});
+  const int64_t bytes = InstructionBytes(program, bucket);
+  ASSERT_EQ(bytes, 4 * 200);  // four bf16 [10, 10]
+  const double fused = costs.InstructionSeconds(program, 2, bucket);
+  EXPECT_NEAR(fused, latency + bytes / bandwidth, 1e-15);
+  double apart = 0;
+  for (int t : {0, 2, 3, 4}) {
+    apart += costs.InstructionSeconds(program, 2, Instr(proto::INSTR_ALL_GATHER, {t}));
+  }
+  EXPECT_NEAR(apart - fused, 3 * latency, 1e-15);
+  EXPECT_GE(fused, bytes / costs.all_gather.bandwidth_bytes_per_second);
 }
 
 TEST(CostModelTest, TextIsStableAndCoversEveryNumber) {

@@ -120,6 +120,26 @@ void Fit(const char* name, const std::vector<CostSample>& samples, LinearCost* c
   *cost = FitLinearCost(samples);
 }
 
+void FitCollectives(const CostSamples& samples, CostModel* costs, std::vector<std::string>* notes) {
+  const CollectiveCosts fit = FitCollectiveCosts(samples.all_gather, samples.reduce_scatter);
+  auto take = [&](const char* name, const std::vector<CostSample>& kind_samples,
+                  const LinearCost& cost, bool pooled, LinearCost* out) {
+    if (kind_samples.empty()) {
+      notes->push_back(std::string("no ") + name + " samples: its cost keeps the default");
+      return;
+    }
+    *out = cost;
+    if (pooled) {
+      notes->push_back(std::string(name) +
+                       " samples all move the same bytes: its latency is the fit's over "
+                       "all-gathers and reduce-scatters together");
+    }
+  };
+  take("all_gather", samples.all_gather, fit.all_gather, fit.all_gather_pooled, &costs->all_gather);
+  take("reduce_scatter", samples.reduce_scatter, fit.reduce_scatter, fit.reduce_scatter_pooled,
+       &costs->reduce_scatter);
+}
+
 Status FitCosts(const Trace& trace, const StepIndex& steps, Profile* profile) {
   const proto::Schedule& schedule = *trace.schedule();
   DC_ASSIGN_OR_RETURN(CostSamples samples, CollectSamples(trace, schedule, steps));
@@ -139,8 +159,7 @@ Status FitCosts(const Trace& trace, const StepIndex& steps, Profile* profile) {
                              "estimate");
   }
   EstimateFlopsRate(schedule.program(), &costs);
-  Fit("all_gather", samples.all_gather, &costs.all_gather, &profile->notes);
-  Fit("reduce_scatter", samples.reduce_scatter, &costs.reduce_scatter, &profile->notes);
+  FitCollectives(samples, &costs, &profile->notes);
   Fit("reload", samples.host_to_device, &costs.host_to_device, &profile->notes);
   Fit("offload", samples.device_to_host, &costs.device_to_host, &profile->notes);
   return Status::Ok();

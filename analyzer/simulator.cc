@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <limits>
 #include <string>
 
 #include "analyzer/intervals.h"
@@ -114,6 +115,17 @@ struct Facts {
         return 0;
     }
   }
+  // The latency term of a collective's Seconds (what fusing pays once); 0 for others.
+  static double LatencySeconds(const CostModel& costs, const proto::Instruction& instr) {
+    switch (instr.kind()) {
+      case proto::INSTR_ALL_GATHER:
+        return costs.all_gather.latency_seconds;
+      case proto::INSTR_REDUCE_SCATTER:
+        return costs.reduce_scatter.latency_seconds;
+      default:
+        return 0;
+    }
+  }
 
   std::vector<proto::Role> role;
   std::vector<int64_t> transient_bytes, shard_bytes;
@@ -123,52 +135,178 @@ struct Facts {
 
 // ----- timing -----
 
-// Collective intervals per stream, in issue order (so sorted: a stream runs one at a time).
-class InFlight {
+// Start and end of every instruction: an event-driven replay with rates that change only at
+// events. An instruction starts once its deps have ended and the previous instruction on its
+// stream (with CostModel::serial_streams, the previous instruction of all) has ended. Its work is
+// its cost model duration, in seconds at full rate; while it runs it does one second of work per
+// `stretch` seconds:
+// - a compute: CostModel::overlap_compute_slowdown while any collective is in flight (issued
+//   before or after it), else 1;
+// - a collective: 1 during its latency term (the first latency_seconds of its work; the term
+//   stands for per-step synchronization, which sharing does not slow), then the number of
+//   collectives past their latency term at that instant: an all-gather and a reduce-scatter in
+//   flight together share the rank's links by processor sharing, each getting an equal share of
+//   the time;
+// - copies and releases: 1. PCIe is full duplex, so h2d and d2h each have a direction of their
+//   own and never share (analyzer/HARDWARE.md).
+// Events are starts, ends and the end of a collective's latency term while another collective is
+// in flight (the only time it can change a rate). An instruction whose rate never changed ends at
+// exactly start + duration, as a plain list schedule would say. O(n * streams).
+class TimeReplay {
  public:
-  void Add(int stream, Span span) { by_stream_[stream].push_back(span); }
-  // Whether a collective issued earlier runs at `t`. Later-issued collectives that start
-  // before `t` are not seen: the slowdown is an approximation taken at the compute's start.
-  bool At(double t) const {
-    for (const auto& spans : by_stream_) {
-      auto it = std::upper_bound(spans.begin(), spans.end(), t,
-                                 [](double v, const Span& s) { return v < s.start; });
-      if (it != spans.begin() && std::prev(it)->end > t) return true;
+  TimeReplay(const proto::Schedule& schedule, const CostModel& costs, const Facts& facts,
+             SimResult* result)
+      : schedule_(schedule),
+        costs_(costs),
+        facts_(facts),
+        result_(result),
+        done_(schedule.instructions_size(), 0) {
+    const int n = schedule.instructions_size();
+    result_->start_seconds.assign(n, 0);
+    result_->end_seconds.assign(n, 0);
+    for (int i = 0; i < n; ++i) by_stream_[schedule.instructions(i).stream()].push_back(i);
+  }
+
+  void Run() {
+    const int n = schedule_.instructions_size();
+    double now = 0;
+    while (finished_ < n) {
+      StartReady(now);
+      Retime(now);
+      // Progress is guaranteed: the lowest instruction not yet started heads its stream and its
+      // deps come before it, so once the running ones end it can start.
+      now = NextEvent(now);
+      for (Slot& slot : slots_) {
+        if (slot.busy() && slot.end <= now) Finish(&slot, now);
+      }
     }
-    return false;
   }
 
  private:
-  std::array<std::vector<Span>, kNumStreams> by_stream_;
-};
+  struct Slot {
+    int instruction = -1;  // -1: the stream is idle
+    bool compute = false, collective = false;
+    bool fresh = false;       // started at `since`, rate not yet set
+    double since = 0;         // when left and latency_left were last brought up to date
+    double left = 0;          // work left, seconds at full rate
+    double latency_left = 0;  // of which still latency (collectives)
+    double stretch = 1;       // wall seconds per second of work
+    double end = 0;           // since + left * stretch
 
-// Start and end of every instruction: after its deps, after the previous instruction on its
-// stream and, with serial streams, after the previous instruction of all.
-void ComputeTimes(const proto::Schedule& schedule, const CostModel& costs, const Facts& facts,
-                  SimResult* result) {
-  const int n = schedule.instructions_size();
-  result->start_seconds.assign(n, 0);
-  result->end_seconds.assign(n, 0);
-  std::array<double, kNumStreams> stream_end{};
-  InFlight in_flight;
-  double previous_end = 0;
-  for (int i = 0; i < n; ++i) {
-    const proto::Instruction& instr = schedule.instructions(i);
-    double start = stream_end[instr.stream()];
-    for (int d : instr.deps()) start = std::max(start, result->end_seconds[d]);
-    if (costs.serial_streams) start = std::max(start, previous_end);
-    double seconds = facts.Seconds(costs, instr);
-    if (instr.kind() == proto::INSTR_COMPUTE && in_flight.At(start)) {
-      seconds *= costs.overlap_compute_slowdown;
+    bool busy() const { return instruction >= 0; }
+    // Whether a collective's latency term is over at `now`. The term runs at rate 1, so it ends
+    // at since + latency_left (an event there if it mattered, else passed over unnoticed).
+    bool Transferring(double now) const { return latency_left <= 0 || now >= since + latency_left; }
+    // Brings left and latency_left up to `now` at the current stretch.
+    void Progress(double now) {
+      const double done = (now - since) / stretch;
+      latency_left = Transferring(now) ? 0 : std::max(0.0, latency_left - done);
+      left = std::max(0.0, left - done);
+      since = now;
     }
-    const double end = start + seconds;
-    if (IsCollective(instr.kind())) in_flight.Add(instr.stream(), {start, end});
-    result->start_seconds[i] = start;
-    result->end_seconds[i] = end;
-    stream_end[instr.stream()] = end;
-    previous_end = end;
+  };
+
+  bool DepsDone(int stream, int instruction) {
+    const auto& deps = schedule_.instructions(instruction).deps();
+    int& next = dep_cursor_[stream];
+    while (next < deps.size() && done_[deps[next]]) ++next;
+    return next == deps.size();
   }
-}
+
+  // Starts every stream head that may start at `now`. Zero-work instructions end at once, which
+  // may let others start at the same instant.
+  void StartReady(double now) {
+    for (bool again = true; again;) {
+      again = false;
+      for (int s = 0; s < kNumStreams; ++s) {
+        if (slots_[s].busy() || head_[s] >= by_stream_[s].size()) continue;
+        const int i = by_stream_[s][head_[s]];
+        if (costs_.serial_streams && (i != started_ || busy_ > 0)) continue;
+        if (!DepsDone(s, i)) continue;
+        ++started_;
+        result_->start_seconds[i] = now;
+        const proto::Instruction& instr = schedule_.instructions(i);
+        const double work = facts_.Seconds(costs_, instr);
+        if (!(work > 0)) {
+          Done(s, i, now);
+          again = true;
+          continue;
+        }
+        Slot& slot = slots_[s];
+        slot.instruction = i;
+        slot.compute = instr.kind() == proto::INSTR_COMPUTE;
+        slot.collective = IsCollective(instr.kind());
+        slot.fresh = true;
+        slot.since = now;
+        slot.left = work;
+        slot.latency_left =
+            slot.collective ? std::clamp(Facts::LatencySeconds(costs_, instr), 0.0, work) : 0;
+        ++busy_;
+      }
+    }
+  }
+
+  // Sets every running instruction's stretch for what is in flight at `now`.
+  void Retime(double now) {
+    in_flight_ = 0;
+    int transferring = 0;
+    for (const Slot& slot : slots_) {
+      if (!slot.busy() || !slot.collective) continue;
+      ++in_flight_;
+      transferring += slot.Transferring(now);
+    }
+    for (Slot& slot : slots_) {
+      if (!slot.busy()) continue;
+      double stretch = 1;
+      if (slot.compute && in_flight_ > 0) stretch = costs_.overlap_compute_slowdown;
+      if (slot.collective && slot.Transferring(now)) stretch = std::max(1, transferring);
+      if (!slot.fresh && stretch == slot.stretch) continue;
+      if (!slot.fresh) slot.Progress(now);
+      slot.fresh = false;
+      slot.stretch = stretch;
+      slot.end = slot.since + slot.left * slot.stretch;
+    }
+  }
+
+  double NextEvent(double now) const {
+    double next = std::numeric_limits<double>::infinity();
+    for (const Slot& slot : slots_) {
+      if (!slot.busy()) continue;
+      next = std::min(next, slot.end);
+      // The end of a latency term changes rates only when another collective is in flight.
+      if (slot.collective && in_flight_ > 1 && !slot.Transferring(now)) {
+        next = std::min(next, slot.since + slot.latency_left);
+      }
+    }
+    return next;
+  }
+
+  void Finish(Slot* slot, double now) {
+    const int s = static_cast<int>(slot - slots_.data());
+    Done(s, slot->instruction, now);
+    slot->instruction = -1;
+    --busy_;
+  }
+
+  void Done(int stream, int instruction, double now) {
+    result_->end_seconds[instruction] = now;
+    done_[instruction] = 1;
+    ++finished_;
+    ++head_[stream];
+    dep_cursor_[stream] = 0;
+  }
+
+  const proto::Schedule& schedule_;
+  const CostModel& costs_;
+  const Facts& facts_;
+  SimResult* result_;
+  std::array<std::vector<int>, kNumStreams> by_stream_;  // instruction indices in order
+  std::array<size_t, kNumStreams> head_{};               // next to start, into by_stream_
+  std::array<int, kNumStreams> dep_cursor_{};            // the head's deps known done
+  std::array<Slot, kNumStreams> slots_{};                // what runs on each stream
+  std::vector<uint8_t> done_;                            // by instruction
+  int started_ = 0, finished_ = 0, busy_ = 0, in_flight_ = 0;
+};
 
 void ComputeBusy(const proto::Schedule& schedule, SimResult* result) {
   std::vector<Span> compute, communication;
@@ -557,7 +695,7 @@ StatusOr<SimResult> Simulate(const proto::Schedule& schedule, const CostModel& c
   DC_RETURN_IF_ERROR(CheckReferences(schedule));
   SimResult result;
   const Facts facts(schedule, costs);
-  ComputeTimes(schedule, costs, facts, &result);
+  TimeReplay(schedule, costs, facts, &result).Run();
   MemoryReplay replay(schedule, facts, result);
   DC_RETURN_IF_ERROR(replay.Run());
   SweepMemory(schedule, replay.events(), options.memory_timeline, &result);

@@ -3,12 +3,20 @@
 // CostModel::serial_streams for the previous instruction of all), durations from a cost model,
 // and exact buffer lifetimes (schemas/program.h's accounting) for memory.
 //
-// Timing: a compute instruction whose start falls inside a collective issued before it runs
-// CostModel::overlap_compute_slowdown times longer, all of it (an approximation taken at its
-// start). Memory: the persistent shards from time 0; an all-gather allocates each gathered
-// param at its start; a compute allocates its outputs, and the ROLE_INPUT inputs not yet live
-// in its micro-step, at its start; a release frees at its start; an offload frees persistent
-// shards (or a transient) at its end and a reload allocates them at its start. Transients are
+// Timing is time-resolved: rates change only when an instruction starts or ends or a
+// collective's latency term ends, and in between every running instruction progresses at a
+// constant rate. A compute runs CostModel::overlap_compute_slowdown times slower over exactly
+// the part of its interval that overlaps an all-gather or reduce-scatter in flight (issued
+// before or after it). A collective pays its latency term at full speed; past it, collectives
+// in flight together (an all-gather and a reduce-scatter on one rank's links) share the
+// bandwidth equally, each progressing at 1/k of its rate while k transfer. Host copies never
+// share: PCIe is full duplex, h2d and d2h each have a direction (analyzer/HARDWARE.md). An
+// instruction that met no contention lasts exactly its cost model duration.
+//
+// Memory: the persistent shards from time 0; an all-gather allocates each gathered param at its
+// start; a compute allocates its outputs, and the ROLE_INPUT inputs not yet live in its
+// micro-step, at its start; a release frees at its start; an offload frees persistent shards
+// (or a transient) at its end and a reload allocates them at its start. Transients are
 // identified by (tensor, micro-step), gathered params by tensor. Optimizer-phase ops work on
 // persistent shards and read no gathered buffers. Events at one instant apply in instruction
 // order. Use checks run in instruction order. Thread-safe (pure function).
@@ -48,7 +56,8 @@ struct SimResult {
 // Errors on a malformed schedule, naming the instruction and tensor: a dep on itself or a later
 // instruction, a release of something not live, a compute reading an activation or grad that is
 // not live or a param that is not gathered, a second gather of a gathered param, a read of an
-// offloaded shard, ... O(n log n) in the number of instructions.
+// offloaded shard, ... O(n log n) in the number of instructions (the timing is O(n) events of
+// O(streams) each).
 StatusOr<SimResult> Simulate(const proto::Schedule& schedule, const CostModel& costs);
 
 struct SimOptions {

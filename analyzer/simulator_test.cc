@@ -173,6 +173,89 @@ TEST(SimulatorTest, ComputeOverlappingAGatherRunsSlower) {
   EXPECT_DOUBLE_EQ(result->end_seconds[6], 9);  // bwd: nothing in flight at 6
 }
 
+TEST(SimulatorTest, ComputeSlowsOnlyWhileACollectiveIsInFlight) {
+  // fwd0 (4 s of work) starts at 1.5 as w1's gather does; the gather runs [1.5, 4). At half
+  // speed fwd0 does 1.25 s of work by 4, the other 2.75 s at full speed after it, whether the
+  // gather is listed before or after it.
+  CostModel costs = Costs();
+  costs.op_seconds[kFwd0] = 4;
+  costs.overlap_compute_slowdown = 2;
+  ScheduleBuilder after;
+  after.Gather({kW0}).Compute(kFwd0, {0}).Gather({kW1});
+  StatusOr<SimResult> result = SimulateWith(after.schedule(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_EQ(result->start_seconds, (std::vector<double>{0, 1.5, 1.5}));
+  EXPECT_EQ(result->end_seconds, (std::vector<double>{1.5, 6.75, 4}));
+  ScheduleBuilder before;
+  before.Gather({kW0}).Gather({kW1}).Compute(kFwd0, {0});
+  result = SimulateWith(before.schedule(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_EQ(result->end_seconds, (std::vector<double>{1.5, 4, 6.75}));
+}
+
+TEST(SimulatorTest, ComputeSlowsWhenACollectiveStartsDuringIt) {
+  // w1's gather waits for an offload that ends at 2, half-way through fwd0 [1.5, ...): fwd0's
+  // first 0.5 s of work runs at full speed, its last 0.5 s at half speed, overlapping [2, 4.5).
+  ScheduleBuilder b;
+  b.Gather({kW0})
+      .Add(proto::INSTR_OFFLOAD, proto::STREAM_D2H, -1, {kM0}, {})
+      .Compute(kFwd0, {0})
+      .Gather({kW1}, {1});
+  CostModel costs = Costs();
+  costs.device_to_host = {0, 4};  // m0's 8 B shard in 2 s
+  costs.overlap_compute_slowdown = 2;
+  StatusOr<SimResult> result = SimulateWith(b.schedule(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_EQ(result->start_seconds, (std::vector<double>{0, 0, 1.5, 2}));
+  EXPECT_EQ(result->end_seconds, (std::vector<double>{1.5, 2, 3, 4.5}));
+}
+
+// The zero3 shape up to bwd, then w1 gathered again while g0 is reduce-scattered:
+//   0 AG w0 | 1 AG w1 | 2 fwd0 | 3 fwd1 | 4 R w1 | 5 bwd | 6 RS g0 | 7 AG w1
+proto::Schedule GatherDuringReduceScatter() {
+  ScheduleBuilder b;
+  b.Gather({kW0})
+      .Gather({kW1})
+      .Compute(kFwd0, {0})
+      .Compute(kFwd1, {1})
+      .Release({kW1}, {3})
+      .Compute(kBwd)
+      .ReduceScatter({kG0}, {5})
+      .Gather({kW1}, {5});
+  return b.schedule();
+}
+
+TEST(SimulatorTest, ConcurrentCollectivesShareTheLinks) {
+  // Both start at 9, when bwd ends. Alone the reduce-scatter is 1 s latency + 1 s transfer
+  // [9, 11) and the gather 0.5 s + 2 s [9, 11.5). Together: the gather's transfer runs alone
+  // over [9.5, 10) (0.5 s done), both transfers at half speed from 10 (the reduce-scatter's 1 s
+  // ends at 12, the gather has 0.5 s left then), the gather alone again until 12.5. The link
+  // moves the same 3 s of transfer either way; the latencies are not slowed.
+  StatusOr<SimResult> result = SimulateWith(GatherDuringReduceScatter());
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_DOUBLE_EQ(result->start_seconds[6], 9);
+  EXPECT_DOUBLE_EQ(result->start_seconds[7], 9);
+  EXPECT_DOUBLE_EQ(result->end_seconds[6], 12);
+  EXPECT_DOUBLE_EQ(result->end_seconds[7], 12.5);
+  EXPECT_DOUBLE_EQ(result->step_seconds, 12.5);
+  EXPECT_DOUBLE_EQ(result->communication_seconds, 4 + 3.5);  // [0, 4) and [9, 12.5)
+}
+
+TEST(SimulatorTest, CopiesInOppositeDirectionsDoNotShare) {
+  // PCIe is full duplex: m0's reload and v0's offload, both from 2, each take their time alone.
+  ScheduleBuilder b;
+  b.Add(proto::INSTR_OFFLOAD, proto::STREAM_D2H, -1, {kM0}, {})
+      .Add(proto::INSTR_RELOAD, proto::STREAM_H2D, -1, {kM0}, {0})
+      .Add(proto::INSTR_OFFLOAD, proto::STREAM_D2H, -1, {kV0}, {});
+  CostModel costs = Costs();
+  costs.device_to_host = {0, 4};  // 8 B in 2 s
+  costs.host_to_device = {0, 8};  // 8 B in 1 s
+  StatusOr<SimResult> result = SimulateWith(b.schedule(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_EQ(result->start_seconds, (std::vector<double>{0, 2, 2}));
+  EXPECT_EQ(result->end_seconds, (std::vector<double>{2, 3, 4}));
+}
+
 TEST(SimulatorTest, PeakMemoryIsExact) {
   StatusOr<SimResult> result = SimulateWith(Zero3Schedule());
   ASSERT_TRUE(result.ok()) << result.status().message();

@@ -20,7 +20,13 @@ constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max() / 4;
 struct Grouping {
   std::vector<std::vector<int>> gathers;
   std::vector<std::vector<int>> reductions;
-  int fused = 0;  // runs of more than one
+  // Runs of more than one.
+  int fused_gathers = 0, fused_reductions = 0;
+};
+
+// The largest bytes of one fused collective, by kind; 0: that kind is not fused.
+struct Caps {
+  int64_t gather_bytes = 0, reduction_bytes = 0;
 };
 
 class Planner {
@@ -51,11 +57,11 @@ class Planner {
     }
   }
 
-  Grouping Plan(int64_t cap_bytes, int64_t limit, const BucketOptions& options) const {
+  Grouping Plan(const Caps& caps, int64_t limit, const BucketOptions& options) const {
     LiveCurve curve = base_;
     Grouping grouping;
-    if (options.all_gathers) PlanGathers(cap_bytes, limit, options, &curve, &grouping);
-    if (options.reduce_scatters) PlanReductions(cap_bytes, limit, &curve, &grouping);
+    PlanGathers(caps.gather_bytes, limit, options, &curve, &grouping);
+    PlanReductions(caps.reduction_bytes, limit, &curve, &grouping);
     return grouping;
   }
 
@@ -203,7 +209,7 @@ class Planner {
         if (join) {
           curve->Add(curve->PointOf(first), curve->PointOf(g), instr_bytes_[g]);
           grouping->gathers[run].push_back(g);
-          if (grouping->gathers[run].size() == 2) ++grouping->fused;
+          if (grouping->gathers[run].size() == 2) ++grouping->fused_gathers;
           run_bytes[stream] = bytes;
           run_first_use[stream] = earliest_use;
           continue;
@@ -251,7 +257,7 @@ class Planner {
         if (join) {
           curve->Add(from, release_point, run_bytes[stream]);
           grouping->reductions[run].push_back(rs);
-          if (grouping->reductions[run].size() == 2) ++grouping->fused;
+          if (grouping->reductions[run].size() == 2) ++grouping->fused_reductions;
           run_bytes[stream] = bytes;
           run_release_point[stream] = release_point;
           continue;
@@ -306,25 +312,47 @@ StatusOr<bool> BucketPass::Run(proto::Schedule* schedule, const PassContext& con
   proto::Schedule* candidate = rewriter_internal::ScheduleShell(schedule, &arena);
   proto::Schedule* spare = rewriter_internal::ScheduleShell(schedule, &arena);
   SimResult best_sim = input;
-  double cap = static_cast<double>(options_.max_bucket_bytes);
-  for (int c = 0; c < options_.candidate_caps; ++c, cap /= options_.cap_ratio) {
-    const Grouping grouping = planner.Plan(static_cast<int64_t>(cap), limit, options_);
-    if (grouping.fused == 0) break;  // smaller caps fuse no more
-    DC_RETURN_IF_ERROR(planner.Emit(grouping, candidate));
-    DC_ASSIGN_OR_RETURN(SimResult output, Simulate(*candidate, *context.costs, quick));
-    // Fusing is worth its longer lives only when it makes the step faster.
-    const bool fits = budget <= 0 || output.peak_device_bytes <= budget;
-    if (!fits || output.step_seconds >= input.step_seconds) continue;
-    // Step time against the cap has one best: past it, smaller caps only get slower.
-    if (best && output.step_seconds >= best_sim.step_seconds) break;
-    // Keep this one; build the next in the other shell.
-    if (!best) {
-      best = candidate;
-      candidate = spare;
-    } else {
-      std::swap(best, candidate);
+  Caps best_caps;
+  // Tries the caps of one kind from max_bucket_bytes down, the other kind's cap as best_caps
+  // has it, keeping the fastest plan within the budget that beats best_sim.
+  auto search = [&](int64_t Caps::*cap_of_kind, int Grouping::*fused_of_kind) -> Status {
+    const Caps start = best_caps;
+    const double start_seconds = best_sim.step_seconds;
+    double cap = static_cast<double>(options_.max_bucket_bytes);
+    bool improved = false;
+    for (int c = 0; c < options_.candidate_caps; ++c, cap /= options_.cap_ratio) {
+      Caps caps = start;
+      caps.*cap_of_kind = static_cast<int64_t>(cap);
+      const Grouping grouping = planner.Plan(caps, limit, options_);
+      if (grouping.*fused_of_kind == 0) break;  // smaller caps fuse no more
+      DC_RETURN_IF_ERROR(planner.Emit(grouping, candidate));
+      DC_ASSIGN_OR_RETURN(SimResult output, Simulate(*candidate, *context.costs, quick));
+      // Fusing is worth its longer lives only when it makes the step faster.
+      const bool fits = budget <= 0 || output.peak_device_bytes <= budget;
+      if (!fits || output.step_seconds >= start_seconds) continue;
+      // Step time against the cap has one best: past it, smaller caps only get slower.
+      if (improved && output.step_seconds >= best_sim.step_seconds) break;
+      // Keep this one; build the next in the other shell.
+      if (!best) {
+        best = candidate;
+        candidate = spare;
+      } else {
+        std::swap(best, candidate);
+      }
+      best_sim = output;
+      best_caps = caps;
+      improved = true;
     }
-    best_sim = output;
+    return Status::Ok();
+  };
+  // Each kind's cap on its own, gathers first: fused gathers gain by latency on the critical
+  // path, fused reduce-scatters hold grads longer and, sharing the links with the gathers,
+  // slow those, so the caps that suit one rarely suit the other.
+  if (options_.all_gathers) {
+    DC_RETURN_IF_ERROR(search(&Caps::gather_bytes, &Grouping::fused_gathers));
+  }
+  if (options_.reduce_scatters) {
+    DC_RETURN_IF_ERROR(search(&Caps::reduction_bytes, &Grouping::fused_reductions));
   }
   if (!best) return ordered;
   *schedule->mutable_instructions() = best->instructions();

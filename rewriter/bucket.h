@@ -15,11 +15,15 @@
 // produced), so the earlier grads stay live until it ends: each joins when the run stays within
 // the cap and their longer lives fit the budget on the curve.
 //
-// The cap is chosen by simulation: caps from max_bucket_bytes down, each cap_ratio times smaller,
-// at most candidate_caps of them, are planned and simulated until one is slower than the one
-// before (one best cap is assumed); the fastest plan within the budget is kept if it makes the
-// step faster than the input (fusing for nothing would only make grads live longer). O(n log n)
-// per candidate plus one simulation.
+// The caps are chosen by simulation, one kind at a time: first the gathers' (reduce-scatters
+// unfused), then the reduce-scatters' (gathers at their chosen cap). For each kind, caps from
+// max_bucket_bytes down, each cap_ratio times smaller, at most candidate_caps of them, are
+// planned and simulated until one is slower than the one before (one best cap is assumed); a
+// plan within the budget is kept only if it makes the step faster than the best so far
+// (fusing for nothing would only make grads live longer). The kinds are apart because what
+// suits one rarely suits the other: fused gathers save latency on the critical path, fused
+// reduce-scatters hold grads longer, expose a larger tail after the last grad and, sharing the
+// links with the gathers, slow those. O(n log n) per candidate plus one simulation.
 #pragma once
 
 #include <cstdint>

@@ -640,24 +640,40 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
   const CostModel& costs = CostsOf(context);
   DC_ASSIGN_OR_RETURN(Layout layout, AnalyzeLayout(*schedule));
   DC_ASSIGN_OR_RETURN(SimResult base, SimulateInput(*schedule, costs, layout, &stats_));
-  if (base.peak_device_bytes <= context.budget_bytes) return false;
-  OffloadPlanner::Mode mode;
-  mode.options = options_;
   const int64_t budget = context.budget_bytes;
-  int64_t planning_budget = budget;
-  proto::Schedule out;
-  OffloadStats out_stats;
   // The arena this schedule gets without slowing down: the first packing order, no reuse that
   // waits (spills or the instruction-order fall-back are the memory-plan pass's last resorts).
   MemoryPlanOptions arena_check = options_.memory_plan;
   arena_check.orders.resize(1);
   arena_check.spill_to_instruction_order = false;
   arena_check.fall_back_to_instruction_order = false;
+  int64_t planning_budget = budget;
+  const bool peak_fits = base.peak_device_bytes <= budget;
+  if (peak_fits) {
+    if (!options_.fit_memory_plan) return false;
+    // A peak a few MiB under the budget (passes before this one fill it) may still leave no
+    // room for the arena's fragmentation; the memory-plan pass would then make reuse wait.
+    MemoryPlanStats packed;
+    DC_RETURN_IF_ERROR(PlanMemory(*schedule, arena_check, budget, context.costs, &packed).status());
+    if (packed.arena_bytes <= budget) return false;
+    planning_budget -= static_cast<int64_t>(static_cast<double>(packed.arena_bytes - budget) *
+                                            options_.arena_overshoot_factor);
+  }
+  OffloadPlanner::Mode mode;
+  mode.options = options_;
+  proto::Schedule out;
+  const OffloadStats input_stats = stats_;
+  OffloadStats out_stats;
   for (int round = 0;; ++round) {
     stats_.planning_budget_bytes = planning_budget;
     OffloadPlanner planner(*schedule, layout, costs, planning_budget, mode, &stats_);
     StatusOr<proto::Schedule> planned = planner.Run(base);
     if (!planned.ok()) {
+      if (round == 0 && peak_fits) {
+        // No plan frees room for the arena alone: keep the input (memory-plan can spill).
+        stats_ = input_stats;
+        return false;
+      }
       if (round == 0) return planned.status();
       // The last plan fits the simulated peak but not its arena, and no plan against a lower
       // budget exists: keep it; the memory-plan pass decides (it can fall back to instruction

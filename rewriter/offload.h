@@ -4,7 +4,8 @@
 // the device. Three policies over the same machinery, so they compare on equal terms:
 //
 // - `offload` (OffloadPass): ours. Frees only what the time-resolved memory timeline says must
-//   go: the excess is the most the forward and backward hold over the budget; fragments are
+//   go (or, when the peak fits but its packed arena does not, what the arena's excess needs):
+//   the excess is the most the forward and backward hold over the budget; fragments are
 //   chosen in a documented order until they cover it, then pruned. Each reload (earliest
 //   optimizer op first) starts after the earliest backward compute of the last micro-step from
 //   which the device can hold it, and everything reloaded before it, at every instant up to the
@@ -68,7 +69,8 @@ struct OffloadOptions {
   bool prune = true;
   // Plan-simulate-repair rounds before giving up (each round fixes the highest violation).
   int max_iterations = 64;
-  // Also make the static arena fit: once a plan's simulated peak fits, pack its memory plan
+  // Also make the static arena fit (the input's too, when its peak fits without offloading):
+  // once a plan's simulated peak fits, pack its memory plan
   // (with `memory_plan`'s lifetimes and first order, no reuse that waits) and, while the arena
   // is over the budget (fragmentation, lifetimes in simulated time), plan again against a
   // budget lowered by the difference, at most max_arena_rounds times; if no such plan exists,
@@ -88,9 +90,11 @@ class OffloadPass : public Pass {
   explicit OffloadPass(OffloadOptions options = {}) : options_(options) {}
   std::string_view name() const override { return "offload"; }
   std::string OptionsText() const override;
-  // No change without a budget (PassContext::budget_bytes == 0) or when the peak fits. Errors
-  // when the budget cannot be met even with every fragment offloaded (saying how many bytes are
-  // still missing) or when the optimizer step alone does not fit.
+  // No change without a budget (PassContext::budget_bytes == 0) or when the peak fits and, with
+  // fit_memory_plan, so does its arena (a peak just under the budget can leave no room for
+  // fragmentation: then it offloads what the arena needs, or, if no plan frees that, changes
+  // nothing). Errors when the budget cannot be met even with every fragment offloaded (saying
+  // how many bytes are still missing) or when the optimizer step alone does not fit.
   StatusOr<bool> Run(proto::Schedule* schedule, const PassContext& context) override;
   std::string Summary() const override;
   const OffloadStats& stats() const { return stats_; }

@@ -179,9 +179,22 @@ TEST(Offload, EveryChosenFragmentIsNeeded) {
             setup.sim.peak_device_bytes - pass.stats().planning_budget_bytes);
 }
 
-TEST(Offload, NothingToDoWithoutABudgetOrWhenThePeakFits) {
+// The arena OffloadPass checks: the first packing order, no reuse that waits.
+int64_t ArenaBytes(const Case& setup) {
+  MemoryPlanOptions options;
+  options.orders.resize(1);
+  options.spill_to_instruction_order = false;
+  options.fall_back_to_instruction_order = false;
+  MemoryPlanStats stats;
+  auto plan = PlanMemory(setup.schedule, options, 0, &setup.costs, &stats);
+  EXPECT_TRUE(plan.ok()) << plan.status().message();
+  return stats.arena_bytes;
+}
+
+TEST(Offload, NothingToDoWithoutABudgetOrWhenThePeakAndItsArenaFit) {
   const Case setup = Tiny(1);
-  for (int64_t budget : {int64_t{0}, setup.sim.peak_device_bytes}) {
+  const int64_t fits = std::max(setup.sim.peak_device_bytes, ArenaBytes(setup));
+  for (int64_t budget : {int64_t{0}, fits}) {
     proto::Schedule s = setup.schedule;
     OffloadPass pass;
     auto changed = pass.Run(&s, PassContext{&setup.costs, budget});
@@ -189,6 +202,26 @@ TEST(Offload, NothingToDoWithoutABudgetOrWhenThePeakFits) {
     EXPECT_FALSE(*changed);
     EXPECT_EQ(s.SerializeAsString(), setup.schedule.SerializeAsString());
   }
+}
+
+TEST(Offload, MakesRoomForTheArenaWhenOnlyThePeakFits) {
+  // At a budget of exactly the simulated peak the packed arena (fragmentation) is over it: the
+  // memory-plan pass would have to make reuse wait. Offloading a little makes it fit.
+  const Case setup = Tiny(1);
+  const int64_t budget = setup.sim.peak_device_bytes;
+  ASSERT_GT(ArenaBytes(setup), budget);
+  proto::Schedule s = setup.schedule;
+  const PassContext context{&setup.costs, budget};
+  OffloadPass pass;
+  auto changed = pass.Run(&s, context);
+  ASSERT_TRUE(changed.ok()) << changed.status().message();
+  EXPECT_TRUE(*changed);
+  EXPECT_GT(pass.stats().offloaded, 0);
+  EXPECT_LT(pass.stats().offloaded, NumOptimizerStates(s.program()));
+  EXPECT_LE(pass.stats().arena_bytes, budget);
+  ExpectWellFormed(s, 0);
+  Status verified = VerifySchedule(s, context);
+  EXPECT_TRUE(verified.ok()) << verified.message();
 }
 
 TEST(Offload, BudgetBelowTheFloorIsAClearError) {
