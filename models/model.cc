@@ -437,7 +437,9 @@ int LlamaBuilder::MoeBackward(int layer, const LayerParams& p, const LayerActs& 
     return Name(x) + pn::kGradSuffix + ".from_" + consumer;
   };
   const int d_ys = AddActivationLike(Name(a.ys) + pn::kGradSuffix, a.ys);
-  const int d_gates = AddActivationLike(Name(a.gates) + pn::kGradSuffix, a.gates);
+  // fp32 like the gates whatever the compute dtype (op_kinds.h: moe_combine_backward's dgates).
+  const int d_gates = AddTensor(Name(a.gates) + pn::kGradSuffix, Tokens(top_k_), proto::DTYPE_F32,
+                                proto::ROLE_ACTIVATION, layer);
   auto* combine = AddOp(pre + "moe.combine.backward", op_kind::kMoeCombineBackward,
                         proto::PHASE_BACKWARD, layer, {d_out, a.ys, a.gates, a.experts},
                         {d_ys, d_gates},

@@ -284,6 +284,18 @@ TEST(Mixtral, EachExpertIsItsOwnParamUsedOnlyByTheGroupedOps) {
   EXPECT_TRUE(by_name.contains("layers.0.moe.aux_loss"));
 }
 
+TEST(Mixtral, GatesAndTheirGradientAreF32InABf16Program) {
+  // op_kinds.h: the router's gates and moe_combine_backward's dgates are fp32 whatever the
+  // compute dtype (the CUDA backend checks it).
+  const proto::Program program = Build("mixtral-8x7b");
+  ASSERT_EQ(program.config().compute_dtype(), proto::DTYPE_BF16);
+  std::map<std::string, proto::DType> dtype;
+  for (const auto& t : program.tensors()) dtype[t.name()] = t.dtype();
+  EXPECT_EQ(dtype.at("layers.0.moe.gates"), proto::DTYPE_F32);
+  EXPECT_EQ(dtype.at("layers.0.moe.gates.grad"), proto::DTYPE_F32);
+  EXPECT_EQ(dtype.at("layers.0.moe.router_logits"), proto::DTYPE_BF16);
+}
+
 TEST(Mixtral, MatmulFlopsAreSixTimesTheActiveParams) {
   // Each token runs top_k of the experts: the step's matmul flops are 6 * active params *
   // tokens, the router included, the embedding excluded.

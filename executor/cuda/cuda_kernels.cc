@@ -180,6 +180,12 @@ class Checker {
     return Status::Ok();
   }
 
+  Status NonNegativeFloatAttr(const char* name, double* value) const {
+    *value = AttrFloat(op_, name, 0);
+    if (!(*value >= 0)) return Error(std::string("attr '") + name + "' must not be negative");
+    return Status::Ok();
+  }
+
   ck::FloatType type() const { return type_; }
 
  private:
@@ -267,6 +273,7 @@ struct CudaKernelResources::Impl {
   DeviceBuffer workspace;
   DeviceBuffer device_error;    // int32 [kDeviceErrorInts]
   PinnedHostBuffer host_error;  // its copy on the host
+  PinnedHostBuffer host_offsets;  // the grouped matmuls' segment offsets, grown on demand
   DeviceBuffer scratch;
   CudaDeviceInfo device;
   std::map<MatmulKey, std::unique_ptr<MatmulPlan>> matmuls;
@@ -418,6 +425,30 @@ int64_t CudaKernelResources::cached_matmul_algorithms() const {
   return static_cast<int64_t>(impl_->matmuls.size());
 }
 
+namespace {
+
+// The message of a device error record {source, position, id, bound}.
+std::string DeviceErrorMessage(const int32_t* e) {
+  const std::string id = std::to_string(e[2]), position = std::to_string(e[1]);
+  const std::string bound = std::to_string(e[3]);
+  switch (e[0]) {
+    case ck::kBadEmbeddingToken:
+      return "embedding: token id " + id + " at position " + position +
+             " is outside the vocabulary of " + bound;
+    case ck::kBadCrossEntropyTarget:
+      return "cross_entropy: target id " + id + " at position " + position +
+             " is outside the vocabulary of " + bound;
+    case ck::kBadExpertId:
+      return "moe routing: expert id " + id + " at slot " + position + " is outside the " + bound +
+             " experts";
+    default:
+      return "the device error record holds the unknown source " + std::to_string(e[0]) +
+             "; is DeviceErrorSource (kernel_launch.h) missing from this switch?";
+  }
+}
+
+}  // namespace
+
 Status CudaKernelResources::CheckDeviceErrors(cudaStream_t stream) {
   constexpr int64_t kErrorBytes = ck::kDeviceErrorInts * sizeof(int32_t);
   DC_RETURN_IF_ERROR(CopyAsync(impl_->host_error.data(), impl_->device_error.data(), kErrorBytes,
@@ -425,11 +456,7 @@ Status CudaKernelResources::CheckDeviceErrors(cudaStream_t stream) {
   DC_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "waiting for the stream's kernels"));
   const auto* e = static_cast<const int32_t*>(impl_->host_error.data());
   if (e[0] == ck::kNoDeviceError) return Status::Ok();
-  const std::string what =
-      e[0] == ck::kBadEmbeddingToken ? "embedding: token id" : "cross_entropy: target id";
-  const Status error =
-      Status::Error(what + " " + std::to_string(e[2]) + " at position " + std::to_string(e[1]) +
-                    " is outside the vocabulary of " + std::to_string(e[3]));
+  const Status error = Status::Error(DeviceErrorMessage(e));
   DC_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(impl_->device_error.data(), 0, kErrorBytes, stream),
                                 "clearing the device error record"));
   return error;
@@ -914,6 +941,389 @@ Status AdamW(Call c) {
                       constants, c.context.stream));
 }
 
+// --- mixture of experts. The expert-major layout is made on the device (ck::MoeLayout) by
+// every op that needs it, from the i32 `experts` tensor, as the CPU backend makes it per op; an
+// expert id outside [0, E) lands in the device error record.
+
+constexpr char kExpertIdsLabel[] = "experts";
+
+int64_t MoeLayoutScratch(int64_t slots, int64_t num_experts) {
+  return ck::MoeLayoutScratchInts(slots, num_experts) * static_cast<int64_t>(sizeof(int32_t));
+}
+
+// Enqueues the layout of `experts` (`slots` ids over `num_experts`) in the op's scratch.
+StatusOr<ck::MoeLayoutView> EnqueueMoeLayout(const Call& c, const DeviceTensor& experts,
+                                             int64_t slots, int64_t num_experts) {
+  DC_ASSIGN_OR_RETURN(void* scratch,
+                      c.r.Scratch(c.context, MoeLayoutScratch(slots, num_experts), c.op));
+  const ck::MoeLayoutView layout =
+      ck::MoeLayoutInScratch(static_cast<int32_t*>(scratch), slots, num_experts);
+  DC_RETURN_IF_ERROR(
+      Launched(c.op, ck::MoeLayout(static_cast<const int32_t*>(experts.data), slots, num_experts,
+                                   layout, c.r.device_error_ints(), c.context.stream)));
+  return layout;
+}
+
+// The routing operand `experts` [..., k]: i32, no empty dimension (k = 0 would launch empty
+// grids).
+Status CheckRoutingTensor(const DeviceTensor& experts, const Operand& what, Checker* check) {
+  DC_RETURN_IF_ERROR(check->I32(experts, what));
+  if (experts.shape.empty()) return check->Error(what.Label() + " has no dimensions");
+  return check->Rank(experts, 1, what);
+}
+
+struct RouterDims {
+  int64_t tokens = 0, experts = 0, top_k = 0;
+  double aux_coef = 0;
+  int64_t slots() const { return tokens * top_k; }
+};
+
+Status CheckRouterLogits(const DeviceTensor& logits, size_t index, Checker* check, RouterDims* d) {
+  DC_RETURN_IF_ERROR(check->Rank(logits, 1, In(index, "logits")));
+  DC_RETURN_IF_ERROR(check->Float(logits, In(index, "logits")));
+  d->experts = logits.shape.back();
+  d->tokens = logits.NumElements() / d->experts;
+  DC_RETURN_IF_ERROR(check->IntAttr(op_attr::kTopK, &d->top_k));
+  if (d->top_k > d->experts) {
+    return check->Error("top_k " + std::to_string(d->top_k) + " is more than the " +
+                        std::to_string(d->experts) + " experts");
+  }
+  DC_RETURN_IF_ERROR(check->NonNegativeFloatAttr(op_attr::kAuxCoef, &d->aux_coef));
+  DC_RETURN_IF_ERROR(check->FitsGrid(d->slots(), kMaxGridX, "routed slot count"));
+  return check->FitsGrid(d->experts, kMaxGridX, "expert count");
+}
+
+Status CheckMoeRouter(Tensors in, Tensors out, Checker* check, RouterDims* d) {
+  DC_RETURN_IF_ERROR(check->Arity(in, out, 1, 3));
+  DC_RETURN_IF_ERROR(CheckRouterLogits(in[0], 0, check, d));
+  const Shape choice_shape = WithLast(in[0].shape, d->top_k);
+  // Gates and the loss are fp32 whatever the compute dtype.
+  DC_RETURN_IF_ERROR(check->FloatAs(out[0], proto::DTYPE_F32, Out(0, "gates")));
+  DC_RETURN_IF_ERROR(check->ShapeIs(out[0], choice_shape, Out(0, "gates")));
+  DC_RETURN_IF_ERROR(check->I32(out[1], Out(1, kExpertIdsLabel)));
+  DC_RETURN_IF_ERROR(check->ShapeIs(out[1], choice_shape, Out(1, kExpertIdsLabel)));
+  DC_RETURN_IF_ERROR(check->FloatAs(out[2], proto::DTYPE_F32, Out(2, "aux_loss")));
+  return check->ShapeIs(out[2], {1}, Out(2, "aux_loss"));
+}
+
+int64_t MoeRouterScratch(const RouterDims& d) {
+  return ck::MoeRouterScratchBytes(d.tokens, d.experts);
+}
+
+Status MoeRouter(Call c) {
+  Checker check(c.op);
+  RouterDims d;
+  DC_RETURN_IF_ERROR(CheckMoeRouter(c.in, c.out, &check, &d));
+  DC_ASSIGN_OR_RETURN(void* scratch, c.r.Scratch(c.context, MoeRouterScratch(d), c.op));
+  return Launched(
+      c.op, ck::MoeRouter(check.type(), c.in[0].data, d.tokens, d.experts, d.top_k, d.aux_coef,
+                          static_cast<float*>(c.out[0].data), static_cast<int32_t*>(c.out[1].data),
+                          static_cast<float*>(c.out[2].data), scratch, c.context.stream));
+}
+
+Status CheckMoeRouterBackward(Tensors in, Tensors out, Checker* check, RouterDims* d) {
+  DC_RETURN_IF_ERROR(check->Arity(in, out, 3, 1));
+  DC_RETURN_IF_ERROR(CheckRouterLogits(in[1], 1, check, d));
+  const Shape choice_shape = WithLast(in[1].shape, d->top_k);
+  DC_RETURN_IF_ERROR(check->FloatAs(in[0], proto::DTYPE_F32, In(0, "dgates")));
+  DC_RETURN_IF_ERROR(check->ShapeIs(in[0], choice_shape, In(0, "dgates")));
+  DC_RETURN_IF_ERROR(CheckRoutingTensor(in[2], In(2, kExpertIdsLabel), check));
+  DC_RETURN_IF_ERROR(check->ShapeIs(in[2], choice_shape, In(2, kExpertIdsLabel)));
+  DC_RETURN_IF_ERROR(check->Float(out[0], Out(0, "dlogits")));
+  return check->ShapeIs(out[0], in[1].shape, Out(0, "dlogits"));
+}
+
+Status MoeRouterBackward(Call c) {
+  Checker check(c.op);
+  RouterDims d;
+  DC_RETURN_IF_ERROR(CheckMoeRouterBackward(c.in, c.out, &check, &d));
+  DC_ASSIGN_OR_RETURN(const ck::MoeLayoutView layout,
+                      EnqueueMoeLayout(c, c.in[2], d.slots(), d.experts));
+  // The balancing term's d(loss)/dp[t, e] is grad_scale * aux_coef * E * count_e / M.
+  const double balance_grad_per_choice = c.context.grad_scale * d.aux_coef *
+                                         static_cast<double>(d.experts) /
+                                         static_cast<double>(d.tokens);
+  return Launched(c.op,
+                  ck::MoeRouterBackward(check.type(), static_cast<const float*>(c.in[0].data),
+                                        c.in[1].data, static_cast<const int32_t*>(c.in[2].data),
+                                        layout.offsets, d.tokens, d.experts, d.top_k,
+                                        balance_grad_per_choice, c.out[0].data, c.context.stream));
+}
+
+struct TokenSideDims {
+  int64_t tokens = 0, hidden = 0, top_k = 0, experts = 0;
+  int64_t slots() const { return tokens * top_k; }
+};
+
+// A token-side tensor x [..., H] against `experts` [..., k] (the next input), the `experts` attr
+// and the slot-side tensor [M * k, H].
+Status CheckTokenSide(const DeviceTensor& x, const Operand& x_what, const DeviceTensor& experts,
+                      const Operand& experts_what, const DeviceTensor& slot_side,
+                      const Operand& slot_what, Checker* check, TokenSideDims* d) {
+  DC_RETURN_IF_ERROR(check->Rank(x, 1, x_what));
+  DC_RETURN_IF_ERROR(check->Float(x, x_what));
+  DC_RETURN_IF_ERROR(CheckRoutingTensor(experts, experts_what, check));
+  d->hidden = x.shape.back();
+  d->tokens = x.NumElements() / d->hidden;
+  if (DropLast(experts.shape) != DropLast(x.shape)) {
+    return check->Error(experts_what.Label() + " has shape " + ShapeString(experts.shape) +
+                        ", expected " + ShapeString(WithLast(x.shape, 0)) + " with k last");
+  }
+  d->top_k = experts.shape.back();
+  DC_RETURN_IF_ERROR(check->IntAttr(op_attr::kExperts, &d->experts));
+  DC_RETURN_IF_ERROR(check->Float(slot_side, slot_what));
+  DC_RETURN_IF_ERROR(check->ShapeIs(slot_side, {d->slots(), d->hidden}, slot_what));
+  DC_RETURN_IF_ERROR(check->FitsGrid(d->slots(), kMaxGridX, "routed slot count"));
+  return check->FitsGrid(d->experts, kMaxGridX, "expert count");
+}
+
+Status CheckMoeDispatch(Tensors in, Tensors out, bool backward, Checker* check, TokenSideDims* d) {
+  DC_RETURN_IF_ERROR(check->Arity(in, out, 2, 1));
+  if (backward) {
+    return CheckTokenSide(out[0], Out(0, "dx"), in[1], In(1, kExpertIdsLabel), in[0], In(0, "dxs"),
+                          check, d);
+  }
+  return CheckTokenSide(in[0], In(0, "x"), in[1], In(1, kExpertIdsLabel), out[0], Out(0, "xs"),
+                        check, d);
+}
+
+Status MoeDispatchOp(Call c, bool backward) {
+  Checker check(c.op);
+  TokenSideDims d;
+  DC_RETURN_IF_ERROR(CheckMoeDispatch(c.in, c.out, backward, &check, &d));
+  DC_ASSIGN_OR_RETURN(const ck::MoeLayoutView layout,
+                      EnqueueMoeLayout(c, c.in[1], d.slots(), d.experts));
+  if (backward) {
+    return Launched(
+        c.op, ck::MoeDispatchBackward(check.type(), c.in[0].data, layout.rows, d.tokens, d.top_k,
+                                      d.hidden, c.out[0].data, c.context.stream));
+  }
+  return Launched(c.op, ck::MoeDispatch(check.type(), c.in[0].data, layout.rows, d.tokens, d.top_k,
+                                        d.hidden, c.out[0].data, c.context.stream));
+}
+
+Status MoeDispatch(Call c) { return MoeDispatchOp(c, false); }
+Status MoeDispatchBackward(Call c) { return MoeDispatchOp(c, true); }
+
+// ys [M * k, H], gates f32 [..., k] and experts i32 [..., k], inputs from `first`.
+Status CheckCombineInputs(Tensors in, size_t first, Checker* check, TokenSideDims* d) {
+  const DeviceTensor &ys = in[first], &gates = in[first + 1], &experts = in[first + 2];
+  DC_RETURN_IF_ERROR(check->Rank(ys, 2, In(first, "ys"), 2));
+  DC_RETURN_IF_ERROR(check->Float(ys, In(first, "ys")));
+  DC_RETURN_IF_ERROR(check->Rank(gates, 1, In(first + 1, "gates")));
+  DC_RETURN_IF_ERROR(check->FloatAs(gates, proto::DTYPE_F32, In(first + 1, "gates")));
+  DC_RETURN_IF_ERROR(CheckRoutingTensor(experts, In(first + 2, kExpertIdsLabel), check));
+  DC_RETURN_IF_ERROR(check->ShapeIs(experts, gates.shape, In(first + 2, kExpertIdsLabel)));
+  DC_RETURN_IF_ERROR(check->IntAttr(op_attr::kExperts, &d->experts));
+  d->top_k = gates.shape.back();
+  d->tokens = gates.NumElements() / d->top_k;
+  d->hidden = ys.shape[1];
+  DC_RETURN_IF_ERROR(check->ShapeIs(ys, {d->slots(), d->hidden}, In(first, "ys")));
+  DC_RETURN_IF_ERROR(check->FitsGrid(d->slots(), kMaxGridX, "routed slot count"));
+  return check->FitsGrid(d->experts, kMaxGridX, "expert count");
+}
+
+Status CheckMoeCombine(Tensors in, Tensors out, bool backward, Checker* check, TokenSideDims* d) {
+  DC_RETURN_IF_ERROR(backward ? check->Arity(in, out, 4, 2) : check->Arity(in, out, 3, 1));
+  const size_t first = backward ? 1 : 0;
+  DC_RETURN_IF_ERROR(CheckCombineInputs(in, first, check, d));
+  const Shape token_shape = WithLast(in[first + 1].shape, d->hidden);
+  if (!backward) {
+    DC_RETURN_IF_ERROR(check->Float(out[0], Out(0, "y")));
+    return check->ShapeIs(out[0], token_shape, Out(0, "y"));
+  }
+  DC_RETURN_IF_ERROR(check->Float(in[0], In(0, "dy")));
+  DC_RETURN_IF_ERROR(check->ShapeIs(in[0], token_shape, In(0, "dy")));
+  DC_RETURN_IF_ERROR(check->Float(out[0], Out(0, "dys")));
+  DC_RETURN_IF_ERROR(check->ShapeIs(out[0], in[1].shape, Out(0, "dys")));
+  DC_RETURN_IF_ERROR(check->FloatAs(out[1], proto::DTYPE_F32, Out(1, "dgates")));
+  return check->ShapeIs(out[1], in[2].shape, Out(1, "dgates"));
+}
+
+Status MoeCombine(Call c) {
+  Checker check(c.op);
+  TokenSideDims d;
+  DC_RETURN_IF_ERROR(CheckMoeCombine(c.in, c.out, false, &check, &d));
+  DC_ASSIGN_OR_RETURN(const ck::MoeLayoutView layout,
+                      EnqueueMoeLayout(c, c.in[2], d.slots(), d.experts));
+  return Launched(
+      c.op,
+      ck::MoeCombine(check.type(), c.in[0].data, static_cast<const float*>(c.in[1].data),
+                     layout.rows, d.tokens, d.top_k, d.hidden, c.out[0].data, c.context.stream));
+}
+
+Status MoeCombineBackward(Call c) {
+  Checker check(c.op);
+  TokenSideDims d;
+  DC_RETURN_IF_ERROR(CheckMoeCombine(c.in, c.out, true, &check, &d));
+  DC_ASSIGN_OR_RETURN(const ck::MoeLayoutView layout,
+                      EnqueueMoeLayout(c, c.in[3], d.slots(), d.experts));
+  return Launched(
+      c.op, ck::MoeCombineBackward(check.type(), c.in[0].data, c.in[1].data,
+                                   static_cast<const float*>(c.in[2].data), layout.rows, d.tokens,
+                                   d.top_k, d.hidden, c.out[0].data,
+                                   static_cast<float*>(c.out[1].data), c.context.stream));
+}
+
+// --- grouped_matmul: per expert e, y[seg e] = x[seg e] w_e^T. One cuBLASLt matmul per non-empty
+// segment through Impl::Matmul. Its plan cache is keyed by shape and pointer alignment, and the
+// segment lengths change with the routing every step: the cache gains a plan (and pays one
+// heuristic query) per distinct (length, alignment) seen, at most M * k lengths per weight shape.
+// A cuBLASLt grouped GEMM, or plans shared across lengths, would bound that.
+
+struct GroupedMatmulDims {
+  int64_t rows = 0, n = 0, k = 0, experts = 0;
+};
+
+// x [R, K] (input `x_index`), experts (the next input, R ids) and the E weights after it, all
+// [N, K].
+Status CheckGroupedMatmulInputs(Tensors in, size_t x_index, Checker* check, GroupedMatmulDims* d) {
+  const size_t first_weight = x_index + 2;
+  if (in.size() < first_weight + 1) {
+    return check->Error("expects x, experts and at least one expert weight");
+  }
+  const DeviceTensor &x = in[x_index], &experts = in[x_index + 1];
+  DC_RETURN_IF_ERROR(check->Rank(x, 2, In(x_index, "x"), 2));
+  DC_RETURN_IF_ERROR(check->Float(x, In(x_index, "x")));
+  DC_RETURN_IF_ERROR(check->Rank(in[first_weight], 2, In(first_weight, "w_0"), 2));
+  d->rows = x.shape[0];
+  d->k = x.shape[1];
+  d->n = in[first_weight].shape[0];
+  for (size_t i = first_weight; i < in.size(); ++i) {
+    DC_RETURN_IF_ERROR(check->Float(in[i], In(i, "w")));
+    DC_RETURN_IF_ERROR(check->ShapeIs(in[i], {d->n, d->k}, In(i, "w")));
+  }
+  d->experts = static_cast<int64_t>(in.size() - first_weight);
+  DC_RETURN_IF_ERROR(CheckRoutingTensor(experts, In(x_index + 1, kExpertIdsLabel), check));
+  if (experts.NumElements() != d->rows) {
+    return check->Error(In(x_index + 1, kExpertIdsLabel).Label() + " routes " +
+                        std::to_string(experts.NumElements()) + " slots for " +
+                        std::to_string(d->rows) + " rows of x");
+  }
+  return check->FitsGrid(d->rows, kMaxGridX, "row count");
+}
+
+Status CheckGroupedMatmul(Tensors in, Tensors out, Checker* check, GroupedMatmulDims* d) {
+  if (out.size() != 1) return check->Error("expects 1 output, got " + std::to_string(out.size()));
+  DC_RETURN_IF_ERROR(CheckGroupedMatmulInputs(in, 0, check, d));
+  DC_RETURN_IF_ERROR(check->Float(out[0], Out(0, "y")));
+  return check->ShapeIs(out[0], {d->rows, d->n}, Out(0, "y"));
+}
+
+Status CheckGroupedMatmulBackward(Tensors in, Tensors out, Checker* check, GroupedMatmulDims* d) {
+  DC_RETURN_IF_ERROR(CheckGroupedMatmulInputs(in, 1, check, d));
+  if (static_cast<int64_t>(out.size()) != 1 + d->experts) {
+    return check->Error("expects " + std::to_string(1 + d->experts) +
+                        " outputs (dx and one dW per expert), got " + std::to_string(out.size()));
+  }
+  DC_RETURN_IF_ERROR(check->Float(in[0], In(0, "dy")));
+  DC_RETURN_IF_ERROR(check->ShapeIs(in[0], {d->rows, d->n}, In(0, "dy")));
+  DC_RETURN_IF_ERROR(check->Float(out[0], Out(0, "dx")));
+  DC_RETURN_IF_ERROR(check->ShapeIs(out[0], {d->rows, d->k}, Out(0, "dx")));
+  for (size_t i = 1; i < out.size(); ++i) {
+    DC_RETURN_IF_ERROR(check->Float(out[i], Out(i, "dw")));
+    DC_RETURN_IF_ERROR(check->ShapeIs(out[i], {d->n, d->k}, Out(i, "dw")));
+  }
+  return Status::Ok();
+}
+
+// The E + 1 segment offsets of `experts` on the host. cuBLASLt takes matrix sizes from the host,
+// so the layout made on the device is copied back (into pinned memory) and the host waits for
+// the stream: one synchronization per grouped op (three per MoE layer forward, three backward).
+// It drains the work queued before the op, so the host no longer runs ahead and the launch
+// latency of the ops after it is exposed instead of hidden behind the queue. Returns the device
+// error record's message when an id was outside [0, E).
+StatusOr<std::vector<int64_t>> SegmentOffsetsOnHost(const Call& c, const DeviceTensor& experts,
+                                                    int64_t slots, int64_t num_experts) {
+  DC_ASSIGN_OR_RETURN(const ck::MoeLayoutView layout,
+                      EnqueueMoeLayout(c, experts, slots, num_experts));
+  const int64_t bytes = (num_experts + 1) * static_cast<int64_t>(sizeof(int32_t));
+  if (c.r.host_offsets.size_bytes() < bytes) {
+    // Nothing is in flight into the old buffer: every use below ends with a synchronization.
+    c.r.host_offsets = PinnedHostBuffer();
+    DC_ASSIGN_OR_RETURN(c.r.host_offsets,
+                        PinnedHostBuffer::Create(bytes, "grouped matmul segment offsets"));
+  }
+  const std::string prefix = "op " + c.op.name() + " (" + c.op.kind() + "): ";
+  DC_RETURN_IF_ERROR(CopyAsync(c.r.host_offsets.data(), layout.offsets, bytes, c.context.stream,
+                               "copying the segment offsets to the host")
+                         .Prefixed(prefix));
+  DC_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamSynchronize(c.context.stream), "waiting for the segment offsets")
+          .Prefixed(prefix));
+  const auto* device_offsets = static_cast<const int32_t*>(c.r.host_offsets.data());
+  std::vector<int64_t> offsets(device_offsets, device_offsets + num_experts + 1);
+  if (offsets.back() != slots) {
+    // Some slot's id was outside [0, E): report it (and clear the record) now.
+    DC_RETURN_IF_ERROR(c.context.resources->CheckDeviceErrors(c.context.stream).Prefixed(prefix));
+    return OpError(c.op, "the layout holds " + std::to_string(offsets.back()) + " of " +
+                             std::to_string(slots) +
+                             " slots but the device error record is empty (a layout kernel bug)");
+  }
+  return offsets;
+}
+
+// Row `row` of `t`, a row-major [*, width] tensor.
+char* RowPointer(const DeviceTensor& t, int64_t row, int64_t width) {
+  return static_cast<char*>(t.data) + row * width * DTypeSizeBytes(t.dtype);
+}
+
+Status GroupedMatmul(Call c) {
+  Checker check(c.op);
+  GroupedMatmulDims d;
+  DC_RETURN_IF_ERROR(CheckGroupedMatmul(c.in, c.out, &check, &d));
+  DC_ASSIGN_OR_RETURN(const std::vector<int64_t> offsets,
+                      SegmentOffsetsOnHost(c, c.in[1], d.rows, d.experts));
+  const cudaDataType_t type = CudaType(check.type());
+  const DeviceTensor &x = c.in[0], &y = c.out[0];
+  for (int64_t e = 0; e < d.experts; ++e) {
+    const int64_t begin = offsets[e], count = offsets[e + 1] - begin;
+    if (count == 0) continue;  // an expert without tokens costs nothing
+    const DeviceTensor& w = c.in[2 + e];
+    // As Matmul: column-major Y_e^T [N x count] = (W_e [K x N])^T X_e^T [K x count].
+    DC_RETURN_IF_ERROR(c.r.Matmul(type, true, false, d.n, count, d.k, w.data, d.k,
+                                  RowPointer(x, begin, d.k), d.k, RowPointer(y, begin, d.n), d.n,
+                                  c.context.stream)
+                           .Prefixed("op " + c.op.name() + " (" + c.op.kind() + "): expert " +
+                                     std::to_string(e) + ": "));
+  }
+  return Status::Ok();
+}
+
+Status GroupedMatmulBackward(Call c) {
+  Checker check(c.op);
+  GroupedMatmulDims d;
+  DC_RETURN_IF_ERROR(CheckGroupedMatmulBackward(c.in, c.out, &check, &d));
+  DC_ASSIGN_OR_RETURN(const std::vector<int64_t> offsets,
+                      SegmentOffsetsOnHost(c, c.in[2], d.rows, d.experts));
+  const cudaDataType_t type = CudaType(check.type());
+  const DeviceTensor &dy = c.in[0], &x = c.in[1], &dx = c.out[0];
+  for (int64_t e = 0; e < d.experts; ++e) {
+    const std::string prefix =
+        "op " + c.op.name() + " (" + c.op.kind() + "): expert " + std::to_string(e) + " ";
+    const DeviceTensor &w = c.in[3 + e], &dw = c.out[1 + e];
+    const int64_t begin = offsets[e], count = offsets[e + 1] - begin;
+    if (count == 0) {
+      // dW is written whole: an expert without tokens has a zero gradient.
+      DC_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(dw.data, 0, static_cast<size_t>(dw.SizeBytes()),
+                                                    c.context.stream),
+                                    "zeroing dw")
+                             .Prefixed(prefix));
+      continue;
+    }
+    // As MatmulBackward on the segment: dX_e = dY_e W_e, dW_e = dY_e^T X_e.
+    DC_RETURN_IF_ERROR(c.r.Matmul(type, false, false, d.k, count, d.n, w.data, d.k,
+                                  RowPointer(dy, begin, d.n), d.n, RowPointer(dx, begin, d.k), d.k,
+                                  c.context.stream)
+                           .Prefixed(prefix + "dx: "));
+    DC_RETURN_IF_ERROR(c.r.Matmul(type, false, true, d.k, d.n, count, RowPointer(x, begin, d.k),
+                                  d.k, RowPointer(dy, begin, d.n), d.n, dw.data, d.k,
+                                  c.context.stream)
+                           .Prefixed(prefix + "dw: "));
+  }
+  return Status::Ok();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Dispatch
 
@@ -937,6 +1347,14 @@ const std::unordered_map<std::string, Kernel>& Kernels() {
       {op_kind::kCrossEntropy, CrossEntropy},
       {op_kind::kCrossEntropyBackward, CrossEntropyBackward},
       {op_kind::kAdamW, AdamW},
+      {op_kind::kMoeRouter, MoeRouter},
+      {op_kind::kMoeRouterBackward, MoeRouterBackward},
+      {op_kind::kMoeDispatch, MoeDispatch},
+      {op_kind::kMoeDispatchBackward, MoeDispatchBackward},
+      {op_kind::kGroupedMatmul, GroupedMatmul},
+      {op_kind::kGroupedMatmulBackward, GroupedMatmulBackward},
+      {op_kind::kMoeCombine, MoeCombine},
+      {op_kind::kMoeCombineBackward, MoeCombineBackward},
   };
   return *kernels;
 }
@@ -965,6 +1383,38 @@ StatusOr<int64_t> CudaScratchBytes(const proto::Op& op, Tensors inputs, Tensors 
     CrossEntropyDims d{};
     DC_RETURN_IF_ERROR(CheckCrossEntropy(inputs, outputs, false, &check, &d));
     return CrossEntropyScratch(d);
+  }
+  if (kind == op_kind::kMoeRouter) {
+    RouterDims d;
+    DC_RETURN_IF_ERROR(CheckMoeRouter(inputs, outputs, &check, &d));
+    return MoeRouterScratch(d);
+  }
+  if (kind == op_kind::kMoeRouterBackward) {
+    RouterDims d;
+    DC_RETURN_IF_ERROR(CheckMoeRouterBackward(inputs, outputs, &check, &d));
+    return MoeLayoutScratch(d.slots(), d.experts);
+  }
+  if (kind == op_kind::kMoeDispatch || kind == op_kind::kMoeDispatchBackward) {
+    TokenSideDims d;
+    DC_RETURN_IF_ERROR(
+        CheckMoeDispatch(inputs, outputs, kind == op_kind::kMoeDispatchBackward, &check, &d));
+    return MoeLayoutScratch(d.slots(), d.experts);
+  }
+  if (kind == op_kind::kMoeCombine || kind == op_kind::kMoeCombineBackward) {
+    TokenSideDims d;
+    DC_RETURN_IF_ERROR(
+        CheckMoeCombine(inputs, outputs, kind == op_kind::kMoeCombineBackward, &check, &d));
+    return MoeLayoutScratch(d.slots(), d.experts);
+  }
+  if (kind == op_kind::kGroupedMatmul) {
+    GroupedMatmulDims d;
+    DC_RETURN_IF_ERROR(CheckGroupedMatmul(inputs, outputs, &check, &d));
+    return MoeLayoutScratch(d.rows, d.experts);
+  }
+  if (kind == op_kind::kGroupedMatmulBackward) {
+    GroupedMatmulDims d;
+    DC_RETURN_IF_ERROR(CheckGroupedMatmulBackward(inputs, outputs, &check, &d));
+    return MoeLayoutScratch(d.rows, d.experts);
   }
   if (!Kernels().contains(kind)) return OpError(op, "the CUDA backend has no kernel for this kind");
   return int64_t{0};

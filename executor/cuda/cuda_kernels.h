@@ -5,11 +5,16 @@
 // compute dtype (bf16 or fp16; fp32 too, which tests compare tightly with the CPU backend);
 // every kernel accumulates in fp32, softmax, RMSNorm and cross-entropy statistics are fp32, the
 // loss is an fp32 [1] tensor; AdamW runs on fp32 shards (param, grad, m, v). Matrix products go
-// through cuBLASLt (CUBLAS_COMPUTE_32F); the rest are own kernels (kernels.cuh, attention.cuh).
+// through cuBLASLt (CUBLAS_COMPUTE_32F); the rest are own kernels (kernels.cuh, attention.cuh,
+// moe.cuh). The mixture-of-experts kinds keep the router's gates, the gates' gradient and the
+// aux loss in fp32 and the expert ids in i32 whatever the compute dtype; they rebuild the
+// expert-major layout (models/moe_layout.h) on the device from the ids, deterministically.
 //
 // Work is enqueued on the context's stream and RunCudaOp returns without waiting, except with
-// `synchronous`. Errors that only the device sees (a token id outside the vocabulary) land in
-// a device error record that CheckDeviceErrors reads.
+// `synchronous`, and except grouped_matmul and grouped_matmul_backward: cuBLASLt needs each
+// expert's row count on the host, so they copy the segment offsets back and wait for the stream
+// once per op. Errors that only the device sees (a token id outside the vocabulary, an expert
+// id outside [0, experts)) land in a device error record that CheckDeviceErrors reads.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -54,8 +59,9 @@ class CudaKernelResources {
   CudaKernelResources(const CudaKernelResources&) = delete;
   CudaKernelResources& operator=(const CudaKernelResources&) = delete;
 
-  // Waits for `stream`, then returns (and clears) the first bad token id any kernel met since
-  // the last call: "embedding: token id 70000 at position 12 is outside the vocabulary of 32000".
+  // Waits for `stream`, then returns (and clears) the first bad token or expert id any kernel
+  // met since the last call: "embedding: token id 70000 at position 12 is outside the
+  // vocabulary of 32000", "moe routing: expert id 9 at slot 2 is outside the 8 experts".
   Status CheckDeviceErrors(cudaStream_t stream);
 
   // Matmul algorithms cached so far (one per distinct shape, dtype, transposes and alignment).
@@ -87,8 +93,8 @@ struct CudaKernelContext {
 };
 
 // Device scratch bytes `op` needs with these operands (0 for most kinds; embedding_backward,
-// rmsnorm_backward, attention_backward and cross_entropy need some). Errors as RunCudaOp's
-// checks.
+// rmsnorm_backward, attention_backward, cross_entropy and every mixture-of-experts kind need
+// some). Errors as RunCudaOp's checks.
 StatusOr<int64_t> CudaScratchBytes(const proto::Op& op, std::span<const DeviceTensor> inputs,
                                    std::span<const DeviceTensor> outputs);
 

@@ -1,18 +1,21 @@
-// The CUDA kernels' own source (kernels.cuh, attention.cuh), compiled for the host emulator
-// (kernel_emulator.h) and compared with the CPU backend op by op, in fp32, bf16 and fp16. This
-// checks the kernels' indexing, tiling, masking, reductions and barriers on any machine; the GPU
-// test (cuda_kernels_test.cc) checks the same on a device, with cuBLASLt and NCCL.
+// The CUDA kernels' own source (kernels.cuh, attention.cuh, moe.cuh), compiled for the host
+// emulator (kernel_emulator.h) and compared with the CPU backend op by op, in fp32, bf16 and fp16.
+// This checks the kernels' indexing, tiling, masking, reductions and barriers on any machine; the
+// GPU test (cuda_kernels_test.cc) checks the same on a device, with cuBLASLt and NCCL.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <numeric>
 #include <random>
 
 #include "executor/cpu_kernels.h"
 #include "executor/cuda/attention.cuh"
 #include "executor/cuda/kernels.cuh"
+#include "executor/cuda/moe.cuh"
+#include "models/moe_layout.h"
 #include "models/op_kinds.h"
 
 namespace dc {
@@ -374,6 +377,218 @@ TEST_P(Emulated, CrossEntropy) {
   ExpectOk(ck::CrossEntropyBackward(type(), logits.Dev(), targets.values.data(), 10, vocab, 0.25f,
                                     dlogits.Dev(), device_error_, nullptr));
   ExpectClose(dlogits, type(), tolerance(), "dlogits");
+  EXPECT_EQ(device_error_[0], ck::kNoDeviceError);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mixture of experts
+
+// k distinct experts per token drawn from [0, experts - 1): the last expert gets no slot, so
+// every test sees an empty segment.
+Ints RoutingWithAnEmptyExpert(Shape shape, int32_t experts, std::mt19937* rng) {
+  Ints t;
+  t.shape = std::move(shape);
+  const int64_t k = t.shape.back();
+  t.values.resize(Count(t.shape));
+  std::vector<int32_t> ids(experts - 1);
+  for (int64_t token = 0; token < Count(t.shape) / k; ++token) {
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), *rng);
+    std::copy_n(ids.begin(), k, t.values.begin() + token * k);
+  }
+  return t;
+}
+
+// The layout kernels' scratch, run on `experts`.
+struct EmulatedLayout {
+  std::vector<int32_t> scratch;
+  ck::MoeLayoutView view{};
+  std::vector<int32_t> Offsets(int64_t num_experts) const {
+    return {view.offsets, view.offsets + num_experts + 1};
+  }
+  std::vector<int32_t> Rows(int64_t slots) const { return {view.rows, view.rows + slots}; }
+};
+
+EmulatedLayout RunLayout(const std::vector<int32_t>& experts, int64_t num_experts,
+                         int32_t* device_error) {
+  const auto slots = static_cast<int64_t>(experts.size());
+  EmulatedLayout layout;
+  // Garbage, so that an element the kernels forget shows up.
+  layout.scratch.assign(ck::MoeLayoutScratchInts(slots, num_experts), 0x3c3c3c3c);
+  layout.view = ck::MoeLayoutInScratch(layout.scratch.data(), slots, num_experts);
+  EXPECT_EQ(ck::MoeLayout(experts.data(), slots, num_experts, layout.view, device_error, nullptr),
+            cudaSuccess);
+  return layout;
+}
+
+void ExpectLayoutAsCpu(const std::vector<int32_t>& experts, int64_t num_experts) {
+  SCOPED_TRACE(std::to_string(experts.size()) + " slots over " + std::to_string(num_experts) +
+               " experts");
+  const auto slots = static_cast<int64_t>(experts.size());
+  int64_t bad_slot = -1;
+  const std::optional<MoeLayout> want =
+      MakeMoeLayout(experts.data(), slots, num_experts, &bad_slot);
+  ASSERT_TRUE(want.has_value());
+  int32_t device_error[ck::kDeviceErrorInts] = {};
+  const EmulatedLayout got = RunLayout(experts, num_experts, device_error);
+  EXPECT_EQ(device_error[0], ck::kNoDeviceError);
+  EXPECT_EQ(std::vector<int64_t>(got.view.offsets, got.view.offsets + num_experts + 1),
+            want->offsets);
+  EXPECT_EQ(std::vector<int64_t>(got.view.rows, got.view.rows + slots), want->row);
+}
+
+// Small; many chunks and scan tiles (7 * 40 chunk counts); more experts than threads; every
+// slot on one expert.
+TEST(EmulatedMoe, LayoutMatchesMakeMoeLayout) {
+  std::mt19937 rng(21);
+  ExpectLayoutAsCpu(RoutingWithAnEmptyExpert({2, 3, 2}, 4, &rng).values, 4);
+  ExpectLayoutAsCpu(RoutingWithAnEmptyExpert({2, 2500, 2}, 7, &rng).values, 7);
+  ExpectLayoutAsCpu(RoutingWithAnEmptyExpert({300, 2}, 300, &rng).values, 300);
+  ExpectLayoutAsCpu(std::vector<int32_t>(700, 2), 5);
+}
+
+TEST(EmulatedMoe, LayoutRecordsBadExpertIds) {
+  int32_t device_error[ck::kDeviceErrorInts] = {};
+  const EmulatedLayout layout = RunLayout({0, 1, 9, 2}, 4, device_error);
+  EXPECT_EQ(device_error[0], ck::kBadExpertId);
+  EXPECT_EQ(device_error[1], 2);  // slot
+  EXPECT_EQ(device_error[2], 9);  // id
+  EXPECT_EQ(device_error[3], 4);  // experts
+  // The bad slot is left out: it has no row and the segments hold the other three.
+  EXPECT_EQ(layout.Rows(4), (std::vector<int32_t>{0, 1, -1, 2}));
+  EXPECT_EQ(layout.Offsets(4), (std::vector<int32_t>{0, 1, 2, 3, 3}));
+
+  int32_t negative_error[ck::kDeviceErrorInts] = {};
+  RunLayout({3, -1}, 4, negative_error);
+  EXPECT_EQ(negative_error[0], ck::kBadExpertId);
+  EXPECT_EQ(negative_error[1], 1);
+  EXPECT_EQ(negative_error[2], -1);
+}
+
+// Values given, rounded to the storage type (both sides see the rounded ones).
+Tensor FromValues(Shape shape, const std::vector<float>& values, ck::FloatType type) {
+  Tensor t;
+  t.shape = std::move(shape);
+  t.dev = Encode(values, type);
+  t.ref = Decode(t.dev, type);
+  return t;
+}
+
+struct RouterCase {
+  int64_t experts, top_k;
+};
+
+TEST_P(Emulated, MoeRouter) {
+  // 40 experts: lanes stride the row.
+  for (const RouterCase& c : {RouterCase{6, 2}, RouterCase{40, 3}}) {
+    SCOPED_TRACE(std::to_string(c.experts) + " experts, top " + std::to_string(c.top_k));
+    const int64_t tokens = 2 * 7;
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    std::vector<float> values(tokens * c.experts);
+    for (float& v : values) v = dist(rng_);
+    values[1] = values[4] = 5.0f;  // token 0: a tie at the top, the lower id first
+    Tensor logits = FromValues({2, 7, c.experts}, values, type());
+    const std::map<std::string, int64_t> ints = {{op_attr::kTopK, c.top_k}};
+    const std::map<std::string, double> floats = {{op_attr::kAuxCoef, 0.3}};
+    Tensor gates = Zeros({2, 7, c.top_k}, ck::FloatType::kF32);
+    Ints experts;
+    experts.shape = {2, 7, c.top_k};
+    experts.values.assign(tokens * c.top_k, -7);
+    float cpu_aux = NAN;
+    TensorRef aux_ref;
+    aux_ref.shape = {1};
+    aux_ref.f32 = &cpu_aux;
+    RunCpu(MakeOp(op_kind::kMoeRouter, ints, floats), {logits.Ref()},
+           {gates.Ref(), experts.Ref(), aux_ref});
+    ASSERT_EQ(experts.values[0], 1);
+    ASSERT_EQ(experts.values[1], 4);
+
+    std::vector<int32_t> device_experts(tokens * c.top_k, -7);
+    float device_aux = NAN;
+    std::vector<double> scratch(ck::MoeRouterScratchBytes(tokens, c.experts) / 8 + 1);
+    ExpectOk(ck::MoeRouter(type(), logits.Dev(), tokens, c.experts, c.top_k, 0.3,
+                           reinterpret_cast<float*>(gates.Dev()), device_experts.data(),
+                           &device_aux, scratch.data(), nullptr));
+    EXPECT_EQ(device_experts, experts.values);
+    // Gates and the loss are fp32 from the same (rounded) logits: tight in every type.
+    ExpectClose(gates, ck::FloatType::kF32, kF32Tolerance, "gates");
+    EXPECT_NEAR(device_aux, cpu_aux, 1e-5 * std::abs(cpu_aux));
+  }
+}
+
+TEST_P(Emulated, MoeRouterBackward) {
+  for (const RouterCase& c : {RouterCase{6, 2}, RouterCase{40, 3}}) {
+    SCOPED_TRACE(std::to_string(c.experts) + " experts, top " + std::to_string(c.top_k));
+    const int64_t tokens = 3 * 5;
+    const std::map<std::string, int64_t> ints = {{op_attr::kTopK, c.top_k}};
+    const std::map<std::string, double> floats = {{op_attr::kAuxCoef, 0.3}};
+    Tensor logits = Random({3, 5, c.experts}, type(), &rng_);
+    Tensor dgates = Random({3, 5, c.top_k}, ck::FloatType::kF32, &rng_);
+    Ints experts =
+        RoutingWithAnEmptyExpert({3, 5, c.top_k}, static_cast<int32_t>(c.experts), &rng_);
+    Tensor dlogits = Zeros(logits.shape, type());
+    KernelContext context;
+    context.grad_scale = 0.25;
+    RunCpu(MakeOp(op_kind::kMoeRouterBackward, ints, floats),
+           {dgates.Ref(), logits.Ref(), experts.Ref()}, {dlogits.Ref()}, context);
+    const EmulatedLayout layout = RunLayout(experts.values, c.experts, device_error_);
+    ExpectOk(ck::MoeRouterBackward(type(), reinterpret_cast<const float*>(dgates.Dev()),
+                                   logits.Dev(), experts.values.data(), layout.view.offsets, tokens,
+                                   c.experts, c.top_k, 0.25 * 0.3 * c.experts / tokens,
+                                   dlogits.Dev(), nullptr));
+    ExpectClose(dlogits, type(), tolerance(), "dlogits");
+  }
+  EXPECT_EQ(device_error_[0], ck::kNoDeviceError);
+}
+
+// Dispatch, combine and their backward over a routing with an empty expert; hidden 300 makes
+// the row loops stride.
+TEST_P(Emulated, MoeDispatchAndCombine) {
+  constexpr int64_t kExperts = 4, kTopK = 2, kTokens = 3 * 5, kSlots = kTokens * kTopK;
+  const std::map<std::string, int64_t> attr = {{op_attr::kExperts, kExperts}};
+  const bool f32 = type() == ck::FloatType::kF32;
+  for (const int64_t hidden : {40, 300}) {
+    SCOPED_TRACE("hidden " + std::to_string(hidden));
+    Ints experts = RoutingWithAnEmptyExpert({3, 5, kTopK}, kExperts, &rng_);
+    const EmulatedLayout layout = RunLayout(experts.values, kExperts, device_error_);
+    ASSERT_EQ(layout.Offsets(kExperts)[kExperts - 1], kSlots) << "the last expert is empty";
+    const int32_t* rows = layout.view.rows;
+
+    Tensor x = Random({3, 5, hidden}, type(), &rng_);
+    Tensor xs = Zeros({kSlots, hidden}, type());
+    RunCpu(MakeOp(op_kind::kMoeDispatch, attr), {x.Ref(), experts.Ref()}, {xs.Ref()});
+    ExpectOk(ck::MoeDispatch(type(), x.Dev(), rows, kTokens, kTopK, hidden, xs.Dev(), nullptr));
+    ExpectClose(xs, type(), 0, "xs");  // copies
+
+    Tensor dxs = Random({kSlots, hidden}, type(), &rng_);
+    Tensor dx = Zeros(x.shape, type());
+    RunCpu(MakeOp(op_kind::kMoeDispatchBackward, attr), {dxs.Ref(), experts.Ref()}, {dx.Ref()});
+    ExpectOk(ck::MoeDispatchBackward(type(), dxs.Dev(), rows, kTokens, kTopK, hidden, dx.Dev(),
+                                     nullptr));
+    // fp32: the CPU backend's additions in its order, so bit for bit.
+    ExpectClose(dx, type(), f32 ? 0 : tolerance(), "dx");
+
+    Tensor ys = Random({kSlots, hidden}, type(), &rng_);
+    Tensor gates = Random({3, 5, kTopK}, ck::FloatType::kF32, &rng_);
+    const auto* gates_dev = reinterpret_cast<const float*>(gates.Dev());
+    Tensor y = Zeros(x.shape, type());
+    RunCpu(MakeOp(op_kind::kMoeCombine, attr), {ys.Ref(), gates.Ref(), experts.Ref()}, {y.Ref()});
+    ExpectOk(ck::MoeCombine(type(), ys.Dev(), gates_dev, rows, kTokens, kTopK, hidden, y.Dev(),
+                            nullptr));
+    ExpectClose(y, type(), tolerance(), "y");
+
+    Tensor dy = Random(x.shape, type(), &rng_);
+    Tensor dys = Zeros(ys.shape, type());
+    Tensor dgates = Zeros(gates.shape, ck::FloatType::kF32);
+    RunCpu(MakeOp(op_kind::kMoeCombineBackward, attr),
+           {dy.Ref(), ys.Ref(), gates.Ref(), experts.Ref()}, {dys.Ref(), dgates.Ref()});
+    ExpectOk(ck::MoeCombineBackward(type(), dy.Dev(), ys.Dev(), gates_dev, rows, kTokens, kTopK,
+                                    hidden, dys.Dev(), reinterpret_cast<float*>(dgates.Dev()),
+                                    nullptr));
+    ExpectClose(dys, type(), f32 ? 0 : tolerance(), "dys");  // one product per element
+    // fp32 from the same rounded inputs (the CPU backend's dot is in double).
+    ExpectClose(dgates, ck::FloatType::kF32, kF32Tolerance, "dgates");
+  }
   EXPECT_EQ(device_error_[0], ck::kNoDeviceError);
 }
 

@@ -1,8 +1,9 @@
-// Launchers of the device kernels (kernels.cuh), callable from plain C++: private to
-// executor/cuda. Pointers are device pointers, row-major; `FloatType` is the one storage type of
-// an op's float operands (fp32 accumulation inside every kernel whatever it is). Each launcher
-// enqueues its kernels on `stream` and returns the first launch error; it checks nothing that the
-// caller (cuda_kernels.cc) has already checked: shapes, sizes that fit the grid, scratch size.
+// Launchers of the device kernels (kernels.cuh, attention.cuh, moe.cuh), callable from plain
+// C++: private to executor/cuda. Pointers are device pointers, row-major; `FloatType` is the one
+// storage type of an op's float operands (fp32 accumulation inside every kernel whatever it is).
+// Each launcher enqueues its kernels on `stream` and returns the first launch error; it checks
+// nothing that the caller (cuda_kernels.cc) has already checked: shapes, sizes that fit the grid,
+// scratch size.
 #pragma once
 
 #include <driver_types.h>
@@ -13,14 +14,15 @@ namespace dc::cuda_kernels {
 
 enum class FloatType { kF32, kBF16, kF16 };
 
-// The device error record that kernels fill when they meet a bad token id (they cannot return a
-// Status): int32 [kDeviceErrorInts] = {source (0 = none), position, id, bound}. The first error
-// wins; the host reads and clears it (CudaKernelResources::CheckDeviceErrors).
+// The device error record that kernels fill when they meet a bad token or expert id (they cannot
+// return a Status): int32 [kDeviceErrorInts] = {source (0 = none), position, id, bound}. The first
+// error wins; the host reads and clears it (CudaKernelResources::CheckDeviceErrors).
 inline constexpr int kDeviceErrorInts = 4;
 enum DeviceErrorSource : int32_t {
   kNoDeviceError = 0,
   kBadEmbeddingToken = 1,
   kBadCrossEntropyTarget = 2,
+  kBadExpertId = 3,  // position: the slot t * k + j; bound: the number of experts
 };
 
 // Threads per block of every kernel except attention's.
@@ -82,6 +84,48 @@ cudaError_t CrossEntropy(FloatType type, const void* logits, const int32_t* targ
 cudaError_t CrossEntropyBackward(FloatType type, const void* logits, const int32_t* targets,
                                  int64_t rows, int64_t vocab, float grad_scale, void* dlogits,
                                  int32_t* device_error, cudaStream_t stream);
+
+// Mixture of experts (moe.cuh). `experts` holds the i32 ids of M * k slots (s = t * k + j),
+// `tokens` is M and `top_k` k; gates, dgates and the aux loss are fp32 whatever `type` is.
+
+// The expert-major layout of models/moe_layout.h on the device, in int32 scratch of
+// MoeLayoutScratchInts(slots, E): offsets [E + 1] (expert e's rows are [offsets[e],
+// offsets[e + 1])) and rows [slots] (slot s's row). A slot whose id is outside [0, E) is
+// recorded in the device error record, gets row -1 and is left out of the offsets (then
+// offsets[E] < slots); the kernels below skip such slots.
+struct MoeLayoutView {
+  int32_t* offsets;
+  int32_t* rows;
+  int32_t* chunk_bases;  // the layout pass's own
+};
+int64_t MoeLayoutScratchInts(int64_t slots, int64_t num_experts);
+MoeLayoutView MoeLayoutInScratch(int32_t* scratch, int64_t slots, int64_t num_experts);
+cudaError_t MoeLayout(const int32_t* experts, int64_t slots, int64_t num_experts,
+                      const MoeLayoutView& layout, int32_t* device_error, cudaStream_t stream);
+
+// Top-k routing and the load-balancing loss; `scratch` is MoeRouterScratchBytes (8-byte
+// aligned).
+int64_t MoeRouterScratchBytes(int64_t tokens, int64_t num_experts);
+cudaError_t MoeRouter(FloatType type, const void* logits, int64_t tokens, int64_t num_experts,
+                      int64_t top_k, double aux_coef, float* gates, int32_t* experts,
+                      float* aux_loss, void* scratch, cudaStream_t stream);
+// `offsets` from MoeLayout of `experts`; balance_grad_per_choice = grad_scale * aux_coef * E / M,
+// the balancing term's d(loss)/dp[t, e] per token routed to e.
+cudaError_t MoeRouterBackward(FloatType type, const float* dgates, const void* logits,
+                              const int32_t* experts, const int32_t* offsets, int64_t tokens,
+                              int64_t num_experts, int64_t top_k, double balance_grad_per_choice,
+                              void* dlogits, cudaStream_t stream);
+// `rows` from MoeLayout. Rows that no valid slot maps to are left unwritten.
+cudaError_t MoeDispatch(FloatType type, const void* x, const int32_t* rows, int64_t tokens,
+                        int64_t top_k, int64_t hidden, void* xs, cudaStream_t stream);
+cudaError_t MoeDispatchBackward(FloatType type, const void* dxs, const int32_t* rows,
+                                int64_t tokens, int64_t top_k, int64_t hidden, void* dx,
+                                cudaStream_t stream);
+cudaError_t MoeCombine(FloatType type, const void* ys, const float* gates, const int32_t* rows,
+                       int64_t tokens, int64_t top_k, int64_t hidden, void* y, cudaStream_t stream);
+cudaError_t MoeCombineBackward(FloatType type, const void* dy, const void* ys, const float* gates,
+                               const int32_t* rows, int64_t tokens, int64_t top_k, int64_t hidden,
+                               void* dys, float* dgates, cudaStream_t stream);
 
 // AdamW's constants, computed on the host exactly as the CPU backend computes them.
 struct AdamWConstants {
