@@ -162,8 +162,12 @@ StatusOr<bool> UnshardPass::Run(proto::Schedule* schedule, const PassContext& co
   int64_t limit = budget > 0 ? budget : kUnlimited;
   google::protobuf::Arena arena;
   proto::Schedule* candidate = rewriter_internal::ScheduleShell(schedule, &arena);
+  // A plan slower than its input, or far over the budget, keeps only the better half of its
+  // bridges (they are in greedy order, best seconds per byte first) on the next attempt.
+  size_t max_bridges = gaps.size();
   for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
-    const std::vector<Bridge> bridges = Choose(gaps, curve, limit, options_.max_kept_bytes);
+    std::vector<Bridge> bridges = Choose(gaps, curve, limit, options_.max_kept_bytes);
+    if (bridges.size() > max_bridges) bridges.resize(max_bridges);
     if (bridges.empty()) return ordered;
     DC_RETURN_IF_ERROR(rewriter_internal::ApplyBridges(*schedule, index, bridges, candidate));
     DC_ASSIGN_OR_RETURN(SimResult output, Simulate(*candidate, *context.costs, quick));
@@ -171,10 +175,14 @@ StatusOr<bool> UnshardPass::Run(proto::Schedule* schedule, const PassContext& co
       *schedule->mutable_instructions() = candidate->instructions();
       return true;
     }
-    if (budget > 0 && output.peak_device_bytes > budget) {
-      limit -= output.peak_device_bytes - budget;
+    // Over the budget: plan against a limit lowered by the overshoot. Where the overshoot is
+    // as large as half the limit the curve's timing (the input's) is far from the plan's (many
+    // bridges shorten the step and move every instant), so halve the bridges instead.
+    const int64_t overshoot = output.peak_device_bytes - budget;
+    if (budget > 0 && overshoot > 0 && overshoot < limit / 2) {
+      limit -= overshoot;
     } else {
-      return ordered;  // slower without any memory reason: nothing to back off
+      max_bridges = bridges.size() / 2;
     }
   }
   return ordered;

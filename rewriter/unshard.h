@@ -16,8 +16,9 @@
 // gather; computes that waited for a removed gather wait for the one that keeps the param
 // live. A param whose every gap is taken is gathered once at its first use in the step and
 // released after its last use before the optimizer phase. Then simulate: over the budget (the
-// curve's timing is the input's) plans again against a budget lowered by the overshoot; after
-// max_attempts the input is kept. O(n log n) per attempt plus one simulation.
+// curve's timing is the input's) plans again against a budget lowered by the overshoot, or,
+// where the overshoot is half the budget or more (or the plan is slower), with the better half
+// of the bridges; after max_attempts the input is kept. O(n log n) per attempt plus one simulation.
 #pragma once
 
 #include <cstdint>
@@ -36,7 +37,7 @@ struct UnshardOptions {
   int64_t max_kept_bytes = 0;
   // Plans made before the input is kept unchanged (each after a full simulation found the plan
   // over the budget or slower than the input).
-  int max_attempts = 4;
+  int max_attempts = 8;
   // How much slower than its input a plan may be, as a fraction (0 = never slower).
   double slowdown_tolerance = 0;
 };
