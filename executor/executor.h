@@ -2,7 +2,9 @@
 // compute instructions through the backend's kernels, all-gathers and reduce-scatters through
 // the communicator, every buffer through DeviceMemory, every instruction into the tracer when
 // one is given. The `cpu` backend does real fp32 math; instructions run in stream order on one
-// thread (the dependency edges are honoured by that order).
+// thread (the dependency edges are honoured by that order). The `cuda` backend
+// (executor/cuda/cuda_executor.h) shares the step loop (RunSteps) and the way instructions are
+// named in errors (DescribeInstruction); executor/backend.h is how a session picks one.
 #pragma once
 
 #include <cstdint>
