@@ -45,13 +45,15 @@ Status CheckPlanBackend(const std::string& plan_path, const proto::Schedule& pla
   const std::string prefix = plan_path + ": the plan is for the " + planned + " backend";
   if (planned == kCudaBackend) {
     if (requested == kAutoBackend && !available.cuda_compiled) {
-      return Status::Error(prefix + " and this build has no CUDA backend; run it with dc built "
-                                    "with the CUDA toolkit on a GPU host, or " +
+      return Status::Error(prefix +
+                           " and this build has no CUDA backend; run it with dc built "
+                           "with the CUDA toolkit on a GPU host, or " +
                            kReplanForCpu);
     }
     if (requested == kAutoBackend) {
-      return Status::Error(prefix + " and this host has no CUDA device (--backend auto chose "
-                                    "cpu); run it on a GPU host, or " +
+      return Status::Error(prefix +
+                           " and this host has no CUDA device (--backend auto chose "
+                           "cpu); run it on a GPU host, or " +
                            kReplanForCpu);
     }
     return Status::Error(prefix + " and --backend " + requested +
@@ -62,7 +64,8 @@ Status CheckPlanBackend(const std::string& plan_path, const proto::Schedule& pla
     return Status::Error(prefix + " and this run uses cuda (--backend " + requested + "); " +
                          kReplanForCuda + ", or run it with --backend cpu");
   }
-  return Status::Error(prefix + ", which dc does not have; re-plan it with dc-plan for cpu or cuda");
+  return Status::Error(prefix +
+                       ", which dc does not have; re-plan it with dc-plan for cpu or cuda");
 }
 
 namespace {
@@ -100,7 +103,9 @@ class CpuBackend : public RankBackend {
     HostTracer* host = nullptr;
     if (tracer != nullptr) {
       auto* ours = dynamic_cast<HostRankTracer*>(tracer);
-      if (ours == nullptr) return Status::Error("the cpu backend was given another backend's tracer");
+      if (ours == nullptr) {
+        return Status::Error("the cpu backend was given another backend's tracer");
+      }
       host = ours->tracer();
     }
     return RunSchedule(schedule, options, comm, host);

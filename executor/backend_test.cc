@@ -81,22 +81,37 @@ TEST(Backend, APlanForTheOtherBackendNamesTheFileAndHowToReplan) {
     std::vector<std::string> expect;
   };
   const Case cases[] = {
-      {&cuda_plan, "cpu", "cpu", kOneDevice,
+      {&cuda_plan,
+       "cpu",
+       "cpu",
+       kOneDevice,
        {"cuda.dcplan: the plan is for the cuda backend", "--backend cpu", "re-plan for cpu",
         "--backend cuda"}},
-      {&cuda_plan, "cpu", "auto", kNoDevice,
+      {&cuda_plan,
+       "cpu",
+       "auto",
+       kNoDevice,
        {"this host has no CUDA device (--backend auto chose cpu)", "re-plan for cpu"}},
-      {&cuda_plan, "cpu", "auto", kCpuOnlyBuild, {"this build has no CUDA backend", "re-plan for cpu"}},
-      {&cpu_plan, "cuda", "auto", kOneDevice,
+      {&cuda_plan,
+       "cpu",
+       "auto",
+       kCpuOnlyBuild,
+       {"this build has no CUDA backend", "re-plan for cpu"}},
+      {&cpu_plan,
+       "cuda",
+       "auto",
+       kOneDevice,
        {"cuda.dcplan: the plan is for the cpu backend", "this run uses cuda (--backend auto)",
         "re-plan for cuda", "--backend cpu"}},
   };
   for (const Case& c : cases) {
-    const Status status = CheckPlanBackend("cuda.dcplan", *c.plan, c.backend, c.requested, c.available);
+    const Status status =
+        CheckPlanBackend("cuda.dcplan", *c.plan, c.backend, c.requested, c.available);
     ASSERT_FALSE(status.ok());
     EXPECT_TRUE(OneLine(status.message())) << status.message();
     for (const std::string& e : c.expect) {
-      EXPECT_NE(status.message().find(e), std::string::npos) << status.message() << "\nlacks: " << e;
+      EXPECT_NE(status.message().find(e), std::string::npos)
+          << status.message() << "\nlacks: " << e;
     }
   }
   proto::Schedule tpu_plan = cpu_plan;

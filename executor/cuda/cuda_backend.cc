@@ -34,11 +34,14 @@ class CudaBackend : public RankBackend {
                                                   const RankEnv& env) override {
     const std::string who = "rank " + std::to_string(env.rank) + ": ";
     const int devices = CudaDeviceCount();
-    if (devices == 0) return Status::Error(who + "the cuda backend needs a CUDA device; none is visible");
+    if (devices == 0) {
+      return Status::Error(who + "the cuda backend needs a CUDA device; none is visible");
+    }
     if (env.local_rank >= devices) {
-      return Status::Error(who + "local rank " + std::to_string(env.local_rank) + " has no GPU of its own: this host shows " +
-                           std::to_string(devices) + " CUDA device(s); start at most " +
-                           std::to_string(devices) + " rank(s) per host");
+      return Status::Error(who + "local rank " + std::to_string(env.local_rank) +
+                           " has no GPU of its own: this host shows " + std::to_string(devices) +
+                           " CUDA device(s); start at most " + std::to_string(devices) +
+                           " rank(s) per host");
     }
     device_ = env.local_rank;
     DC_RETURN_IF_ERROR(UseCudaDevice(device_).Prefixed(who));
@@ -73,7 +76,9 @@ class CudaBackend : public RankBackend {
     CuptiCollector* collector = nullptr;
     if (tracer != nullptr) {
       auto* ours = dynamic_cast<CuptiRankTracer*>(tracer);
-      if (ours == nullptr) return Status::Error("the cuda backend was given another backend's tracer");
+      if (ours == nullptr) {
+        return Status::Error("the cuda backend was given another backend's tracer");
+      }
       collector = ours->collector();
     }
     // Aborts the communicator itself when it fails.

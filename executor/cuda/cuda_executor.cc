@@ -83,7 +83,9 @@ class CudaRankRunner : public RankStepper {
 
  private:
   std::string Describe(int index) const { return DescribeInstruction(schedule_, index, rank_); }
-  cudaStream_t StreamOf(const proto::Instruction& instr) const { return streams_.get(instr.stream()); }
+  cudaStream_t StreamOf(const proto::Instruction& instr) const {
+    return streams_.get(instr.stream());
+  }
   cudaStream_t compute_stream() const { return streams_.get(proto::STREAM_COMPUTE); }
   int64_t ShardOf(int tensor) const {
     return ShardElements(NumElements(program_.tensors(tensor)), world_);
@@ -156,7 +158,7 @@ class CudaRankRunner : public RankStepper {
   std::set<int> offloaded_;                      // tensors whose shard is on the host now
   PinnedHostBuffer input_staging_;               // token ids of every (micro-step, input)
   std::map<std::pair<int, int>, int64_t> input_offsets_;
-  DeviceBuffer loss_sum_;    // fp32 [1]: the step's summed loss on the device
+  DeviceBuffer loss_sum_;  // fp32 [1]: the step's summed loss on the device
   PinnedHostBuffer loss_host_;
   int loss_tensor_ = -1;
 };
@@ -180,15 +182,23 @@ Status CudaRankRunner::Init() {
   }
   if (loss_tensor_ < 0) return Status::Error("the plan's program has no tensor named 'loss'");
   const std::string who = "rank " + std::to_string(rank_) + ": ";
-  DC_ASSIGN_OR_RETURN(streams_, CudaStreamSet::Create());
-  DC_ASSIGN_OR_RETURN(kernels_, CudaKernelResources::Create());
+  auto streams = CudaStreamSet::Create();
+  if (!streams.ok()) return streams.status().Prefixed(who + "creating the streams: ");
+  streams_ = std::move(*streams);
+  auto kernels = CudaKernelResources::Create();
+  if (!kernels.ok()) return kernels.status().Prefixed(who + "creating the kernel resources: ");
+  kernels_ = std::move(*kernels);
   events_.resize(schedule_.instructions_size());
   for (int i = 0; i < schedule_.instructions_size(); ++i) {
     if (!layout_.records_event[i]) continue;
-    DC_ASSIGN_OR_RETURN(events_[i], CudaEvent::Create());
+    auto event = CudaEvent::Create();
+    if (!event.ok()) return event.status().Prefixed(Describe(i) + ": creating its event: ");
+    events_[i] = std::move(*event);
   }
   for (auto& event : stream_done_) {
-    DC_ASSIGN_OR_RETURN(event, CudaEvent::Create());
+    auto created = CudaEvent::Create();
+    if (!created.ok()) return created.status().Prefixed(who + "creating the step-end events: ");
+    event = std::move(*created);
   }
   for (int s = 0; s < kNumCudaStreams; ++s) {
     DC_ASSIGN_OR_RETURN(staging_[s],
@@ -200,8 +210,8 @@ Status CudaRankRunner::Init() {
   DC_RETURN_IF_ERROR(InitHostBuffers());
   DC_ASSIGN_OR_RETURN(loss_sum_, DeviceBuffer::Create(sizeof(float), who + "loss sum"));
   DC_ASSIGN_OR_RETURN(loss_host_, PinnedHostBuffer::Create(sizeof(float), who + "loss sum"));
-  DC_RETURN_IF_ERROR(
-      CudaStatus(cudaMemset(loss_sum_.data(), 0, sizeof(float)), who + "cudaMemset of the loss sum"));
+  DC_RETURN_IF_ERROR(CudaStatus(cudaMemset(loss_sum_.data(), 0, sizeof(float)),
+                                who + "cudaMemset of the loss sum"));
   DC_RETURN_IF_ERROR(
       CudaStatus(cudaDeviceSynchronize(), who + "cudaDeviceSynchronize after start-up"));
   if (tracer_ != nullptr) DescribeToTracer();
@@ -213,10 +223,13 @@ Status CudaRankRunner::InitArena() {
   if (plan.arena_bytes() <= 0) {
     // Without a memory plan, buffers come from the device's stream-ordered pool. Keep what it
     // holds between steps instead of returning it to the driver at every synchronization.
-    DC_ASSIGN_OR_RETURN(const int device, CurrentCudaDevice());
+    auto current = CurrentCudaDevice();
+    if (!current.ok()) return current.status().Prefixed("rank " + std::to_string(rank_) + ": ");
+    const int device = *current;
     cudaMemPool_t pool = nullptr;
-    DC_RETURN_IF_ERROR(CudaStatus(cudaDeviceGetDefaultMemPool(&pool, device),
-                                  "rank " + std::to_string(rank_) + ": cudaDeviceGetDefaultMemPool"));
+    DC_RETURN_IF_ERROR(
+        CudaStatus(cudaDeviceGetDefaultMemPool(&pool, device),
+                   "rank " + std::to_string(rank_) + ": cudaDeviceGetDefaultMemPool"));
     uint64_t keep_all = std::numeric_limits<uint64_t>::max();
     return CudaStatus(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all),
                       "rank " + std::to_string(rank_) + ": cudaMemPoolSetAttribute");
@@ -252,17 +265,17 @@ Status CudaRankRunner::InitPersistentShards() {
       continue;
     }
     const CudaBufferShape shape = ShardShape(t, world_);
-    const std::string what = "start-up (persistent shard of " + t.name() + ") on rank " +
-                             std::to_string(rank_);
+    const std::string what =
+        "start-up (persistent shard of " + t.name() + ") on rank " + std::to_string(rank_);
     DC_ASSIGN_OR_RETURN(Buffer * shard,
                         Allocate(-1, t.id(), kPersistentKey, ShardKind(t), shape, nullptr, what));
     if (arena_) startup_place_[t.id()] = shard->data;
     if (t.role() == proto::ROLE_PARAM) {
       host.assign(shape.elements, 0.0f);
       InitParamSlice(config, t, rank_ * shape.elements, shape.elements, host.data());
-      DC_RETURN_IF_ERROR(CudaStatus(
-          cudaMemcpy(shard->data, host.data(), shape.size_bytes, cudaMemcpyHostToDevice),
-          what + ": cudaMemcpy of " + FormatBytes(shape.size_bytes)));
+      DC_RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpy(shard->data, host.data(), shape.size_bytes, cudaMemcpyHostToDevice),
+                     what + ": cudaMemcpy of " + FormatBytes(shape.size_bytes)));
     } else {
       DC_RETURN_IF_ERROR(CudaStatus(cudaMemset(shard->data, 0, shape.size_bytes),
                                     what + ": cudaMemset of " + FormatBytes(shape.size_bytes)));
@@ -288,20 +301,20 @@ Status CudaRankRunner::InitKernelScratch() {
         inputs.push_back(MakeTensor(nullptr, shape.dtype, {shape.elements}));
       } else {
         inputs.push_back(MakeTensor(nullptr, TransientShape(program_, tensor).dtype,
-                                {tensor.shape().begin(), tensor.shape().end()}));
+                                    {tensor.shape().begin(), tensor.shape().end()}));
       }
     }
     for (int t : op.outputs()) {
       const proto::Tensor& tensor = program_.tensors(t);
       outputs.push_back(MakeTensor(nullptr, TransientShape(program_, tensor).dtype,
-                               {tensor.shape().begin(), tensor.shape().end()}));
+                                   {tensor.shape().begin(), tensor.shape().end()}));
     }
     auto bytes = CudaScratchBytes(op, inputs, outputs);
     if (!bytes.ok()) return bytes.status().Prefixed(Describe(i) + ": ");
     most = std::max(most, *bytes);
   }
-  DC_ASSIGN_OR_RETURN(kernel_scratch_,
-                      DeviceBuffer::Create(most, "rank " + std::to_string(rank_) + ": kernel scratch"));
+  DC_ASSIGN_OR_RETURN(kernel_scratch_, DeviceBuffer::Create(most, "rank " + std::to_string(rank_) +
+                                                                      ": kernel scratch"));
   return Status::Ok();
 }
 
@@ -309,9 +322,9 @@ Status CudaRankRunner::InitKernelScratch() {
 Status CudaRankRunner::InitHostBuffers() {
   const std::string who = "rank " + std::to_string(rank_) + ": ";
   for (const auto& [tensor, bytes] : layout_.pinned_shard_bytes) {
-    DC_ASSIGN_OR_RETURN(host_shards_[tensor],
-                        PinnedHostBuffer::Create(bytes, who + "host copy of " +
-                                                            program_.tensors(tensor).name()));
+    DC_ASSIGN_OR_RETURN(
+        host_shards_[tensor],
+        PinnedHostBuffer::Create(bytes, who + "host copy of " + program_.tensors(tensor).name()));
   }
   int64_t offset = 0;
   for (int micro = 0; micro < layout_.gas; ++micro) {
@@ -366,12 +379,13 @@ StatusOr<Buffer*> CudaRankRunner::Allocate(int index, int tensor, int key, Buffe
       return Status::Error(what + ": the memory plan has no place for " + t.name() +
                            " at instruction " + std::to_string(index) + "; re-plan it");
     }
-    DC_ASSIGN_OR_RETURN(buffer.data, arena_->Buffer(it->second, shape.size_bytes, what + ": " + t.name()));
+    DC_ASSIGN_OR_RETURN(buffer.data,
+                        arena_->Buffer(it->second, shape.size_bytes, what + ": " + t.name()));
   } else if (shape.size_bytes > 0) {
-    DC_RETURN_IF_ERROR(CudaStatus(
-        cudaMallocAsync(&buffer.data, static_cast<size_t>(shape.size_bytes), stream),
-        what + ": cudaMallocAsync of " + FormatBytes(shape.size_bytes) + " for " + t.name() +
-            " (plan with a lower --budget)"));
+    DC_RETURN_IF_ERROR(
+        CudaStatus(cudaMallocAsync(&buffer.data, static_cast<size_t>(shape.size_bytes), stream),
+                   what + ": cudaMallocAsync of " + FormatBytes(shape.size_bytes) + " for " +
+                       t.name() + " (plan with a lower --budget)"));
     buffer.pooled = true;
   }
   auto [it, inserted] = live_.emplace(std::make_pair(tensor, key), buffer);
@@ -448,7 +462,8 @@ Status CudaRankRunner::LoadInput(int index, int tensor, int micro, int step, cud
   auto offset = input_offsets_.find({micro, tensor});
   if (offset == input_offsets_.end()) {
     return Status::Error(what + ": reads " + t.name() + " in micro-step " + std::to_string(micro) +
-                         ", outside the plan's " + std::to_string(layout_.gas) + "; re-plan it");
+                         ", outside the plan's " + std::to_string(layout_.gas) +
+                         " micro-step(s); re-plan it");
   }
   // Each (micro-step, input) has its own pinned region, written once per step: the copy of the
   // previous step has finished (the step's end waits for the device). A plan that loads the same
@@ -457,7 +472,8 @@ Status CudaRankRunner::LoadInput(int index, int tensor, int micro, int step, cud
   const int64_t seq = config.seq();
   std::vector<int32_t> inputs(seq), targets(seq);
   for (int64_t b = 0; b < config.micro_batch(); ++b) {
-    data_->Sample(SampleIndex(config, world_, step, micro, rank_, b), inputs.data(), targets.data());
+    data_->Sample(SampleIndex(config, world_, step, micro, rank_, b), inputs.data(),
+                  targets.data());
     const auto& source = t.name() == "targets" ? targets : inputs;
     std::copy(source.begin(), source.end(), staged + b * seq);
   }
@@ -480,8 +496,9 @@ Status CudaRankRunner::Compute(const proto::Instruction& instr, int index, int s
       Buffer* shard = Shard(tensor);
       if (!shard) {
         return Status::Error(what + ": " + t.name() +
-                             (offloaded_.count(tensor) ? "'s shard is offloaded; the plan must reload it first"
-                                                       : " has no shard"));
+                             (offloaded_.count(tensor)
+                                  ? "'s shard is offloaded; the plan must reload it first"
+                                  : " has no shard"));
       }
       inputs.push_back(MakeTensor(shard->data, shard->shape.dtype, {shard->shape.elements}));
       continue;
@@ -492,9 +509,9 @@ Status CudaRankRunner::Compute(const proto::Instruction& instr, int index, int s
     }
     Buffer* buffer = Find(tensor, key);
     if (!buffer) {
-      return Status::Error(what + ": reads " + t.name() +
-                           (t.role() == proto::ROLE_PARAM ? ", which is not gathered"
-                                                          : ", which is not live"));
+      return Status::Error(
+          what + ": reads " + t.name() +
+          (t.role() == proto::ROLE_PARAM ? ", which is not gathered" : ", which is not live"));
     }
     inputs.push_back(view_of(*buffer, t));
   }
@@ -516,16 +533,16 @@ Status CudaRankRunner::Compute(const proto::Instruction& instr, int index, int s
   DC_RETURN_IF_ERROR(RunCudaOp(op, inputs, outputs, context).Prefixed(what + ": "));
   for (size_t i = 0; i < outputs.size(); ++i) {
     if (op.outputs(i) != loss_tensor_) continue;
-    DC_RETURN_IF_ERROR(CudaAccumulate(outputs[i], 1.0f, MakeTensor(loss_sum_.data(), proto::DTYPE_F32, {1}),
-                                      stream)
+    DC_RETURN_IF_ERROR(CudaAccumulate(outputs[i], 1.0f,
+                                      MakeTensor(loss_sum_.data(), proto::DTYPE_F32, {1}), stream)
                            .Prefixed(what + ": summing the loss: "));
   }
   return Status::Ok();
 }
 
-StatusOr<void*> CudaRankRunner::StagingFor(const proto::Instruction& instr, const proto::Tensor& tensor,
-                                           proto::DType dtype, int64_t* offset_bytes,
-                                           const std::string& what) {
+StatusOr<void*> CudaRankRunner::StagingFor(const proto::Instruction& instr,
+                                           const proto::Tensor& tensor, proto::DType dtype,
+                                           int64_t* offset_bytes, const std::string& what) {
   const DeviceBuffer& staging = staging_[CudaStreamIndex(instr.stream())];
   const int64_t bytes = StagingBytes(tensor, world_, dtype);
   if (*offset_bytes + bytes > staging.size_bytes()) {
@@ -555,8 +572,12 @@ Status CudaRankRunner::Gather(const proto::Instruction& instr, int index, cudaSt
   int64_t staging_offset = 0;
   for (int tensor : instr.tensors()) {
     const proto::Tensor& t = program_.tensors(tensor);
-    if (t.role() != proto::ROLE_PARAM) return Status::Error(what + ": " + t.name() + " is not a param");
-    if (Find(tensor, kGatheredKey)) return Status::Error(what + ": " + t.name() + " is already gathered");
+    if (t.role() != proto::ROLE_PARAM) {
+      return Status::Error(what + ": " + t.name() + " is not a param");
+    }
+    if (Find(tensor, kGatheredKey)) {
+      return Status::Error(what + ": " + t.name() + " is already gathered");
+    }
     Buffer* shard = Shard(tensor);
     if (!shard) return Status::Error(what + ": " + t.name() + "'s shard is offloaded");
     DC_ASSIGN_OR_RETURN(Buffer * whole, Allocate(index, tensor, kGatheredKey, BufferKind::kGathered,
@@ -591,9 +612,13 @@ Status CudaRankRunner::ReduceScatter(const proto::Instruction& instr, int index,
   for (int tensor : instr.tensors()) {
     const proto::Tensor& t = program_.tensors(tensor);
     Buffer* grad = Find(tensor, instr.micro_step());
-    if (!grad) return Status::Error(what + ": reduce-scatter of " + t.name() + ", which is not live");
+    if (!grad) {
+      return Status::Error(what + ": reduce-scatter of " + t.name() + ", which is not live");
+    }
     Buffer* shard = Shard(tensor);
-    if (!shard) return Status::Error(what + ": reduce-scatter into " + t.name() + "'s offloaded shard");
+    if (!shard) {
+      return Status::Error(what + ": reduce-scatter into " + t.name() + "'s offloaded shard");
+    }
     const proto::DType dtype = grad->shape.dtype;
     const int64_t element_bytes = DTypeSizeBytes(dtype);
     const int64_t shard_elements = shard->shape.elements;
@@ -601,7 +626,8 @@ Status CudaRankRunner::ReduceScatter(const proto::Instruction& instr, int index,
     if (NeedsStaging(t, world_)) {
       DC_ASSIGN_OR_RETURN(full, StagingFor(instr, t, dtype, &staging_offset, what));
       const int64_t padded_bytes = shard_elements * world_ * element_bytes;
-      DC_RETURN_IF_ERROR(CopyAsync(full, grad->data, grad->shape.size_bytes, stream, what + ": padding"));
+      DC_RETURN_IF_ERROR(
+          CopyAsync(full, grad->data, grad->shape.size_bytes, stream, what + ": padding"));
       DC_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(At(full, grad->shape.size_bytes), 0,
                                                     padded_bytes - grad->shape.size_bytes, stream),
                                     what + ": cudaMemsetAsync of the padding of " + t.name()));
@@ -626,11 +652,12 @@ Status CudaRankRunner::Offload(const proto::Instruction& instr, int index, cudaS
     const proto::Tensor& t = program_.tensors(tensor);
     Buffer* shard = Shard(tensor);
     if (!shard) {
-      return Status::Error(what + ": " + t.name() +
-                           " is not a persistent shard on the device (the cuda backend offloads shards only)");
+      return Status::Error(
+          what + ": " + t.name() +
+          " is not a persistent shard on the device (the cuda backend offloads shards only)");
     }
-    DC_RETURN_IF_ERROR(CopyAsync(host_shards_.at(tensor).data(), shard->data, shard->shape.size_bytes,
-                                 stream, what + ": " + t.name()));
+    DC_RETURN_IF_ERROR(CopyAsync(host_shards_.at(tensor).data(), shard->data,
+                                 shard->shape.size_bytes, stream, what + ": " + t.name()));
     DC_RETURN_IF_ERROR(Release(tensor, kPersistentKey, stream, what));
     offloaded_.insert(tensor);
   }
@@ -641,11 +668,13 @@ Status CudaRankRunner::Reload(const proto::Instruction& instr, int index, cudaSt
   const std::string what = Describe(index);
   for (int tensor : instr.tensors()) {
     const proto::Tensor& t = program_.tensors(tensor);
-    if (!offloaded_.count(tensor)) return Status::Error(what + ": " + t.name() + " is not offloaded");
+    if (!offloaded_.count(tensor)) {
+      return Status::Error(what + ": " + t.name() + " is not offloaded");
+    }
     DC_ASSIGN_OR_RETURN(Buffer * shard, Allocate(index, tensor, kPersistentKey, ShardKind(t),
                                                  ShardShape(t, world_), stream, what));
-    DC_RETURN_IF_ERROR(CopyAsync(shard->data, host_shards_.at(tensor).data(), shard->shape.size_bytes,
-                                 stream, what + ": " + t.name()));
+    DC_RETURN_IF_ERROR(CopyAsync(shard->data, host_shards_.at(tensor).data(),
+                                 shard->shape.size_bytes, stream, what + ": " + t.name()));
     offloaded_.erase(tensor);
   }
   return Status::Ok();
@@ -654,8 +683,8 @@ Status CudaRankRunner::Reload(const proto::Instruction& instr, int index, cudaSt
 Status CudaRankRunner::ReleaseInstruction(const proto::Instruction& instr, int index,
                                           cudaStream_t stream) {
   for (int tensor : instr.tensors()) {
-    const int key = program_.tensors(tensor).role() == proto::ROLE_PARAM ? kGatheredKey
-                                                                         : instr.micro_step();
+    const int key =
+        program_.tensors(tensor).role() == proto::ROLE_PARAM ? kGatheredKey : instr.micro_step();
     if (!Find(tensor, key)) {
       return Status::Error(Describe(index) + ": releases " + program_.tensors(tensor).name() +
                            ", which is not live");
@@ -669,7 +698,8 @@ Status CudaRankRunner::ReleaseInstruction(const proto::Instruction& instr, int i
 // Steps
 
 Status CudaRankRunner::FinishStep(int step, float* loss_sum) {
-  const std::string what = "the end of step " + std::to_string(step) + " on rank " + std::to_string(rank_);
+  const std::string what =
+      "the end of step " + std::to_string(step) + " on rank " + std::to_string(rank_);
   const cudaStream_t compute = compute_stream();
   for (int s = 0; s < kNumCudaStreams; ++s) {
     const cudaStream_t stream = streams_.get(static_cast<proto::Stream>(s + 1));
@@ -682,15 +712,17 @@ Status CudaRankRunner::FinishStep(int step, float* loss_sum) {
   // run, the optimizer's reads included.
   for (auto& [key, buffer] : live_) {
     if (program_.tensors(key.first).role() != proto::ROLE_GRAD) continue;
-    DC_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(buffer.data, 0, buffer.shape.size_bytes, compute),
-                                  what + ": cudaMemsetAsync of " + program_.tensors(key.first).name()));
+    DC_RETURN_IF_ERROR(
+        CudaStatus(cudaMemsetAsync(buffer.data, 0, buffer.shape.size_bytes, compute),
+                   what + ": cudaMemsetAsync of " + program_.tensors(key.first).name()));
   }
   DC_RETURN_IF_ERROR(CopyAsync(loss_host_.data(), loss_sum_.data(), sizeof(float), compute,
                                what + ": reading the loss"));
   DC_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(loss_sum_.data(), 0, sizeof(float), compute),
                                 what + ": cudaMemsetAsync of the loss sum"));
   // The communicator names the rank itself.
-  DC_RETURN_IF_ERROR(comm_->Synchronize(compute, "waiting for the end of step " + std::to_string(step)));
+  DC_RETURN_IF_ERROR(
+      comm_->Synchronize(compute, "waiting for the end of step " + std::to_string(step)));
   DC_RETURN_IF_ERROR(kernels_->CheckDeviceErrors(compute).Prefixed(what + ": "));
   *loss_sum = *static_cast<const float*>(loss_host_.data());
   return Status::Ok();
@@ -706,7 +738,8 @@ Status CudaRankRunner::ReturnReloadedShards(cudaStream_t stream, const std::stri
     const int64_t bytes = shard->shape.size_bytes;
     const auto* from = static_cast<const char*>(shard->data);
     const auto* to = static_cast<const char*>(place);
-    const std::string copy = what + ": returning " + program_.tensors(tensor).name() + " to its place";
+    const std::string copy =
+        what + ": returning " + program_.tensors(tensor).name() + " to its place";
     if (from < to + bytes && to < from + bytes) {
       // Overlapping places: through the shard's host copy (cudaMemcpy must not overlap).
       void* host = host_shards_.at(tensor).data();
@@ -752,9 +785,10 @@ StatusOr<std::string> CudaRankRunner::ParamsDigest() {
     if (!shard) continue;
     const size_t offset = bytes.size();
     bytes.resize(offset + shard->shape.size_bytes);
-    DC_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpy(bytes.data() + offset, shard->data, shard->shape.size_bytes, cudaMemcpyDeviceToHost),
-        "rank " + std::to_string(rank_) + ": reading the param shard of " + t.name()));
+    DC_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpy(bytes.data() + offset, shard->data, shard->shape.size_bytes,
+                              cudaMemcpyDeviceToHost),
+                   "rank " + std::to_string(rank_) + ": reading the param shard of " + t.name()));
   }
   return Sha256Hex(bytes);
 }
@@ -775,10 +809,11 @@ StatusOr<RunResult> RunScheduleOnCuda(const proto::Schedule& schedule, const Run
   if (!layout.ok()) return failed(layout.status());
   auto data = TokenSource::Open(schedule.program().config());
   if (!data.ok()) return failed(data.status());
-  CudaRankRunner runner(schedule, options, cuda, comm, tracer, std::move(*data), std::move(*layout));
+  CudaRankRunner runner(schedule, options, cuda, comm, tracer, std::move(*data),
+                        std::move(*layout));
   Status started = runner.Init();
-  StatusOr<RunResult> result = started.ok() ? RunSteps(&runner, schedule, options, comm)
-                                            : StatusOr<RunResult>(started);
+  StatusOr<RunResult> result =
+      started.ok() ? RunSteps(&runner, schedule, options, comm) : StatusOr<RunResult>(started);
   // Before the runner's destructor waits for the device: NCCL kernels of an aborted
   // communicator return, those still waiting for a peer might not.
   if (!result.ok()) return failed(result.status());

@@ -36,14 +36,15 @@ constexpr double kBF16Tolerance = 2e-2;
 // Two plans of one fp32 model on the GPU.
 constexpr double kF32Tolerance = 1e-3;
 
-#define DC_REQUIRE_DEVICE()                                            \
-  do {                                                                 \
-    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";      \
+#define DC_REQUIRE_DEVICE()                                       \
+  do {                                                            \
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device"; \
   } while (0)
 
 std::string TempDir(const std::string& name) {
-  const auto dir = std::filesystem::temp_directory_path() /
-                   (name + "-" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
+  const auto dir =
+      std::filesystem::temp_directory_path() /
+      (name + "-" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
   std::filesystem::create_directories(dir);
   return dir.string();
 }
@@ -72,7 +73,8 @@ OneRank ConnectOneRank() {
   return rank;
 }
 
-StatusOr<RunResult> RunOnCuda(const proto::Schedule& plan, int steps = kSteps, int64_t capacity = 0) {
+StatusOr<RunResult> RunOnCuda(const proto::Schedule& plan, int steps = kSteps,
+                              int64_t capacity = 0) {
   OneRank rank = ConnectOneRank();
   if (!rank.comm) return Status::Error("no NCCL communicator");
   RunOptions options;
@@ -178,8 +180,10 @@ TEST(CudaExecutor, ErrorsNameTheInstructionAndTheRank) {
   plan.mutable_instructions(gather)->clear_tensors();
   auto run = RunOnCuda(plan, 1);
   ASSERT_FALSE(run.ok());
-  EXPECT_NE(run.status().message().find(") on rank 0: reads "), std::string::npos) << run.status().message();
-  EXPECT_NE(run.status().message().find("which is not gathered"), std::string::npos) << run.status().message();
+  EXPECT_NE(run.status().message().find(") on rank 0: reads "), std::string::npos)
+      << run.status().message();
+  EXPECT_NE(run.status().message().find("which is not gathered"), std::string::npos)
+      << run.status().message();
 }
 
 TEST(CudaExecutor, TracedSessionWritesACuptiTrace) {
@@ -202,7 +206,8 @@ TEST(CudaExecutor, TracedSessionWritesACuptiTrace) {
   EXPECT_EQ((*trace)->ranks()[0].backend, "cuda");
   EXPECT_EQ((*trace)->Steps().size(), 3u);
   int samples = 0;
-  ASSERT_TRUE((*trace)->ForEachInstructionSample([&](const Trace::InstructionSample&) { ++samples; }).ok());
+  ASSERT_TRUE(
+      (*trace)->ForEachInstructionSample([&](const Trace::InstructionSample&) { ++samples; }).ok());
   EXPECT_GT(samples, plan.instructions_size());  // every instruction's work, over the steps
   std::filesystem::remove_all(dir);
 }
@@ -222,9 +227,9 @@ TEST(CudaExecutor, TwoRanksThroughDcRunMatchTheCpuBackend) {
   ASSERT_TRUE(SavePlan(dir + "/cuda.dcplan", Plan(options)).ok());
   auto run = [&](const std::string& backend) {
     const std::string out = dir + "/" + backend + ".json";
-    const std::string command = std::string(DC_BINARY_DIR) + "/tools/dc-run " + dir + "/" + backend +
-                                ".dcplan --backend " + backend + " --steps " + std::to_string(kSteps) +
-                                " --json > " + out;
+    const std::string command = std::string(DC_BINARY_DIR) + "/tools/dc-run " + dir + "/" +
+                                backend + ".dcplan --backend " + backend + " --steps " +
+                                std::to_string(kSteps) + " --json > " + out;
     EXPECT_EQ(std::system(command.c_str()), 0) << command;
     std::ifstream in(out);
     const auto j = nlohmann::json::parse(in, nullptr, false);

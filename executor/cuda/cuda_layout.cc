@@ -40,18 +40,17 @@ Status CheckPlacements(const proto::Schedule& schedule) {
     const bool shard = IsPersistentRole(t.role()) && p.micro_step() != kGatheredMicroStep &&
                        (p.instruction() < 0 ||
                         schedule.instructions(p.instruction()).kind() == proto::INSTR_RELOAD);
-    const CudaBufferShape shape = shard ? ShardShape(t, schedule.world_size())
-                                        : TransientShape(program, t);
+    const CudaBufferShape shape =
+        shard ? ShardShape(t, schedule.world_size()) : TransientShape(program, t);
     if (p.offset_bytes() < 0 || p.offset_bytes() % kCudaStagingAlignmentBytes != 0 ||
         p.size_bytes() < shape.size_bytes ||
         p.offset_bytes() + shape.size_bytes > plan.arena_bytes()) {
-      return Status::Error("the memory plan's place for " + t.name() + " (offset " +
-                           std::to_string(p.offset_bytes()) + ", " +
-                           std::to_string(p.size_bytes()) + " bytes) does not hold its " +
-                           std::to_string(shape.size_bytes) + " bytes " +
-                           std::to_string(kCudaStagingAlignmentBytes) +
-                           "-byte aligned inside the arena of " +
-                           std::to_string(plan.arena_bytes()) + " bytes; re-plan it");
+      return Status::Error(
+          "the memory plan's place for " + t.name() + " (offset " +
+          std::to_string(p.offset_bytes()) + ", " + std::to_string(p.size_bytes()) +
+          " bytes) does not hold its " + std::to_string(shape.size_bytes) + " bytes " +
+          std::to_string(kCudaStagingAlignmentBytes) + "-byte aligned inside the arena of " +
+          std::to_string(plan.arena_bytes()) + " bytes; re-plan it");
     }
   }
   return Status::Ok();
@@ -65,8 +64,8 @@ CudaBufferShape ShardShape(const proto::Tensor& tensor, int world_size) {
 }
 
 CudaBufferShape TransientShape(const proto::Program& program, const proto::Tensor& tensor) {
-  const proto::DType dtype = tensor.role() == proto::ROLE_PARAM ? program.config().compute_dtype()
-                                                                : tensor.dtype();
+  const proto::DType dtype =
+      tensor.role() == proto::ROLE_PARAM ? program.config().compute_dtype() : tensor.dtype();
   // TransientBytes is the accounting the planner uses; the buffer is exactly that large.
   return {dtype, NumElements(tensor), TransientBytes(program, tensor)};
 }

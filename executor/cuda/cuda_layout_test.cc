@@ -30,7 +30,8 @@ void ExpectRefused(const proto::Schedule& plan, const std::string& expect) {
   auto layout = MakeCudaLayout(plan);
   ASSERT_FALSE(layout.ok());
   EXPECT_NE(layout.status().message().find(expect), std::string::npos) << layout.status().message();
-  EXPECT_NE(layout.status().message().find("re-plan"), std::string::npos) << layout.status().message();
+  EXPECT_NE(layout.status().message().find("re-plan"), std::string::npos)
+      << layout.status().message();
 }
 
 TEST(CudaLayout, WaitsOnlyForDependenciesOnOtherStreams) {
@@ -52,8 +53,8 @@ TEST(CudaLayout, WaitsOnlyForDependenciesOnOtherStreams) {
   }
   EXPECT_GT(cross, 0);  // computes wait for gathers, reduce-scatters for computes
   // Only instructions some other stream waits for record an event.
-  const int recording = static_cast<int>(
-      std::count(layout.records_event.begin(), layout.records_event.end(), true));
+  const int recording =
+      static_cast<int>(std::count(layout.records_event.begin(), layout.records_event.end(), true));
   EXPECT_GT(recording, 0);
   EXPECT_LT(recording, plan.instructions_size());
 }
@@ -138,7 +139,8 @@ TEST(CudaLayout, ReloadsWaitForTheirOffloadsCopy) {
     if (instr.kind() != proto::INSTR_RELOAD) continue;
     ++reloads;
     for (int t : instr.tensors()) {
-      EXPECT_EQ(layout.pinned_shard_bytes.at(t), ShardShape(plan.program().tensors(t), 2).size_bytes);
+      EXPECT_EQ(layout.pinned_shard_bytes.at(t),
+                ShardShape(plan.program().tensors(t), 2).size_bytes);
       bool waits_for_offload = false;
       for (int w : layout.waits[i]) {
         const proto::Instruction& before = plan.instructions(w);
