@@ -25,10 +25,23 @@ double Median(std::vector<double> values) {
   return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
-Status CheckRunnable(const proto::Schedule& schedule, int world_size) {
-  if (schedule.backend() != "cpu") {
-    return Status::Error("the plan is for the '" + schedule.backend() +
-                         "' backend and this run uses 'cpu'; re-plan with dc-plan for cpu");
+std::string DescribeInstruction(const proto::Schedule& schedule, int index, int rank) {
+  const proto::Program& program = schedule.program();
+  const auto& instr = schedule.instructions(index);
+  std::string text = "instruction " + std::to_string(index) + " (" + InstrKindName(instr.kind());
+  if (instr.kind() == proto::INSTR_COMPUTE) {
+    text += " " + program.ops(instr.op()).name();
+  } else if (instr.tensors_size() > 0) {
+    text += " " + program.tensors(instr.tensors(0)).name();
+    if (instr.tensors_size() > 1) text += " +" + std::to_string(instr.tensors_size() - 1);
+  }
+  return text + ") on rank " + std::to_string(rank);
+}
+
+Status CheckRunnable(const proto::Schedule& schedule, int world_size, const std::string& backend) {
+  if (schedule.backend() != backend) {
+    return Status::Error("the plan is for the '" + schedule.backend() + "' backend and this run uses '" +
+                         backend + "'; re-plan with dc-plan for " + backend);
   }
   if (schedule.world_size() != world_size) {
     return Status::Error("the plan is for " + std::to_string(schedule.world_size()) +
@@ -61,7 +74,7 @@ using PlacementKey = std::tuple<int, int, int>;
 constexpr int kGatheredKey = -2;
 constexpr int kPersistentKey = -3;
 
-class RankRunner {
+class RankRunner : public RankStepper {
  public:
   RankRunner(const proto::Schedule& schedule, const RunOptions& options, Communicator* comm,
              HostTracer* tracer, std::unique_ptr<TokenSource> data)
@@ -76,11 +89,11 @@ class RankRunner {
         rank_(comm->rank()) {}
 
   Status Init();
-  int64_t arena_bytes() const { return static_cast<int64_t>(arena_.size()); }
-  // SHA-256 of this rank's param shards in tensor order.
-  std::string ParamsDigest();
-  Status RunStep(int step, bool warmup, double* loss, double* seconds);
-  const DeviceMemory& memory() const { return memory_; }
+  int64_t arena_bytes() const override { return static_cast<int64_t>(arena_.size()); }
+  int64_t peak_live_bytes() const override { return memory_.peak_bytes(); }
+  std::vector<int64_t> peak_by_kind() const override { return memory_.peak_by_kind(); }
+  StatusOr<std::string> ParamsDigest() override;
+  Status RunStep(int step, bool warmup, double* loss, double* seconds) override;
 
  private:
   struct Pending {  // memory events of the instruction being executed
@@ -137,17 +150,7 @@ class RankRunner {
   std::map<std::pair<int, int>, int64_t> addresses_;
 };
 
-std::string RankRunner::Describe(int index) const {
-  const auto& instr = schedule_.instructions(index);
-  std::string text = "instruction " + std::to_string(index) + " (" + InstrKindName(instr.kind());
-  if (instr.kind() == proto::INSTR_COMPUTE) {
-    text += " " + program_.ops(instr.op()).name();
-  } else if (instr.tensors_size() > 0) {
-    text += " " + program_.tensors(instr.tensors(0)).name();
-    if (instr.tensors_size() > 1) text += " +" + std::to_string(instr.tensors_size() - 1);
-  }
-  return text + ") on rank " + std::to_string(rank_);
-}
+std::string RankRunner::Describe(int index) const { return DescribeInstruction(schedule_, index, rank_); }
 
 Status RankRunner::Place(int index, int tensor, int key, Buffer* buffer, bool ints) {
   if (arena_.empty()) {
@@ -260,7 +263,7 @@ Status RankRunner::Init() {
   return Status::Ok();
 }
 
-std::string RankRunner::ParamsDigest() {
+StatusOr<std::string> RankRunner::ParamsDigest() {
   std::string bytes;
   for (const auto& t : program_.tensors()) {
     if (t.role() != proto::ROLE_PARAM) continue;
@@ -547,12 +550,8 @@ Status RankRunner::RunStep(int step, bool warmup, double* loss, double* seconds)
 
 }  // namespace
 
-StatusOr<RunResult> RunSchedule(const proto::Schedule& schedule, const RunOptions& options,
-                                Communicator* comm, HostTracer* tracer) {
-  DC_RETURN_IF_ERROR(CheckRunnable(schedule, comm->world_size()));
-  DC_ASSIGN_OR_RETURN(auto data, TokenSource::Open(schedule.program().config()));
-  RankRunner runner(schedule, options, comm, tracer, std::move(data));
-  DC_RETURN_IF_ERROR(runner.Init());
+StatusOr<RunResult> RunSteps(RankStepper* runner, const proto::Schedule& schedule,
+                             const RunOptions& options, Communicator* comm) {
   RunResult result;
   result.world_size = comm->world_size();
   result.tokens_per_step = TokensPerStep(schedule.program().config(), comm->world_size());
@@ -560,7 +559,7 @@ StatusOr<RunResult> RunSchedule(const proto::Schedule& schedule, const RunOption
   for (int step = 0; step < total; ++step) {
     const bool warmup = step < options.warmup_steps;
     double loss = 0, seconds = 0;
-    DC_RETURN_IF_ERROR(runner.RunStep(step, warmup, &loss, &seconds));
+    DC_RETURN_IF_ERROR(runner->RunStep(step, warmup, &loss, &seconds));
     if (!std::isfinite(loss)) {
       return Status::Error("the loss is " + std::to_string(loss) + " at step " + std::to_string(step) +
                            "; lower the learning rate or check the data");
@@ -571,26 +570,36 @@ StatusOr<RunResult> RunSchedule(const proto::Schedule& schedule, const RunOption
     }
     if (options.on_step && comm->rank() == 0) options.on_step(step, loss, seconds);
   }
-  double peaks[2] = {static_cast<double>(runner.memory().peak_bytes()), static_cast<double>(runner.arena_bytes())};
+  double peaks[2] = {static_cast<double>(runner->peak_live_bytes()), static_cast<double>(runner->arena_bytes())};
   DC_RETURN_IF_ERROR(comm->AllReduceMax(peaks, 2));
   result.peak_live_bytes = static_cast<int64_t>(peaks[0]);
   result.arena_bytes = static_cast<int64_t>(peaks[1]);
   result.peak_device_bytes = std::max(result.peak_live_bytes, result.arena_bytes);
   // Every rank's shard digest, 48 bits each (exact in a double), joined into one digest.
   constexpr int kDigestHexDigits = 12;
+  DC_ASSIGN_OR_RETURN(const std::string rank_digest, runner->ParamsDigest());
   std::vector<double> rank_digests(comm->world_size(), 0.0);
   rank_digests[comm->rank()] =
-      static_cast<double>(std::stoull(runner.ParamsDigest().substr(0, kDigestHexDigits), nullptr, 16));
+      static_cast<double>(std::stoull(rank_digest.substr(0, kDigestHexDigits), nullptr, 16));
   DC_RETURN_IF_ERROR(comm->AllReduceSum(rank_digests.data(), comm->world_size()));
   std::string joined;
   for (double d : rank_digests) joined += std::to_string(static_cast<uint64_t>(d)) + ";";
   result.params_digest = Sha256Hex(joined);
-  result.peak_by_kind = runner.memory().peak_by_kind();
+  result.peak_by_kind = runner->peak_by_kind();
   result.step_seconds_median = Median(result.step_seconds);
   if (result.step_seconds_median > 0) {
     result.tokens_per_second = static_cast<double>(result.tokens_per_step) / result.step_seconds_median;
   }
   return result;
+}
+
+StatusOr<RunResult> RunSchedule(const proto::Schedule& schedule, const RunOptions& options,
+                                Communicator* comm, HostTracer* tracer) {
+  DC_RETURN_IF_ERROR(CheckRunnable(schedule, comm->world_size()));
+  DC_ASSIGN_OR_RETURN(auto data, TokenSource::Open(schedule.program().config()));
+  RankRunner runner(schedule, options, comm, tracer, std::move(data));
+  DC_RETURN_IF_ERROR(runner.Init());
+  return RunSteps(&runner, schedule, options, comm);
 }
 
 }  // namespace dc

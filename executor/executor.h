@@ -2,7 +2,9 @@
 // compute instructions through the backend's kernels, all-gathers and reduce-scatters through
 // the communicator, every buffer through DeviceMemory, every instruction into the tracer when
 // one is given. The `cpu` backend does real fp32 math; instructions run in stream order on one
-// thread (the dependency edges are honoured by that order).
+// thread (the dependency edges are honoured by that order). The `cuda` backend
+// (executor/cuda/cuda_executor.h) shares the step loop (RunSteps) and the way instructions are
+// named in errors (DescribeInstruction); executor/backend.h is how a session picks one.
 #pragma once
 
 #include <cstdint>
@@ -43,9 +45,32 @@ struct RunResult {
   double tokens_per_second = 0;
 };
 
-// Checks that a plan can run here: known backend, world size matching the communicator,
+// Checks that a plan can run here: made for `backend`, world size matching the communicator,
 // the program valid. The message names what differs and what to do.
-Status CheckRunnable(const proto::Schedule& schedule, int world_size);
+Status CheckRunnable(const proto::Schedule& schedule, int world_size, const std::string& backend = "cpu");
+
+// How every backend names an instruction in its errors:
+// "instruction 37 (all_gather layers.0.wq +2) on rank 1".
+std::string DescribeInstruction(const proto::Schedule& schedule, int index, int rank);
+
+// One rank's runner of a backend, as the shared step loop (RunSteps) drives it.
+class RankStepper {
+ public:
+  virtual ~RankStepper() = default;
+  // Runs optimizer step `step` (0-based, counting warm-up); `loss` is the mean over the global
+  // batch (every rank gets it), `seconds` the step's wall time on this rank.
+  virtual Status RunStep(int step, bool warmup, double* loss, double* seconds) = 0;
+  virtual int64_t peak_live_bytes() const = 0;
+  virtual int64_t arena_bytes() const = 0;  // 0 without a memory plan
+  virtual std::vector<int64_t> peak_by_kind() const = 0;
+  // SHA-256 (hex) of this rank's fp32 param shards in tensor order.
+  virtual StatusOr<std::string> ParamsDigest() = 0;
+};
+
+// The step loop every backend shares: warm-up and measured steps, the loss checks, progress,
+// then the run's figures agreed over the ranks (peaks, the joined params digest).
+StatusOr<RunResult> RunSteps(RankStepper* runner, const proto::Schedule& schedule,
+                             const RunOptions& options, Communicator* comm);
 
 StatusOr<RunResult> RunSchedule(const proto::Schedule& schedule, const RunOptions& options,
                                 Communicator* comm, HostTracer* tracer);

@@ -34,6 +34,12 @@ StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const Session
   // A write to a peer that died must fail the collective with a message, not kill this rank
   // silently with SIGPIPE.
   ::signal(SIGPIPE, SIG_IGN);
+  std::unique_ptr<RankBackend> cpu;
+  RankBackend* backend = options.backend;
+  if (backend == nullptr) {
+    cpu = MakeCpuBackend();
+    backend = cpu.get();
+  }
   SessionResult result;
   DC_ASSIGN_OR_RETURN(result.env, RankEnvFromEnvironment(options.rendezvous_flag));
   const RankEnv& env = result.env;
@@ -48,28 +54,27 @@ StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const Session
   rendezvous.bind_host = env.bind_host;
   rendezvous.timeout = options.timeout;
   rendezvous.run_id = "dc-" + schedule.program_digest().substr(0, 12);
-  DC_ASSIGN_OR_RETURN(auto comm, Connect(rendezvous));
-  DC_RETURN_IF_ERROR(CheckRunnable(schedule, comm->world_size()));
+  DC_ASSIGN_OR_RETURN(auto comm, backend->Connect(rendezvous, env));
+  DC_RETURN_IF_ERROR(CheckRunnable(schedule, comm->world_size(), backend->name()));
 
-  std::unique_ptr<HostTracer> tracer;
+  std::unique_ptr<RankTracer> tracer;
   if (!options.trace_path.empty()) {
-    int64_t session_start_ns = RealtimeNs();
-    DC_RETURN_IF_ERROR(comm->Broadcast(&session_start_ns, 0));
-    RankIdentity identity;
-    identity.rank = env.rank;
-    identity.local_rank = env.local_rank;
-    identity.world_size = env.world_size;
-    identity.hostname = Hostname();
-    identity.backend = schedule.backend();
-    identity.device = "cpu";
-    identity.device_memory_bytes = options.run.device_memory_bytes;
-    tracer = std::make_unique<HostTracer>(identity, session_start_ns);
+    RankTraceOptions trace;
+    trace.session_start_ns = RealtimeNs();
+    DC_RETURN_IF_ERROR(comm->Broadcast(&trace.session_start_ns, 0));
+    trace.identity.rank = env.rank;
+    trace.identity.local_rank = env.local_rank;
+    trace.identity.world_size = env.world_size;
+    trace.identity.hostname = Hostname();
+    trace.identity.backend = schedule.backend();
+    trace.identity.device_memory_bytes = options.run.device_memory_bytes;
+    trace.part_path = RankPartPath(env, options.trace_path, env.rank);
+    DC_ASSIGN_OR_RETURN(tracer, backend->MakeTracer(trace));
   }
-  DC_ASSIGN_OR_RETURN(result.run, RunSchedule(schedule, options.run, comm.get(), tracer.get()));
+  DC_ASSIGN_OR_RETURN(result.run, backend->Run(schedule, options.run, comm.get(), tracer.get()));
   if (!tracer) return result;
 
-  const std::string part = RankPartPath(env, options.trace_path, env.rank);
-  Status written = tracer->WriteRankFile(part);
+  Status written = tracer->WriteRankFile();
   double failed = written.ok() ? 0 : 1;
   DC_RETURN_IF_ERROR(comm->AllReduceSum(&failed, 1));  // every part written before the merge
   if (!written.ok()) return written;

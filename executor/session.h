@@ -7,6 +7,7 @@
 #include <string>
 
 #include "collector/host_tracer.h"
+#include "executor/backend.h"
 #include "executor/executor.h"
 #include "executor/launch.h"
 
@@ -17,6 +18,8 @@ struct SessionOptions {
   std::string trace_path;  // empty = no tracing
   std::string rendezvous_flag;
   std::chrono::milliseconds timeout{60000};
+  // The backend that runs the plan (connects, traces, executes); null: the cpu backend.
+  RankBackend* backend = nullptr;
 };
 
 struct SessionResult {

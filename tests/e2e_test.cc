@@ -30,7 +30,7 @@ class EndToEnd : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = FreshDir("e2e");
-    auto collect = RunCommand(Tool("dc-collect") + " --model tiny --nproc 2 --steps 3 --warmup 1 -o " + dir_ +
+    auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model tiny --nproc 2 --steps 3 --warmup 1 -o " + dir_ +
                               "/trace.db --json");
     ASSERT_EQ(collect.exit_code, 0) << collect.err;
     collect_ = ParseJson(collect.out);
@@ -113,7 +113,7 @@ TEST_F(EndToEnd, PlanThenCacheHitThenRunWithFallingLoss) {
   EXPECT_GT(timeline["traceEvents"].size(), 100u);
   std::filesystem::remove(dir_ + "/plan.perfetto.json");
 
-  auto run = RunCommand(Tool("dc-run") + " " + dir_ + "/plan.dcplan --steps 20 --json");
+  auto run = RunCommand(Tool("dc-run") + " --backend cpu " + dir_ + "/plan.dcplan --steps 20 --json");
   ASSERT_EQ(run.exit_code, 0) << run.err;
   json r = ParseJson(run.out);
   ASSERT_EQ(r["losses"].size(), 20u);
@@ -155,14 +155,14 @@ TEST_F(EndToEnd, TooSmallDeviceMemoryFailsLikeAnOom) {
   auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --policy baseline --no-cache -o " + dir_ +
                          "/oom.dcplan");
   ASSERT_EQ(plan.exit_code, 0) << plan.err;
-  auto run = RunCommand(Tool("dc-run") + " " + dir_ + "/oom.dcplan --steps 1 --device-memory 64KiB");
+  auto run = RunCommand(Tool("dc-run") + " --backend cpu " + dir_ + "/oom.dcplan --steps 1 --device-memory 64KiB");
   EXPECT_NE(run.exit_code, 0);
   EXPECT_NE(run.err.find("out of device memory at"), std::string::npos) << run.err;
   EXPECT_NE(run.err.find("asked for"), std::string::npos) << run.err;
   // With one, the arena that does not fit is refused before the first step.
   auto arena_plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache -o " + dir_ + "/arena.dcplan");
   ASSERT_EQ(arena_plan.exit_code, 0) << arena_plan.err;
-  auto arena_run = RunCommand(Tool("dc-run") + " " + dir_ + "/arena.dcplan --steps 1 --device-memory 64KiB");
+  auto arena_run = RunCommand(Tool("dc-run") + " --backend cpu " + dir_ + "/arena.dcplan --steps 1 --device-memory 64KiB");
   EXPECT_NE(arena_run.exit_code, 0);
   EXPECT_NE(arena_run.err.find("arena of"), std::string::npos) << arena_run.err;
 }
@@ -178,7 +178,7 @@ TEST_F(EndToEnd, BudgetBelowTheBaselineIsRefused) {
 
 TEST_F(EndToEnd, ReplanFromATraceOfAnotherProgramIsRefused) {
   const std::string other = dir_ + "/other.db";
-  auto collect = RunCommand(Tool("dc-collect") + " --model tiny --layers 1 --steps 1 --warmup 0 -o " + other);
+  auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model tiny --layers 1 --steps 1 --warmup 0 -o " + other);
   ASSERT_EQ(collect.exit_code, 0) << collect.err;
   auto base = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache -o " + dir_ + "/base.dcplan");
   ASSERT_EQ(base.exit_code, 0) << base.err;
@@ -204,7 +204,7 @@ TEST_P(Losses, AgreeAcrossOneTwoAndFourRanks) {
     const std::string dir = FreshDir("agree-" + GetParam() + std::to_string(ranks));
     const std::string batch = moe ? " --micro-batch 2 --gas " + std::to_string(4 / ranks)
                                   : " --micro-batch " + std::to_string(4 / ranks) + " --gas 2";
-    auto run = RunCommand(Tool("dc-collect") + " --model " + GetParam() + " --nproc " + std::to_string(ranks) +
+    auto run = RunCommand(Tool("dc-collect") + " --backend cpu --model " + GetParam() + " --nproc " + std::to_string(ranks) +
                           batch + " --steps 6 --warmup 0 -o " + dir + "/t.db --json");
     ASSERT_EQ(run.exit_code, 0) << run.err;
     losses.push_back(ParseJson(run.out)["losses"].get<std::vector<double>>());
@@ -331,7 +331,7 @@ class OptimizedPlans : public ::testing::TestWithParam<std::string> {
     base_ = &b;
     if (!b.dir.empty()) return;
     b.dir = FreshDir("optimized-" + GetParam());
-    auto collect = RunCommand(Tool("dc-collect") + " --model " + GetParam() +
+    auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model " + GetParam() +
                               " --nproc 2 --gas 4 --steps 2 --warmup 1 -o " + b.dir + "/t.db");
     ASSERT_EQ(collect.exit_code, 0) << collect.err;
     std::tie(b.plan, b.run) = PlanAndRun("--policy baseline", "", "baseline");
@@ -344,7 +344,7 @@ class OptimizedPlans : public ::testing::TestWithParam<std::string> {
     auto planned = RunCommand(Tool("dc-plan") + " " + base_->dir + "/t.db --no-cache " + flags +
                               (budget.empty() ? "" : " --budget " + budget) + " --json -o " + plan);
     EXPECT_EQ(planned.exit_code, 0) << name << ": " << planned.err;
-    auto run = RunCommand(Tool("dc-run") + " " + plan + " --steps 10 --json" +
+    auto run = RunCommand(Tool("dc-run") + " --backend cpu " + plan + " --steps 10 --json" +
                           (budget.empty() ? "" : " --device-memory " + budget));
     EXPECT_EQ(run.exit_code, 0) << name << ": " << run.err;
     return {ParseJson(planned.out), ParseJson(run.out)};

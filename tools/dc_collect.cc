@@ -1,4 +1,5 @@
-// dc-collect: run training steps of a model under the host tracer and write one trace.
+// dc-collect: run training steps of a model under the backend's tracer (the host tracer on
+// cpu, the in-process CUPTI collector on cuda) and write one trace.
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
@@ -8,6 +9,7 @@
 #ifdef DC_HAVE_CUPTI_ATTACH
 #include "collector/cupti/attach.h"
 #endif
+#include "executor/backends.h"
 #include "executor/launch.h"
 #include "executor/session.h"
 #include "rewriter/planner.h"
@@ -27,13 +29,15 @@ int main(int argc, char** argv) {
   int64_t device_memory = 0;
   bool json = false, quiet = false;
   app.add_option("--nproc", nproc, "ranks to start on this machine")->check(CLI::Range(1, 256))->capture_default_str();
-  app.add_option("--backend", backend, "auto (cuda when a GPU is present, else cpu) or cpu")
-      ->check(CLI::IsMember({"auto", "cpu"}))->capture_default_str();
+  app.add_option("--backend", backend, "auto (cuda when a GPU is present, else cpu), cpu (host tracer) "
+                 "or cuda (CUPTI)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
   app.add_option("--steps", steps, "measured optimizer steps")->check(CLI::Range(1, 1000000))->capture_default_str();
   app.add_option("--warmup", warmup, "warm-up steps run first and excluded from the profile")
       ->check(CLI::Range(0, 1000000))->capture_default_str();
   cli::AddBytesOption(app, "--device-memory", &device_memory,
-                      "device memory capacity of the cpu backend, e.g. 1GiB (default: unlimited)");
+                      "device memory capacity per rank, e.g. 1GiB (default: unlimited; on cuda, the "
+                      "device's own memory)");
   app.add_option("-o,--output", out, "trace file to write (SQLite)")->required();
   app.add_option("--rendezvous", rendezvous, "shared directory for ranks started by an outside launcher");
   app.add_option("--timeout", timeout_s, "seconds to wait for other ranks")->capture_default_str();
@@ -65,6 +69,9 @@ int main(int argc, char** argv) {
     return cli::Fail("dc-collect", Status::Error("a command after -- needs --attach"));
   }
 
+  const BackendAvailability available = AvailableBackends();
+  auto chosen = ResolveBackend(backend, available, "dc-collect");
+  if (!chosen.ok()) return cli::Fail("dc-collect", chosen.status());
   if (nproc > 1 && !IsRankProcess()) {
     LaunchOptions launch;
     launch.nproc = nproc;
@@ -82,12 +89,16 @@ int main(int argc, char** argv) {
   PlanRequest request;
   request.program = *program;
   request.world_size = env->world_size;
-  request.backend = "cpu";
+  request.backend = *chosen;
+  request.device = BackendDevice(*chosen, env->local_rank);
   request.policy = "baseline";
   auto schedule = MakePlan(request);
   if (!schedule.ok()) return cli::Fail("dc-collect", schedule.status());
 
+  auto rank_backend = MakeBackend(*chosen);
+  if (!rank_backend.ok()) return cli::Fail("dc-collect", rank_backend.status());
   SessionOptions session;
+  session.backend = rank_backend->get();
   session.run.steps = steps;
   session.run.warmup_steps = warmup;
   session.run.device_memory_bytes = device_memory;
@@ -117,7 +128,7 @@ int main(int argc, char** argv) {
     j["losses"] = result->run.losses;
     j["step_seconds_median"] = result->run.step_seconds_median;
     j["peak_device_bytes"] = result->run.peak_device_bytes;
-    j["backend"] = "cpu";
+    j["backend"] = *chosen;
     std::cout << j.dump() << "\n";
   } else {
     std::printf("wrote %s: %d rank(s), %d step(s) + %d warm-up, %lld activities, %lld memory events, "

@@ -113,13 +113,11 @@ struct RoundOptions {
   bool progress = false;  // a line per round on stderr
 };
 
-// Profile-guided rounds: run the plan with collection on its backend, re-plan from the new
-// trace, and keep the plan with the best measured step time. Appends one JSON object per round.
+// Profile-guided rounds: run the plan with collection on its backend (dc-run --backend cpu or
+// cuda: a cuda plan needs a GPU here), re-plan from the new trace, and keep the plan with the
+// best measured step time. Appends one JSON object per round.
 StatusOr<proto::Schedule> RunRounds(PlanRequest request, proto::Schedule plan, const RoundOptions& options,
                                     const std::string& out, nlohmann::json* report) {
-  if (request.backend != "cpu") {
-    return Status::Error("--rounds runs plans on this machine's cpu backend; this plan is for " + request.backend);
-  }
   proto::Schedule best = plan;
   double best_seconds = std::numeric_limits<double>::infinity();
   for (int round = 1; round <= options.rounds; ++round) {
@@ -127,7 +125,8 @@ StatusOr<proto::Schedule> RunRounds(PlanRequest request, proto::Schedule plan, c
     DC_RETURN_IF_ERROR(SavePlan(base + ".dcplan", plan));
     const std::string command = ShellQuote(DcRunPath()) + " " + ShellQuote(base + ".dcplan") + " --steps " +
                                 std::to_string(options.steps) + " --warmup " + std::to_string(options.warmup) +
-                                " --trace " + ShellQuote(base + ".db") + " --quiet >/dev/null";
+                                " --backend " + ShellQuote(request.backend) + " --trace " + ShellQuote(base + ".db") +
+                                " --quiet >/dev/null";
     const int rc = std::system(command.c_str());
     std::error_code ec;
     std::filesystem::remove(base + ".dcplan", ec);

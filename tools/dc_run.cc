@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <iostream>
 
+#include "executor/backends.h"
 #include "executor/launch.h"
 #include "executor/session.h"
 #include "schemas/plan_file.h"
@@ -13,7 +14,8 @@
 int main(int argc, char** argv) {
   using namespace dc;
   CLI::App app{
-      "dc-run: train by a plan file with the lean executor (Gloo collectives on the cpu backend).\n"
+      "dc-run: train by a plan file with the lean executor (cpu: fp32 math and Gloo collectives; "
+      "cuda: cuBLASLt, own kernels and NCCL on streams).\n"
       "Example: dc-run plan.dcplan --steps 20 --nproc 2 --json",
       "dc-run"};
   std::string plan_path, trace_out, rendezvous, backend = "auto";
@@ -26,10 +28,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1000000))->capture_default_str();
   app.add_option("--nproc", nproc, "ranks to start on this machine (default: the plan's world size)")
       ->check(CLI::Range(1, 256));
-  app.add_option("--backend", backend, "auto (cuda when a GPU is present, else cpu) or cpu")
-      ->check(CLI::IsMember({"auto", "cpu"}))->capture_default_str();
+  app.add_option("--backend", backend, "auto (cuda when a GPU is present, else cpu), cpu or cuda; "
+                 "must match the plan's backend")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
   cli::AddBytesOption(app, "--device-memory", &device_memory,
-                      "device memory capacity of the cpu backend, e.g. 1GiB (default: unlimited)");
+                      "device memory capacity per rank, e.g. 1GiB (default: unlimited; on cuda, the "
+                      "device's own memory)");
   app.add_option("--trace", trace_out, "also record a trace of the run to this file");
   app.add_option("--rendezvous", rendezvous, "shared directory for ranks started by an outside launcher");
   app.add_option("--timeout", timeout_s, "seconds to wait for other ranks")->capture_default_str();
@@ -39,6 +43,12 @@ int main(int argc, char** argv) {
 
   auto plan = LoadPlan(plan_path);
   if (!plan.ok()) return cli::Fail("dc-run", plan.status());
+  // Decided before any rank starts, so a plan for the other backend is one line, not N.
+  const BackendAvailability available = AvailableBackends();
+  auto chosen = ResolveBackend(backend, available, "dc-run");
+  if (!chosen.ok()) return cli::Fail("dc-run", chosen.status());
+  const Status matches = CheckPlanBackend(plan_path, *plan, *chosen, backend, available);
+  if (!matches.ok()) return cli::Fail("dc-run", matches);
   if (!IsRankProcess()) {
     const int world = nproc > 0 ? nproc : plan->world_size();
     if (world != plan->world_size()) {
@@ -53,7 +63,10 @@ int main(int argc, char** argv) {
       return LaunchLocal(launch, cli::Args(argc, argv));
     }
   }
+  auto rank_backend = MakeBackend(*chosen);
+  if (!rank_backend.ok()) return cli::Fail("dc-run", rank_backend.status());
   SessionOptions session;
+  session.backend = rank_backend->get();
   session.run.steps = steps;
   session.run.warmup_steps = warmup;
   session.run.device_memory_bytes = device_memory;
@@ -84,13 +97,13 @@ int main(int argc, char** argv) {
     j["predicted_step_seconds"] = plan->prediction().step_seconds();
     j["predicted_peak_device_bytes"] = plan->prediction().peak_device_bytes();
     j["world_size"] = run.world_size;
-    j["backend"] = "cpu";
+    j["backend"] = *chosen;
     if (result->trace) j["trace"] = trace_out;
     std::cout << j.dump() << "\n";
   } else {
-    std::printf("%d step(s) on %d rank(s): median %.4f s/step, %.0f tokens/s, peak %s per rank "
+    std::printf("%d step(s) on %d %s rank(s): median %.4f s/step, %.0f tokens/s, peak %s per rank "
                 "(predicted %.4f s, %s)\n",
-                steps, run.world_size, run.step_seconds_median, run.tokens_per_second,
+                steps, run.world_size, chosen->c_str(), run.step_seconds_median, run.tokens_per_second,
                 FormatBytes(run.peak_device_bytes).c_str(), plan->prediction().step_seconds(),
                 FormatBytes(plan->prediction().peak_device_bytes()).c_str());
   }

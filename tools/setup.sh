@@ -36,11 +36,11 @@ case "$mode" in
     work=$(mktemp -d /tmp/dc-demo-XXXXXX)
     bin="$build_dir/tools"
     echo "== dc-collect: record 3 steps of tiny on 2 ranks (cpu backend)"
-    "$bin/dc-collect" --model tiny --nproc 2 --steps 3 --warmup 1 -o "$work/trace.db"
+    "$bin/dc-collect" --backend cpu --model tiny --nproc 2 --steps 3 --warmup 1 -o "$work/trace.db"
     echo "== dc-plan: profile the trace and plan"
     "$bin/dc-plan" "$work/trace.db" -o "$work/plan.dcplan" --cache-dir "$work/cache" --report
     echo "== dc-run: train 20 steps by the plan"
-    "$bin/dc-run" "$work/plan.dcplan" --steps 20
+    "$bin/dc-run" --backend cpu "$work/plan.dcplan" --steps 20
     echo "(files in $work)"
     ;;
   *) echo "usage: tools/setup.sh [demo|test|build]" >&2; exit 2 ;;

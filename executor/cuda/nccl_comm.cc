@@ -90,7 +90,8 @@ StatusOr<ncclUniqueId> ReadId(const std::string& path, int rank,
     if (Clock::now() >= deadline) {
       return Status::Error(RankPrefix(rank) + "no NCCL id at " + path + " after " +
                            Seconds(timeout) +
-                           "; is rank 0 running with the same rendezvous directory?");
+                           "; is rank 0 running with the same rendezvous directory? (could not "
+                           "meet rank 0)");
     }
     std::this_thread::sleep_for(kIdPollInterval);
   }
@@ -170,7 +171,7 @@ Status NcclCommunicator::WaitNotInProgress(const std::string& what) {
     if (state != ncclInProgress) return Fail(what, ncclGetErrorString(state));
     if (Clock::now() >= deadline) {
       return Fail(what, "NCCL did not finish the call within " + Seconds(timeout_) +
-                            "; a peer rank is hung or gone");
+                            "; a peer rank is gone or hung");
     }
     std::this_thread::sleep_for(kCompletionPollInterval);
   }
@@ -185,10 +186,19 @@ Status NcclCommunicator::Call(const std::string& what, Fn&& fn) {
   return Fail(what, ncclGetErrorString(r));
 }
 
-Status NcclCommunicator::Synchronize(const std::string& what) {
+void NcclCommunicator::Abort() {
+  if (!aborted_ && state_->comm != nullptr) {
+    (void)ncclCommAbort(state_->comm);
+    aborted_ = true;
+  }
+}
+
+Status NcclCommunicator::Synchronize(const std::string& what) { return Synchronize(stream_, what); }
+
+Status NcclCommunicator::Synchronize(cudaStream_t stream, const std::string& what) {
   DC_RETURN_IF_ERROR(CheckUsable(what));
   DC_RETURN_IF_ERROR(
-      CudaStatus(cudaEventRecord(state_->done, stream_), RankPrefix(rank_) + what + ": record"));
+      CudaStatus(cudaEventRecord(state_->done, stream), RankPrefix(rank_) + what + ": record"));
   const auto deadline = Clock::now() + timeout_;
   while (true) {
     const cudaError_t e = cudaEventQuery(state_->done);
@@ -204,11 +214,11 @@ Status NcclCommunicator::Synchronize(const std::string& what) {
       return Fail(what, std::string("ncclCommGetAsyncError failed: ") + ncclGetErrorString(r));
     }
     if (state != ncclSuccess && state != ncclInProgress) {
-      return Fail(what, std::string("a peer failed: ") + ncclGetErrorString(state));
+      return Fail(what, std::string("a peer rank is gone or failed: ") + ncclGetErrorString(state));
     }
     if (Clock::now() >= deadline) {
       return Fail(what,
-                  "did not finish within " + Seconds(timeout_) + "; a peer rank is hung or gone");
+                  "did not finish within " + Seconds(timeout_) + "; a peer rank is gone or hung");
     }
     std::this_thread::sleep_for(kCompletionPollInterval);
   }
@@ -251,6 +261,15 @@ Status CheckItems(std::span<const Item> items, int rank, const char* what,
 }  // namespace
 
 Status NcclCommunicator::AllGatherGroup(std::span<const NcclGatherItem> items) {
+  return AllGatherGroup(items, stream_);
+}
+
+Status NcclCommunicator::ReduceScatterGroup(std::span<const NcclReduceScatterItem> items) {
+  return ReduceScatterGroup(items, stream_);
+}
+
+Status NcclCommunicator::AllGatherGroup(std::span<const NcclGatherItem> items,
+                                        cudaStream_t stream) {
   const std::string what = "all-gather of " + std::to_string(items.size()) + " tensor(s)";
   std::vector<ncclDataType_t> types;
   DC_RETURN_IF_ERROR(CheckItems(items, rank_, "all-gather", &types));
@@ -259,7 +278,7 @@ Status NcclCommunicator::AllGatherGroup(std::span<const NcclGatherItem> items) {
     if (r != ncclSuccess) return r;
     for (size_t i = 0; i < items.size() && r == ncclSuccess; ++i) {
       r = ncclAllGather(items[i].shard, items[i].out, static_cast<size_t>(items[i].shard_elements),
-                        types[i], state_->comm, stream_);
+                        types[i], state_->comm, stream);
     }
     // The group must be closed even when a call in it failed.
     const ncclResult_t end = ncclGroupEnd();
@@ -267,7 +286,8 @@ Status NcclCommunicator::AllGatherGroup(std::span<const NcclGatherItem> items) {
   });
 }
 
-Status NcclCommunicator::ReduceScatterGroup(std::span<const NcclReduceScatterItem> items) {
+Status NcclCommunicator::ReduceScatterGroup(std::span<const NcclReduceScatterItem> items,
+                                            cudaStream_t stream) {
   const std::string what = "reduce-scatter of " + std::to_string(items.size()) + " tensor(s)";
   std::vector<ncclDataType_t> types;
   DC_RETURN_IF_ERROR(CheckItems(items, rank_, "reduce-scatter", &types));
@@ -277,7 +297,7 @@ Status NcclCommunicator::ReduceScatterGroup(std::span<const NcclReduceScatterIte
     for (size_t i = 0; i < items.size() && r == ncclSuccess; ++i) {
       r = ncclReduceScatter(items[i].full, items[i].shard,
                             static_cast<size_t>(items[i].shard_elements), types[i], ncclSum,
-                            state_->comm, stream_);
+                            state_->comm, stream);
     }
     const ncclResult_t end = ncclGroupEnd();
     return r != ncclSuccess ? r : end;

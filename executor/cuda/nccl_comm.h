@@ -67,10 +67,22 @@ class NcclCommunicator : public Communicator {
   // order later work after it with an event recorded on stream(), or call Synchronize().
   Status AllGatherGroup(std::span<const NcclGatherItem> items);
   Status ReduceScatterGroup(std::span<const NcclReduceScatterItem> items);
+  // The same on another stream (the executor's gather or reduce stream). NCCL orders the
+  // operations of one communicator by the order they are enqueued in, whatever their streams,
+  // so every rank must enqueue them in the same order.
+  Status AllGatherGroup(std::span<const NcclGatherItem> items, cudaStream_t stream);
+  Status ReduceScatterGroup(std::span<const NcclReduceScatterItem> items, cudaStream_t stream);
 
   // Waits for everything enqueued on stream(), polling NCCL for a failed or vanished peer.
   // `what` names the wait in errors.
   Status Synchronize(const std::string& what = "synchronize");
+  // The same for another stream: a rank waiting for its own streams must still notice a peer
+  // that failed or hangs in a collective they wait for.
+  Status Synchronize(cudaStream_t stream, const std::string& what);
+
+  // Aborts the communicator (once) so that the other ranks' collectives fail instead of
+  // waiting for this rank; every later call fails at once. For a rank that is giving up.
+  void Abort();
 
   cudaStream_t stream() const { return stream_; }
   bool aborted() const { return aborted_; }

@@ -1,0 +1,245 @@
+// Whole plans on a real device through the cuda executor (label gpu; every test skips without a
+// device): the tiny preset against the cpu backend, optimized plans (arena, buckets, unsharding,
+// offload) against the baseline plan, the errors, a traced session, and two ranks through
+// dc-run where the host has two GPUs.
+#include "executor/cuda/cuda_executor.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "analyzer/trace.h"
+#include "executor/cuda/cuda_backend.h"
+#include "executor/cuda/cuda_device.h"
+#include "executor/cuda/cuda_test_plans.h"
+#include "executor/session.h"
+#include "schemas/plan_file.h"
+
+namespace dc {
+namespace {
+
+using testing::TinyPlan;
+using testing::TinyPlanOptions;
+
+constexpr int kSteps = 20;
+// The cpu backend and the GPU in fp32 differ by summation order only; over 20 steps of training
+// the losses stay within this (relative).
+constexpr double kCpuTolerance = 2e-2;
+// Two plans of one bf16 model on the GPU: the same math in another order and buffer placement.
+constexpr double kBF16Tolerance = 2e-2;
+// Two plans of one fp32 model on the GPU.
+constexpr double kF32Tolerance = 1e-3;
+
+#define DC_REQUIRE_DEVICE()                                       \
+  do {                                                            \
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+std::string TempDir(const std::string& name) {
+  const auto dir =
+      std::filesystem::temp_directory_path() /
+      (name + "-" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+proto::Schedule Plan(const TinyPlanOptions& options) {
+  auto plan = TinyPlan(options);
+  EXPECT_TRUE(plan.ok()) << plan.status().message();
+  return plan.ok() ? *plan : proto::Schedule();
+}
+
+// A world of one on device 0: the NCCL communicator and its stream.
+struct OneRank {
+  CudaStream stream;
+  std::unique_ptr<NcclCommunicator> comm;
+};
+
+OneRank ConnectOneRank() {
+  OneRank rank;
+  EXPECT_TRUE(UseCudaDevice(0).ok());
+  auto stream = CudaStream::Create();
+  EXPECT_TRUE(stream.ok()) << stream.status().message();
+  rank.stream = std::move(*stream);
+  auto comm = ConnectNcclCommunicator(RendezvousOptions{}, rank.stream.get());
+  EXPECT_TRUE(comm.ok()) << comm.status().message();
+  if (comm.ok()) rank.comm = std::move(*comm);
+  return rank;
+}
+
+StatusOr<RunResult> RunOnCuda(const proto::Schedule& plan, int steps = kSteps,
+                              int64_t capacity = 0) {
+  OneRank rank = ConnectOneRank();
+  if (!rank.comm) return Status::Error("no NCCL communicator");
+  RunOptions options;
+  options.steps = steps;
+  options.device_memory_bytes = capacity;
+  return RunScheduleOnCuda(plan, options, CudaRunOptions{}, rank.comm.get(), nullptr);
+}
+
+std::vector<double> CudaLosses(const proto::Schedule& plan) {
+  auto result = RunOnCuda(plan);
+  EXPECT_TRUE(result.ok()) << result.status().message();
+  return result.ok() ? result->losses : std::vector<double>();
+}
+
+std::vector<double> CpuLosses(const proto::Schedule& plan) {
+  auto comm = Connect(RendezvousOptions{});
+  EXPECT_TRUE(comm.ok());
+  RunOptions options;
+  options.steps = kSteps;
+  auto result = RunSchedule(plan, options, comm->get(), nullptr);
+  EXPECT_TRUE(result.ok()) << result.status().message();
+  return result.ok() ? result->losses : std::vector<double>();
+}
+
+void ExpectClose(const std::vector<double>& got, const std::vector<double>& want, double relative,
+                 const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t s = 0; s < want.size(); ++s) {
+    EXPECT_NEAR(got[s], want[s], relative * std::fabs(want[s])) << what << ", step " << s;
+  }
+}
+
+void ExpectLossFalls(const std::vector<double>& losses) {
+  ASSERT_EQ(losses.size(), static_cast<size_t>(kSteps));
+  EXPECT_LT(losses.back(), 0.8 * losses.front());
+}
+
+TEST(CudaExecutor, TinyPresetMatchesTheCpuBackend) {
+  DC_REQUIRE_DEVICE();
+  TinyPlanOptions options;  // the tiny preset: fp32, one rank, gas 2
+  options.backend = "cpu";
+  const std::vector<double> cpu = CpuLosses(Plan(options));
+  options.backend = "cuda";
+  const std::vector<double> cuda = CudaLosses(Plan(options));
+  ExpectClose(cuda, cpu, kCpuTolerance, "cuda against cpu");
+  ExpectLossFalls(cuda);
+}
+
+TEST(CudaExecutor, DcPlanMatchesTheBaselineInBF16) {
+  DC_REQUIRE_DEVICE();
+  TinyPlanOptions options;
+  options.compute_dtype = proto::DTYPE_BF16;
+  const std::vector<double> baseline = CudaLosses(Plan(options));  // pooled buffers
+  options.policy = "dc";
+  const proto::Schedule dc = Plan(options);
+  ASSERT_GT(dc.memory_plan().arena_bytes(), 0);  // buffers in the arena
+  ExpectClose(CudaLosses(dc), baseline, kBF16Tolerance, "dc against baseline");
+  ExpectLossFalls(baseline);
+}
+
+TEST(CudaExecutor, OffloadPlanMatchesTheBaseline) {
+  DC_REQUIRE_DEVICE();
+  TinyPlanOptions options;
+  const std::vector<double> baseline = CudaLosses(Plan(options));
+  options.policy = "zero3-offload";  // every Adam state offloaded, reloaded for the optimizer
+  const proto::Schedule offload = Plan(options);
+  bool offloads = false;
+  for (const auto& instr : offload.instructions()) offloads |= instr.kind() == proto::INSTR_OFFLOAD;
+  ASSERT_TRUE(offloads);
+  ExpectClose(CudaLosses(offload), baseline, kF32Tolerance, "zero3-offload against baseline");
+}
+
+TEST(CudaExecutor, ArenaIsTheDeviceFootprintAndCapacityIsEnforced) {
+  DC_REQUIRE_DEVICE();
+  TinyPlanOptions options;
+  options.policy = "dc";
+  const proto::Schedule plan = Plan(options);
+  auto run = RunOnCuda(plan, 2);
+  ASSERT_TRUE(run.ok()) << run.status().message();
+  EXPECT_EQ(run->arena_bytes, plan.memory_plan().arena_bytes());
+  EXPECT_EQ(run->peak_device_bytes, std::max(run->arena_bytes, run->peak_live_bytes));
+  EXPECT_GT(run->peak_live_bytes, 0);
+  auto small = RunOnCuda(plan, 1, plan.memory_plan().arena_bytes() - 1);
+  ASSERT_FALSE(small.ok());
+  EXPECT_NE(small.status().message().find("out of device memory at start-up on rank 0"),
+            std::string::npos)
+      << small.status().message();
+}
+
+TEST(CudaExecutor, ErrorsNameTheInstructionAndTheRank) {
+  DC_REQUIRE_DEVICE();
+  proto::Schedule plan = Plan(TinyPlanOptions{});
+  // Drop the first all-gather: its compute then reads a param that is not gathered.
+  int gather = -1;
+  for (int i = 0; i < plan.instructions_size(); ++i) {
+    if (plan.instructions(i).kind() == proto::INSTR_ALL_GATHER) {
+      gather = i;
+      break;
+    }
+  }
+  ASSERT_GE(gather, 0);
+  plan.mutable_instructions(gather)->set_kind(proto::INSTR_RELEASE);
+  plan.mutable_instructions(gather)->clear_tensors();
+  auto run = RunOnCuda(plan, 1);
+  ASSERT_FALSE(run.ok());
+  EXPECT_NE(run.status().message().find(") on rank 0: reads "), std::string::npos)
+      << run.status().message();
+  EXPECT_NE(run.status().message().find("which is not gathered"), std::string::npos)
+      << run.status().message();
+}
+
+TEST(CudaExecutor, TracedSessionWritesACuptiTrace) {
+  DC_REQUIRE_DEVICE();
+  const std::string dir = TempDir("dc-cuda-session");
+  const proto::Schedule plan = Plan(TinyPlanOptions{});
+  auto backend = MakeCudaBackend();
+  SessionOptions session;
+  session.backend = backend.get();
+  session.run.steps = 2;
+  session.run.warmup_steps = 1;
+  session.trace_path = dir + "/trace.db";
+  auto result = RunAsRank(plan, session);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  ASSERT_TRUE(result->trace.has_value());
+  EXPECT_GT(result->trace->activities, 0);
+  auto trace = Trace::Open(session.trace_path);
+  ASSERT_TRUE(trace.ok()) << trace.status().message();
+  ASSERT_EQ((*trace)->ranks().size(), 1u);
+  EXPECT_EQ((*trace)->ranks()[0].backend, "cuda");
+  EXPECT_EQ((*trace)->Steps().size(), 3u);
+  int samples = 0;
+  ASSERT_TRUE(
+      (*trace)->ForEachInstructionSample([&](const Trace::InstructionSample&) { ++samples; }).ok());
+  EXPECT_GT(samples, plan.instructions_size());  // every instruction's work, over the steps
+  std::filesystem::remove_all(dir);
+}
+
+// Two ranks, one GPU each, through dc-run's own launcher (NCCL's id through the rendezvous
+// directory), against the cpu backend on the same world-2 plan.
+TEST(CudaExecutor, TwoRanksThroughDcRunMatchTheCpuBackend) {
+  DC_REQUIRE_DEVICE();
+  if (CudaDeviceCount() < 2) GTEST_SKIP() << "needs two CUDA devices";
+  const std::string dir = TempDir("dc-cuda-two");
+  TinyPlanOptions options;
+  options.world_size = 2;
+  options.policy = "dc";
+  options.backend = "cpu";
+  ASSERT_TRUE(SavePlan(dir + "/cpu.dcplan", Plan(options)).ok());
+  options.backend = "cuda";
+  ASSERT_TRUE(SavePlan(dir + "/cuda.dcplan", Plan(options)).ok());
+  auto run = [&](const std::string& backend) {
+    const std::string out = dir + "/" + backend + ".json";
+    const std::string command = std::string(DC_BINARY_DIR) + "/tools/dc-run " + dir + "/" +
+                                backend + ".dcplan --backend " + backend + " --steps " +
+                                std::to_string(kSteps) + " --json > " + out;
+    EXPECT_EQ(std::system(command.c_str()), 0) << command;
+    std::ifstream in(out);
+    const auto j = nlohmann::json::parse(in, nullptr, false);
+    EXPECT_FALSE(j.is_discarded()) << out;
+    EXPECT_EQ(j.value("backend", ""), backend);
+    return j.is_discarded() ? std::vector<double>() : j["losses"].get<std::vector<double>>();
+  };
+  ExpectClose(run("cuda"), run("cpu"), kCpuTolerance, "two cuda ranks against two cpu ranks");
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace dc

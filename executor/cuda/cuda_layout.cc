@@ -1,0 +1,183 @@
+#include "executor/cuda/cuda_layout.h"
+
+#include <algorithm>
+#include <string>
+
+namespace dc {
+namespace {
+
+constexpr int64_t kF32Bytes = 4;
+// BufferPlacement.micro_step of a gathered param (schedule.proto).
+constexpr int kGatheredMicroStep = -2;
+
+int64_t AlignUp(int64_t bytes, int64_t alignment) {
+  return (bytes + alignment - 1) / alignment * alignment;
+}
+
+bool IsPersistentRole(proto::Role role) {
+  return role == proto::ROLE_PARAM || role == proto::ROLE_GRAD ||
+         role == proto::ROLE_OPTIMIZER_STATE;
+}
+
+std::string Where(const proto::Schedule& schedule, int index) {
+  const proto::Instruction& instr = schedule.instructions(index);
+  return "instruction " + std::to_string(index) + " (" + InstrKindName(instr.kind()) + ")";
+}
+
+Status CheckPlacements(const proto::Schedule& schedule) {
+  const proto::Program& program = schedule.program();
+  const proto::MemoryPlan& plan = schedule.memory_plan();
+  for (const proto::BufferPlacement& p : plan.placements()) {
+    if (p.tensor() < 0 || p.tensor() >= program.tensors_size()) {
+      return Status::Error("the memory plan places tensor id " + std::to_string(p.tensor()) +
+                           ", which the program lacks; re-plan it");
+    }
+    if (p.instruction() < -1 || p.instruction() >= schedule.instructions_size()) {
+      return Status::Error("the memory plan places a buffer at instruction " +
+                           std::to_string(p.instruction()) + ", which the plan lacks; re-plan it");
+    }
+    const proto::Tensor& t = program.tensors(p.tensor());
+    const bool shard = IsPersistentRole(t.role()) && p.micro_step() != kGatheredMicroStep &&
+                       (p.instruction() < 0 ||
+                        schedule.instructions(p.instruction()).kind() == proto::INSTR_RELOAD);
+    const CudaBufferShape shape =
+        shard ? ShardShape(t, schedule.world_size()) : TransientShape(program, t);
+    if (p.offset_bytes() < 0 || p.offset_bytes() % kCudaStagingAlignmentBytes != 0 ||
+        p.size_bytes() < shape.size_bytes ||
+        p.offset_bytes() + shape.size_bytes > plan.arena_bytes()) {
+      return Status::Error(
+          "the memory plan's place for " + t.name() + " (offset " +
+          std::to_string(p.offset_bytes()) + ", " + std::to_string(p.size_bytes()) +
+          " bytes) does not hold its " + std::to_string(shape.size_bytes) + " bytes " +
+          std::to_string(kCudaStagingAlignmentBytes) + "-byte aligned inside the arena of " +
+          std::to_string(plan.arena_bytes()) + " bytes; re-plan it");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+CudaBufferShape ShardShape(const proto::Tensor& tensor, int world_size) {
+  const int64_t elements = ShardElements(NumElements(tensor), world_size);
+  return {proto::DTYPE_F32, elements, elements * kF32Bytes};
+}
+
+CudaBufferShape TransientShape(const proto::Program& program, const proto::Tensor& tensor) {
+  const proto::DType dtype =
+      tensor.role() == proto::ROLE_PARAM ? program.config().compute_dtype() : tensor.dtype();
+  // TransientBytes is the accounting the planner uses; the buffer is exactly that large.
+  return {dtype, NumElements(tensor), TransientBytes(program, tensor)};
+}
+
+bool NeedsStaging(const proto::Tensor& tensor, int world_size) {
+  return NumElements(tensor) % world_size != 0;
+}
+
+int64_t StagingBytes(const proto::Tensor& tensor, int world_size, proto::DType dtype) {
+  const int64_t padded = ShardElements(NumElements(tensor), world_size) * world_size;
+  return AlignUp(padded * DTypeSizeBytes(dtype), kCudaStagingAlignmentBytes);
+}
+
+StatusOr<CudaLayout> MakeCudaLayout(const proto::Schedule& schedule) {
+  const proto::Program& program = schedule.program();
+  const int world = schedule.world_size();
+  if (world < 1) return Status::Error("the plan has world size " + std::to_string(world));
+  const int n = schedule.instructions_size();
+  CudaLayout layout;
+  layout.world_size = world;
+  layout.gas = static_cast<int>(std::max<int64_t>(1, program.config().gas()));
+  layout.waits.resize(n);
+  layout.records_event.assign(n, false);
+  const proto::DType compute_dtype = program.config().compute_dtype();
+  // The latest OFFLOAD of each tensor in issue order: a RELOAD's host copy comes from it.
+  std::map<int, int> last_offload;
+
+  for (int i = 0; i < n; ++i) {
+    const proto::Instruction& instr = schedule.instructions(i);
+    const int stream = CudaStreamIndex(instr.stream());
+    if (stream < 0 || stream >= kNumCudaStreams) {
+      return Status::Error(Where(schedule, i) + " has no stream the cuda backend knows (" +
+                           std::to_string(static_cast<int>(instr.stream())) + "); re-plan it");
+    }
+    if (instr.kind() == proto::INSTR_COMPUTE && instr.stream() != proto::STREAM_COMPUTE) {
+      return Status::Error(Where(schedule, i) + " computes on the " + StreamName(instr.stream()) +
+                           " stream; the cuda backend runs compute on the compute stream only; "
+                           "re-plan it");
+    }
+    for (int t : instr.tensors()) {
+      if (t < 0 || t >= program.tensors_size()) {
+        return Status::Error(Where(schedule, i) + " names tensor id " + std::to_string(t) +
+                             ", which the program lacks; re-plan it");
+      }
+    }
+    std::vector<int> waits;
+    for (int d : instr.deps()) {
+      if (d < 0 || d >= i) {
+        return Status::Error(Where(schedule, i) + " depends on instruction " + std::to_string(d) +
+                             ", which does not come before it; re-plan it");
+      }
+      if (schedule.instructions(d).stream() != instr.stream()) waits.push_back(d);
+    }
+    switch (instr.kind()) {
+      case proto::INSTR_ALL_GATHER:
+      case proto::INSTR_REDUCE_SCATTER: {
+        int64_t staging = 0;
+        for (int t : instr.tensors()) {
+          const proto::Tensor& tensor = program.tensors(t);
+          // A gather moves the param in the compute dtype, a reduce-scatter the grad in its own.
+          const proto::DType dtype =
+              instr.kind() == proto::INSTR_ALL_GATHER ? compute_dtype : tensor.dtype();
+          if (NeedsStaging(tensor, world)) staging += StagingBytes(tensor, world, dtype);
+        }
+        layout.staging_bytes[stream] = std::max(layout.staging_bytes[stream], staging);
+        break;
+      }
+      case proto::INSTR_OFFLOAD:
+        for (int t : instr.tensors()) {
+          const proto::Tensor& tensor = program.tensors(t);
+          if (!IsPersistentRole(tensor.role())) {
+            return Status::Error(Where(schedule, i) + " offloads " + tensor.name() +
+                                 ", which is not a persistent shard (the cuda backend offloads "
+                                 "shards only); re-plan it");
+          }
+          layout.pinned_shard_bytes[t] = ShardShape(tensor, world).size_bytes;
+          last_offload[t] = i;
+        }
+        break;
+      case proto::INSTR_RELOAD:
+        for (int t : instr.tensors()) {
+          auto it = last_offload.find(t);
+          if (it == last_offload.end()) {
+            return Status::Error(Where(schedule, i) + " reloads " + program.tensors(t).name() +
+                                 ", which no earlier instruction offloads; re-plan it");
+          }
+          if (schedule.instructions(it->second).stream() != instr.stream()) {
+            waits.push_back(it->second);
+          }
+        }
+        break;
+      case proto::INSTR_COMPUTE: {
+        if (instr.op() < 0 || instr.op() >= program.ops_size()) {
+          return Status::Error(Where(schedule, i) + " runs op id " + std::to_string(instr.op()) +
+                               ", which the program lacks; re-plan it");
+        }
+        for (int t : program.ops(instr.op()).inputs()) {
+          const proto::Tensor& tensor = program.tensors(t);
+          if (tensor.role() == proto::ROLE_INPUT) layout.input_bytes[t] = SizeBytes(tensor);
+        }
+        break;
+      }
+      default:
+        break;
+    }
+    std::sort(waits.begin(), waits.end());
+    waits.erase(std::unique(waits.begin(), waits.end()), waits.end());
+    for (int w : waits) layout.records_event[w] = true;
+    layout.waits[i] = std::move(waits);
+  }
+  if (schedule.memory_plan().arena_bytes() > 0) DC_RETURN_IF_ERROR(CheckPlacements(schedule));
+  return layout;
+}
+
+}  // namespace dc

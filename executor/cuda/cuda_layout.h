@@ -1,0 +1,74 @@
+// What the cuda executor derives from a plan before it touches the device: the streams'
+// cross-stream waits (CUDA events), the size and dtype of every device buffer, the collective
+// staging each stream needs, and the pinned host memory for offloaded shards and token inputs.
+// Plain host code (no CUDA runtime calls), so it is checked and tested on any machine.
+//
+// Buffers as schemas/program.h accounts them, so sizes agree with the planner's memory plan:
+// persistent fp32 shards of params, grads and optimizer state; a gathered param whole in the
+// compute dtype; activations, grads and inputs in their own dtype.
+//
+// Sharding pads every tensor to world_size * shard elements. NCCL's in-place all-gather and
+// reduce-scatter use the whole tensor as the padded buffer when the element count divides by
+// the world size (every real model's params); otherwise the collective goes through a staging
+// buffer of the padded size, one per stream, sized here for the largest instruction.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <vector>
+
+#include "schemas/program.h"
+#include "schemas/status.h"
+
+namespace dc {
+
+inline constexpr int kNumCudaStreams = 5;  // proto::Stream values 1..5
+// Index of a schedule stream into per-stream arrays.
+inline int CudaStreamIndex(proto::Stream stream) { return static_cast<int>(stream) - 1; }
+
+// Every staging region starts at a multiple of this (NCCL and the vector kernels want aligned
+// buffers; cuBLASLt's fastest kernels want 256 bytes, as the memory plan's offsets).
+inline constexpr int64_t kCudaStagingAlignmentBytes = 256;
+
+struct CudaBufferShape {
+  proto::DType dtype = proto::DTYPE_F32;
+  int64_t elements = 0;
+  int64_t size_bytes = 0;
+};
+
+struct CudaLayout {
+  int world_size = 1;
+  // Per instruction: the earlier instructions on other streams it must wait for (its deps, plus
+  // a reload's wait for the offload that filled its host copy). Same-stream deps are kept by
+  // stream order and left out.
+  std::vector<std::vector<int>> waits;
+  // Per instruction: whether another stream waits for it (it records a CUDA event).
+  std::vector<bool> records_event;
+  // Per stream: bytes of collective staging (0 for most plans).
+  std::array<int64_t, kNumCudaStreams> staging_bytes{};
+  // Offloaded shards by tensor: bytes of pinned host memory each needs.
+  std::map<int, int64_t> pinned_shard_bytes;
+  // Input tensors (token ids) by tensor: bytes of one micro-batch.
+  std::map<int, int64_t> input_bytes;
+  int gas = 1;  // micro-steps per step
+};
+
+// The fp32 shard of `tensor` (param, grad or optimizer state).
+CudaBufferShape ShardShape(const proto::Tensor& tensor, int world_size);
+// A transient buffer of `tensor`: a gathered param in the compute dtype, else its own dtype.
+CudaBufferShape TransientShape(const proto::Program& program, const proto::Tensor& tensor);
+// True when `tensor`'s collectives need staging (elements not a multiple of the world size).
+bool NeedsStaging(const proto::Tensor& tensor, int world_size);
+// Bytes of the staging region of one tensor in a collective: world * shard elements in `dtype`,
+// aligned.
+int64_t StagingBytes(const proto::Tensor& tensor, int world_size, proto::DType dtype);
+
+// Derives the layout and checks what the cuda executor relies on: every instruction on a known
+// stream and compute instructions on the compute stream (the kernels of one step share one
+// cuBLASLt workspace and scratch), deps pointing to earlier instructions, every reload preceded
+// by an offload of the same tensor, and (with a memory plan) every placement inside the arena,
+// aligned, and as large as the buffer it holds. Messages name the instruction and say re-plan.
+StatusOr<CudaLayout> MakeCudaLayout(const proto::Schedule& schedule);
+
+}  // namespace dc

@@ -1,0 +1,215 @@
+// What the cuda executor derives from a plan, and the plans it refuses, on any machine.
+#include "executor/cuda/cuda_layout.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+
+#include "executor/cuda/cuda_test_plans.h"
+
+namespace dc {
+namespace {
+
+using testing::TinyPlan;
+using testing::TinyPlanOptions;
+
+proto::Schedule Plan(const TinyPlanOptions& options) {
+  auto plan = TinyPlan(options);
+  EXPECT_TRUE(plan.ok()) << plan.status().message();
+  return plan.ok() ? *plan : proto::Schedule();
+}
+
+CudaLayout Layout(const proto::Schedule& plan) {
+  auto layout = MakeCudaLayout(plan);
+  EXPECT_TRUE(layout.ok()) << layout.status().message();
+  return layout.ok() ? *layout : CudaLayout();
+}
+
+void ExpectRefused(const proto::Schedule& plan, const std::string& expect) {
+  auto layout = MakeCudaLayout(plan);
+  ASSERT_FALSE(layout.ok());
+  EXPECT_NE(layout.status().message().find(expect), std::string::npos) << layout.status().message();
+  EXPECT_NE(layout.status().message().find("re-plan"), std::string::npos)
+      << layout.status().message();
+}
+
+TEST(CudaLayout, WaitsOnlyForDependenciesOnOtherStreams) {
+  TinyPlanOptions options;
+  options.world_size = 2;
+  const proto::Schedule plan = Plan(options);
+  const CudaLayout layout = Layout(plan);
+  ASSERT_EQ(layout.waits.size(), static_cast<size_t>(plan.instructions_size()));
+  int cross = 0;
+  for (int i = 0; i < plan.instructions_size(); ++i) {
+    const proto::Instruction& instr = plan.instructions(i);
+    std::set<int> expected;
+    for (int d : instr.deps()) {
+      if (plan.instructions(d).stream() != instr.stream()) expected.insert(d);
+    }
+    EXPECT_EQ(std::set<int>(layout.waits[i].begin(), layout.waits[i].end()), expected) << i;
+    for (int d : layout.waits[i]) EXPECT_TRUE(layout.records_event[d]) << d;
+    cross += static_cast<int>(expected.size());
+  }
+  EXPECT_GT(cross, 0);  // computes wait for gathers, reduce-scatters for computes
+  // Only instructions some other stream waits for record an event.
+  const int recording =
+      static_cast<int>(std::count(layout.records_event.begin(), layout.records_event.end(), true));
+  EXPECT_GT(recording, 0);
+  EXPECT_LT(recording, plan.instructions_size());
+}
+
+TEST(CudaLayout, StagingOnlyWhereElementsDoNotDivideByTheWorld) {
+  TinyPlanOptions options;
+  options.world_size = 2;  // every tiny param divides by 2
+  const CudaLayout two = Layout(Plan(options));
+  for (int64_t bytes : two.staging_bytes) EXPECT_EQ(bytes, 0);
+
+  options.world_size = 3;  // hidden 64: the norm gains and most matrices do not divide by 3
+  const proto::Schedule plan = Plan(options);
+  const CudaLayout three = Layout(plan);
+  const int gather = CudaStreamIndex(proto::STREAM_GATHER);
+  const int reduce = CudaStreamIndex(proto::STREAM_REDUCE);
+  EXPECT_GT(three.staging_bytes[gather], 0);
+  EXPECT_GT(three.staging_bytes[reduce], 0);
+  EXPECT_EQ(three.staging_bytes[CudaStreamIndex(proto::STREAM_COMPUTE)], 0);
+  for (int64_t bytes : three.staging_bytes) EXPECT_EQ(bytes % kCudaStagingAlignmentBytes, 0);
+  // A norm gain of 64 elements pads to 66 over 3 ranks.
+  for (const proto::Tensor& t : plan.program().tensors()) {
+    if (t.role() != proto::ROLE_PARAM || NumElements(t) != 64) continue;
+    EXPECT_TRUE(NeedsStaging(t, 3));
+    EXPECT_EQ(StagingBytes(t, 3, proto::DTYPE_F32), 512);  // 66 * 4 bytes, aligned to 256
+    EXPECT_EQ(StagingBytes(t, 3, proto::DTYPE_BF16), 256);
+    break;
+  }
+}
+
+TEST(CudaLayout, BufferShapesAgreeWithThePlannersAccounting) {
+  TinyPlanOptions options;
+  options.world_size = 2;
+  options.compute_dtype = proto::DTYPE_BF16;
+  const proto::Schedule plan = Plan(options);
+  const proto::Program& program = plan.program();
+  const std::vector<int64_t> persistent = PersistentBytesByKind(program, 2);
+  int64_t shard_bytes = 0;
+  for (const proto::Tensor& t : program.tensors()) {
+    if (t.role() == proto::ROLE_PARAM) {
+      const CudaBufferShape gathered = TransientShape(program, t);
+      EXPECT_EQ(gathered.dtype, proto::DTYPE_BF16) << t.name();
+      EXPECT_EQ(gathered.size_bytes, TransientBytes(program, t)) << t.name();
+      EXPECT_EQ(gathered.size_bytes, NumElements(t) * 2) << t.name();
+      const CudaBufferShape shard = ShardShape(t, 2);
+      EXPECT_EQ(shard.dtype, proto::DTYPE_F32);
+      shard_bytes += shard.size_bytes;
+    } else if (t.role() == proto::ROLE_ACTIVATION || t.role() == proto::ROLE_INPUT) {
+      EXPECT_EQ(TransientShape(program, t).size_bytes, SizeBytes(t)) << t.name();
+      EXPECT_EQ(TransientShape(program, t).dtype, t.dtype()) << t.name();
+    }
+  }
+  EXPECT_EQ(shard_bytes, persistent[static_cast<int>(BufferKind::kShard)]);
+}
+
+TEST(CudaLayout, AcceptsTheMemoryPlanOfADcPlan) {
+  TinyPlanOptions options;
+  options.world_size = 2;
+  options.policy = "dc";
+  options.compute_dtype = proto::DTYPE_BF16;
+  const proto::Schedule plan = Plan(options);
+  ASSERT_GT(plan.memory_plan().arena_bytes(), 0);
+  const CudaLayout layout = Layout(plan);
+  // tokens and targets, one micro-batch each: micro_batch * seq int32.
+  const proto::ModelConfig& config = plan.program().config();
+  ASSERT_EQ(layout.input_bytes.size(), 2u);
+  for (const auto& [tensor, bytes] : layout.input_bytes) {
+    EXPECT_EQ(bytes, config.micro_batch() * config.seq() * 4);
+  }
+  EXPECT_EQ(layout.gas, 2);
+}
+
+TEST(CudaLayout, ReloadsWaitForTheirOffloadsCopy) {
+  TinyPlanOptions options;
+  options.world_size = 2;
+  options.policy = "zero3-offload";
+  const proto::Schedule plan = Plan(options);
+  const CudaLayout layout = Layout(plan);
+  ASSERT_FALSE(layout.pinned_shard_bytes.empty());
+  int reloads = 0;
+  for (int i = 0; i < plan.instructions_size(); ++i) {
+    const proto::Instruction& instr = plan.instructions(i);
+    if (instr.kind() != proto::INSTR_RELOAD) continue;
+    ++reloads;
+    for (int t : instr.tensors()) {
+      EXPECT_EQ(layout.pinned_shard_bytes.at(t),
+                ShardShape(plan.program().tensors(t), 2).size_bytes);
+      bool waits_for_offload = false;
+      for (int w : layout.waits[i]) {
+        const proto::Instruction& before = plan.instructions(w);
+        if (before.kind() != proto::INSTR_OFFLOAD) continue;
+        for (int u : before.tensors()) waits_for_offload |= u == t;
+      }
+      EXPECT_TRUE(waits_for_offload) << "reload " << i;
+    }
+  }
+  EXPECT_GT(reloads, 0);
+}
+
+TEST(CudaLayout, RefusesWhatTheExecutorCannotRun) {
+  TinyPlanOptions options;
+  options.world_size = 2;
+  const proto::Schedule good = Plan(options);
+  int compute = -1, later_dep = -1;
+  for (int i = 0; i < good.instructions_size(); ++i) {
+    if (good.instructions(i).kind() == proto::INSTR_COMPUTE && compute < 0) compute = i;
+    if (good.instructions(i).deps_size() > 0 && later_dep < 0) later_dep = i;
+  }
+  ASSERT_GE(compute, 0);
+  ASSERT_GE(later_dep, 0);
+
+  proto::Schedule on_gather = good;
+  on_gather.mutable_instructions(compute)->set_stream(proto::STREAM_GATHER);
+  ExpectRefused(on_gather, "compute stream only");
+
+  proto::Schedule no_stream = good;
+  no_stream.mutable_instructions(0)->set_stream(proto::STREAM_UNSPECIFIED);
+  ExpectRefused(no_stream, "no stream");
+
+  proto::Schedule forward = good;
+  forward.mutable_instructions(later_dep)->set_deps(0, later_dep);
+  ExpectRefused(forward, "does not come before it");
+
+  proto::Schedule reload = good;
+  proto::Instruction* instr = reload.add_instructions();
+  instr->set_kind(proto::INSTR_RELOAD);
+  instr->set_stream(proto::STREAM_H2D);
+  for (const proto::Tensor& t : good.program().tensors()) {
+    if (t.role() == proto::ROLE_OPTIMIZER_STATE) {
+      instr->add_tensors(t.id());
+      break;
+    }
+  }
+  ExpectRefused(reload, "no earlier instruction offloads");
+}
+
+TEST(CudaLayout, RefusesAMemoryPlanThatDoesNotHoldItsBuffers) {
+  TinyPlanOptions options;
+  options.world_size = 2;
+  options.policy = "dc";
+  const proto::Schedule good = Plan(options);
+  ASSERT_GT(good.memory_plan().placements_size(), 0);
+
+  proto::Schedule misaligned = good;
+  auto* p = misaligned.mutable_memory_plan()->mutable_placements(0);
+  p->set_offset_bytes(p->offset_bytes() + 4);
+  ExpectRefused(misaligned, "aligned inside the arena");
+
+  proto::Schedule small = good;
+  small.mutable_memory_plan()->mutable_placements(0)->set_size_bytes(1);
+  ExpectRefused(small, "does not hold");
+
+  proto::Schedule outside = good;
+  outside.mutable_memory_plan()->set_arena_bytes(256);
+  ExpectRefused(outside, "inside the arena of 256 bytes");
+}
+
+}  // namespace
+}  // namespace dc
