@@ -812,15 +812,25 @@ Status CheckTokenSide(const proto::Op& op, const TensorRef& x, const Operand& x_
   return Status::Ok();
 }
 
+// Checks a dispatch or its backward: the token side x [..., H], experts (input 1) and the
+// expert-major side [M * k, H]; sets the dims and the layout.
+Status CheckDispatch(const proto::Op& op, const TensorRef& x, const Operand& x_what,
+                     const TensorRef& experts, const TensorRef& rows, const Operand& rows_what,
+                     int64_t* tokens, int64_t* hidden, int64_t* top_k, MoeLayout* layout) {
+  DC_RETURN_IF_ERROR(CheckTokenSide(op, x, x_what, experts, In(1, "experts"), tokens, hidden, top_k));
+  int64_t num_experts = 0;
+  DC_RETURN_IF_ERROR(RequireIntAttr(op, op_attr::kExperts, &num_experts));
+  DC_RETURN_IF_ERROR(CheckRouting(op, experts, In(1, "experts"), num_experts, layout));
+  return CheckF32Shape(op, rows, {*tokens * *top_k, *hidden}, rows_what);
+}
+
 Status MoeDispatch(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
   DC_RETURN_IF_ERROR(CheckArity(op, in, out, 2, 1));
   const TensorRef &x = in[0], &experts = in[1], &xs = out[0];
-  int64_t tokens = 0, hidden = 0, top_k = 0, num_experts = 0;
-  DC_RETURN_IF_ERROR(CheckTokenSide(op, x, In(0, "x"), experts, In(1, "experts"), &tokens, &hidden, &top_k));
-  DC_RETURN_IF_ERROR(RequireIntAttr(op, op_attr::kExperts, &num_experts));
+  int64_t tokens = 0, hidden = 0, top_k = 0;
   MoeLayout layout;
-  DC_RETURN_IF_ERROR(CheckRouting(op, experts, In(1, "experts"), num_experts, &layout));
-  DC_RETURN_IF_ERROR(CheckF32Shape(op, xs, {tokens * top_k, hidden}, Out(0, "xs")));
+  DC_RETURN_IF_ERROR(CheckDispatch(op, x, In(0, "x"), experts, xs, Out(0, "xs"), &tokens, &hidden,
+                                   &top_k, &layout));
   for (int64_t s = 0; s < tokens * top_k; ++s) {
     std::copy_n(x.f32 + (s / top_k) * hidden, hidden, xs.f32 + layout.row[s] * hidden);
   }
@@ -830,12 +840,10 @@ Status MoeDispatch(const proto::Op& op, Refs in, Refs out, const KernelContext&)
 Status MoeDispatchBackward(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
   DC_RETURN_IF_ERROR(CheckArity(op, in, out, 2, 1));
   const TensorRef &dxs = in[0], &experts = in[1], &dx = out[0];
-  int64_t tokens = 0, hidden = 0, top_k = 0, num_experts = 0;
-  DC_RETURN_IF_ERROR(CheckTokenSide(op, dx, Out(0, "dx"), experts, In(1, "experts"), &tokens, &hidden, &top_k));
-  DC_RETURN_IF_ERROR(RequireIntAttr(op, op_attr::kExperts, &num_experts));
+  int64_t tokens = 0, hidden = 0, top_k = 0;
   MoeLayout layout;
-  DC_RETURN_IF_ERROR(CheckRouting(op, experts, In(1, "experts"), num_experts, &layout));
-  DC_RETURN_IF_ERROR(CheckF32Shape(op, dxs, {tokens * top_k, hidden}, In(0, "dxs")));
+  DC_RETURN_IF_ERROR(CheckDispatch(op, dx, Out(0, "dx"), experts, dxs, In(0, "dxs"), &tokens,
+                                   &hidden, &top_k, &layout));
   for (int64_t t = 0; t < tokens; ++t) {
     float* row = dx.f32 + t * hidden;
     std::copy_n(dxs.f32 + layout.row[t * top_k] * hidden, hidden, row);
