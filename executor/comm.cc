@@ -1,6 +1,6 @@
 #include "executor/comm.h"
 
-#include <gloo/allgather.h>
+#include <gloo/allgather_ring.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
@@ -59,10 +59,9 @@ class GlooCommunicator : public Communicator {
 
   Status AllGather(const float* shard, int64_t n, float* out) override {
     return Guarded("all-gather", rank(), [&] {
-      gloo::AllgatherOptions opts(context_);
-      opts.setInput(const_cast<float*>(shard), n);
-      opts.setOutput(out, n * world_size());
-      gloo::allgather(opts);
+      gloo::AllgatherRing<float> algorithm(context_, std::vector<const float*>{shard}, out,
+                                           static_cast<int>(n));
+      algorithm.run();
     });
   }
 
