@@ -124,17 +124,23 @@ TEST_F(BadInput, ARankThatDiesStopsTheOthers) {
       ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
       ::setenv("MASTER_ADDR", "127.0.0.1", 1);
       ::setenv("MASTER_PORT", "29500", 1);
-      std::freopen("/dev/null", "w", stdout);
+      std::freopen((dir_ + "/rank" + std::to_string(rank) + ".out").c_str(), "w", stdout);
       std::freopen((dir_ + "/rank" + std::to_string(rank) + ".err").c_str(), "w", stderr);
       const std::string tool = Tool("dc-run");
       const std::string plan_path = dir_ + "/two.dcplan";
       ::execl(tool.c_str(), tool.c_str(), plan_path.c_str(), "--steps", "100000", "--backend", "cpu", "--rendezvous", rdzv.c_str(),
-              "--quiet", static_cast<char*>(nullptr));
+              static_cast<char*>(nullptr));
       std::_Exit(127);
     }
     pids.push_back(pid);
   }
-  std::this_thread::sleep_for(std::chrono::seconds(3));
+  // Kill rank 1 once both ranks train (rank 0 has printed a step, so the rendezvous is behind
+  // them), not at a fixed time that a loaded machine may not have reached.
+  const auto started = std::chrono::steady_clock::now();
+  while (ReadFile(dir_ + "/rank0.out").find("step") == std::string::npos &&
+         std::chrono::steady_clock::now() - started < std::chrono::seconds(60)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
   ASSERT_EQ(::kill(pids[1], SIGKILL), 0);
   const auto killed_at = std::chrono::steady_clock::now();
   int status = 0;
