@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "analyzer/simulator.h"
+#include "schemas/digest.h"
 #include "schemas/units.h"
 
 namespace dc {
@@ -645,6 +646,34 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
   return plan;
 }
 
+std::string PackingMemo::Key(const proto::Schedule& schedule, const MemoryPlanOptions& options,
+                             int64_t budget_bytes) {
+  std::string bytes;
+  for (const proto::Instruction& instr : schedule.instructions()) {
+    const std::string one = instr.SerializeAsString();
+    bytes += std::to_string(one.size()) + ":" + one;
+  }
+  return Sha256Hex(bytes) + "/" + std::to_string(budget_bytes) + "/" +
+         std::to_string(static_cast<int>(options.lifetimes)) + "/" +
+         std::to_string(options.alignment_bytes) + "/" +
+         (options.orders.empty() ? "none" : OrderName(options.orders.front()));
+}
+
+void PackingMemo::Store(const proto::Schedule& schedule, const MemoryPlanOptions& options,
+                        int64_t budget_bytes, proto::MemoryPlan plan,
+                        const MemoryPlanStats& stats) {
+  key_ = Key(schedule, options, budget_bytes);
+  entry_.plan = std::move(plan);
+  entry_.stats = stats;
+}
+
+const PackingMemo::Entry* PackingMemo::FindFitting(const proto::Schedule& schedule,
+                                                   const MemoryPlanOptions& options,
+                                                   int64_t budget_bytes) const {
+  if (key_.empty() || budget_bytes <= 0 || entry_.stats.arena_bytes > budget_bytes) return nullptr;
+  return Key(schedule, options, budget_bytes) == key_ ? &entry_ : nullptr;
+}
+
 StatusOr<std::vector<std::pair<int, int>>> ReuseDependencies(const proto::Schedule& schedule) {
   DC_ASSIGN_OR_RETURN(std::vector<BufferLifetime> buffers, BufferLifetimes(schedule));
   const proto::MemoryPlan& plan = schedule.memory_plan();
@@ -752,8 +781,15 @@ StatusOr<bool> MemoryPlanPass::Run(proto::Schedule* schedule, const PassContext&
   summary_.clear();
   reuse_dependencies_added_ = 0;
   const int64_t budget = context.budget_bytes;
-  DC_ASSIGN_OR_RETURN(proto::MemoryPlan plan,
-                      PlanMemory(*schedule, options_, budget, context.costs, &stats_));
+  proto::MemoryPlan plan;
+  const PackingMemo::Entry* packed =
+      context.packings ? context.packings->FindFitting(*schedule, options_, budget) : nullptr;
+  if (packed) {
+    plan = packed->plan;
+    stats_ = packed->stats;
+  } else {
+    DC_ASSIGN_OR_RETURN(plan, PlanMemory(*schedule, options_, budget, context.costs, &stats_));
+  }
   static const CostModel kFallback;
   const CostModel& costs = context.costs ? *context.costs : kFallback;
   SimOptions sim_options;

@@ -120,6 +120,31 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
                                        const MemoryPlanOptions& options, int64_t budget_bytes,
                                        const CostModel* costs, MemoryPlanStats* stats);
 
+// The last packing of one plan, keyed by the schedule's instructions, the budget and the options
+// that decide PlanMemory's first attempt (lifetimes, alignment, first order). A packing that
+// fits the budget is what PlanMemory's first attempt returns whatever the later attempts and
+// spill settings (they act only above the budget), so the memory-plan pass takes it instead of
+// packing the same schedule again after the offload pass checked its arena. Not thread-safe.
+class PackingMemo {
+ public:
+  struct Entry {
+    proto::MemoryPlan plan;
+    MemoryPlanStats stats;
+  };
+  void Store(const proto::Schedule& schedule, const MemoryPlanOptions& options,
+             int64_t budget_bytes, proto::MemoryPlan plan, const MemoryPlanStats& stats);
+  // The stored packing for this schedule, budget and first attempt if it fits the budget;
+  // null otherwise.
+  const Entry* FindFitting(const proto::Schedule& schedule, const MemoryPlanOptions& options,
+                           int64_t budget_bytes) const;
+
+ private:
+  static std::string Key(const proto::Schedule& schedule, const MemoryPlanOptions& options,
+                         int64_t budget_bytes);
+  std::string key_;
+  Entry entry_;
+};
+
 // The orderings a static arena needs on asynchronous streams: (allocating instruction, freeing
 // instruction) for each allocation that reuses bytes a buffer freed by an instruction on another
 // stream (the same stream orders them already), sorted, without repeats. Needs the schedule's

@@ -226,6 +226,51 @@ TEST(MemoryPlan, ArenaCoversTheSimulatedPeakAndFitsTheBudget) {
   EXPECT_FALSE(*changed);
 }
 
+// The memory-plan pass takes the packing the offload pass's arena check left in the memo when
+// it was made for the same instructions and budget and fits it, and packs anew otherwise; the
+// plan is the same either way.
+TEST(MemoryPlan, TakesTheMemoisedPackingOnlyForTheSameSchedule) {
+  CostModel costs;
+  const proto::Schedule s = TinyWithOffload(2, &costs);
+  MemoryPlanPass reference_pass;
+  proto::Schedule reference = s;
+  const int64_t budget = s.budget_bytes();
+  ASSERT_TRUE(reference_pass.Run(&reference, PassContext{&costs, budget}).ok());
+
+  // What the offload pass's check stores: the first order alone, no spilling.
+  MemoryPlanOptions check;
+  check.orders.resize(1);
+  check.spill_to_instruction_order = false;
+  check.fall_back_to_instruction_order = false;
+  MemoryPlanStats stats;
+  auto packed = PlanMemory(s, check, budget, &costs, &stats);
+  ASSERT_TRUE(packed.ok()) << packed.status().message();
+  ASSERT_LE(stats.arena_bytes, budget);
+  PackingMemo memo;
+  MemoryPlanStats marked = stats;
+  marked.order = "memoised";  // shows in the pass's summary when the pass takes the memo
+  memo.Store(s, check, budget, *packed, marked);
+  EXPECT_NE(memo.FindFitting(s, MemoryPlanOptions{}, budget), nullptr);
+  EXPECT_EQ(memo.FindFitting(s, MemoryPlanOptions{}, stats.arena_bytes - 1), nullptr)
+      << "a budget the packing does not fit";
+  proto::Schedule changed = s;
+  changed.mutable_instructions(0)->add_deps(0);
+  EXPECT_EQ(memo.FindFitting(changed, MemoryPlanOptions{}, budget), nullptr) << "other instructions";
+  MemoryPlanOptions area_first;
+  area_first.orders = {MemoryPlanOptions::Order::kAreaDescending};
+  EXPECT_EQ(memo.FindFitting(s, area_first, budget), nullptr) << "another first order";
+
+  proto::Schedule memoised = s;
+  MemoryPlanPass pass;
+  PassContext context{&costs, budget};
+  context.packings = &memo;
+  ASSERT_TRUE(pass.Run(&memoised, context).ok());
+  EXPECT_EQ(memoised.memory_plan().SerializeAsString(), reference.memory_plan().SerializeAsString());
+  EXPECT_EQ(memoised.SerializeAsString(), reference.SerializeAsString());
+  EXPECT_NE(pass.Summary().find("memoised order"), std::string::npos) << pass.Summary();
+  EXPECT_EQ(reference_pass.Summary().find("memoised"), std::string::npos);
+}
+
 TEST(MemoryPlan, IsDeterministicAndSorted) {
   const proto::Schedule s = TinyBaseline(2);
   auto a = PlanMemory(s, MemoryPlanOptions{}, 0, nullptr, nullptr);

@@ -654,7 +654,9 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
     // A peak a few MiB under the budget (passes before this one fill it) may still leave no
     // room for the arena's fragmentation; the memory-plan pass would then make reuse wait.
     MemoryPlanStats packed;
-    DC_RETURN_IF_ERROR(PlanMemory(*schedule, arena_check, budget, context.costs, &packed).status());
+    DC_ASSIGN_OR_RETURN(proto::MemoryPlan plan,
+                        PlanMemory(*schedule, arena_check, budget, context.costs, &packed));
+    if (context.packings) context.packings->Store(*schedule, arena_check, budget, std::move(plan), packed);
     if (packed.arena_bytes <= budget) return false;
     planning_budget -= static_cast<int64_t>(static_cast<double>(packed.arena_bytes - budget) *
                                             options_.arena_overshoot_factor);
@@ -687,7 +689,9 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
     out = std::move(planned).value();
     if (options_.fit_memory_plan) {
       MemoryPlanStats packed;
-      DC_RETURN_IF_ERROR(PlanMemory(out, arena_check, budget, context.costs, &packed).status());
+      DC_ASSIGN_OR_RETURN(proto::MemoryPlan plan,
+                          PlanMemory(out, arena_check, budget, context.costs, &packed));
+      if (context.packings) context.packings->Store(out, arena_check, budget, std::move(plan), packed);
       stats_.arena_bytes = packed.arena_bytes;
       stats_.arena_rounds = round + 1;
     }

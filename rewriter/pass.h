@@ -18,12 +18,18 @@
 namespace dc {
 
 // What a pass may consult besides the schedule itself.
+class PackingMemo;
+
 struct PassContext {
   const CostModel* costs = nullptr;
   int64_t budget_bytes = 0;  // 0 = unlimited
   // The budget the passes before the first memory-freeing pass (offload) plan against: they
   // may spend memory that offloading will give back. 0 = budget_bytes.
   int64_t relaxed_budget_bytes = 0;
+  // The last arena packing of this plan (rewriter/memory_plan.h), shared so that the
+  // memory-plan pass does not pack again what the offload pass's arena check just packed.
+  // Optional; one per plan (the costs and program must not change while it lives).
+  PackingMemo* packings = nullptr;
 };
 
 class Pass {

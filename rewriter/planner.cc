@@ -195,7 +195,9 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   if (request.world_size < 1) return Status::Error("world size must be at least 1");
   DC_ASSIGN_OR_RETURN(auto pipeline, PipelineFor(request));
   DC_ASSIGN_OR_RETURN(std::string key, PlanKey(request));
+  PackingMemo packings;
   PassContext context{&request.costs, request.budget_bytes};
+  context.packings = &packings;
   // dc's passes before offloading may spend up to half the optimizer-state bytes that
   // offloading can give back; offload then frees what must go. Other policies plan against the
   // budget as it is (DeepCompile's rules have no such give-back).
