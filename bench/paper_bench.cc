@@ -275,8 +275,7 @@ int Sensitivity(const std::vector<Row>& rows, const dc::HardwareProfile& nominal
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  (void)argv;
+int main(int argc, char**) {
   if (argc > 1) {
     std::fprintf(stderr, "usage: paper_bench (no arguments; see bench/README.md)\n");
     return 2;
