@@ -676,15 +676,20 @@ TEST(Moe, DispatchGroupedMatmulCombineEqualEachTokensExperts) {
   }
 }
 
-TEST(GradCheck, MoeRouterWithTheBalancingLoss) {
+// Top-2 and top-1 (where the renormalized gate is always 1, so the router learns from the
+// balancing loss alone: the gates' cotangent must contribute nothing).
+class RouterGradCheck : public ::testing::TestWithParam<int64_t> {};
+INSTANTIATE_TEST_SUITE_P(TopK, RouterGradCheck, ::testing::Values(2, 1));
+
+TEST_P(RouterGradCheck, MoeRouterWithTheBalancingLoss) {
   std::mt19937 rng(12);
-  constexpr int64_t kTopK = 2;
+  const int64_t top_k = GetParam();
   constexpr double kCoef = 0.3, kGradScale = 0.25;
-  const std::map<std::string, int64_t> ints = {{op_attr::kTopK, kTopK}};
+  const std::map<std::string, int64_t> ints = {{op_attr::kTopK, top_k}};
   const std::map<std::string, double> floats = {{op_attr::kAuxCoef, kCoef}};
   Buffer logits = RandomF32({3, 2, 5}, &rng);
-  Buffer cotangent = RandomF32({3, 2, kTopK}, &rng);
-  Buffer gates = Buffer::F32({3, 2, kTopK}), experts = Buffer::I32({3, 2, kTopK}), aux = Buffer::F32({1});
+  Buffer cotangent = RandomF32({3, 2, top_k}, &rng);
+  Buffer gates = Buffer::F32({3, 2, top_k}), experts = Buffer::I32({3, 2, top_k}), aux = Buffer::F32({1});
   const proto::Op forward = MakeOp(op_kind::kMoeRouter, ints, floats);
   // The executor's loss: <cotangent, gates> from the layers above, plus grad_scale * aux.
   auto objective = [&] {
@@ -696,11 +701,18 @@ TEST(GradCheck, MoeRouterWithTheBalancingLoss) {
   Buffer dlogits = Buffer::F32({3, 2, 5});
   KernelContext context;
   context.grad_scale = kGradScale;
-  ASSERT_TRUE(RunOp(MakeOp(op_kind::kMoeRouterBackward, ints, floats), {&cotangent, &logits, &experts},
-                    {&dlogits}, context).ok());
+  const proto::Op backward = MakeOp(op_kind::kMoeRouterBackward, ints, floats);
+  ASSERT_TRUE(RunOp(backward, {&cotangent, &logits, &experts}, {&dlogits}, context).ok());
   CheckNumeric(objective, &logits.f32, dlogits.f32, "dlogits");
   objective();
   EXPECT_EQ(experts.i32, routing) << "the steps must not change the routing";
+  if (top_k == 1) {
+    EXPECT_EQ(gates.f32, std::vector<float>(6, 1.0f));
+    // Without the balancing loss nothing reaches the router.
+    const proto::Op no_balance = MakeOp(op_kind::kMoeRouterBackward, ints, {{op_attr::kAuxCoef, 0.0}});
+    ASSERT_TRUE(RunOp(no_balance, {&cotangent, &logits, &experts}, {&dlogits}, context).ok());
+    for (float g : dlogits.f32) EXPECT_NEAR(g, 0.0f, 1e-7f);
+  }
 }
 
 TEST(GradCheck, MoeDispatchGroupedMatmulAndCombine) {
