@@ -14,7 +14,7 @@
 #include "schemas/digest.h"
 #include "schemas/units.h"
 #include "models/data.h"
-#include "models/op_kinds.h"
+#include "models/model.h"
 
 namespace dc {
 
@@ -237,11 +237,8 @@ Status RankRunner::Init() {
       placements_[{p.instruction(), p.tensor(), p.micro_step()}] = p.offset_bytes();
     }
   }
-  is_loss_term_.assign(program_.tensors_size(), 0);
-  bool has_loss = false;
+  DC_ASSIGN_OR_RETURN(is_loss_term_, LossTerms(program_));
   for (const auto& t : program_.tensors()) {
-    if (op_kind::IsLossTerm(t.name())) is_loss_term_[t.id()] = 1;
-    has_loss = has_loss || t.name() == op_kind::kLossName;
     BufferKind kind;
     if (t.role() == proto::ROLE_PARAM) {
       kind = BufferKind::kShard;
@@ -259,7 +256,6 @@ Status RankRunner::Init() {
     if (t.role() == proto::ROLE_PARAM) InitParamSlice(config, t, rank_ * shard, shard, Shard(t.id())->f32);
   }
   FlushMemoryEvents(0);
-  if (!has_loss) return Status::Error("the plan's program has no tensor named 'loss'");
   return Status::Ok();
 }
 

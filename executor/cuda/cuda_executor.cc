@@ -16,7 +16,7 @@
 #include "executor/cuda/cuda_layout.h"
 #include "executor/device_memory.h"
 #include "models/data.h"
-#include "models/op_kinds.h"
+#include "models/model.h"
 #include "schemas/digest.h"
 #include "schemas/units.h"
 
@@ -178,14 +178,8 @@ CudaRankRunner::~CudaRankRunner() {
 // Start-up
 
 Status CudaRankRunner::Init() {
-  // The loss is the cross-entropy plus every MoE layer's balancing term (models/op_kinds.h).
-  is_loss_term_.assign(program_.tensors_size(), 0);
-  bool has_loss = false;
-  for (const auto& t : program_.tensors()) {
-    if (op_kind::IsLossTerm(t.name())) is_loss_term_[t.id()] = 1;
-    has_loss = has_loss || t.name() == op_kind::kLossName;
-  }
-  if (!has_loss) return Status::Error("the plan's program has no tensor named 'loss'");
+  // The loss is the cross-entropy plus every MoE layer's balancing term.
+  DC_ASSIGN_OR_RETURN(is_loss_term_, LossTerms(program_));
   const std::string who = "rank " + std::to_string(rank_) + ": ";
   auto streams = CudaStreamSet::Create();
   if (!streams.ok()) return streams.status().Prefixed(who + "creating the streams: ");
