@@ -633,8 +633,7 @@ Status MemoryReplay::Reload(int i, const proto::Instruction& instr) {
 void SweepMemory(const proto::Schedule& schedule, const std::vector<MemoryEvent>& events,
                  bool record_timeline, SimResult* result) {
   MemoryPoint now;
-  const std::vector<int64_t> persistent =
-      PersistentBytesByKind(schedule.program(), schedule.world_size());
+  const std::vector<int64_t> persistent = PersistentBytesByKind(schedule);
   for (int k = 0; k < kNumBufferKinds; ++k) {
     now.bytes_by_kind[k] = persistent[k];
     now.total_bytes += persistent[k];

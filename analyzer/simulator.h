@@ -13,7 +13,8 @@
 // share: PCIe is full duplex, h2d and d2h each have a direction (analyzer/HARDWARE.md). An
 // instruction that met no contention lasts exactly its cost model duration.
 //
-// Memory: the persistent shards from time 0; an all-gather allocates each gathered param at its
+// Memory: the persistent shards from time 0 (with the compute-dtype shards of the params whose
+// masters the schedule offloads: schemas/program.h's ComputeShardParams); an all-gather allocates each gathered param at its
 // start; a compute allocates its outputs, and the ROLE_INPUT inputs not yet live in its
 // micro-step, at its start; a release frees at its start; an offload frees persistent shards
 // (or a transient) at its end and a reload allocates them at its start. Transients are

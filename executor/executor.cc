@@ -73,6 +73,14 @@ using PlacementKey = std::tuple<int, int, int>;
 // micro-step, so activations of different micro-steps never alias.
 constexpr int kGatheredKey = -2;
 constexpr int kPersistentKey = -3;
+constexpr int kComputeShardKey = -4;  // beside an offloaded master (ComputeShardParams)
+
+// The memory plan's micro-step of a buffer key.
+int PlacementMicroStep(int key) {
+  if (key == kPersistentKey) return -1;
+  if (key == kComputeShardKey) return kComputeShardMicroStep;
+  return key;
+}
 
 class RankRunner : public RankStepper {
  public:
@@ -118,6 +126,12 @@ class RankRunner : public RankStepper {
   }
   // The persistent shard of a param, grad or optimizer state; null while offloaded.
   Buffer* Shard(int tensor) { return Find(tensor, kPersistentKey); }
+  // What a gather of `param` sends: its compute-dtype shard where the plan offloads its master,
+  // else the master; null when neither is on the device.
+  Buffer* GatherSource(int param) {
+    Buffer* compute = Find(param, kComputeShardKey);
+    return compute ? compute : Shard(param);
+  }
   Status Execute(int index, int step, const InstructionRef& ref);
   Status Compute(const proto::Instruction& instr, int index, int step);
   Status Gather(const proto::Instruction& instr, int index);
@@ -125,6 +139,8 @@ class RankRunner : public RankStepper {
   Status Offload(const proto::Instruction& instr, int index);
   Status Reload(const proto::Instruction& instr, int index);
   Status LoadInput(int index, int tensor, int micro, int step, const std::string& what);
+  // Copies a param's master into its compute-dtype shard, if it has one.
+  void RefreshComputeShard(int param);
   void FlushMemoryEvents(int64_t correlation_id);
 
   const proto::Schedule& schedule_;
@@ -137,8 +153,9 @@ class RankRunner : public RankStepper {
   const int world_;
   const int rank_;
 
-  // Every device buffer by (tensor, key): persistent shards under kPersistentKey, gathered
-  // params under kGatheredKey, the rest under their micro-step.
+  // Every device buffer by (tensor, key): persistent shards under kPersistentKey (compute-dtype
+  // shards under kComputeShardKey), gathered params under kGatheredKey, the rest under their
+  // micro-step.
   std::map<std::pair<int, int>, Buffer> live_;
   std::map<int, std::vector<float>> host_;  // offloaded shards, by tensor
   std::vector<std::byte> arena_;
@@ -163,8 +180,7 @@ Status RankRunner::Place(int index, int tensor, int key, Buffer* buffer, bool in
     }
     return Status::Ok();
   }
-  const int micro = key == kPersistentKey ? -1 : key;
-  auto it = placements_.find({index, tensor, micro});
+  auto it = placements_.find({index, tensor, PlacementMicroStep(key)});
   if (it == placements_.end()) {
     return Status::Error("the memory plan has no place for " + program_.tensors(tensor).name() +
                          " at instruction " + std::to_string(index) + "; re-plan it");
@@ -255,6 +271,17 @@ Status RankRunner::Init() {
                                 "start-up (persistent shard of " + t.name() + ")"));
     if (t.role() == proto::ROLE_PARAM) InitParamSlice(config, t, rank_ * shard, shard, Shard(t.id())->f32);
   }
+  // This backend keeps every buffer in fp32, so a compute-dtype shard holds the master's values
+  // (as the gathers from the master do); its accounted bytes are the compute dtype's.
+  const std::vector<bool> compute_shard = ComputeShardParams(schedule_);
+  for (const auto& t : program_.tensors()) {
+    if (!compute_shard[t.id()]) continue;
+    const int64_t shard = ShardOf(t.id());
+    DC_RETURN_IF_ERROR(Allocate(-1, t.id(), kComputeShardKey, BufferKind::kShard,
+                                ComputeShardBytes(program_, t, world_), shard, false,
+                                "start-up (compute-dtype shard of " + t.name() + ")"));
+    RefreshComputeShard(t.id());
+  }
   FlushMemoryEvents(0);
   return Status::Ok();
 }
@@ -283,6 +310,12 @@ Status RankRunner::LoadInput(int index, int tensor, int micro, int step, const s
     std::copy(source.begin(), source.end(), tokens->i32 + b * seq);
   }
   return Status::Ok();
+}
+
+void RankRunner::RefreshComputeShard(int param) {
+  Buffer* compute = Find(param, kComputeShardKey);
+  const Buffer* master = Shard(param);
+  if (compute && master) std::copy(master->f32, master->f32 + master->elements, compute->f32);
 }
 
 Status RankRunner::Compute(const proto::Instruction& instr, int index, int step) {
@@ -338,6 +371,11 @@ Status RankRunner::Compute(const proto::Instruction& instr, int index, int step)
   context.adam_step = step + 1;
   context.num_threads = options_.num_threads;
   DC_RETURN_IF_ERROR(RunCpuOp(op, inputs, outputs, context).Prefixed(what + ": "));
+  if (optimizer) {
+    for (int tensor : op.inputs()) {
+      if (program_.tensors(tensor).role() == proto::ROLE_PARAM) RefreshComputeShard(tensor);
+    }
+  }
   for (size_t i = 0; i < outputs.size(); ++i) {
     if (is_loss_term_[op.outputs(i)]) loss_sum_ += outputs[i].f32[0];
   }
@@ -356,13 +394,15 @@ Status RankRunner::Gather(const proto::Instruction& instr, int index) {
     if (Find(tensor, kGatheredKey)) {
       return Status::Error(Describe(index) + ": " + t.name() + " is already gathered");
     }
-    if (!Shard(tensor)) return Status::Error(Describe(index) + ": " + t.name() + "'s shard is offloaded");
+    if (!GatherSource(tensor)) {
+      return Status::Error(Describe(index) + ": " + t.name() + "'s shard is offloaded");
+    }
     packed_elements += ShardOf(tensor);
   }
   std::vector<float> packed(packed_elements), gathered(packed_elements * world_);
   int64_t offset = 0;
   for (int tensor : instr.tensors()) {
-    const Buffer* shard = Shard(tensor);
+    const Buffer* shard = GatherSource(tensor);
     std::copy(shard->f32, shard->f32 + shard->elements, packed.begin() + offset);
     offset += shard->elements;
   }
@@ -523,7 +563,7 @@ Status RankRunner::RunStep(int step, bool warmup, double* loss, double* seconds)
     DC_RETURN_IF_ERROR(Execute(i, step, ref));
   }
   for (auto& [key, buffer] : live_) {
-    if (key.second != kPersistentKey) {
+    if (key.second != kPersistentKey && key.second != kComputeShardKey) {
       return Status::Error("the plan leaves " + program_.tensors(key.first).name() +
                            " live at the end of the step; re-plan it");
     }

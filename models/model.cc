@@ -739,6 +739,18 @@ StatusOr<proto::ModelConfig> MakeConfig(const std::string& preset,
   if (overrides.top_k) c.set_top_k(*overrides.top_k);
   if (overrides.router_aux_coef) c.set_router_aux_coef(*overrides.router_aux_coef);
   if (overrides.data_path) c.set_data_path(*overrides.data_path);
+  if (overrides.compute_dtype) {
+    const std::string& name = *overrides.compute_dtype;
+    if (name == "f32") {
+      c.set_compute_dtype(proto::DTYPE_F32);
+    } else if (name == "bf16") {
+      c.set_compute_dtype(proto::DTYPE_BF16);
+    } else if (name == "f16") {
+      c.set_compute_dtype(proto::DTYPE_F16);
+    } else {
+      return Status::Error("--dtype " + name + " is not a compute dtype; use f32, bf16 or f16");
+    }
+  }
   DC_RETURN_IF_ERROR(ValidateConfig(c));
   return c;
 }

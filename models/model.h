@@ -22,6 +22,7 @@ struct ModelOverrides {
   std::optional<double> router_aux_coef;
   std::optional<uint64_t> seed;
   std::optional<std::string> data_path;
+  std::optional<std::string> compute_dtype;  // "f32", "bf16" or "f16"
 };
 
 std::vector<std::string> PresetNames();

@@ -125,6 +125,22 @@ TEST(Model, BadOverridesFailWithTheFlag) {
   EXPECT_EQ(BuildError("tiny", negative_batch), "--micro-batch must be at least 1 (got -2)");
 }
 
+TEST(Model, DtypeOverrideSetsTheComputeDtype) {
+  ModelOverrides bf16;
+  bf16.compute_dtype = "bf16";
+  auto config = MakeConfig("tiny", bf16);
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  EXPECT_EQ(config->compute_dtype(), proto::DTYPE_BF16);
+  ModelOverrides f32;
+  f32.compute_dtype = "f32";
+  config = MakeConfig("llama3-8b", f32);
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  EXPECT_EQ(config->compute_dtype(), proto::DTYPE_F32);
+  ModelOverrides bad;
+  bad.compute_dtype = "fp8";
+  EXPECT_EQ(BuildError("tiny", bad), "--dtype fp8 is not a compute dtype; use f32, bf16 or f16");
+}
+
 TEST(Model, UnknownPresetListsKnownOnes) {
   EXPECT_EQ(BuildError("llama9", {}),
             "unknown preset 'llama9'; known presets: tiny, small, llama-1b, llama3-8b, "

@@ -50,6 +50,12 @@ class LifetimeReplay {
       if (!IsPersistentRole(t.role())) continue;
       persistent_[t.id()] = Open(-1, t.id(), -1, ShardBytes(t.id()));
     }
+    // The compute-dtype shards beside offloaded masters live for the whole run.
+    const std::vector<bool> compute_shard = ComputeShardParams(schedule_);
+    for (const proto::Tensor& t : program_.tensors()) {
+      if (!compute_shard[t.id()]) continue;
+      Open(-1, t.id(), kComputeShardMicroStep, ComputeShardBytes(program_, t, world_size_));
+    }
     for (int i = 0; i < n_; ++i) DC_RETURN_IF_ERROR(Apply(i, schedule_.instructions(i)));
     return std::move(buffers_);
   }

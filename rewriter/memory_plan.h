@@ -46,7 +46,7 @@ namespace dc {
 struct BufferLifetime {
   int instruction = -1;  // the instruction that allocates it; -1: persistent from start-up
   int tensor = -1;
-  int micro_step = -1;   // -2 for a gathered param, -1 for persistent shards / optimizer phase
+  int micro_step = -1;   // -2 gathered param, -1 persistent / optimizer phase, -3 compute shard
   int alloc_index = -1;  // -1: before the first instruction
   int free_index = 0;    // the instruction count: after the last instruction
   int64_t size_bytes = 0;

@@ -16,11 +16,16 @@ namespace {
 
 constexpr int64_t kF32Bytes = 4;  // persistent shards are fp32 (schemas/program.h)
 
-// One fragment that may move: the rank's fp32 shard of one optimizer-state tensor.
+// One fragment that may move: the rank's fp32 shard of one optimizer-state tensor (Adam m or
+// v), or of one param (its master weight). A master on the host leaves a compute-dtype shard on
+// the device for the gathers (schemas/program.h's ComputeShardParams), for the whole step.
 struct Fragment {
   int tensor = -1;
-  int64_t bytes = 0;
-  std::vector<int> readers;  // optimizer-phase computes that read it, in index order
+  bool master = false;
+  int64_t bytes = 0;           // freed on the device while it is on the host
+  int64_t copy_bytes = 0;      // moved by its offload and its reload (the fp32 shard)
+  int64_t resident_bytes = 0;  // held on the device all the time once chosen (a compute shard)
+  std::vector<int> readers;    // optimizer-phase computes that read it, in index order
 };
 
 // What the passes need to know about the input schedule.
@@ -28,7 +33,8 @@ struct Layout {
   int num_instructions = 0;
   int last_micro_step = 0;
   int first_optimizer = 0;  // index of the first optimizer-phase instruction (or the count)
-  // In list order: by first reader, then by position among the reader's inputs (m before v).
+  // In list order: by first reader, then the reader's optimizer states by position among its
+  // inputs (m before v), then its param's master.
   std::vector<Fragment> fragments;
   std::vector<int> forward_computes;   // forward ops of micro-step 0, index order
   std::vector<int> backward_computes;  // backward ops of the last micro-step, index order
@@ -70,21 +76,29 @@ StatusOr<Layout> AnalyzeLayout(const proto::Schedule& schedule) {
       layout.backward_computes.push_back(i);
     }
     if (op.phase() != proto::PHASE_OPTIMIZER) continue;
-    for (int t : op.inputs()) {
-      const proto::Tensor& tensor = program.tensors(t);
-      if (tensor.role() != proto::ROLE_OPTIMIZER_STATE || already_offloaded[t]) continue;
-      if (fragment_of[t] < 0) {
-        fragment_of[t] = static_cast<int>(layout.fragments.size());
-        Fragment fragment;
-        fragment.tensor = t;
-        fragment.bytes = ShardElements(NumElements(tensor), world_size) * kF32Bytes;
-        layout.fragments.push_back(std::move(fragment));
+    for (const proto::Role role : {proto::ROLE_OPTIMIZER_STATE, proto::ROLE_PARAM}) {
+      for (int t : op.inputs()) {
+        const proto::Tensor& tensor = program.tensors(t);
+        if (tensor.role() != role || already_offloaded[t]) continue;
+        if (fragment_of[t] < 0) {
+          Fragment fragment;
+          fragment.tensor = t;
+          fragment.master = role == proto::ROLE_PARAM;
+          fragment.copy_bytes = ShardElements(NumElements(tensor), world_size) * kF32Bytes;
+          fragment.resident_bytes =
+              fragment.master ? ComputeShardBytes(program, tensor, world_size) : 0;
+          fragment.bytes = fragment.copy_bytes - fragment.resident_bytes;
+          // A master in an fp32 program frees nothing: its compute shard is as large.
+          if (fragment.bytes <= 0) continue;
+          fragment_of[t] = static_cast<int>(layout.fragments.size());
+          layout.fragments.push_back(std::move(fragment));
+        }
+        auto& readers = layout.fragments[fragment_of[t]].readers;
+        if (readers.empty() || readers.back() != i) readers.push_back(i);
       }
-      auto& readers = layout.fragments[fragment_of[t]].readers;
-      if (readers.empty() || readers.back() != i) readers.push_back(i);
     }
   }
-  layout.persistent_by_kind = PersistentBytesByKind(program, world_size);
+  layout.persistent_by_kind = PersistentBytesByKind(schedule);
   for (int64_t b : layout.persistent_by_kind) layout.persistent_bytes += b;
   return layout;
 }
@@ -282,6 +296,14 @@ std::vector<int> DeadlineOrder(const Layout& layout, std::vector<int> fragments)
   return fragments;
 }
 
+// What the fragments are, for messages: "Adam m and v" and, where masters can move, "fp32
+// master weights".
+std::string FragmentKinds(const Layout& layout) {
+  const bool masters = std::any_of(layout.fragments.begin(), layout.fragments.end(),
+                                   [](const Fragment& f) { return f.master; });
+  return masters ? "Adam m and v, and fp32 master weights" : "Adam m and v";
+}
+
 Status MissingBytesError(const Layout& layout, int64_t peak_bytes, int64_t missing_bytes,
                          int64_t budget_bytes) {
   int64_t all = 0;
@@ -289,7 +311,8 @@ Status MissingBytesError(const Layout& layout, int64_t peak_bytes, int64_t missi
   const std::string missing = FormatBytes(missing_bytes);
   return Status::Error(
       "even with all " + std::to_string(layout.fragments.size()) + " optimizer-state fragments (" +
-      FormatBytes(all) + " of Adam m and v) on the host, the step needs " + missing +
+      FormatBytes(all) + " freed: " + FragmentKinds(layout) + ") on the host, the step needs " +
+      missing +
       " more than the budget of " + FormatBytes(budget_bytes) + " (simulated peak " +
       FormatBytes(peak_bytes) + " with everything resident); raise --budget by at least " +
       missing + " or use more ranks (each rank holds 1/world of every shard)");
@@ -352,6 +375,11 @@ class OffloadPlanner {
                                  need_bytes - stats_->fragment_bytes, budget_bytes_);
       }
     }
+    // The optimizer phase holds every persistent shard: the compute-dtype shards that offloaded
+    // masters leave behind must fit beside them.
+    const int64_t tail_headroom_bytes = budget_bytes_ > 0
+                                            ? budget_bytes_ - std::max(tail_bytes, layout_.persistent_bytes)
+                                            : std::numeric_limits<int64_t>::max();
     int64_t target_bytes = need_bytes;
     int64_t reload_margin_bytes = 0;
     Waits waits;
@@ -359,10 +387,9 @@ class OffloadPlanner {
       stats_->iterations = iteration;
       std::vector<int> chosen;
       if (mode_.minimal) {
-        DC_ASSIGN_OR_RETURN(chosen, Choose(target_bytes, base.peak_device_bytes));
+        DC_ASSIGN_OR_RETURN(chosen, Choose(target_bytes, base.peak_device_bytes, tail_headroom_bytes));
       } else {
-        chosen.resize(layout_.fragments.size());
-        std::iota(chosen.begin(), chosen.end(), 0);
+        chosen = All(tail_headroom_bytes);
       }
       Plan plan;
       plan.offloads = chosen;
@@ -397,13 +424,31 @@ class OffloadPlanner {
   }
 
  private:
-  // The fewest bytes (in the options' order, then pruned) that cover `target_bytes`.
-  StatusOr<std::vector<int>> Choose(int64_t target_bytes, int64_t peak_bytes) const {
+  // Every fragment, but masters only while their compute-dtype shards fit `headroom_bytes`
+  // (list order).
+  std::vector<int> All(int64_t headroom_bytes) const {
+    std::vector<int> all;
+    for (int i = 0; i < static_cast<int>(layout_.fragments.size()); ++i) {
+      const int64_t resident = layout_.fragments[i].resident_bytes;
+      if (resident > headroom_bytes) continue;
+      headroom_bytes -= resident;
+      all.push_back(i);
+    }
+    return all;
+  }
+
+  // The fewest bytes (in the options' order, then pruned) that cover `target_bytes`. Masters
+  // come after every optimizer state: one moves its whole fp32 shard to free what its compute
+  // shard does not hold (half of it in bf16), so it is the dearest byte to free; and only while
+  // their compute shards fit `headroom_bytes`.
+  StatusOr<std::vector<int>> Choose(int64_t target_bytes, int64_t peak_bytes,
+                                    int64_t headroom_bytes) const {
     std::vector<int> order(layout_.fragments.size());
     std::iota(order.begin(), order.end(), 0);
     const auto& f = layout_.fragments;
     auto later_op = [&](int a, int b) { return f[a].readers.front() > f[b].readers.front(); };
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+      if (f[a].master != f[b].master) return f[b].master;
       if (mode_.options.order == OffloadOptions::Order::kLargestFirst) {
         if (f[a].bytes != f[b].bytes) return f[a].bytes > f[b].bytes;
         return later_op(a, b);
@@ -415,6 +460,8 @@ class OffloadPlanner {
     int64_t chosen_bytes = 0;
     for (int i : order) {
       if (chosen_bytes >= target_bytes) break;
+      if (f[i].resident_bytes > headroom_bytes) continue;
+      headroom_bytes -= f[i].resident_bytes;
       chosen.push_back(i);
       chosen_bytes += f[i].bytes;
     }
@@ -446,7 +493,7 @@ class OffloadPlanner {
     std::vector<int64_t> freed(offloads.size());  // bytes freed once ordinal k has ended
     int64_t total = 0;
     for (size_t k = 0; k < offloads.size(); ++k)
-      freed[k] = total += layout_.fragments[offloads[k]].bytes;
+      freed[k] = total += layout_.fragments[offloads[k]].copy_bytes;
     std::vector<std::pair<int, int>> ordinals;
     if (offloads.empty()) return ordinals;
     for (const auto& [old, bytes] : waits) {
@@ -476,7 +523,7 @@ class OffloadPlanner {
     int64_t offloaded = 0;
     for (size_t k = 0; k < plan.offloads.size(); ++k) {
       copy_end.push_back(sim.end_seconds[late.offload_at[k]]);
-      freed_by.push_back(offloaded += layout_.fragments[plan.offloads[k]].bytes);
+      freed_by.push_back(offloaded += layout_.fragments[plan.offloads[k]].copy_bytes);
     }
     const double window_end = copy_end.empty() ? 0 : copy_end.back();
     bool waited = false;
@@ -535,7 +582,7 @@ class OffloadPlanner {
     size_t c = 0;
     int64_t reloaded_bytes = 0;
     for (size_t r = 0; r < plan->reloads.size(); ++r) {
-      const int64_t bytes = layout_.fragments[plan->reloads[r]].bytes;
+      const int64_t bytes = layout_.fragments[plan->reloads[r]].copy_bytes;
       reloaded_bytes += bytes;
       for (; c < candidates.size(); ++c) {
         const double start = std::max(sim.end_seconds[late.new_of_old[candidates[c]]], h2d_free);
@@ -793,7 +840,7 @@ StatusOr<bool> DcOffloadPass::Run(proto::Schedule* schedule, const PassContext& 
   int64_t reloaded_bytes = 0;
   for (size_t b = 0; b < backward.size() && next_reload < plan.reloads.size(); ++b) {
     while (next_reload < plan.reloads.size()) {
-      const int64_t next_bytes = layout.fragments[plan.reloads[next_reload]].bytes;
+      const int64_t next_bytes = layout.fragments[plan.reloads[next_reload]].copy_bytes;
       if (!(total_mem > static_cast<double>(peak_to_end[b] + reloaded_bytes + next_bytes))) break;
       plan.reload_after[next_reload++] = backward[b];
       reloaded_bytes += next_bytes;

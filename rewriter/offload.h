@@ -1,12 +1,18 @@
 // Optimizer-state offload: when a schedule's simulated peak exceeds the budget, move fragments of
-// Adam state (the rank's fp32 shards of m and v, ROLE_OPTIMIZER_STATE tensors) to pinned host
-// memory at the start of the step and bring them back before the optimizer step, which stays on
-// the device. Three policies over the same machinery, so they compare on equal terms:
+// the optimizer's state (the rank's fp32 shards of Adam's m and v, ROLE_OPTIMIZER_STATE tensors,
+// and of the fp32 master weights, ROLE_PARAM tensors) to pinned host memory at the start of the
+// step and bring them back before the optimizer step, which stays on the device. A master on the
+// host leaves its shard in the compute dtype on the device for the gathers (schemas/program.h's
+// ComputeShardParams), so it frees 4 - 2 bytes per element in bf16 while moving 4: masters move
+// only where their compute shards also fit beside the optimizer step, and never in fp32 programs
+// (they would free nothing). Three policies over the same machinery, so they compare on equal
+// terms:
 //
 // - `offload` (OffloadPass): ours. Frees only what the time-resolved memory timeline says must
 //   go (or, when the peak fits but its packed arena does not, what the arena's excess needs):
 //   the excess is the most the forward and backward hold over the budget; fragments are
-//   chosen in a documented order until they cover it, then pruned. Each reload (earliest
+//   chosen in a documented order (every m and v before any master) until they cover it, then
+//   pruned. Each reload (earliest
 //   optimizer op first) starts after the earliest backward compute of the last micro-step from
 //   which the device can hold it, and everything reloaded before it, at every instant up to the
 //   end of backward, so the copies hide behind backward compute. The result is simulated again
@@ -16,7 +22,8 @@
 // - `offload-all` (ZeroOffloadPass): the ZeRO-3 offload baseline. Every fragment leaves; every
 //   reload waits for the end of backward.
 // - `dc-offload` (DcOffloadPass): DeepCompile's adaptive rule (offload_adam_states.py) with its
-//   fixed margin, on a profile without optimizer state, as the paper runs it.
+//   fixed margin, on a profile without optimizer state, as the paper runs it (its fragments:
+//   each param's m, v and fp32 master, in that order).
 //
 // Every policy emits, per fragment, one OFFLOAD (stream d2h, micro-step 0) at the very start of
 // the step and one RELOAD (stream h2d, the last micro-step) that depends on the instruction it

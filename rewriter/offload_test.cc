@@ -339,6 +339,126 @@ TEST(DcOffload, NothingWithRoomToSpare) {
   EXPECT_FALSE(*changed);
 }
 
+// Tiny in bf16: a master on the host frees 2 of its 4 bytes per element (its bf16 shard stays
+// for the gathers).
+struct MasterCase {
+  Case setup;
+  int64_t master_net_bytes = 0;      // fp32 masters less their bf16 shards
+  int64_t compute_shard_bytes = 0;   // all the bf16 shards
+};
+
+MasterCase TinyBf16() {
+  ModelOverrides overrides;
+  overrides.gas = 2;
+  overrides.micro_batch = 8;  // activations well above the persistent shards
+  MasterCase c;
+  c.setup = MakeCase("tiny", overrides, 2, "h100", ClusterShape{1, 2});
+  proto::Program* program = c.setup.schedule.mutable_program();
+  program->mutable_config()->set_compute_dtype(proto::DTYPE_BF16);
+  // Rebuilt so activations and gathers are bf16 too.
+  auto rebuilt = BuildProgram(program->config());
+  EXPECT_TRUE(rebuilt.ok());
+  c.setup.schedule.clear_instructions();
+  *program = *rebuilt;
+  EXPECT_TRUE(Zero3Pass().Run(&c.setup.schedule, PassContext{}).ok());
+  auto sim = Simulate(c.setup.schedule, c.setup.costs);
+  EXPECT_TRUE(sim.ok());
+  c.setup.sim = *sim;
+  for (const auto& t : program->tensors()) {
+    if (t.role() != proto::ROLE_PARAM) continue;
+    const int64_t bf16 = ComputeShardBytes(*program, t, 2);
+    c.compute_shard_bytes += bf16;
+    c.master_net_bytes += 2 * bf16 - bf16;
+  }
+  return c;
+}
+
+TEST(Offload, MovesMastersOnlyOnceEveryAdamStateIsGone) {
+  const MasterCase c = TinyBf16();
+  const Case& setup = c.setup;
+  // Past what m and v free, by half of what the masters can.
+  const int64_t budget = setup.sim.peak_device_bytes - setup.state_bytes - c.master_net_bytes / 2;
+  ASSERT_GE(budget, setup.persistent_bytes + c.compute_shard_bytes)
+      << "the optimizer step must have room for the bf16 shards";
+  proto::Schedule s = setup.schedule;
+  OffloadPass pass;
+  const PassContext context{&setup.costs, budget};
+  auto changed = pass.Run(&s, context);
+  ASSERT_TRUE(changed.ok()) << changed.status().message();
+  ASSERT_TRUE(*changed);
+  int states = 0, masters = 0;
+  for (const auto& instr : s.instructions()) {
+    if (instr.kind() != proto::INSTR_OFFLOAD) continue;
+    const proto::Role role = s.program().tensors(instr.tensors(0)).role();
+    states += role == proto::ROLE_OPTIMIZER_STATE;
+    masters += role == proto::ROLE_PARAM;
+  }
+  EXPECT_EQ(states, NumOptimizerStates(s.program()));
+  EXPECT_GT(masters, 0);
+  EXPECT_NE(pass.Summary().find("fp32 master"), std::string::npos) << pass.Summary();
+  // The step holds each moved master's bf16 shard from its start.
+  const std::vector<bool> compute_shard = ComputeShardParams(s);
+  int64_t held = 0;
+  for (const auto& t : s.program().tensors()) {
+    if (compute_shard[t.id()]) held += ComputeShardBytes(s.program(), t, 2);
+  }
+  EXPECT_EQ(std::count(compute_shard.begin(), compute_shard.end(), true), masters);
+  auto sim = Simulate(s, setup.costs, SimOptions{true});
+  ASSERT_TRUE(sim.ok()) << sim.status().message();
+  EXPECT_EQ(sim->memory_timeline.front().total_bytes, setup.persistent_bytes + held);
+  EXPECT_LE(sim->peak_device_bytes, budget);
+  Status verified = VerifySchedule(s, context);
+  EXPECT_TRUE(verified.ok()) << verified.message();
+
+  // The memory plan places every bf16 shard for the whole step.
+  proto::Schedule planned = s;
+  MemoryPlanPass memory_plan;
+  auto placed = memory_plan.Run(&planned, context);
+  ASSERT_TRUE(placed.ok()) << placed.status().message();
+  int compute_placements = 0;
+  for (const auto& p : planned.memory_plan().placements()) {
+    if (p.micro_step() != kComputeShardMicroStep) continue;
+    ++compute_placements;
+    EXPECT_EQ(p.instruction(), -1);
+    EXPECT_TRUE(compute_shard[p.tensor()]);
+    EXPECT_EQ(p.size_bytes(), ComputeShardBytes(s.program(), s.program().tensors(p.tensor()), 2));
+  }
+  EXPECT_EQ(compute_placements, masters);
+  EXPECT_LE(planned.memory_plan().arena_bytes(), budget);
+}
+
+TEST(Offload, MastersFreeTheLastBytesBeforeTheBudgetIsRefused) {
+  const MasterCase c = TinyBf16();
+  const Case& setup = c.setup;
+  // m and v alone are not enough, masters and all are: the error names what could move.
+  const int64_t out_of_reach = setup.sim.peak_device_bytes - setup.state_bytes - c.master_net_bytes - 1000;
+  proto::Schedule s = setup.schedule;
+  auto refused = OffloadPass().Run(&s, PassContext{&setup.costs, out_of_reach});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("fp32 master weights"), std::string::npos)
+      << refused.status().message();
+  // An fp32 program has no master to move (its compute-dtype shard would be as large): past
+  // m and v it is refused, naming m and v alone.
+  const Case f32 = Tiny(1);
+  proto::Schedule t = f32.schedule;
+  refused = OffloadPass().Run(&t, PassContext{&f32.costs, f32.floor_bytes() - 1000});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("freed: Adam m and v) on the host"), std::string::npos)
+      << refused.status().message();
+}
+
+TEST(OffloadAll, MovesTheMastersOfABf16ProgramToo) {
+  const MasterCase c = TinyBf16();
+  proto::Schedule s = c.setup.schedule;
+  ZeroOffloadPass pass;
+  auto changed = pass.Run(&s, PassContext{&c.setup.costs, 0});
+  ASSERT_TRUE(changed.ok()) << changed.status().message();
+  int params = 0;
+  for (const auto& t : s.program().tensors()) params += t.role() == proto::ROLE_PARAM;
+  EXPECT_EQ(pass.stats().offloaded, NumOptimizerStates(s.program()) + params);
+  EXPECT_EQ(pass.stats().offloaded_bytes, c.setup.state_bytes + c.master_net_bytes);
+}
+
 // The paper's limited-GPU setting: Llama-3 70B on 16 H100s (2 nodes × 8), 80 GB each.
 TEST(Offload, Llama70bOn16H100sMovesLessAndRunsFasterThanOffloadAll) {
   ModelOverrides overrides;

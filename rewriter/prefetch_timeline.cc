@@ -127,7 +127,7 @@ StatusOr<LiveCurve> LiveCurve::Build(const proto::Schedule& schedule, const SimR
                          std::to_string(n) + " in the schedule)");
   }
   LiveCurve curve;
-  for (int64_t bytes : PersistentBytesByKind(schedule.program(), schedule.world_size())) {
+  for (int64_t bytes : PersistentBytesByKind(schedule)) {
     curve.persistent_bytes_ += bytes;
   }
   DeltaReplay replay(schedule);

@@ -235,6 +235,39 @@ std::vector<int64_t> PersistentBytesByKind(const proto::Program& program, int wo
   return bytes;
 }
 
+std::vector<bool> ComputeShardParams(const proto::Schedule& schedule) {
+  const proto::Program& program = schedule.program();
+  std::vector<bool> has(program.tensors_size(), false);
+  for (const proto::Instruction& instr : schedule.instructions()) {
+    if (instr.kind() != proto::INSTR_OFFLOAD) continue;
+    for (int t : instr.tensors()) {
+      if (t >= 0 && t < program.tensors_size() && program.tensors(t).role() == proto::ROLE_PARAM) {
+        has[t] = true;
+      }
+    }
+  }
+  return has;
+}
+
+int64_t ComputeShardBytes(const proto::Program& program, const proto::Tensor& param, int world_size) {
+  return ShardElements(NumElements(param), world_size) *
+         DTypeSizeBytes(program.config().compute_dtype());
+}
+
+std::vector<int64_t> PersistentBytesByKind(const proto::Schedule& schedule) {
+  const proto::Program& program = schedule.program();
+  const int world_size = std::max(1, schedule.world_size());
+  std::vector<int64_t> bytes = PersistentBytesByKind(program, world_size);
+  const std::vector<bool> compute_shard = ComputeShardParams(schedule);
+  for (int t = 0; t < program.tensors_size(); ++t) {
+    if (compute_shard[t]) {
+      bytes[static_cast<int>(BufferKind::kShard)] +=
+          ComputeShardBytes(program, program.tensors(t), world_size);
+    }
+  }
+  return bytes;
+}
+
 int64_t TokensPerStep(const proto::ModelConfig& config, int world_size) {
   return config.seq() * config.micro_batch() * config.gas() * world_size;
 }

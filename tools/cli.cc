@@ -32,6 +32,9 @@ void ModelFlags::Add(CLI::App& app) {
   AddOptional(app, "--top-k", &overrides.top_k, "experts each token is routed to (mixtral presets)");
   AddOptional(app, "--router-aux-coef", &overrides.router_aux_coef,
               "weight of the MoE load-balancing loss (mixtral presets)");
+  AddOptional(app, "--dtype", &overrides.compute_dtype,
+              "compute dtype of activations, gathered params and grads: f32, bf16 or f16 "
+              "(master weights and Adam state stay fp32)");
   AddOptional(app, "--seed", &overrides.seed, "seed of the initial weights and synthetic data");
   AddOptional(app, "--data", &overrides.data_path,
               "flat binary file of uint16 token ids (as nanoGPT writes them) instead of synthetic tokens");

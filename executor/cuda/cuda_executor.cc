@@ -27,9 +27,18 @@ namespace {
 using PlacementKey = std::tuple<int, int, int>;
 
 // Buffer keys as the cpu executor's: a gathered param under kGatheredKey (the memory plan's
-// micro-step -2), persistent shards under kPersistentKey, the rest under their micro-step.
+// micro-step -2), persistent shards under kPersistentKey, the compute-dtype shard beside an
+// offloaded master under kComputeShardKey, the rest under their micro-step.
 constexpr int kGatheredKey = -2;
 constexpr int kPersistentKey = -3;
+constexpr int kComputeShardKey = -4;
+
+// The memory plan's micro-step of a buffer key.
+int PlacementMicroStep(int key) {
+  if (key == kPersistentKey) return -1;
+  if (key == kComputeShardKey) return kComputeShardMicroStep;
+  return key;
+}
 
 void* At(void* base, int64_t offset_bytes) { return static_cast<char*>(base) + offset_bytes; }
 
@@ -108,6 +117,8 @@ class CudaRankRunner : public RankStepper {
     return it == live_.end() ? nullptr : &it->second;
   }
   Buffer* Shard(int tensor) { return Find(tensor, kPersistentKey); }
+  // Casts a param's fp32 master into its compute-dtype shard, if it has one, on `stream`.
+  Status RefreshComputeShard(int param, cudaStream_t stream, const std::string& what);
 
   Status Execute(int index, int step);
   Status Dispatch(const proto::Instruction& instr, int index, int step, cudaStream_t stream);
@@ -280,7 +291,32 @@ Status CudaRankRunner::InitPersistentShards() {
                                     what + ": cudaMemset of " + FormatBytes(shape.size_bytes)));
     }
   }
-  return Status::Ok();
+  const std::vector<bool> compute_shard = ComputeShardParams(schedule_);
+  const cudaStream_t stream = compute_stream();
+  for (const auto& t : program_.tensors()) {
+    if (!compute_shard[t.id()]) continue;
+    const int64_t elements = ShardShape(t, world_).elements;
+    const CudaBufferShape shape{compute_dtype_, elements,
+                                ComputeShardBytes(program_, t, world_)};
+    const std::string what =
+        "start-up (compute-dtype shard of " + t.name() + ") on rank " + std::to_string(rank_);
+    DC_RETURN_IF_ERROR(
+        Allocate(-1, t.id(), kComputeShardKey, BufferKind::kShard, shape, nullptr, what).status());
+    DC_RETURN_IF_ERROR(RefreshComputeShard(t.id(), stream, what));
+  }
+  return CudaStatus(cudaStreamSynchronize(stream),
+                    "rank " + std::to_string(rank_) + ": start-up casts of the compute-dtype shards");
+}
+
+Status CudaRankRunner::RefreshComputeShard(int param, cudaStream_t stream,
+                                           const std::string& what) {
+  Buffer* compute = Find(param, kComputeShardKey);
+  const Buffer* master = Shard(param);
+  if (compute == nullptr || master == nullptr) return Status::Ok();
+  const int64_t elements = master->shape.elements;
+  return CudaCast(MakeTensor(master->data, proto::DTYPE_F32, {elements}),
+                  MakeTensor(compute->data, compute->shape.dtype, {elements}), stream)
+      .Prefixed(what + ": " + program_.tensors(param).name() + "'s compute-dtype shard: ");
 }
 
 // One scratch buffer for every compute op: ops run in order on the compute stream, so the
@@ -372,8 +408,7 @@ StatusOr<Buffer*> CudaRankRunner::Allocate(int index, int tensor, int key, Buffe
   buffer.kind = kind;
   const proto::Tensor& t = program_.tensors(tensor);
   if (arena_) {
-    const int micro = key == kPersistentKey ? -1 : key;
-    auto it = placements_.find({index, tensor, micro});
+    auto it = placements_.find({index, tensor, PlacementMicroStep(key)});
     if (it == placements_.end()) {
       return Status::Error(what + ": the memory plan has no place for " + t.name() +
                            " at instruction " + std::to_string(index) + "; re-plan it");
@@ -530,6 +565,12 @@ Status CudaRankRunner::Compute(const proto::Instruction& instr, int index, int s
   context.grad_scale = 1.0 / static_cast<double>(TokensPerStep(program_.config(), world_));
   context.adam_step = step + 1;
   DC_RETURN_IF_ERROR(RunCudaOp(op, inputs, outputs, context).Prefixed(what + ": "));
+  if (optimizer) {
+    for (int tensor : op.inputs()) {
+      if (program_.tensors(tensor).role() != proto::ROLE_PARAM) continue;
+      DC_RETURN_IF_ERROR(RefreshComputeShard(tensor, stream, what));
+    }
+  }
   for (size_t i = 0; i < outputs.size(); ++i) {
     if (!is_loss_term_[op.outputs(i)]) continue;
     DC_RETURN_IF_ERROR(CudaAccumulate(outputs[i], 1.0f,
@@ -578,19 +619,26 @@ Status CudaRankRunner::Gather(const proto::Instruction& instr, int index, cudaSt
       return Status::Error(what + ": " + t.name() + " is already gathered");
     }
     Buffer* shard = Shard(tensor);
-    if (!shard) return Status::Error(what + ": " + t.name() + "'s shard is offloaded");
+    const Buffer* compute = Find(tensor, kComputeShardKey);
+    if (!shard && !compute) return Status::Error(what + ": " + t.name() + "'s shard is offloaded");
     DC_ASSIGN_OR_RETURN(Buffer * whole, Allocate(index, tensor, kGatheredKey, BufferKind::kGathered,
                                                  TransientShape(program_, t), stream, what));
-    const int64_t shard_elements = shard->shape.elements;
+    const int64_t shard_elements = ShardShape(t, world_).elements;
     void* out = whole->data;
     if (NeedsStaging(t, world_)) {
       DC_ASSIGN_OR_RETURN(out, StagingFor(instr, t, compute_dtype_, &staging_offset, what));
       staged.push_back({out, whole->data, whole->shape.size_bytes});
     }
     void* mine = At(out, rank_ * shard_elements * element_bytes);
-    DC_RETURN_IF_ERROR(CudaCast(MakeTensor(shard->data, proto::DTYPE_F32, {shard_elements}),
-                                MakeTensor(mine, compute_dtype_, {shard_elements}), stream)
-                           .Prefixed(what + ": " + t.name() + ": "));
+    if (compute != nullptr) {
+      // The master may be on the host: the compute-dtype shard is this rank's chunk as it is.
+      DC_RETURN_IF_ERROR(CopyAsync(mine, compute->data, compute->shape.size_bytes, stream,
+                                   what + ": " + t.name() + "'s compute-dtype shard"));
+    } else {
+      DC_RETURN_IF_ERROR(CudaCast(MakeTensor(shard->data, proto::DTYPE_F32, {shard_elements}),
+                                  MakeTensor(mine, compute_dtype_, {shard_elements}), stream)
+                             .Prefixed(what + ": " + t.name() + ": "));
+    }
     items.push_back({mine, out, shard_elements, compute_dtype_});
   }
   DC_RETURN_IF_ERROR(comm_->AllGatherGroup(items, stream).Prefixed(what + ": "));
@@ -757,7 +805,7 @@ Status CudaRankRunner::RunStep(int step, bool warmup, double* loss, double* seco
   const int64_t start_ns = tracer_ ? tracer_->NowNs() : 0;
   for (int i = 0; i < schedule_.instructions_size(); ++i) DC_RETURN_IF_ERROR(Execute(i, step));
   for (const auto& [key, buffer] : live_) {
-    if (key.second != kPersistentKey) {
+    if (key.second != kPersistentKey && key.second != kComputeShardKey) {
       return Status::Error("the plan leaves " + program_.tensors(key.first).name() +
                            " live at the end of the step; re-plan it");
     }

@@ -147,6 +147,20 @@ TEST(CudaExecutor, OffloadPlanMatchesTheBaseline) {
   ExpectClose(CudaLosses(offload), baseline, kF32Tolerance, "zero3-offload against baseline");
 }
 
+// In bf16 ZeRO-3 offload moves the fp32 masters too: the gathers read the bf16 shards the
+// optimizer ops refresh, which hold what casting the masters at each gather would give.
+TEST(CudaExecutor, MasterOffloadInBF16MatchesTheBaseline) {
+  DC_REQUIRE_DEVICE();
+  TinyPlanOptions options;
+  options.compute_dtype = proto::DTYPE_BF16;
+  const std::vector<double> baseline = CudaLosses(Plan(options));
+  options.policy = "zero3-offload";
+  const proto::Schedule offload = Plan(options);
+  const std::vector<bool> compute_shard = ComputeShardParams(offload);
+  ASSERT_GT(std::count(compute_shard.begin(), compute_shard.end(), true), 0);
+  ExpectClose(CudaLosses(offload), baseline, kBF16Tolerance, "master offload against baseline");
+}
+
 TEST(CudaExecutor, ArenaIsTheDeviceFootprintAndCapacityIsEnforced) {
   DC_REQUIRE_DEVICE();
   TinyPlanOptions options;
