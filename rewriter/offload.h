@@ -22,8 +22,8 @@
 // - `offload-all` (ZeroOffloadPass): the ZeRO-3 offload baseline. Every fragment leaves; every
 //   reload waits for the end of backward.
 // - `dc-offload` (DcOffloadPass): DeepCompile's adaptive rule (offload_adam_states.py) with its
-//   fixed margin, on a profile without optimizer state, as the paper runs it (its fragments:
-//   each param's m, v and fp32 master, in that order).
+//   fixed margin, on a profile without optimizer state, as the paper runs it, over Adam's m
+//   and v (why not the masters too: DcOffloadPass::Run).
 //
 // Every policy emits, per fragment, one OFFLOAD (stream d2h, micro-step 0) at the very start of
 // the step and one RELOAD (stream h2d, the last micro-step) that depends on the instruction it
