@@ -184,10 +184,15 @@ class LlamaBuilder {
   int Add(const std::string& op_name, const std::string& out_name, std::initializer_list<int> xs,
           int layer, proto::Phase phase);
   LayerParams MakeLayerParams(int layer);
-  // Adds layer `layer` reading `x`; sets `*out` to its output.
+  // A checkpointed layer's forward again, from its kept input `x`, as backward-phase ops
+  // (kRecomputeSuffix names), without what only the layer's output needs.
+  LayerActs RecomputeLayer(int layer, const LayerParams& p, int x);
+  // Adds layer `layer` reading `x`; sets `*out` to its output (null: stops at what the layer's
+  // backward reads).
   LayerActs LayerForward(int layer, const LayerParams& p, int x, int* out);
-  // The MoE MLP of a layer reading a->mlp_norm_out; returns its output.
-  int MoeForward(int layer, const LayerParams& p, LayerActs* a);
+  // The MoE MLP of a layer reading a->mlp_norm_out; returns its output, or -1 without the
+  // combine when `combine_output` is false.
+  int MoeForward(int layer, const LayerParams& p, LayerActs* a, bool combine_output);
   // One matmul per expert over its rows of x (an expert-major [M * k, K] activation).
   int GroupedMatmul(const std::string& op_name, const std::string& out_name, int x, int experts,
                     const std::vector<int>& weights, int layer);
@@ -217,6 +222,7 @@ class LlamaBuilder {
   proto::Program program_;
   std::vector<int> params_;
   std::unordered_map<int, int> grad_of_;  // param id -> its grad's id
+  bool recomputing_ = false;  // inside RecomputeLayer: forward ops become backward recomputes
 };
 
 int LlamaBuilder::AddTensor(const std::string& name, std::vector<int64_t> shape, proto::DType dtype,
@@ -224,7 +230,8 @@ int LlamaBuilder::AddTensor(const std::string& name, std::vector<int64_t> shape,
   auto* t = program_.add_tensors();
   const int id = program_.tensors_size() - 1;
   t->set_id(id);
-  t->set_name(name);
+  t->set_name(recomputing_ && role == proto::ROLE_ACTIVATION ? name + op_kind::kRecomputeSuffix
+                                                              : name);
   for (int64_t d : shape) t->add_shape(d);
   t->set_dtype(dtype);
   t->set_role(role);
@@ -252,9 +259,14 @@ proto::Op* LlamaBuilder::AddOp(const std::string& name, const char* kind, proto:
                                const std::vector<int>& outputs, double flops) {
   auto* op = program_.add_ops();
   op->set_id(program_.ops_size() - 1);
-  op->set_name(name);
+  if (recomputing_ && phase == proto::PHASE_FORWARD) {
+    op->set_name(name + op_kind::kRecomputeSuffix);
+    op->set_phase(proto::PHASE_BACKWARD);
+  } else {
+    op->set_name(name);
+    op->set_phase(phase);
+  }
   op->set_kind(kind);
-  op->set_phase(phase);
   op->set_layer(layer);
   op->set_flops(flops);
   for (int in : inputs) op->add_inputs(in);
@@ -349,8 +361,8 @@ LlamaBuilder::LayerActs LlamaBuilder::LayerForward(int layer, const LayerParams&
 
   a.mlp_norm_out = RmsNorm(pre + pn::kMlpNorm, a.h, p.mlp_norm, layer);
   if (moe()) {
-    const int moe_out = MoeForward(layer, p, &a);
-    *out = Add(pre + "mlp.add", pre + "out", {a.h, moe_out}, layer, proto::PHASE_FORWARD);
+    const int moe_out = MoeForward(layer, p, &a, out != nullptr);
+    if (out) *out = Add(pre + "mlp.add", pre + "out", {a.h, moe_out}, layer, proto::PHASE_FORWARD);
     return a;
   }
   a.gate = Matmul(pre + "mlp.gate_proj", pre + "mlp.gate", a.mlp_norm_out, p.w_gate, layer);
@@ -358,8 +370,16 @@ LlamaBuilder::LayerActs LlamaBuilder::LayerForward(int layer, const LayerParams&
   a.act = AddActivationLike(pre + "mlp.act", a.gate);
   AddOp(pre + "mlp.swiglu", op_kind::kSwiglu, proto::PHASE_FORWARD, layer, {a.gate, a.up}, {a.act},
         kSwigluFlopsPerElement * static_cast<double>(tokens_ * ffn_));
+  if (out == nullptr) return a;  // down_proj's backward reads act and w_down, not its output
   const int down = Matmul(pre + "mlp.down_proj", pre + "mlp.down", a.act, p.w_down, layer);
   *out = Add(pre + "mlp.add", pre + "out", {a.h, down}, layer, proto::PHASE_FORWARD);
+  return a;
+}
+
+LlamaBuilder::LayerActs LlamaBuilder::RecomputeLayer(int layer, const LayerParams& p, int x) {
+  recomputing_ = true;
+  LayerActs a = LayerForward(layer, p, x, nullptr);
+  recomputing_ = false;
   return a;
 }
 
@@ -376,7 +396,7 @@ int LlamaBuilder::GroupedMatmul(const std::string& op_name, const std::string& o
   return y;
 }
 
-int LlamaBuilder::MoeForward(int layer, const LayerParams& p, LayerActs* a) {
+int LlamaBuilder::MoeForward(int layer, const LayerParams& p, LayerActs* a, bool combine_output) {
   const std::string pre = pn::LayerPrefix(layer);
   const double slots = static_cast<double>(tokens_ * top_k_);
   a->router_logits =
@@ -406,6 +426,7 @@ int LlamaBuilder::MoeForward(int layer, const LayerParams& p, LayerActs* a) {
         {a->act}, kSwigluFlopsPerElement * slots * static_cast<double>(ffn_));
   a->ys = GroupedMatmul(pre + "experts.down_proj", pre + "experts.down", a->act, a->experts,
                         p.expert_down, layer);
+  if (!combine_output) return -1;  // the combine's backward reads ys, gates and experts
   const int y = AddActivation(pre + "moe.out", Tokens(hidden_), layer);
   auto* combine = AddOp(pre + "moe.combine", op_kind::kMoeCombine, proto::PHASE_FORWARD, layer,
                         {a->ys, a->gates, a->experts}, {y},
@@ -632,7 +653,10 @@ proto::Program LlamaBuilder::Build() && {
       MatmulBackward(pn::kLmHead, d_logits, final_out, lm_head, Name(final_out) + pn::kGradSuffix);
   int d_x = RmsNormBackward(pn::kFinalNorm, d_final_out, x, final_norm, Name(x) + pn::kGradSuffix);
   for (int l = num_layers - 1; l >= 0; --l) {
-    d_x = LayerBackward(l, layer_params[l], layer_acts[l], d_x);
+    const LayerActs acts = config_.recompute_layers()
+                               ? RecomputeLayer(l, layer_params[l], layer_acts[l].x)
+                               : layer_acts[l];
+    d_x = LayerBackward(l, layer_params[l], acts, d_x);
   }
   const int d_embed = AddGrad(embed);
   AddOp(std::string(pn::kEmbed) + ".backward", op_kind::kEmbeddingBackward, proto::PHASE_BACKWARD,
@@ -739,6 +763,7 @@ StatusOr<proto::ModelConfig> MakeConfig(const std::string& preset,
   if (overrides.top_k) c.set_top_k(*overrides.top_k);
   if (overrides.router_aux_coef) c.set_router_aux_coef(*overrides.router_aux_coef);
   if (overrides.data_path) c.set_data_path(*overrides.data_path);
+  if (overrides.recompute_layers) c.set_recompute_layers(*overrides.recompute_layers);
   if (overrides.compute_dtype) {
     const std::string& name = *overrides.compute_dtype;
     if (name == "f32") {

@@ -23,6 +23,7 @@ struct ModelOverrides {
   std::optional<uint64_t> seed;
   std::optional<std::string> data_path;
   std::optional<std::string> compute_dtype;  // "f32", "bf16" or "f16"
+  std::optional<bool> recompute_layers;      // activation checkpointing per decoder layer
 };
 
 std::vector<std::string> PresetNames();

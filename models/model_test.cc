@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <set>
 
@@ -123,6 +124,54 @@ TEST(Model, BadOverridesFailWithTheFlag) {
   ModelOverrides negative_batch;
   negative_batch.micro_batch = -2;
   EXPECT_EQ(BuildError("tiny", negative_batch), "--micro-batch must be at least 1 (got -2)");
+}
+
+// With --recompute every layer's forward op is run again at the start of its backward, except
+// the ones only the layer's output needs (the residual add after the MLP, and the dense
+// down_proj or the MoE combine); the forward's own intermediates are then read by forward ops
+// alone, and the backward reads the recomputed copies.
+TEST(Model, RecomputeRunsEachLayersForwardAgainInItsBackward) {
+  for (const std::string preset : {"tiny", "mixtral-tiny"}) {
+    SCOPED_TRACE(preset);
+    ModelOverrides recompute;
+    recompute.recompute_layers = true;
+    const proto::Program plain = Build(preset);
+    const proto::Program program = Build(preset, recompute);
+    ASSERT_TRUE(ValidateProgram(program).ok());
+    std::set<std::string> forward_layer_ops, recomputed;
+    for (const auto& op : plain.ops()) {
+      if (op.phase() == proto::PHASE_FORWARD && op.layer() >= 0) forward_layer_ops.insert(op.name());
+    }
+    for (const auto& op : program.ops()) {
+      if (!op.name().ends_with(op_kind::kRecomputeSuffix)) continue;
+      EXPECT_EQ(op.phase(), proto::PHASE_BACKWARD) << op.name();
+      recomputed.insert(op.name().substr(0, op.name().size() - std::strlen(op_kind::kRecomputeSuffix)));
+    }
+    std::set<std::string> expected = forward_layer_ops;
+    for (int l = 0; l < static_cast<int>(plain.config().layers()); ++l) {
+      const std::string pre = "layers." + std::to_string(l) + ".";
+      expected.erase(pre + "mlp.add");
+      expected.erase(pre + (preset == "tiny" ? "mlp.down_proj" : "moe.combine"));
+    }
+    EXPECT_EQ(recomputed, expected);
+    // No backward op reads a layer's forward intermediate: only its input (the checkpoint).
+    std::map<int, const proto::Op*> producer;
+    for (const auto& op : program.ops()) {
+      for (int t : op.outputs()) producer[t] = &op;
+    }
+    for (const auto& op : program.ops()) {
+      if (op.phase() != proto::PHASE_BACKWARD) continue;
+      for (int t : op.inputs()) {
+        auto it = producer.find(t);
+        if (it == producer.end() || it->second->phase() != proto::PHASE_FORWARD) continue;
+        const proto::Op& from = *it->second;
+        if (from.layer() < 0) continue;  // embedding output, final norm, lm head, loss
+        // Read in the backward: a layer's output, i.e. the next layer's kept input.
+        EXPECT_TRUE(from.name().ends_with("mlp.add")) << op.name() << " reads " << program.tensors(t).name();
+      }
+    }
+    EXPECT_EQ(ParamCount(program), ParamCount(plain));
+  }
 }
 
 TEST(Model, DtypeOverrideSetsTheComputeDtype) {

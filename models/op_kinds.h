@@ -154,6 +154,10 @@ inline constexpr char kMoeCombineBackward[] = "moe_combine_backward";
 // A tensor whose name ends so is a term of the loss, in the cross-entropy's sum scale (the
 // executor adds it to the tensor named "loss" before dividing by the step's tokens).
 inline constexpr char kAuxLossSuffix[] = ".aux_loss";
+// Ops and activations a checkpointed layer recomputes in its backward (ModelConfig's
+// recompute_layers): the forward's names with this suffix. A recomputed balancing loss is not a
+// loss term (it is counted once, in the forward).
+inline constexpr char kRecomputeSuffix[] = ".recompute";
 inline constexpr char kLossName[] = "loss";
 inline bool IsLossTerm(const std::string& tensor_name) {
   return tensor_name == kLossName || tensor_name.ends_with(kAuxLossSuffix);

@@ -35,6 +35,10 @@ void ModelFlags::Add(CLI::App& app) {
   AddOptional(app, "--dtype", &overrides.compute_dtype,
               "compute dtype of activations, gathered params and grads: f32, bf16 or f16 "
               "(master weights and Adam state stay fp32)");
+  app.add_flag_function(
+      "--recompute", [this](int64_t count) { overrides.recompute_layers = count > 0; },
+      "activation checkpointing: each decoder layer keeps only its input and recomputes the rest "
+      "in its backward");
   AddOptional(app, "--seed", &overrides.seed, "seed of the initial weights and synthetic data");
   AddOptional(app, "--data", &overrides.data_path,
               "flat binary file of uint16 token ids (as nanoGPT writes them) instead of synthetic tokens");
