@@ -47,6 +47,14 @@ class Planner {
       for (int t : instr.tensors()) instr_bytes_[i] += bytes_[t];
       for (int d : instr.deps()) dependents_[d].push_back(i);
     }
+    // Every candidate cap asks for them again.
+    releases_.resize(n);
+    for (int i = 0; i < n; ++i) {
+      if (schedule.instructions(i).kind() != proto::INSTR_REDUCE_SCATTER) continue;
+      for (int d : dependents_[i]) {
+        if (schedule.instructions(d).kind() == proto::INSTR_RELEASE) releases_[i].push_back(d);
+      }
+    }
     // Compute-stream idle time, cumulative by compute-stream instruction.
     double busy_until = 0, idle = 0;
     for (int c : index.compute_stream) {
@@ -142,13 +150,7 @@ class Planner {
   }
 
   // The releases that wait for reduce-scatter `rs` (its grads' releases).
-  std::vector<int> Releases(int rs) const {
-    std::vector<int> releases;
-    for (int d : dependents_[rs]) {
-      if (schedule_.instructions(d).kind() == proto::INSTR_RELEASE) releases.push_back(d);
-    }
-    return releases;
-  }
+  const std::vector<int>& Releases(int rs) const { return releases_[rs]; }
 
   // Compute-stream idle time among instructions starting in (from, to].
   double IdleIn(double from, double to) const {
@@ -231,7 +233,7 @@ class Planner {
       const proto::Instruction& instr = schedule_.instructions(rs);
       if (instr.kind() != proto::INSTR_REDUCE_SCATTER) continue;
       const int stream = instr.stream();
-      const std::vector<int> releases = Releases(rs);
+      const std::vector<int>& releases = Releases(rs);
       int release_point = curve->size();
       for (int r : releases) release_point = std::min(release_point, curve->PointOf(r));
       int& run = last_run[stream];
@@ -278,6 +280,7 @@ class Planner {
   std::vector<int64_t> bytes_;        // by tensor
   std::vector<int64_t> instr_bytes_;  // by instruction: bytes of its tensors
   std::vector<std::vector<int>> dependents_;
+  std::vector<std::vector<int>> releases_;  // by reduce-scatter: the releases that wait for it
   std::vector<double> compute_start_, idle_through_;  // by compute-stream instruction
 };
 
@@ -295,13 +298,19 @@ std::string BucketPass::OptionsText() const {
 }
 
 StatusOr<bool> BucketPass::Run(proto::Schedule* schedule, const PassContext& context) {
+  output_simulation_.reset();
   if (!context.costs) return Status::Error("bucket needs a cost model");
   if (options_.cap_ratio <= 1) return Status::Error("bucket: cap_ratio must be above 1");
   SimOptions quick;
   quick.memory_timeline = false;
   const GatherIndex index = rewriter_internal::IndexGathers(*schedule);
   const bool ordered = rewriter_internal::OrderGathersAfterReleases(index, schedule);
-  DC_ASSIGN_OR_RETURN(SimResult input, Simulate(*schedule, *context.costs, quick));
+  SimResult input;
+  if (context.input_simulation && !ordered) {
+    input = *context.input_simulation;
+  } else {
+    DC_ASSIGN_OR_RETURN(input, Simulate(*schedule, *context.costs, quick));
+  }
   DC_ASSIGN_OR_RETURN(LiveCurve curve, LiveCurve::Build(*schedule, input));
   const Planner planner(*schedule, *context.costs, input, index, curve);
 
@@ -354,8 +363,12 @@ StatusOr<bool> BucketPass::Run(proto::Schedule* schedule, const PassContext& con
   if (options_.reduce_scatters) {
     DC_RETURN_IF_ERROR(search(&Caps::reduction_bytes, &Grouping::fused_reductions));
   }
-  if (!best) return ordered;
+  if (!best) {
+    if (!ordered) output_simulation_ = std::move(input);
+    return ordered;
+  }
   *schedule->mutable_instructions() = best->instructions();
+  output_simulation_ = std::move(best_sim);
   return true;
 }
 

@@ -9,12 +9,18 @@
 #include <tuple>
 #include <utility>
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+
 #include "analyzer/simulator.h"
+#include "rewriter/arena_occupancy.h"
 #include "schemas/digest.h"
 #include "schemas/units.h"
 
 namespace dc {
 namespace {
+
+using rewriter_internal::ArenaOccupancy;
 
 constexpr int64_t kF32Bytes = 4;  // persistent shards are fp32 (schemas/program.h)
 
@@ -208,146 +214,6 @@ const char* OrderName(MemoryPlanOptions::Order order) {
   return "?";
 }
 
-// The address ranges taken during a lifetime, as placement goes: a segment tree over time
-// (instruction index + 1). A placed buffer's range joins the `covering` union of every node in
-// the canonical cover of its lifetime, and the `below` union of those nodes and their
-// ancestors. The ranges taken at some instant of [a, f] are the `below` unions of the cover of
-// [a, f] and the `covering` unions of the cover's ancestors. Unions are sorted disjoint runs, so
-// adding costs O(log² n) runs touched and a query the runs it returns, not the buffers behind
-// them: a dense packing has few holes.
-class Occupancy {
- public:
-  using Range = std::pair<int64_t, int64_t>;  // [offset, end)
-
-  explicit Occupancy(int num_instructions) {
-    while (leaves_ < num_instructions + 2) leaves_ *= 2;
-    covering_.resize(2 * static_cast<size_t>(leaves_));
-    below_.resize(2 * static_cast<size_t>(leaves_));
-    stamp_.assign(2 * static_cast<size_t>(leaves_), 0);
-  }
-
-  void Add(int alloc_index, int free_index, Range range) {
-    ++epoch_;
-    ForCover(alloc_index, free_index, [&](int node) {
-      AddToUnion(&covering_[node], range);
-      for (int p = node; p >= 1 && stamp_[p] != epoch_; p /= 2) {
-        stamp_[p] = epoch_;
-        AddToUnion(&below_[p], range);
-      }
-    });
-  }
-
-  // Appends the ranges taken at some instant of [alloc_index, free_index]; they may overlap.
-  void Collect(int alloc_index, int free_index, std::vector<Range>* out) const {
-    ++epoch_;
-    ForCover(alloc_index, free_index, [&](int node) {
-      out->insert(out->end(), below_[node].begin(), below_[node].end());
-      for (int p = node / 2; p >= 1 && stamp_[p] != epoch_; p /= 2) {
-        stamp_[p] = epoch_;
-        out->insert(out->end(), covering_[p].begin(), covering_[p].end());
-      }
-    });
-  }
-
- private:
-  // Calls fn(node) for the canonical cover of [alloc_index, free_index].
-  template <typename Fn>
-  void ForCover(int alloc_index, int free_index, Fn&& fn) const {
-    int lo = alloc_index + 1 + leaves_, hi = free_index + 2 + leaves_;  // half-open
-    while (lo < hi) {
-      if (lo & 1) fn(lo++);
-      if (hi & 1) fn(--hi);
-      lo /= 2;
-      hi /= 2;
-    }
-  }
-  // Adds `range` to a sorted union of disjoint, non-touching runs.
-  static void AddToUnion(std::vector<Range>* runs, Range range) {
-    auto first = std::lower_bound(runs->begin(), runs->end(), range.first,
-                                  [](const Range& r, int64_t start) { return r.second < start; });
-    auto last = first;
-    while (last != runs->end() && last->first <= range.second) {
-      range.first = std::min(range.first, last->first);
-      range.second = std::max(range.second, last->second);
-      ++last;
-    }
-    if (first == last) {
-      runs->insert(first, range);
-      return;
-    }
-    *first = range;
-    runs->erase(first + 1, last);
-  }
-
-  int leaves_ = 1;
-  std::vector<std::vector<Range>> covering_, below_;
-  // Marks of the nodes visited by the current Add or Collect (scratch, hence mutable).
-  mutable std::vector<uint32_t> stamp_;
-  mutable uint32_t epoch_ = 0;
-};
-
-// Sorts [offset, end) ranges by offset: a bucket sort over the offsets' span (one bucket per
-// range on average), then an insertion sort that only fixes order inside buckets: expected
-// O(k) for the spread-out offsets of a packing; crowded buckets fall back to std::sort. Ranges
-// with equal offsets may come out in any order (the gap scan does not depend on it).
-class OffsetSorter {
- public:
-  using Range = std::pair<int64_t, int64_t>;
-  void Sort(std::vector<Range>* ranges) {
-    std::vector<Range>& v = *ranges;
-    const size_t k = v.size();
-    if (k < kSmall) {
-      std::sort(v.begin(), v.end());
-      return;
-    }
-    int64_t lo = v[0].first, hi = v[0].first;
-    for (const Range& r : v) {
-      lo = std::min(lo, r.first);
-      hi = std::max(hi, r.first);
-    }
-    const size_t buckets = k;
-    // Monotone in the offset, so buckets come out in order.
-    const double scale = static_cast<double>(buckets) / (static_cast<double>(hi - lo) + 1.0);
-    bucket_.resize(k);
-    next_.assign(buckets, 0);  // counts, then each bucket's next free slot, then its end
-    for (size_t i = 0; i < k; ++i) {
-      bucket_[i] = static_cast<uint32_t>(
-          std::min(buckets - 1, static_cast<size_t>(static_cast<double>(v[i].first - lo) * scale)));
-      ++next_[bucket_[i]];
-    }
-    uint32_t start = 0;
-    for (size_t b = 0; b < buckets; ++b) {
-      const uint32_t count = next_[b];
-      next_[b] = start;
-      start += count;
-    }
-    scratch_.resize(k);
-    for (size_t i = 0; i < k; ++i) scratch_[next_[bucket_[i]]++] = v[i];
-    v.swap(scratch_);
-    auto by_offset = [](const Range& a, const Range& b) { return a.first < b.first; };
-    size_t begin = 0;
-    for (size_t b = 0; b < buckets; ++b) {
-      const size_t end = next_[b];
-      if (end - begin > kSmall) {
-        std::sort(v.begin() + begin, v.begin() + end, by_offset);
-      } else {
-        for (size_t j = begin + 1; j < end; ++j) {
-          const Range r = v[j];
-          size_t m = j;
-          for (; m > begin && r.first < v[m - 1].first; --m) v[m] = v[m - 1];
-          v[m] = r;
-        }
-      }
-      begin = end;
-    }
-  }
-
- private:
-  static constexpr size_t kSmall = 32;  // below this, std::sort is as fast
-  std::vector<uint32_t> bucket_, next_;
-  std::vector<Range> scratch_;
-};
-
 struct Packing {
   std::vector<int64_t> offsets;  // per buffer
   int64_t arena_bytes = 0;
@@ -394,61 +260,49 @@ Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
     base += reserve[b];
   }
 
-  auto lifetime = [&](int b) {
-    return static_cast<int64_t>(buffers[b].free_index) - buffers[b].alloc_index + 1;
+  // The order's keys, then earlier allocation, then the placement key (unique per buffer, so
+  // the order is total), gathered next to each other so the sort does not chase indices.
+  struct RestKey {
+    int64_t area;  // reserve x lifetime for kAreaDescending; 0 (no key) otherwise
+    int64_t reserve;
+    int alloc_index, instruction, tensor, micro_step, buffer;
   };
-  std::sort(rest.begin(), rest.end(), [&](int a, int b) {
-    if (order == MemoryPlanOptions::Order::kAreaDescending) {
-      // Below 2^63: sizes are under 2^40 bytes and lifetimes under 2^23 positions.
-      const int64_t area_a = reserve[a] * lifetime(a);
-      const int64_t area_b = reserve[b] * lifetime(b);
-      if (area_a != area_b) return area_a > area_b;
-    }
-    if (reserve[a] != reserve[b]) return reserve[a] > reserve[b];
-    if (buffers[a].alloc_index != buffers[b].alloc_index) {
-      return buffers[a].alloc_index < buffers[b].alloc_index;
-    }
-    return key_less(a, b);
+  std::vector<RestKey> keys;
+  keys.reserve(rest.size());
+  for (int b : rest) {
+    const BufferLifetime& x = buffers[b];
+    // Below 2^63: sizes are under 2^40 bytes and lifetimes under 2^23 positions.
+    const int64_t lifetime = static_cast<int64_t>(x.free_index) - x.alloc_index + 1;
+    const int64_t area = order == MemoryPlanOptions::Order::kAreaDescending ? reserve[b] * lifetime : 0;
+    keys.push_back({area, reserve[b], x.alloc_index, x.instruction, x.tensor, x.micro_step, b});
+  }
+  std::sort(keys.begin(), keys.end(), [](const RestKey& x, const RestKey& y) {
+    return std::tie(y.area, y.reserve, x.alloc_index, x.instruction, x.tensor, x.micro_step) <
+           std::tie(x.area, x.reserve, y.alloc_index, y.instruction, y.tensor, y.micro_step);
   });
+  for (size_t k = 0; k < keys.size(); ++k) rest[k] = keys[k].buffer;
 
-  std::vector<Occupancy::Range> taken;
-  OffsetSorter sorter;
-  // The best-fitting gap for `size` among the ranges `occupancy` has taken during a lifetime,
-  // or the top of them.
-  auto best_fit = [&](const Occupancy& occupancy, const BufferLifetime& life, int64_t size) {
-    taken.clear();
-    occupancy.Collect(life.alloc_index, life.free_index, &taken);
-    sorter.Sort(&taken);
-    int64_t cursor = base, best_offset = -1;
-    int64_t best_gap = std::numeric_limits<int64_t>::max();
-    for (const auto& [start, end] : taken) {
-      const int64_t gap = start - cursor;
-      if (gap >= size && gap < best_gap) {
-        best_gap = gap;
-        best_offset = cursor;
-      }
-      cursor = std::max(cursor, end);
-    }
-    return best_offset >= 0 ? best_offset : cursor;
-  };
-  Occupancy occupancy(primary.length);
-  std::optional<Occupancy> spill_occupancy;
+  ArenaOccupancy occupancy(primary.length);
+  std::optional<ArenaOccupancy> spill_occupancy;
   if (spill && spill_above_bytes > 0) spill_occupancy.emplace(spill->length);
   for (int b : rest) {
     if (reserve[b] == 0) {
       packing.offsets[b] = base;  // empty: overlaps nothing
       continue;
     }
-    int64_t offset = best_fit(occupancy, buffers[b], reserve[b]);
-    if (spill_occupancy && offset + buffers[b].size_bytes > spill_above_bytes) {
-      const int64_t spilled = best_fit(*spill_occupancy, (*spill->buffers)[b], reserve[b]);
+    const BufferLifetime& life = buffers[b];
+    int64_t offset = occupancy.BestFit(life.alloc_index, life.free_index, base, reserve[b]);
+    if (spill_occupancy && offset + life.size_bytes > spill_above_bytes) {
+      const BufferLifetime& spill_life = (*spill->buffers)[b];
+      const int64_t spilled =
+          spill_occupancy->BestFit(spill_life.alloc_index, spill_life.free_index, base, reserve[b]);
       if (spilled < offset) {
         offset = spilled;
         ++packing.spilled;
       }
     }
     packing.offsets[b] = offset;
-    const Occupancy::Range range{offset, offset + reserve[b]};
+    const ArenaOccupancy::Range range{offset, offset + reserve[b]};
     occupancy.Add(buffers[b].alloc_index, buffers[b].free_index, range);
     if (spill_occupancy) {
       spill_occupancy->Add((*spill->buffers)[b].alloc_index, (*spill->buffers)[b].free_index,
@@ -497,16 +351,15 @@ StatusOr<std::vector<BufferLifetime>> BufferLifetimes(const proto::Schedule& sch
 // buffer freed later in issue order never hands its bytes to one allocated earlier: that wait
 // would point forwards). Two buffers then share bytes only if one is freed, in time and in issue
 // order, before the other is allocated. Positions are ranks of those keys (-1 and the axis
-// length keep meaning start-up and end of step); `instruction_at` maps a rank back.
-Status ToSimulatedTimeAxis(const proto::Schedule& schedule, const CostModel& costs,
+// length keep meaning start-up and end of step); `instruction_at` maps a rank back. `sim` is
+// the schedule's simulation.
+Status ToSimulatedTimeAxis(const proto::Schedule& schedule, const SimResult& sim,
                            std::vector<BufferLifetime>* buffers, int* axis_length,
                            std::vector<int>* instruction_at) {
-  SimOptions options;
-  options.memory_timeline = false;
-  DC_ASSIGN_OR_RETURN(SimResult sim, Simulate(schedule, costs, options));
   const int n = schedule.instructions_size();
-  std::vector<bool> frees(n, false);
+  std::vector<bool> allocates(n, false), frees(n, false);
   for (const BufferLifetime& b : *buffers) {
+    if (b.alloc_index >= 0) allocates[b.alloc_index] = true;
     if (b.free_index >= 0 && b.free_index < n) frees[b.free_index] = true;
   }
   // first_free_after[i]: the earliest end of a freeing instruction issued after i.
@@ -515,41 +368,43 @@ Status ToSimulatedTimeAxis(const proto::Schedule& schedule, const CostModel& cos
     first_free_after[i] = first_free_after[i + 1];
     if (frees[i + 1]) first_free_after[i] = std::min(first_free_after[i], sim.end_seconds[i + 1]);
   }
-  using TimeKey = std::pair<double, int>;
-  auto alloc_key = [&](const BufferLifetime& b) {
-    return TimeKey{std::min(sim.start_seconds[b.alloc_index], first_free_after[b.alloc_index]),
-                   b.alloc_index};
+  // One key per allocating and per freeing instruction (every buffer of an instruction has
+  // its key), ranked in one sort: equal keys share a rank.
+  struct Key {
+    double time_seconds;
+    int instruction;
+    int* rank;  // where the rank goes
   };
-  auto free_key = [&](const BufferLifetime& b) {
-    return TimeKey{sim.end_seconds[b.free_index], b.free_index};
-  };
-  std::vector<TimeKey> keys;
-  keys.reserve(2 * buffers->size());
-  for (const BufferLifetime& b : *buffers) {
-    if (b.alloc_index >= 0) keys.push_back(alloc_key(b));
-    if (b.free_index < n) keys.push_back(free_key(b));
+  std::vector<int> alloc_rank(n, -1), free_rank(n, -1);
+  std::vector<Key> keys;
+  for (int i = 0; i < n; ++i) {
+    if (allocates[i]) {
+      keys.push_back({std::min(sim.start_seconds[i], first_free_after[i]), i, &alloc_rank[i]});
+    }
+    if (frees[i]) keys.push_back({sim.end_seconds[i], i, &free_rank[i]});
   }
-  std::sort(keys.begin(), keys.end());
-  keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
-  auto rank = [&](const TimeKey& key) {
-    return static_cast<int>(std::lower_bound(keys.begin(), keys.end(), key) - keys.begin());
+  auto less = [](const Key& a, const Key& b) {
+    return std::tie(a.time_seconds, a.instruction) < std::tie(b.time_seconds, b.instruction);
   };
-  const int length = static_cast<int>(keys.size());
+  std::sort(keys.begin(), keys.end(), less);
+  instruction_at->clear();
+  for (size_t k = 0; k < keys.size(); ++k) {
+    if (k == 0 || less(keys[k - 1], keys[k])) instruction_at->push_back(keys[k].instruction);
+    *keys[k].rank = static_cast<int>(instruction_at->size()) - 1;
+  }
+  const int length = static_cast<int>(instruction_at->size());
   for (BufferLifetime& b : *buffers) {
-    const int alloc = b.alloc_index >= 0 ? rank(alloc_key(b)) : -1;
-    const int free = b.free_index < n ? rank(free_key(b)) : length;
-    b.alloc_index = alloc;
-    b.free_index = free;
+    b.alloc_index = b.alloc_index >= 0 ? alloc_rank[b.alloc_index] : -1;
+    b.free_index = b.free_index < n ? free_rank[b.free_index] : length;
   }
   *axis_length = length;
-  instruction_at->clear();
-  for (const TimeKey& key : keys) instruction_at->push_back(key.second);
   return Status::Ok();
 }
 
 StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
                                        const MemoryPlanOptions& options, int64_t budget_bytes,
-                                       const CostModel* costs, MemoryPlanStats* stats) {
+                                       const CostModel* costs, MemoryPlanStats* stats,
+                                       const SimResult* simulation) {
   if (options.alignment_bytes <= 0 ||
       (options.alignment_bytes & (options.alignment_bytes - 1)) != 0) {
     return Status::Error("memory plan alignment must be a power of two, not " +
@@ -566,7 +421,14 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
   const bool in_time =
       options.lifetimes == MemoryPlanOptions::Lifetimes::kInstructionAndSimulatedTime && costs;
   if (in_time) {
-    DC_RETURN_IF_ERROR(ToSimulatedTimeAxis(schedule, *costs, &buffers, &n, &instruction_at));
+    SimResult simulated;
+    if (!simulation) {
+      SimOptions sim_options;
+      sim_options.memory_timeline = false;
+      DC_ASSIGN_OR_RETURN(simulated, Simulate(schedule, *costs, sim_options));
+      simulation = &simulated;
+    }
+    DC_RETURN_IF_ERROR(ToSimulatedTimeAxis(schedule, *simulation, &buffers, &n, &instruction_at));
   }
   const Axis primary{&buffers, n};
   const Axis* spill = in_time && options.spill_to_instruction_order ? &instruction_axis : nullptr;
@@ -654,10 +516,15 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
 
 std::string PackingMemo::Key(const proto::Schedule& schedule, const MemoryPlanOptions& options,
                              int64_t budget_bytes) {
+  // Every instruction's bytes, length-prefixed, written into one buffer.
   std::string bytes;
-  for (const proto::Instruction& instr : schedule.instructions()) {
-    const std::string one = instr.SerializeAsString();
-    bytes += std::to_string(one.size()) + ":" + one;
+  {
+    google::protobuf::io::StringOutputStream stream(&bytes);
+    google::protobuf::io::CodedOutputStream out(&stream);
+    for (const proto::Instruction& instr : schedule.instructions()) {
+      out.WriteVarint64(instr.ByteSizeLong());
+      instr.SerializeWithCachedSizes(&out);
+    }
   }
   return Sha256Hex(bytes) + "/" + std::to_string(budget_bytes) + "/" +
          std::to_string(static_cast<int>(options.lifetimes)) + "/" +
@@ -688,39 +555,60 @@ StatusOr<std::vector<std::pair<int, int>>> ReuseDependencies(const proto::Schedu
                          " buffers but the schedule has " + std::to_string(buffers.size()) +
                          "; run the memory-plan pass again");
   }
-  std::map<std::tuple<int, int, int>, int64_t> offset_of;
+  // Offsets by placement key, the last placement of a key winning (as assigning into a map
+  // would): sorted once, then looked up per buffer.
+  using Key = std::tuple<int, int, int>;
+  std::vector<std::pair<Key, int64_t>> offset_of;
+  offset_of.reserve(plan.placements_size());
   for (const proto::BufferPlacement& p : plan.placements()) {
-    offset_of[{p.instruction(), p.tensor(), p.micro_step()}] = p.offset_bytes();
+    offset_of.push_back({{p.instruction(), p.tensor(), p.micro_step()}, p.offset_bytes()});
   }
+  auto key_less = [](const std::pair<Key, int64_t>& a, const std::pair<Key, int64_t>& b) {
+    return a.first < b.first;
+  };
+  if (!std::is_sorted(offset_of.begin(), offset_of.end(), key_less)) {
+    std::stable_sort(offset_of.begin(), offset_of.end(), key_less);
+  }
+  auto find_offset = [&](const Key& key) -> const int64_t* {
+    auto it = std::upper_bound(offset_of.begin(), offset_of.end(), std::make_pair(key, int64_t{0}),
+                               key_less);
+    return it != offset_of.begin() && std::prev(it)->first == key ? &std::prev(it)->second
+                                                                   : nullptr;
+  };
   std::vector<int> order(buffers.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int a, int b) { return buffers[a].alloc_index < buffers[b].alloc_index; });
   // Address segments [start, end) -> the buffer that last occupied them.
-  std::map<int64_t, std::pair<int64_t, int>> last;
+  using Segments = std::map<int64_t, std::pair<int64_t, int>>;
+  Segments last;
+  // The first segment at or after `cut`, splitting the one that straddles it.
+  auto split_at = [&](int64_t cut) -> Segments::iterator {
+    auto it = last.upper_bound(cut);
+    if (it == last.begin()) return it;
+    const auto previous = std::prev(it);
+    if (previous->first == cut) return previous;
+    if (previous->second.first <= cut) return it;
+    it = last.emplace_hint(it, cut, previous->second);
+    previous->second.first = cut;
+    return it;
+  };
   std::vector<std::pair<int, int>> deps;
   const int n = schedule.instructions_size();
   for (int b : order) {
     const BufferLifetime& buffer = buffers[b];
-    auto found = offset_of.find({buffer.instruction, buffer.tensor, buffer.micro_step});
-    if (found == offset_of.end()) {
+    const int64_t* offset = find_offset({buffer.instruction, buffer.tensor, buffer.micro_step});
+    if (!offset) {
       return Status::Error("the memory plan has no placement for " +
                            schedule.program().tensors(buffer.tensor).name() + " of instruction " +
                            std::to_string(buffer.instruction) + "; run the memory-plan pass again");
     }
     if (buffer.size_bytes == 0) continue;
-    const int64_t start = found->second, end = start + buffer.size_bytes;
+    const int64_t start = *offset, end = start + buffer.size_bytes;
     // Split the segments straddling the ends, then take over everything in between.
-    for (const int64_t cut : {start, end}) {
-      auto it = last.upper_bound(cut);
-      if (it == last.begin()) continue;
-      --it;
-      if (it->first < cut && it->second.first > cut) {
-        last.emplace(cut, std::make_pair(it->second.first, it->second.second));
-        it->second.first = cut;
-      }
-    }
-    for (auto it = last.lower_bound(start); it != last.end() && it->first < end;) {
+    const Segments::iterator first = split_at(start);
+    const Segments::iterator stop = split_at(end);
+    for (auto it = first; it != stop; ++it) {
       const BufferLifetime& previous = buffers[it->second.second];
       if (previous.free_index >= buffer.alloc_index) {
         return Status::Error("the memory plan overlaps two live buffers (" +
@@ -735,9 +623,9 @@ StatusOr<std::vector<std::pair<int, int>>> ReuseDependencies(const proto::Schedu
               schedule.instructions(allocated_by).stream()) {
         deps.emplace_back(allocated_by, freed_by);
       }
-      it = last.erase(it);
     }
-    last.emplace(start, std::make_pair(end, b));
+    last.erase(first, stop);
+    last.emplace_hint(stop, start, std::make_pair(end, b));
   }
   std::sort(deps.begin(), deps.end());
   deps.erase(std::unique(deps.begin(), deps.end()), deps.end());
@@ -786,6 +674,7 @@ std::string MemoryPlanPass::OptionsText() const {
 StatusOr<bool> MemoryPlanPass::Run(proto::Schedule* schedule, const PassContext& context) {
   summary_.clear();
   reuse_dependencies_added_ = 0;
+  output_simulation_.reset();
   const int64_t budget = context.budget_bytes;
   proto::MemoryPlan plan;
   const PackingMemo::Entry* packed =
@@ -794,13 +683,19 @@ StatusOr<bool> MemoryPlanPass::Run(proto::Schedule* schedule, const PassContext&
     plan = packed->plan;
     stats_ = packed->stats;
   } else {
-    DC_ASSIGN_OR_RETURN(plan, PlanMemory(*schedule, options_, budget, context.costs, &stats_));
+    DC_ASSIGN_OR_RETURN(plan, PlanMemory(*schedule, options_, budget, context.costs, &stats_,
+                                         context.input_simulation));
   }
   static const CostModel kFallback;
   const CostModel& costs = context.costs ? *context.costs : kFallback;
   SimOptions sim_options;
   sim_options.memory_timeline = false;
-  DC_ASSIGN_OR_RETURN(SimResult sim, Simulate(*schedule, costs, sim_options));
+  SimResult sim;
+  if (context.input_simulation) {
+    sim = *context.input_simulation;
+  } else {
+    DC_ASSIGN_OR_RETURN(sim, Simulate(*schedule, costs, sim_options));
+  }
   simulated_peak_bytes_ = sim.peak_device_bytes;
   const bool in_order = stats_.lifetimes == MemoryPlanOptions::Lifetimes::kInstructionOrder;
   const double fragmentation =
@@ -846,6 +741,9 @@ StatusOr<bool> MemoryPlanPass::Run(proto::Schedule* schedule, const PassContext&
     std::snprintf(text, sizeof(text), "; %d reuse dependencies: step %.4f s -> %.4f s",
                   reuse_dependencies_added_, sim.step_seconds, ordered.step_seconds);
     summary_ += text;
+    output_simulation_ = std::move(ordered);
+  } else {
+    output_simulation_ = std::move(sim);  // the memory plan does not change the timing
   }
   return changed;
 }

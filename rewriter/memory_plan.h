@@ -34,6 +34,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -115,10 +116,12 @@ struct MemoryPlanStats {
 // micro_step). With budget_bytes > 0, later orders are tried while the arena is over it; the
 // smallest arena found is returned either way (the caller judges the budget). `costs` times
 // the simulation for kInstructionAndSimulatedTime; without them (null) lifetimes are in
-// instruction order. `stats` is optional.
+// instruction order. `stats` is optional; so is `simulation`, Simulate(schedule, *costs) when
+// the caller has it (the memory timeline is not needed), which spares simulating again.
 StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
                                        const MemoryPlanOptions& options, int64_t budget_bytes,
-                                       const CostModel* costs, MemoryPlanStats* stats);
+                                       const CostModel* costs, MemoryPlanStats* stats,
+                                       const SimResult* simulation = nullptr);
 
 // The last packing of one plan, keyed by the schedule's instructions, the budget and the options
 // that decide PlanMemory's first attempt (lifetimes, alignment, first order). A packing that
@@ -167,9 +170,13 @@ class MemoryPlanPass : public Pass {
   const MemoryPlanStats& stats() const { return stats_; }
   int64_t simulated_peak_bytes() const { return simulated_peak_bytes_; }
   int reuse_dependencies_added() const { return reuse_dependencies_added_; }
+  const SimResult* OutputSimulation() const override {
+    return output_simulation_ ? &*output_simulation_ : nullptr;
+  }
 
  private:
   MemoryPlanOptions options_;
+  std::optional<SimResult> output_simulation_;
   MemoryPlanStats stats_;
   int64_t simulated_peak_bytes_ = 0;
   int reuse_dependencies_added_ = 0;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "analyzer/simulator.h"
+#include "rewriter/prefetch_timeline.h"
 #include "schemas/units.h"
 
 namespace dc {
@@ -175,8 +176,7 @@ Built Build(const proto::Schedule& input, const Layout& layout, const Plan& plan
   }
 
   Built built;
-  built.schedule.CopyFrom(input);
-  built.schedule.clear_instructions();
+  rewriter_internal::CopyAllButInstructions(input, &built.schedule);
   built.new_of_old.assign(n, -1);
   built.offload_at.assign(num_offloads, -1);
   built.reload_at.assign(plan.reloads.size(), -1);
@@ -433,6 +433,9 @@ class OffloadPlanner {
                          " rounds; raise --budget or the offload pass's max_iterations");
   }
 
+  // The simulation of the schedule the last successful Run returned.
+  const SimResult& output_simulation() const { return output_simulation_; }
+
  private:
   // Every fragment, but masters only while their compute-dtype shards fit `headroom_bytes`
   // (list order).
@@ -617,6 +620,7 @@ class OffloadPlanner {
   }
 
   StatusOr<proto::Schedule> Finish(const Plan& plan, Built built, const SimResult& sim) {
+    output_simulation_ = sim;
     stats_->offloaded = static_cast<int>(plan.offloads.size());
     stats_->offloaded_bytes = 0;
     for (int f : plan.offloads) stats_->offloaded_bytes += layout_.fragments[f].bytes;
@@ -635,6 +639,7 @@ class OffloadPlanner {
   const int64_t budget_bytes_;
   const Mode mode_;
   OffloadStats* stats_;
+  SimResult output_simulation_;
 };
 
 // Simulates `schedule` and fills the "before" half of `stats`.
@@ -712,7 +717,7 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
     // room for the arena's fragmentation; the memory-plan pass would then make reuse wait.
     MemoryPlanStats packed;
     DC_ASSIGN_OR_RETURN(proto::MemoryPlan plan,
-                        PlanMemory(*schedule, arena_check, budget, context.costs, &packed));
+                        PlanMemory(*schedule, arena_check, budget, context.costs, &packed, &base));
     if (context.packings) context.packings->Store(*schedule, arena_check, budget, std::move(plan), packed);
     if (packed.arena_bytes <= budget) return false;
     planning_budget -= static_cast<int64_t>(static_cast<double>(packed.arena_bytes - budget) *
@@ -747,7 +752,8 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
     if (options_.fit_memory_plan) {
       MemoryPlanStats packed;
       DC_ASSIGN_OR_RETURN(proto::MemoryPlan plan,
-                          PlanMemory(out, arena_check, budget, context.costs, &packed));
+                          PlanMemory(out, arena_check, budget, context.costs, &packed,
+                                     &planner.output_simulation()));
       if (context.packings) context.packings->Store(out, arena_check, budget, std::move(plan), packed);
       stats_.arena_bytes = packed.arena_bytes;
       stats_.arena_rounds = round + 1;

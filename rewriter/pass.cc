@@ -1,6 +1,8 @@
 #include "rewriter/pass.h"
 
 #include <chrono>
+#include <optional>
+#include <utility>
 
 
 namespace dc {
@@ -20,7 +22,8 @@ std::string Pipeline::OptionsText() const {
   return text;
 }
 
-Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context) const {
+Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
+                     std::optional<SimResult>* last_simulation) const {
   // Before the first enabled memory-freeing pass, passes plan against the relaxed budget and
   // the verifier checks structure only; from it on, the real budget holds.
   size_t first_freeing = passes_.size();
@@ -34,21 +37,28 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context) cons
   if (context.relaxed_budget_bytes > 0) relaxed.budget_bytes = context.relaxed_budget_bytes;
   PassContext structural = context;
   structural.budget_bytes = 0;
+  // The verifier's last simulation: of the schedule the next pass receives.
+  std::optional<SimResult> verified_sim;
   for (size_t i = 0; i < passes_.size(); ++i) {
     const auto& pass = passes_[i];
     const std::string name(pass->name());
     if (disabled_.count(name)) continue;
     const bool before_freeing = i < first_freeing && first_freeing < passes_.size();
-    const PassContext& pass_context = before_freeing ? relaxed : context;
+    PassContext pass_context = before_freeing ? relaxed : context;
+    // Only with a cost model: without one the verifier simulates with a default model.
+    if (verified_sim && context.costs) pass_context.input_simulation = &*verified_sim;
     const auto start = std::chrono::steady_clock::now();
     StatusOr<bool> changed = pass->Run(schedule, pass_context);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!changed.ok()) return changed.status().Prefixed("pass " + name + ": ");
+    PassContext verify_context = before_freeing ? structural : context;
+    verify_context.input_simulation = context.costs ? pass->OutputSimulation() : nullptr;
     SimResult sim;
-    if (Status verified = verifier_(*schedule, before_freeing ? structural : context, &sim); !verified.ok()) {
+    if (Status verified = verifier_(*schedule, verify_context, &sim); !verified.ok()) {
       return verified.Prefixed("after pass " + name + ": ");
     }
+    sim.memory_timeline = {};  // passes are given simulations without it
     auto* record = schedule->add_passes();
     record->set_name(name);
     record->set_changed(*changed);
@@ -61,7 +71,15 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context) cons
     }
     if (dump_ && dump_after_ == name) dump_(name, *schedule);
     if (progress_) progress_(*record);
+    if (verified_) verified_(*record, sim);
+    // A verifier that made no simulation leaves none for the next pass.
+    if (sim.start_seconds.size() == static_cast<size_t>(schedule->instructions_size())) {
+      verified_sim = std::move(sim);
+    } else {
+      verified_sim.reset();
+    }
   }
+  if (last_simulation) *last_simulation = std::move(verified_sim);
   return Status::Ok();
 }
 

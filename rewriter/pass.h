@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -30,6 +31,11 @@ struct PassContext {
   // memory-plan pass does not pack again what the offload pass's arena check just packed.
   // Optional; one per plan (the costs and program must not change while it lives).
   PackingMemo* packings = nullptr;
+  // Simulate(schedule, *costs) of the schedule as the call receives it, when the caller has it
+  // (memory timeline off unless said otherwise): for a pass, the verifier's after the previous
+  // pass; for the verifier, the pass's own of its output. Whoever would simulate that schedule
+  // again may take it instead. Null otherwise.
+  const SimResult* input_simulation = nullptr;
 };
 
 class Pass {
@@ -46,12 +52,17 @@ class Pass {
   virtual bool FreesMemory() const { return false; }
   // What the last Run changed, for --explain ("moved 80 gathers earlier by 3.1 ops on average").
   virtual std::string Summary() const { return ""; }
+  // Simulate(schedule, *context.costs) of the schedule the last Run left, if Run made it (the
+  // memory timeline may be there or not): the pipeline's verifier checks it instead of
+  // simulating the same instructions again. Null if Run made none.
+  virtual const SimResult* OutputSimulation() const { return nullptr; }
 };
 
 class Pipeline {
  public:
   using DumpFn = std::function<void(std::string_view pass_name, const proto::Schedule&)>;
-  // Checks a schedule; fills the simulation it made (for the pass record) when given one.
+  // Checks a schedule; fills the simulation it made (for the pass record) when given one:
+  // Simulate(schedule, the context's costs) with the memory timeline off.
   using VerifyFn = std::function<Status(const proto::Schedule&, const PassContext&, SimResult*)>;
 
   explicit Pipeline(VerifyFn verifier) : verifier_(std::move(verifier)) {}
@@ -65,13 +76,19 @@ class Pipeline {
   // Called after every pass with its record (progress for people on long plans).
   using ProgressFn = std::function<void(const proto::PassRecord&)>;
   void OnPass(ProgressFn fn) { progress_ = std::move(fn); }
+  // Called after every pass with its record and the verifier's simulation of its output.
+  using VerifiedFn = std::function<void(const proto::PassRecord&, const SimResult&)>;
+  void OnVerified(VerifiedFn fn) { verified_ = std::move(fn); }
   std::vector<std::string> PassNames() const;
   // Names and options of the enabled passes, for the cache key.
   std::string OptionsText() const;
 
   // Runs every enabled pass in order, the verifier after each. Records go to
-  // schedule->passes. An error names the pass.
-  Status Run(proto::Schedule* schedule, const PassContext& context) const;
+  // schedule->passes. An error names the pass. `last_simulation` (optional) receives the
+  // verifier's simulation of the final schedule (memory timeline off), or nothing when no pass
+  // ran.
+  Status Run(proto::Schedule* schedule, const PassContext& context,
+             std::optional<SimResult>* last_simulation = nullptr) const;
 
  private:
   VerifyFn verifier_;
@@ -80,6 +97,7 @@ class Pipeline {
   std::string dump_after_;
   DumpFn dump_;
   ProgressFn progress_;
+  VerifiedFn verified_;
 };
 
 }  // namespace dc

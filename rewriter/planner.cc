@@ -157,9 +157,14 @@ namespace {
 StatusOr<proto::Schedule> RunPipeline(const PlanRequest& request, const Pipeline& pipeline,
                                       const PassContext& context) {
   proto::Schedule schedule = EmptySchedule(request);
-  DC_RETURN_IF_ERROR(pipeline.Run(&schedule, context));
-  DC_ASSIGN_OR_RETURN(SimResult sim, Simulate(schedule, request.costs));
-  *schedule.mutable_prediction() = ToPrediction(sim);
+  // The verifier's simulation of the final schedule is the prediction's (it has the same costs;
+  // the prediction needs no memory timeline).
+  std::optional<SimResult> sim;
+  DC_RETURN_IF_ERROR(pipeline.Run(&schedule, context, &sim));
+  if (!sim || context.costs != &request.costs) {
+    DC_ASSIGN_OR_RETURN(sim, Simulate(schedule, request.costs));
+  }
+  *schedule.mutable_prediction() = ToPrediction(*sim);
   return schedule;
 }
 
@@ -210,16 +215,25 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
     context.relaxed_budget_bytes = request.budget_bytes + states / kRelaxedShareOfStates;
   }
 
-  // The baseline on the same simulator, for comparison.
-  proto::Schedule baseline = EmptySchedule(request);
-  Zero3Pass zero3;
-  DC_RETURN_IF_ERROR(zero3.Run(&baseline, context).status());
-  DC_ASSIGN_OR_RETURN(SimResult baseline_sim, Simulate(baseline, request.costs));
-
+  // The baseline on the same simulator, for comparison: the zero3 schedule. zero3 depends on the
+  // program and world size alone, so where the pipeline starts with it, the verifier's
+  // simulation after it is the baseline's; otherwise the baseline is planned on its own.
+  std::optional<SimResult> baseline_sim;
+  pipeline->OnVerified([&baseline_sim, first = true](const proto::PassRecord& record,
+                                                      const SimResult& sim) mutable {
+    if (first && record.name() == "zero3") baseline_sim = sim;
+    first = false;
+  });
   StatusOr<proto::Schedule> planned = RunPipeline(request, *pipeline, context);
+  if (!baseline_sim) {
+    proto::Schedule baseline = EmptySchedule(request);
+    Zero3Pass zero3;
+    DC_RETURN_IF_ERROR(zero3.Run(&baseline, context).status());
+    DC_ASSIGN_OR_RETURN(baseline_sim, Simulate(baseline, request.costs));
+  }
   constexpr double kSlowerTolerance = 1e-9;
   auto slower_than_baseline = [&](const proto::Schedule& s) {
-    return s.prediction().step_seconds() > baseline_sim.step_seconds * (1 + kSlowerTolerance);
+    return s.prediction().step_seconds() > baseline_sim->step_seconds * (1 + kSlowerTolerance);
   };
   if (dc_policy && (!planned.ok() || slower_than_baseline(*planned))) {
     // dc never settles for less than a simpler pipeline of its own passes achieves.
@@ -250,7 +264,7 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   }
   if (!planned.ok()) return planned.status();
   proto::Schedule schedule = std::move(planned).value();
-  *schedule.mutable_baseline() = ToPrediction(baseline_sim);
+  *schedule.mutable_baseline() = ToPrediction(*baseline_sim);
   schedule.set_cache_key(key);
   return schedule;
 }

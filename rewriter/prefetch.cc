@@ -246,6 +246,7 @@ std::string PrefetchPass::OptionsText() const {
 }
 
 StatusOr<bool> PrefetchPass::Run(proto::Schedule* schedule, const PassContext& context) {
+  output_simulation_.reset();
   if (!context.costs) return Status::Error("prefetch needs a cost model");
   // One instruction at a time: nothing can hide behind anything.
   if (context.costs->serial_streams) return false;
@@ -294,6 +295,7 @@ StatusOr<bool> PrefetchPass::Run(proto::Schedule* schedule, const PassContext& c
     if (accept) {
       const bool changed = !rewriter_internal::SameInstructions(*schedule, *candidate);
       *schedule->mutable_instructions() = candidate->instructions();
+      output_simulation_ = std::move(output);
       return changed;
     }
     if (budget > 0 && output.peak_device_bytes > budget) {

@@ -24,6 +24,8 @@
 // three simulations.
 #pragma once
 
+#include <optional>
+
 #include "rewriter/pass.h"
 
 namespace dc {
@@ -52,9 +54,13 @@ class PrefetchPass : public Pass {
   std::string_view name() const override { return "prefetch"; }
   std::string OptionsText() const override;
   StatusOr<bool> Run(proto::Schedule* schedule, const PassContext& context) override;
+  const SimResult* OutputSimulation() const override {
+    return output_simulation_ ? &*output_simulation_ : nullptr;
+  }
 
  private:
   PrefetchOptions options_;
+  std::optional<SimResult> output_simulation_;
 };
 
 }  // namespace dc

@@ -1,5 +1,8 @@
 #include "rewriter/prefetch_timeline.h"
 
+#include <google/protobuf/field_mask.pb.h>
+#include <google/protobuf/util/field_mask_util.h>
+
 #include <algorithm>
 #include <array>
 #include <limits>
@@ -175,7 +178,7 @@ void LiveCurve::BuildTree(const std::vector<int64_t>& values) {
   leaves_ = 1;
   while (leaves_ < static_cast<int>(values.size())) leaves_ *= 2;
   max_.assign(2 * leaves_, kNoPoint);
-  pending_.assign(2 * leaves_, 0);
+  added_.assign(2 * leaves_, 0);
   for (size_t i = 0; i < values.size(); ++i) max_[leaves_ + i] = values[i];
   for (int node = leaves_ - 1; node >= 1; --node) {
     max_[node] = std::max(max_[2 * node], max_[2 * node + 1]);
@@ -196,52 +199,50 @@ int LiveCurve::FirstPointAtOrAfter(double time_seconds) const {
                           times_.begin());
 }
 
-void LiveCurve::Apply(int node, int64_t bytes) {
+void LiveCurve::AddToNode(int node, int64_t bytes) {
   max_[node] += bytes;
-  if (node < leaves_) pending_[node] += bytes;
+  added_[node] += bytes;
 }
 
-void LiveCurve::Push(int node) {
-  if (pending_[node] != 0) {
-    Apply(2 * node, pending_[node]);
-    Apply(2 * node + 1, pending_[node]);
-    pending_[node] = 0;
+void LiveCurve::Recompute(int node) {
+  for (node /= 2; node >= 1; node /= 2) {
+    max_[node] = std::max(max_[2 * node], max_[2 * node + 1]) + added_[node];
   }
-}
-
-void LiveCurve::AddRange(int node, int lo, int hi, int begin, int end, int64_t bytes) {
-  if (end <= lo || hi <= begin) return;
-  if (begin <= lo && hi <= end) {
-    Apply(node, bytes);
-    return;
-  }
-  Push(node);
-  const int mid = (lo + hi) / 2;
-  AddRange(2 * node, lo, mid, begin, end, bytes);
-  AddRange(2 * node + 1, mid, hi, begin, end, bytes);
-  max_[node] = std::max(max_[2 * node], max_[2 * node + 1]);
-}
-
-int64_t LiveCurve::MaxRange(int node, int lo, int hi, int begin, int end) const {
-  if (end <= lo || hi <= begin) return kNoPoint;
-  if (begin <= lo && hi <= end) return max_[node];
-  const int mid = (lo + hi) / 2;
-  return pending_[node] + std::max(MaxRange(2 * node, lo, mid, begin, end),
-                                   MaxRange(2 * node + 1, mid, hi, begin, end));
 }
 
 void LiveCurve::Add(int begin, int end, int64_t bytes) {
   begin = std::max(begin, 0);
   end = std::min(end, size());
   if (begin >= end || bytes == 0) return;
-  AddRange(1, 0, leaves_, begin, end, bytes);
+  // The canonical cover of the leaves [lo, hi) takes the bytes; the ancestors of its two ends
+  // are all the nodes whose maximum can change.
+  const int first = begin + leaves_, last = end - 1 + leaves_;
+  for (int lo = first, hi = end + leaves_; lo < hi; lo /= 2, hi /= 2) {
+    if (lo & 1) AddToNode(lo++, bytes);
+    if (hi & 1) AddToNode(--hi, bytes);
+  }
+  Recompute(first);
+  Recompute(last);
 }
 
 int64_t LiveCurve::Max(int begin, int end) const {
   begin = std::max(begin, 0);
   end = std::min(end, size());
   if (begin >= end) return persistent_bytes_;
-  return MaxRange(1, 0, leaves_, begin, end);
+  // Bottom-up over the canonical cover of [lo, hi). A node's maximum leaves out what was added
+  // at its ancestors: once a level up, lo - 1 is an ancestor of every left cover node taken so
+  // far and hi of every right one, so their additions join the running maxima level by level.
+  int64_t left = kNoPoint, right = kNoPoint;
+  int lo = begin + leaves_, hi = end + leaves_;
+  for (; lo < hi; lo /= 2, hi /= 2) {
+    if (lo & 1) left = std::max(left, max_[lo++]);
+    if (hi & 1) right = std::max(right, max_[--hi]);
+    left += added_[(lo - 1) / 2];
+    right += added_[hi / 2];
+  }
+  for (int node = (lo - 1) / 2; node >= 1; node /= 2) left += added_[node];
+  for (int node = hi / 2; node >= 1; node /= 2) right += added_[node];
+  return std::max(left, right);
 }
 
 int LiveCurve::LeftmostFitting(int lo, int end, int64_t limit) const {
@@ -396,10 +397,33 @@ Status ScheduleEditor::Finish() {
 proto::Schedule* ScheduleShell(proto::Schedule* schedule, google::protobuf::Arena* arena) {
   google::protobuf::RepeatedPtrField<proto::Instruction> saved;
   saved.Swap(schedule->mutable_instructions());
+  proto::Program* program = schedule->unsafe_arena_release_program();
   proto::Schedule* shell = google::protobuf::Arena::CreateMessage<proto::Schedule>(arena);
   *shell = *schedule;
+  schedule->unsafe_arena_set_allocated_program(program);
+  // An arena message never deletes what it points to, so the shell can point at the program.
+  shell->unsafe_arena_set_allocated_program(program);
   saved.Swap(schedule->mutable_instructions());
   return shell;
+}
+
+void CopyAllButInstructions(const proto::Schedule& from, proto::Schedule* to) {
+  // Every field of the message type but the instructions, read off its descriptor, so a field
+  // added to Schedule is copied too.
+  static const google::protobuf::FieldMask* const kMask = [] {
+    auto* mask = new google::protobuf::FieldMask;
+    const google::protobuf::Descriptor* descriptor = proto::Schedule::descriptor();
+    for (int i = 0; i < descriptor->field_count(); ++i) {
+      const google::protobuf::FieldDescriptor* field = descriptor->field(i);
+      if (field->number() != proto::Schedule::kInstructionsFieldNumber) {
+        mask->add_paths(field->name());
+      }
+    }
+    return mask;
+  }();
+  to->Clear();
+  google::protobuf::util::FieldMaskUtil::MergeMessageTo(
+      from, *kMask, google::protobuf::util::FieldMaskUtil::MergeOptions(), to);
 }
 
 bool SameInstructions(const proto::Schedule& a, const proto::Schedule& b) {

@@ -46,16 +46,18 @@ class LiveCurve {
 
  private:
   void BuildTree(const std::vector<int64_t>& values);
-  void Apply(int node, int64_t bytes);
-  void Push(int node);
-  void AddRange(int node, int lo, int hi, int begin, int end, int64_t bytes);
-  int64_t MaxRange(int node, int lo, int hi, int begin, int end) const;
+  void AddToNode(int node, int64_t bytes);
+  // Recomputes the maxima of the ancestors of `node`.
+  void Recompute(int node);
 
   std::vector<double> times_;  // by point
   std::vector<int> point_of_;  // by instruction
   int64_t persistent_bytes_ = 0;
   int leaves_ = 1;
-  std::vector<int64_t> max_, pending_;  // segment tree with lazy range adds
+  // A segment tree over the points, iterative (bottom-up): a range add goes to the nodes of the
+  // range's canonical cover (added_) and is never pushed down; a node's max_ is the largest
+  // value under it counting what was added at it and below, not at its ancestors.
+  std::vector<int64_t> max_, added_;
 };
 
 // Each param's gathered spans in stream order: the all-gather that makes it live, the first
@@ -118,11 +120,17 @@ class ScheduleEditor {
   std::vector<char> dropped_;
 };
 
-// A copy of `schedule` without its instructions (the program and the other fields) on
-// `arena`, for building candidate streams without copying the input's; candidates of one pass
-// share the arena, so building and dropping them costs no frees. `schedule` is left as it was
-// (its instructions are swapped out for the copy and back).
+// A copy of `schedule` without its instructions (the other fields) on `arena`, for building
+// candidate streams without copying the input's; candidates of one pass share the arena, so
+// building and dropping them costs no frees. The shell borrows `schedule`'s program instead of
+// copying it: nothing may change the shell's program, and the shell must not outlive
+// `schedule`. `schedule` is left as it was (its instructions and program are moved out for the
+// copy and back).
 proto::Schedule* ScheduleShell(proto::Schedule* schedule, google::protobuf::Arena* arena);
+
+// Replaces `to` with a copy of every field of `from` but its instructions (which a caller
+// rebuilding the stream would copy only to clear them).
+void CopyAllButInstructions(const proto::Schedule& from, proto::Schedule* to);
 
 // Whether two instruction streams are the same (kind, stream, micro-step, op, tensors, deps,
 // bucket of every instruction).

@@ -145,6 +145,7 @@ std::string UnshardPass::OptionsText() const {
 }
 
 StatusOr<bool> UnshardPass::Run(proto::Schedule* schedule, const PassContext& context) {
+  output_simulation_.reset();
   if (!context.costs) return Status::Error("unshard needs a cost model");
   SimOptions quick;
   quick.memory_timeline = false;
@@ -152,7 +153,12 @@ StatusOr<bool> UnshardPass::Run(proto::Schedule* schedule, const PassContext& co
   // Compare with (and plan on) what the input means: gathers after their previous copy's
   // release.
   const bool ordered = rewriter_internal::OrderGathersAfterReleases(index, schedule);
-  DC_ASSIGN_OR_RETURN(SimResult input, Simulate(*schedule, *context.costs, quick));
+  SimResult input;
+  if (context.input_simulation && !ordered) {
+    input = *context.input_simulation;
+  } else {
+    DC_ASSIGN_OR_RETURN(input, Simulate(*schedule, *context.costs, quick));
+  }
   DC_ASSIGN_OR_RETURN(LiveCurve curve, LiveCurve::Build(*schedule, input));
   const std::vector<Gap> gaps =
       Candidates(*schedule, *context.costs, input, index, curve, options_);
@@ -173,6 +179,7 @@ StatusOr<bool> UnshardPass::Run(proto::Schedule* schedule, const PassContext& co
     DC_ASSIGN_OR_RETURN(SimResult output, Simulate(*candidate, *context.costs, quick));
     if (rewriter_internal::Acceptable(input, output, budget, options_.slowdown_tolerance)) {
       *schedule->mutable_instructions() = candidate->instructions();
+      output_simulation_ = std::move(output);
       return true;
     }
     // Over the budget: plan against a limit lowered by the overshoot. Where the overshoot is

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "rewriter/pass.h"
 
@@ -48,9 +49,13 @@ class UnshardPass : public Pass {
   std::string_view name() const override { return "unshard"; }
   std::string OptionsText() const override;
   StatusOr<bool> Run(proto::Schedule* schedule, const PassContext& context) override;
+  const SimResult* OutputSimulation() const override {
+    return output_simulation_ ? &*output_simulation_ : nullptr;
+  }
 
  private:
   UnshardOptions options_;
+  std::optional<SimResult> output_simulation_;
 };
 
 }  // namespace dc

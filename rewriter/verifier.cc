@@ -50,10 +50,15 @@ Status CheckOpCounts(const proto::Schedule& schedule) {
 
 Status VerifySchedule(const proto::Schedule& schedule, const PassContext& context, SimResult* simulated) {
   DC_RETURN_IF_ERROR(CheckOpCounts(schedule));
-  CostModel fallback;
-  SimOptions options;
-  options.memory_timeline = false;  // the peak is all a check needs
-  DC_ASSIGN_OR_RETURN(SimResult sim, Simulate(schedule, context.costs ? *context.costs : fallback, options));
+  SimResult sim;
+  if (context.input_simulation) {
+    sim = *context.input_simulation;
+  } else {
+    CostModel fallback;
+    SimOptions options;
+    options.memory_timeline = false;  // the peak is all a check needs
+    DC_ASSIGN_OR_RETURN(sim, Simulate(schedule, context.costs ? *context.costs : fallback, options));
+  }
   if (context.budget_bytes > 0 && sim.peak_device_bytes > context.budget_bytes) {
     return Status::Error("the schedule needs " + FormatBytes(sim.peak_device_bytes) +
                          " of device memory at its peak (instruction " +

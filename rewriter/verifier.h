@@ -8,7 +8,8 @@
 
 namespace dc {
 
-// `simulated`, when given, receives the simulation the check made (peak only, no timeline).
+// `simulated`, when given, receives the simulation the check made (peak only, no timeline), or
+// PassContext::input_simulation when the caller gave one (then it is not simulated again).
 Status VerifySchedule(const proto::Schedule& schedule, const PassContext& context,
                       SimResult* simulated = nullptr);
 

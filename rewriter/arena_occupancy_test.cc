@@ -1,0 +1,94 @@
+#include "rewriter/arena_occupancy.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <limits>
+#include <random>
+#include <vector>
+
+namespace dc::rewriter_internal {
+namespace {
+
+using Range = ArenaOccupancy::Range;
+
+struct Placed {
+  int alloc_index, free_index;
+  Range range;
+};
+
+// What BestFit promises, by scanning every placed range that overlaps the lifetime.
+int64_t BruteForceBestFit(const std::vector<Placed>& placed, int alloc_index, int free_index,
+                          int64_t floor_bytes, int64_t size_bytes) {
+  std::vector<Range> taken;
+  for (const Placed& p : placed) {
+    if (p.alloc_index <= free_index && p.free_index >= alloc_index) taken.push_back(p.range);
+  }
+  std::sort(taken.begin(), taken.end());
+  int64_t cursor = floor_bytes, best_offset = -1;
+  int64_t best_gap = std::numeric_limits<int64_t>::max();
+  for (const auto& [start, end] : taken) {
+    const int64_t gap = start - cursor;
+    if (gap >= size_bytes && gap < best_gap) {
+      best_gap = gap;
+      best_offset = cursor;
+    }
+    cursor = std::max(cursor, end);
+  }
+  return best_offset >= 0 ? best_offset : cursor;
+}
+
+// Random lifetimes and sizes, placed where BestFit says (as the packer does) or, now and then,
+// anywhere (overlapping what is there: the index must not assume a packing).
+void CheckAgainstBruteForce(unsigned seed, int axis_length, int buffers, int64_t max_size) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> position(-1, axis_length);
+  std::uniform_int_distribution<int64_t> size(1, max_size);
+  std::uniform_int_distribution<int> percent(0, 99);
+  ArenaOccupancy occupancy(axis_length);
+  std::vector<Placed> placed;
+  for (int b = 0; b < buffers; ++b) {
+    int alloc_index = position(rng), free_index = position(rng);
+    if (alloc_index > free_index) std::swap(alloc_index, free_index);
+    const int64_t size_bytes = size(rng);
+    const int64_t floor_bytes = percent(rng) < 10 ? size(rng) : 0;
+    const int64_t offset = occupancy.BestFit(alloc_index, free_index, floor_bytes, size_bytes);
+    ASSERT_EQ(offset,
+              BruteForceBestFit(placed, alloc_index, free_index, floor_bytes, size_bytes))
+        << "seed " << seed << ", buffer " << b << ": [" << alloc_index << ", " << free_index
+        << "] of " << size_bytes << " bytes above " << floor_bytes;
+    const int64_t at = percent(rng) < 5 ? size(rng) * 3 : offset;
+    const Range range{at, at + size_bytes};
+    occupancy.Add(alloc_index, free_index, range);
+    placed.push_back({alloc_index, free_index, range});
+  }
+}
+
+TEST(ArenaOccupancy, MatchesBruteForceOnShortAxes) {
+  for (unsigned seed = 1; seed <= 200; ++seed) CheckAgainstBruteForce(seed, 1 + seed % 17, 60, 40);
+}
+
+TEST(ArenaOccupancy, MatchesBruteForceOnLongAxes) {
+  for (unsigned seed = 1; seed <= 20; ++seed) CheckAgainstBruteForce(seed, 300 + seed, 400, 1000);
+}
+
+TEST(ArenaOccupancy, EmptyFitsAtTheFloor) {
+  ArenaOccupancy occupancy(10);
+  EXPECT_EQ(occupancy.BestFit(-1, 10, 256, 100), 256);
+}
+
+TEST(ArenaOccupancy, PrefersTheSmallestGapThenTheLowest) {
+  ArenaOccupancy occupancy(4);
+  // Gaps during [1, 2]: [0, 10) of 10, [20, 25) of 5, [35, 40) of 5, then the top at 50.
+  occupancy.Add(0, 1, {10, 20});
+  occupancy.Add(2, 3, {25, 35});
+  occupancy.Add(1, 1, {40, 50});
+  EXPECT_EQ(occupancy.BestFit(1, 2, 0, 5), 20);
+  EXPECT_EQ(occupancy.BestFit(1, 2, 0, 6), 0);
+  EXPECT_EQ(occupancy.BestFit(1, 2, 0, 11), 50);
+  // Outside [1, 2] the ranges it saw do not count.
+  EXPECT_EQ(occupancy.BestFit(4, 4, 0, 11), 0);
+}
+
+}  // namespace
+}  // namespace dc::rewriter_internal
