@@ -6,17 +6,16 @@
 namespace dc::rewriter_internal {
 namespace {
 
-using Range = ArenaOccupancy::Range;
-
 // Path unions are cached from this many levels above the leaves: below it a node's span is a
 // handful of positions, its cache would be rebuilt for nearly every query that uses it, and
 // merging the few short unions under it in the query costs less.
 constexpr int kFirstCachedLevel = 4;
 
 // Adds `range` to a sorted union of disjoint, non-touching runs; false if it held it already.
+template <typename Range>
 bool AddToUnion(std::vector<Range>* runs, Range range) {
   auto first = std::lower_bound(runs->begin(), runs->end(), range.first,
-                                [](const Range& r, int64_t start) { return r.second < start; });
+                                [](const Range& r, auto start) { return r.second < start; });
   if (first != runs->end() && first->first <= range.first && range.second <= first->second) {
     return false;
   }
@@ -45,7 +44,7 @@ void ForCover(int lo, int hi, Fn&& fn) {
 }
 
 // Calls fn(run) for the runs of two unions in order of offset (ties: `a` first).
-template <typename Fn>
+template <typename Range, typename Fn>
 void ForEachMerged(const std::vector<Range>& a, const std::vector<Range>& b, Fn&& fn) {
   size_t i = 0, j = 0;
   while (i < a.size() && j < b.size()) fn(a[i].first <= b[j].first ? a[i++] : b[j++]);
@@ -54,6 +53,7 @@ void ForEachMerged(const std::vector<Range>& a, const std::vector<Range>& b, Fn&
 }
 
 // `out` = the union of two unions, as sorted disjoint non-touching runs.
+template <typename Range>
 void MergeUnions(const std::vector<Range>& a, const std::vector<Range>& b,
                  std::vector<Range>* out) {
   out->clear();
@@ -68,7 +68,8 @@ void MergeUnions(const std::vector<Range>& a, const std::vector<Range>& b,
 
 }  // namespace
 
-ArenaOccupancy::ArenaOccupancy(int axis_length) {
+template <typename Offset>
+BasicArenaOccupancy<Offset>::BasicArenaOccupancy(int axis_length) {
   while (leaves_ < axis_length + 2) leaves_ *= 2;
   const size_t nodes = 2 * static_cast<size_t>(leaves_);
   taken_.resize(nodes);
@@ -78,7 +79,8 @@ ArenaOccupancy::ArenaOccupancy(int axis_length) {
   path_.resize(nodes);
 }
 
-void ArenaOccupancy::Add(int alloc_index, int free_index, Range range) {
+template <typename Offset>
+void BasicArenaOccupancy<Offset>::Add(int alloc_index, int free_index, Range range) {
   ForCover(Leaf(alloc_index), Leaf(free_index) + 1, [&](int node) {
     if (AddToUnion(&taken_[node], range)) changed_[node] = ++clock_;
   });
@@ -87,7 +89,8 @@ void ArenaOccupancy::Add(int alloc_index, int free_index, Range range) {
   while (node >= 1 && AddToUnion(&allocated_[node], range)) node /= 2;
 }
 
-const std::vector<Range>& ArenaOccupancy::PathUnion(int node) const {
+template <typename Offset>
+auto BasicArenaOccupancy<Offset>::PathUnion(int node) const -> const std::vector<Range>& {
   static const std::vector<Range> kEmpty;
   nodes_.clear();
   for (int p = node; p >= 1; p /= 2) nodes_.push_back(p);
@@ -111,8 +114,9 @@ const std::vector<Range>& ArenaOccupancy::PathUnion(int node) const {
   return above == 0 ? kEmpty : path_[above];
 }
 
-int64_t ArenaOccupancy::BestFit(int alloc_index, int free_index, int64_t floor_bytes,
-                                int64_t size_bytes) const {
+template <typename Offset>
+int64_t BasicArenaOccupancy<Offset>::BestFit(int alloc_index, int free_index, int64_t floor,
+                                             int64_t size) const {
   lists_.clear();
   // Taken at alloc_index: the unions on the leaf's root path, the upper part from the cache.
   int node = Leaf(alloc_index);
@@ -137,17 +141,20 @@ int64_t ArenaOccupancy::BestFit(int alloc_index, int free_index, int64_t floor_b
     merged_.swap(spare_);
     merged = &merged_;
   }
-  int64_t cursor = floor_bytes, best_offset = -1;
+  int64_t cursor = floor, best_offset = -1;
   int64_t best_gap = std::numeric_limits<int64_t>::max();
   ForEachMerged(*merged, lists_.empty() ? kEmpty : *lists_.back(), [&](const Range& run) {
-    const int64_t gap = run.first - cursor;
-    if (gap >= size_bytes && gap < best_gap) {
+    const int64_t gap = static_cast<int64_t>(run.first) - cursor;
+    if (gap >= size && gap < best_gap) {
       best_gap = gap;
       best_offset = cursor;
     }
-    cursor = std::max(cursor, run.second);
+    cursor = std::max<int64_t>(cursor, run.second);
   });
   return best_offset >= 0 ? best_offset : cursor;
 }
+
+template class BasicArenaOccupancy<int64_t>;
+template class BasicArenaOccupancy<uint32_t>;
 
 }  // namespace dc::rewriter_internal

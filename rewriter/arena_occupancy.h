@@ -21,22 +21,25 @@ namespace dc::rewriter_internal {
 // - allocated in a span: a second segment tree over allocating positions whose nodes hold the
 //   union of the buffers allocated in their span (a buffer joins its position's leaf and the
 //   ancestors up to the first that holds its range already).
-// Not thread-safe: queries use scratch and fill caches.
-class ArenaOccupancy {
+// Offsets are in units of the caller's choosing, held as `Offset` (uint32_t or int64_t): the
+// packer counts in its alignment, so 32 bits cover a TiB and every run costs half the bytes to
+// walk (queries are bound by memory traffic). Not thread-safe: queries use scratch and fill
+// caches.
+template <typename Offset>
+class BasicArenaOccupancy {
  public:
-  using Range = std::pair<int64_t, int64_t>;  // [offset, end) in bytes
+  using Range = std::pair<Offset, Offset>;  // [offset, end)
 
-  explicit ArenaOccupancy(int axis_length);
+  explicit BasicArenaOccupancy(int axis_length);
 
   // Takes `range` (non-empty) during [alloc_index, free_index], where -1 <= alloc_index <=
   // free_index <= axis_length.
   void Add(int alloc_index, int free_index, Range range);
 
-  // Best fit for size_bytes > 0 during [alloc_index, free_index]: the offset of the smallest gap
-  // of at least size_bytes at or above floor_bytes between the ranges taken at some instant of it
-  // (the lowest such offset on ties); else the end of the highest of them, or floor_bytes if that
-  // is higher.
-  int64_t BestFit(int alloc_index, int free_index, int64_t floor_bytes, int64_t size_bytes) const;
+  // Best fit for size > 0 during [alloc_index, free_index]: the offset of the smallest gap of at
+  // least `size` at or above `floor` between the ranges taken at some instant of it (the lowest
+  // such offset on ties); else the end of the highest of them, or `floor` if that is higher.
+  int64_t BestFit(int alloc_index, int free_index, int64_t floor, int64_t size) const;
 
  private:
   int Leaf(int position) const { return position + 1 + leaves_; }
@@ -58,5 +61,8 @@ class ArenaOccupancy {
   mutable std::vector<Range> merged_, spare_;
   mutable std::vector<int> nodes_;
 };
+
+using ArenaOccupancy = BasicArenaOccupancy<int64_t>;
+using ArenaOccupancy32 = BasicArenaOccupancy<uint32_t>;
 
 }  // namespace dc::rewriter_internal

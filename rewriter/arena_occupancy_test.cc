@@ -10,7 +10,7 @@
 namespace dc::rewriter_internal {
 namespace {
 
-using Range = ArenaOccupancy::Range;
+using Range = std::pair<int64_t, int64_t>;
 
 struct Placed {
   int alloc_index, free_index;
@@ -40,12 +40,14 @@ int64_t BruteForceBestFit(const std::vector<Placed>& placed, int alloc_index, in
 
 // Random lifetimes and sizes, placed where BestFit says (as the packer does) or, now and then,
 // anywhere (overlapping what is there: the index must not assume a packing).
+template <typename Occupancy>
 void CheckAgainstBruteForce(unsigned seed, int axis_length, int buffers, int64_t max_size) {
+  using Offset = typename Occupancy::Range::first_type;
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int> position(-1, axis_length);
   std::uniform_int_distribution<int64_t> size(1, max_size);
   std::uniform_int_distribution<int> percent(0, 99);
-  ArenaOccupancy occupancy(axis_length);
+  Occupancy occupancy(axis_length);
   std::vector<Placed> placed;
   for (int b = 0; b < buffers; ++b) {
     int alloc_index = position(rng), free_index = position(rng);
@@ -53,23 +55,29 @@ void CheckAgainstBruteForce(unsigned seed, int axis_length, int buffers, int64_t
     const int64_t size_bytes = size(rng);
     const int64_t floor_bytes = percent(rng) < 10 ? size(rng) : 0;
     const int64_t offset = occupancy.BestFit(alloc_index, free_index, floor_bytes, size_bytes);
-    ASSERT_EQ(offset,
-              BruteForceBestFit(placed, alloc_index, free_index, floor_bytes, size_bytes))
+    ASSERT_EQ(offset, BruteForceBestFit(placed, alloc_index, free_index, floor_bytes, size_bytes))
         << "seed " << seed << ", buffer " << b << ": [" << alloc_index << ", " << free_index
         << "] of " << size_bytes << " bytes above " << floor_bytes;
     const int64_t at = percent(rng) < 5 ? size(rng) * 3 : offset;
     const Range range{at, at + size_bytes};
-    occupancy.Add(alloc_index, free_index, range);
+    occupancy.Add(alloc_index, free_index,
+                  {static_cast<Offset>(at), static_cast<Offset>(at + size_bytes)});
     placed.push_back({alloc_index, free_index, range});
   }
 }
 
 TEST(ArenaOccupancy, MatchesBruteForceOnShortAxes) {
-  for (unsigned seed = 1; seed <= 200; ++seed) CheckAgainstBruteForce(seed, 1 + seed % 17, 60, 40);
+  for (unsigned seed = 1; seed <= 200; ++seed) {
+    CheckAgainstBruteForce<ArenaOccupancy>(seed, 1 + seed % 17, 60, 40);
+    CheckAgainstBruteForce<ArenaOccupancy32>(seed, 1 + seed % 17, 60, 40);
+  }
 }
 
 TEST(ArenaOccupancy, MatchesBruteForceOnLongAxes) {
-  for (unsigned seed = 1; seed <= 20; ++seed) CheckAgainstBruteForce(seed, 300 + seed, 400, 1000);
+  for (unsigned seed = 1; seed <= 20; ++seed) {
+    CheckAgainstBruteForce<ArenaOccupancy>(seed, 300 + seed, 400, 1000);
+    CheckAgainstBruteForce<ArenaOccupancy32>(seed, 300 + seed, 400, 1000);
+  }
 }
 
 TEST(ArenaOccupancy, EmptyFitsAtTheFloor) {

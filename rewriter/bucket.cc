@@ -49,10 +49,16 @@ class Planner {
     }
     // Every candidate cap asks for them again.
     releases_.resize(n);
+    first_waiter_.assign(n, std::numeric_limits<int>::max());
     for (int i = 0; i < n; ++i) {
       if (schedule.instructions(i).kind() != proto::INSTR_REDUCE_SCATTER) continue;
       for (int d : dependents_[i]) {
-        if (schedule.instructions(d).kind() == proto::INSTR_RELEASE) releases_[i].push_back(d);
+        if (schedule.instructions(d).kind() == proto::INSTR_RELEASE) {
+          releases_[i].push_back(d);
+          for (int after : dependents_[d]) first_waiter_[i] = std::min(first_waiter_[i], after);
+        } else {
+          first_waiter_[i] = std::min(first_waiter_[i], d);
+        }
       }
     }
     // Compute-stream idle time, cumulative by compute-stream instruction.
@@ -66,10 +72,10 @@ class Planner {
   }
 
   Grouping Plan(const Caps& caps, int64_t limit, const BucketOptions& options) const {
-    LiveCurve curve = base_;
+    scratch_curve_ = base_;  // assigned, not constructed: each candidate reuses its buffers
     Grouping grouping;
-    PlanGathers(caps.gather_bytes, limit, options, &curve, &grouping);
-    PlanReductions(caps.reduction_bytes, limit, &curve, &grouping);
+    PlanGathers(caps.gather_bytes, limit, options, &scratch_curve_, &grouping);
+    PlanReductions(caps.reduction_bytes, limit, &scratch_curve_, &grouping);
     return grouping;
   }
 
@@ -229,6 +235,7 @@ class Planner {
     std::vector<int> last_run(proto::Stream_MAX + 1, -1);
     std::vector<int64_t> run_bytes(proto::Stream_MAX + 1, 0);
     std::vector<int> run_release_point(proto::Stream_MAX + 1, 0);
+    std::vector<int> run_first_waiter(proto::Stream_MAX + 1, 0);
     for (int rs = 0; rs < schedule_.instructions_size(); ++rs) {
       const proto::Instruction& instr = schedule_.instructions(rs);
       if (instr.kind() != proto::INSTR_REDUCE_SCATTER) continue;
@@ -240,19 +247,11 @@ class Planner {
       if (run >= 0 && !releases.empty()) {
         const std::vector<int>& members = grouping->reductions[run];
         const int64_t bytes = run_bytes[stream] + instr_bytes_[rs];
-        bool join = costs_.reduce_scatter.latency_seconds > 0 && bytes <= cap_bytes &&
-                    schedule_.instructions(members.front()).micro_step() == instr.micro_step();
         // Whatever waits for a member or for its releases (besides those releases) must come
         // after this one, where they move.
-        for (size_t m = 0; join && m < members.size(); ++m) {
-          for (int d : dependents_[members[m]]) {
-            if (schedule_.instructions(d).kind() == proto::INSTR_RELEASE) {
-              for (int after : dependents_[d]) join = join && after > rs;
-            } else {
-              join = join && d > rs;
-            }
-          }
-        }
+        bool join = costs_.reduce_scatter.latency_seconds > 0 && bytes <= cap_bytes &&
+                    schedule_.instructions(members.front()).micro_step() == instr.micro_step() &&
+                    run_first_waiter[stream] > rs;
         // The run's grads live on until this one's releases.
         const int from = run_release_point[stream];
         if (join) join = curve->Max(from, release_point) + run_bytes[stream] <= limit;
@@ -262,6 +261,7 @@ class Planner {
           if (grouping->reductions[run].size() == 2) ++grouping->fused_reductions;
           run_bytes[stream] = bytes;
           run_release_point[stream] = release_point;
+          run_first_waiter[stream] = std::min(run_first_waiter[stream], first_waiter_[rs]);
           continue;
         }
       }
@@ -269,6 +269,7 @@ class Planner {
       run = releases.empty() ? -1 : static_cast<int>(grouping->reductions.size()) - 1;
       run_bytes[stream] = instr_bytes_[rs];
       run_release_point[stream] = release_point;
+      run_first_waiter[stream] = first_waiter_[rs];
     }
   }
 
@@ -277,10 +278,14 @@ class Planner {
   const SimResult& sim_;
   const GatherIndex& index_;
   const LiveCurve& base_;
+  mutable LiveCurve scratch_curve_;   // what Plan edits
   std::vector<int64_t> bytes_;        // by tensor
   std::vector<int64_t> instr_bytes_;  // by instruction: bytes of its tensors
   std::vector<std::vector<int>> dependents_;
   std::vector<std::vector<int>> releases_;  // by reduce-scatter: the releases that wait for it
+  // By reduce-scatter: the first instruction that waits for it or for its releases (besides
+  // the releases); INT_MAX if none.
+  std::vector<int> first_waiter_;
   std::vector<double> compute_start_, idle_through_;  // by compute-stream instruction
 };
 

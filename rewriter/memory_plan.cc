@@ -1,5 +1,8 @@
 #include "rewriter/memory_plan.h"
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <limits>
@@ -8,9 +11,6 @@
 #include <optional>
 #include <tuple>
 #include <utility>
-
-#include <google/protobuf/io/coded_stream.h>
-#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 
 #include "analyzer/simulator.h"
 #include "rewriter/arena_occupancy.h"
@@ -21,6 +21,7 @@ namespace dc {
 namespace {
 
 using rewriter_internal::ArenaOccupancy;
+using rewriter_internal::ArenaOccupancy32;
 
 constexpr int64_t kF32Bytes = 4;  // persistent shards are fp32 (schemas/program.h)
 
@@ -226,6 +227,53 @@ struct Axis {
   int length = 0;
 };
 
+// Places the buffers `rest`, in that order, each where Occupancy's best fit puts it above
+// `base_bytes` (and over `spill` lifetimes where that ends lower; see Pack), into
+// packing->offsets. False, with offsets half written, when an offset would not fit Occupancy's
+// offsets (counted in units of unit_bytes, which every reserve and base_bytes is a multiple of).
+template <typename Occupancy>
+bool PlaceInOrder(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
+                  int64_t unit_bytes, const std::vector<int>& rest,
+                  const std::vector<int64_t>& reserve, int64_t base_bytes, Packing* packing) {
+  using Offset = typename Occupancy::Range::first_type;
+  constexpr int64_t kMaxUnits = static_cast<int64_t>(std::numeric_limits<Offset>::max());
+  const std::vector<BufferLifetime>& buffers = *primary.buffers;
+  const int64_t base = base_bytes / unit_bytes;
+  if (base > kMaxUnits) return false;
+  Occupancy occupancy(primary.length);
+  std::optional<Occupancy> spill_occupancy;
+  if (spill && spill_above_bytes > 0) spill_occupancy.emplace(spill->length);
+  packing->spilled = 0;
+  for (int b : rest) {
+    if (reserve[b] == 0) {
+      packing->offsets[b] = base_bytes;  // empty: overlaps nothing
+      continue;
+    }
+    const BufferLifetime& life = buffers[b];
+    const int64_t size = reserve[b] / unit_bytes;
+    int64_t offset = occupancy.BestFit(life.alloc_index, life.free_index, base, size);
+    if (spill_occupancy && offset * unit_bytes + life.size_bytes > spill_above_bytes) {
+      const BufferLifetime& spill_life = (*spill->buffers)[b];
+      const int64_t spilled =
+          spill_occupancy->BestFit(spill_life.alloc_index, spill_life.free_index, base, size);
+      if (spilled < offset) {
+        offset = spilled;
+        ++packing->spilled;
+      }
+    }
+    if (offset + size > kMaxUnits) return false;
+    packing->offsets[b] = offset * unit_bytes;
+    const typename Occupancy::Range range{static_cast<Offset>(offset),
+                                          static_cast<Offset>(offset + size)};
+    occupancy.Add(life.alloc_index, life.free_index, range);
+    if (spill_occupancy) {
+      spill_occupancy->Add((*spill->buffers)[b].alloc_index, (*spill->buffers)[b].free_index,
+                           range);
+    }
+  }
+  return true;
+}
+
 // Best-fit decreasing in `order` over `primary` lifetimes. With `spill` and spill_above_bytes
 // > 0, a buffer whose best place over `primary` ends above spill_above_bytes may take a gap that
 // is free over the `spill` lifetimes (which conflict less) if that place ends lower.
@@ -273,7 +321,8 @@ Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
     const BufferLifetime& x = buffers[b];
     // Below 2^63: sizes are under 2^40 bytes and lifetimes under 2^23 positions.
     const int64_t lifetime = static_cast<int64_t>(x.free_index) - x.alloc_index + 1;
-    const int64_t area = order == MemoryPlanOptions::Order::kAreaDescending ? reserve[b] * lifetime : 0;
+    const int64_t area =
+        order == MemoryPlanOptions::Order::kAreaDescending ? reserve[b] * lifetime : 0;
     keys.push_back({area, reserve[b], x.alloc_index, x.instruction, x.tensor, x.micro_step, b});
   }
   std::sort(keys.begin(), keys.end(), [](const RestKey& x, const RestKey& y) {
@@ -282,32 +331,12 @@ Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
   });
   for (size_t k = 0; k < keys.size(); ++k) rest[k] = keys[k].buffer;
 
-  ArenaOccupancy occupancy(primary.length);
-  std::optional<ArenaOccupancy> spill_occupancy;
-  if (spill && spill_above_bytes > 0) spill_occupancy.emplace(spill->length);
-  for (int b : rest) {
-    if (reserve[b] == 0) {
-      packing.offsets[b] = base;  // empty: overlaps nothing
-      continue;
-    }
-    const BufferLifetime& life = buffers[b];
-    int64_t offset = occupancy.BestFit(life.alloc_index, life.free_index, base, reserve[b]);
-    if (spill_occupancy && offset + life.size_bytes > spill_above_bytes) {
-      const BufferLifetime& spill_life = (*spill->buffers)[b];
-      const int64_t spilled =
-          spill_occupancy->BestFit(spill_life.alloc_index, spill_life.free_index, base, reserve[b]);
-      if (spilled < offset) {
-        offset = spilled;
-        ++packing.spilled;
-      }
-    }
-    packing.offsets[b] = offset;
-    const ArenaOccupancy::Range range{offset, offset + reserve[b]};
-    occupancy.Add(buffers[b].alloc_index, buffers[b].free_index, range);
-    if (spill_occupancy) {
-      spill_occupancy->Add((*spill->buffers)[b].alloc_index, (*spill->buffers)[b].free_index,
-                           range);
-    }
+  // In units of the alignment (every offset and reserve is a multiple of it): 32 bits hold
+  // arenas up to 4 Gi units, 1 TiB at 256-byte alignment; past that, 64.
+  if (!PlaceInOrder<ArenaOccupancy32>(primary, spill, spill_above_bytes, alignment_bytes, rest,
+                                      reserve, base, &packing)) {
+    PlaceInOrder<ArenaOccupancy>(primary, spill, spill_above_bytes, alignment_bytes, rest, reserve,
+                                 base, &packing);
   }
   for (int b = 0; b < n; ++b) {
     if (buffers[b].size_bytes > 0) {
@@ -547,6 +576,14 @@ const PackingMemo::Entry* PackingMemo::FindFitting(const proto::Schedule& schedu
   return Key(schedule, options, budget_bytes) == key_ ? &entry_ : nullptr;
 }
 
+std::optional<PackingMemo::Entry> PackingMemo::TakeFitting(const proto::Schedule& schedule,
+                                                           const MemoryPlanOptions& options,
+                                                           int64_t budget_bytes) {
+  if (!FindFitting(schedule, options, budget_bytes)) return std::nullopt;
+  key_.clear();
+  return std::move(entry_);
+}
+
 StatusOr<std::vector<std::pair<int, int>>> ReuseDependencies(const proto::Schedule& schedule) {
   DC_ASSIGN_OR_RETURN(std::vector<BufferLifetime> buffers, BufferLifetimes(schedule));
   const proto::MemoryPlan& plan = schedule.memory_plan();
@@ -573,7 +610,7 @@ StatusOr<std::vector<std::pair<int, int>>> ReuseDependencies(const proto::Schedu
     auto it = std::upper_bound(offset_of.begin(), offset_of.end(), std::make_pair(key, int64_t{0}),
                                key_less);
     return it != offset_of.begin() && std::prev(it)->first == key ? &std::prev(it)->second
-                                                                   : nullptr;
+                                                                  : nullptr;
   };
   std::vector<int> order(buffers.size());
   std::iota(order.begin(), order.end(), 0);
@@ -677,10 +714,10 @@ StatusOr<bool> MemoryPlanPass::Run(proto::Schedule* schedule, const PassContext&
   output_simulation_.reset();
   const int64_t budget = context.budget_bytes;
   proto::MemoryPlan plan;
-  const PackingMemo::Entry* packed =
-      context.packings ? context.packings->FindFitting(*schedule, options_, budget) : nullptr;
+  std::optional<PackingMemo::Entry> packed =
+      context.packings ? context.packings->TakeFitting(*schedule, options_, budget) : std::nullopt;
   if (packed) {
-    plan = packed->plan;
+    plan = std::move(packed->plan);
     stats_ = packed->stats;
   } else {
     DC_ASSIGN_OR_RETURN(plan, PlanMemory(*schedule, options_, budget, context.costs, &stats_,

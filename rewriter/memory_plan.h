@@ -140,6 +140,9 @@ class PackingMemo {
   // null otherwise.
   const Entry* FindFitting(const proto::Schedule& schedule, const MemoryPlanOptions& options,
                            int64_t budget_bytes) const;
+  // FindFitting's packing moved out (the memo then holds nothing), or nothing.
+  std::optional<Entry> TakeFitting(const proto::Schedule& schedule,
+                                   const MemoryPlanOptions& options, int64_t budget_bytes);
 
  private:
   static std::string Key(const proto::Schedule& schedule, const MemoryPlanOptions& options,

@@ -189,6 +189,33 @@ TEST(MemoryPlan, MatchesTheAllPairsBestFitDecreasing) {
   }
 }
 
+// Offsets past 2^32 alignment units do not fit the packer's 32-bit index: it packs again with
+// 64-bit offsets, to the same result.
+TEST(MemoryPlan, MatchesTheAllPairsBestFitDecreasingPastFourGiUnits) {
+  ModelOverrides overrides;
+  overrides.hidden = 8192;
+  overrides.ffn = 16384;
+  auto config = MakeConfig("tiny", overrides);
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  auto program = BuildProgram(*config);
+  ASSERT_TRUE(program.ok()) << program.status().message();
+  proto::Schedule s;
+  s.set_world_size(1);
+  *s.mutable_program() = *program;
+  Zero3Pass zero3;
+  ASSERT_TRUE(zero3.Run(&s, PassContext{}).ok());
+  MemoryPlanOptions options = InInstructionOrder();
+  options.alignment_bytes = 1;
+  auto plan = PlanMemory(s, options, 0, nullptr, nullptr);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  ASSERT_GT(plan->arena_bytes(), int64_t{1} << 32);
+  const std::map<Key, int64_t> reference = ReferenceOffsets(s, 1);
+  for (const auto& p : plan->placements()) {
+    EXPECT_EQ(p.offset_bytes(), reference.at(Key{p.instruction(), p.tensor(), p.micro_step()}))
+        << s.program().tensors(p.tensor()).name();
+  }
+}
+
 TEST(MemoryPlan, ArenaCoversTheSimulatedPeakAndFitsTheBudget) {
   CostModel costs;
   proto::Schedule s = TinyWithOffload(2, &costs);

@@ -697,6 +697,7 @@ std::string OffloadPass::OptionsText() const {
 StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& context) {
   stats_ = OffloadStats();
   arena_note_.clear();
+  output_simulation_.reset();
   budget_bytes_ = context.budget_bytes;
   if (context.budget_bytes <= 0) return false;
   const CostModel& costs = CostsOf(context);
@@ -726,6 +727,7 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
   OffloadPlanner::Mode mode;
   mode.options = options_;
   proto::Schedule out;
+  SimResult out_simulation;
   const OffloadStats input_stats = stats_;
   OffloadStats out_stats;
   for (int round = 0;; ++round) {
@@ -749,11 +751,12 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
       break;
     }
     out = std::move(planned).value();
+    out_simulation = planner.output_simulation();
     if (options_.fit_memory_plan) {
       MemoryPlanStats packed;
-      DC_ASSIGN_OR_RETURN(proto::MemoryPlan plan,
-                          PlanMemory(out, arena_check, budget, context.costs, &packed,
-                                     &planner.output_simulation()));
+      DC_ASSIGN_OR_RETURN(
+          proto::MemoryPlan plan,
+          PlanMemory(out, arena_check, budget, context.costs, &packed, &out_simulation));
       if (context.packings) context.packings->Store(out, arena_check, budget, std::move(plan), packed);
       stats_.arena_bytes = packed.arena_bytes;
       stats_.arena_rounds = round + 1;
@@ -766,8 +769,12 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
     planning_budget -= static_cast<int64_t>(static_cast<double>(stats_.arena_bytes - budget) *
                                             options_.arena_overshoot_factor);
   }
-  if (stats_.offloaded == 0) return false;
+  if (stats_.offloaded == 0) {
+    output_simulation_ = std::move(base);
+    return false;
+  }
   *schedule = std::move(out);
+  output_simulation_ = std::move(out_simulation);
   return true;
 }
 

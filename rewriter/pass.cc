@@ -4,7 +4,6 @@
 #include <optional>
 #include <utility>
 
-
 namespace dc {
 
 std::vector<std::string> Pipeline::PassNames() const {

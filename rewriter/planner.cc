@@ -119,7 +119,16 @@ StatusOr<std::unique_ptr<Pipeline>> PipelineFor(const PlanRequest& request) {
   return pipeline;
 }
 
-proto::Schedule EmptySchedule(const PlanRequest& request) {
+// The digest of `program` as a plan carries it: at this dc's program format version.
+std::string ProgramDigest(const proto::Program& program) {
+  if (program.format_version() == kProgramFormatVersion) return DigestOf(program);
+  proto::Program versioned = program;
+  versioned.set_format_version(kProgramFormatVersion);
+  return DigestOf(versioned);
+}
+
+// `program_digest`: ProgramDigest(request.program), computed once per plan.
+proto::Schedule EmptySchedule(const PlanRequest& request, const std::string& program_digest) {
   proto::Schedule schedule;
   schedule.set_world_size(request.world_size);
   schedule.set_budget_bytes(request.budget_bytes);
@@ -128,19 +137,15 @@ proto::Schedule EmptySchedule(const PlanRequest& request) {
   schedule.set_policy(request.policy);
   *schedule.mutable_program() = request.program;
   schedule.mutable_program()->set_format_version(kProgramFormatVersion);
-  schedule.set_program_digest(DigestOf(schedule.program()));
+  schedule.set_program_digest(program_digest);
   schedule.set_profile_digest(request.profile_digest);
   return schedule;
 }
 
-}  // namespace
-
-StatusOr<std::string> PlanKey(const PlanRequest& request) {
+StatusOr<std::string> KeyOf(const PlanRequest& request, const std::string& program_digest) {
   DC_ASSIGN_OR_RETURN(auto pipeline, PipelineFor(request));
-  proto::Program program = request.program;
-  program.set_format_version(kProgramFormatVersion);
   PlanKeyInputs inputs;
-  inputs.program_digest = DigestOf(program);
+  inputs.program_digest = program_digest;
   inputs.world_size = request.world_size;
   inputs.backend = request.backend;
   inputs.device = request.device;
@@ -151,12 +156,18 @@ StatusOr<std::string> PlanKey(const PlanRequest& request) {
   return PlanCacheKey(inputs);
 }
 
+}  // namespace
+
+StatusOr<std::string> PlanKey(const PlanRequest& request) {
+  return KeyOf(request, ProgramDigest(request.program));
+}
+
 namespace {
 
 // Runs `pipeline` over a fresh schedule and fills its prediction.
-StatusOr<proto::Schedule> RunPipeline(const PlanRequest& request, const Pipeline& pipeline,
-                                      const PassContext& context) {
-  proto::Schedule schedule = EmptySchedule(request);
+StatusOr<proto::Schedule> RunPipeline(const PlanRequest& request, const std::string& program_digest,
+                                      const Pipeline& pipeline, const PassContext& context) {
+  proto::Schedule schedule = EmptySchedule(request, program_digest);
   // The verifier's simulation of the final schedule is the prediction's (it has the same costs;
   // the prediction needs no memory timeline).
   std::optional<SimResult> sim;
@@ -199,7 +210,8 @@ std::string Join(const std::vector<std::string>& names) {
 StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   if (request.world_size < 1) return Status::Error("world size must be at least 1");
   DC_ASSIGN_OR_RETURN(auto pipeline, PipelineFor(request));
-  DC_ASSIGN_OR_RETURN(std::string key, PlanKey(request));
+  const std::string program_digest = ProgramDigest(request.program);
+  DC_ASSIGN_OR_RETURN(std::string key, KeyOf(request, program_digest));
   PackingMemo packings;
   PassContext context{&request.costs, request.budget_bytes};
   context.packings = &packings;
@@ -219,14 +231,14 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   // program and world size alone, so where the pipeline starts with it, the verifier's
   // simulation after it is the baseline's; otherwise the baseline is planned on its own.
   std::optional<SimResult> baseline_sim;
-  pipeline->OnVerified([&baseline_sim, first = true](const proto::PassRecord& record,
-                                                      const SimResult& sim) mutable {
-    if (first && record.name() == "zero3") baseline_sim = sim;
-    first = false;
-  });
-  StatusOr<proto::Schedule> planned = RunPipeline(request, *pipeline, context);
+  pipeline->OnVerified(
+      [&baseline_sim, first = true](const proto::PassRecord& record, const SimResult& sim) mutable {
+        if (first && record.name() == "zero3") baseline_sim = sim;
+        first = false;
+      });
+  StatusOr<proto::Schedule> planned = RunPipeline(request, program_digest, *pipeline, context);
   if (!baseline_sim) {
-    proto::Schedule baseline = EmptySchedule(request);
+    proto::Schedule baseline = EmptySchedule(request, program_digest);
     Zero3Pass zero3;
     DC_RETURN_IF_ERROR(zero3.Run(&baseline, context).status());
     DC_ASSIGN_OR_RETURN(baseline_sim, Simulate(baseline, request.costs));
@@ -245,7 +257,8 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
       for (const auto& name : request.disabled_passes) simpler->Disable(name);
       PassContext fallback_context = context;
       if (!fallback.relaxed) fallback_context.relaxed_budget_bytes = 0;
-      StatusOr<proto::Schedule> candidate = RunPipeline(request, *simpler, fallback_context);
+      StatusOr<proto::Schedule> candidate =
+          RunPipeline(request, program_digest, *simpler, fallback_context);
       if (!candidate.ok()) continue;
       if (!best || candidate->prediction().step_seconds() < best->prediction().step_seconds()) {
         best = *candidate;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <functional>
 #include <limits>
 #include <string>
 
@@ -204,10 +205,16 @@ void LiveCurve::AddToNode(int node, int64_t bytes) {
   added_[node] += bytes;
 }
 
-void LiveCurve::Recompute(int node) {
-  for (node /= 2; node >= 1; node /= 2) {
+void LiveCurve::Recompute(int first, int last) {
+  auto recompute = [this](int node) {
     max_[node] = std::max(max_[2 * node], max_[2 * node + 1]) + added_[node];
+  };
+  // Both leaves are at the same depth: up in step until the paths meet, then once.
+  for (first /= 2, last /= 2; first != last; first /= 2, last /= 2) {
+    recompute(first);
+    recompute(last);
   }
+  for (; first >= 1; first /= 2) recompute(first);
 }
 
 void LiveCurve::Add(int begin, int end, int64_t bytes) {
@@ -221,8 +228,7 @@ void LiveCurve::Add(int begin, int end, int64_t bytes) {
     if (lo & 1) AddToNode(lo++, bytes);
     if (hi & 1) AddToNode(--hi, bytes);
   }
-  Recompute(first);
-  Recompute(last);
+  Recompute(first, last);
 }
 
 int64_t LiveCurve::Max(int begin, int end) const {
@@ -328,8 +334,7 @@ ScheduleEditor::ScheduleEditor(const proto::Schedule& in, proto::Schedule* out)
     : in_(in),
       out_(out->mutable_instructions()),
       new_of_old_(in.instructions_size(), -1),
-      drop_targets_(in.instructions_size()),
-      dropped_(in.instructions_size(), 0) {
+      drop_of_old_(in.instructions_size(), -1) {
   out_->Clear();
   out_->Reserve(in.instructions_size());
 }
@@ -348,8 +353,8 @@ proto::Instruction* ScheduleEditor::AddMerged(const std::vector<int>& olds) {
 }
 
 void ScheduleEditor::Drop(int old, std::vector<int> targets) {
-  dropped_[old] = 1;
-  drop_targets_[old] = std::move(targets);
+  drop_of_old_[old] = static_cast<int>(drop_targets_.size());
+  drop_targets_.push_back(std::move(targets));
 }
 
 void ScheduleEditor::Resolve(int old, std::vector<int>* out) {
@@ -357,15 +362,16 @@ void ScheduleEditor::Resolve(int old, std::vector<int>* out) {
     out->push_back(new_of_old_[old]);
     return;
   }
+  if (drop_of_old_[old] < 0) return;
   // Targets of a drop point to earlier instructions, so this terminates.
-  for (int target : drop_targets_[old]) {
+  for (int target : drop_targets_[drop_of_old_[old]]) {
     if (target < old) Resolve(target, out);
   }
 }
 
 Status ScheduleEditor::Finish() {
   for (int old = 0; old < static_cast<int>(new_of_old_.size()); ++old) {
-    if (new_of_old_[old] < 0 && !dropped_[old]) {
+    if (new_of_old_[old] < 0 && drop_of_old_[old] < 0) {
       return Status::Error("internal: instruction " + std::to_string(old) +
                            " was neither kept nor dropped by the pass");
     }
@@ -376,6 +382,13 @@ Status ScheduleEditor::Finish() {
     deps.clear();
     for (int d : instr.deps()) {
       if (d >= 0 && d < static_cast<int>(new_of_old_.size())) Resolve(d, &deps);
+    }
+    // Most instructions keep their deps in order, one for one: renumber them in place.
+    if (deps.size() == static_cast<size_t>(instr.deps_size()) &&
+        std::adjacent_find(deps.begin(), deps.end(), std::greater_equal<int>()) == deps.end() &&
+        (deps.empty() || deps.back() < i)) {
+      for (int k = 0; k < instr.deps_size(); ++k) instr.set_deps(k, deps[k]);
+      continue;
     }
     std::sort(deps.begin(), deps.end());
     deps.erase(std::unique(deps.begin(), deps.end()), deps.end());

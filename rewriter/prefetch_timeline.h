@@ -47,8 +47,8 @@ class LiveCurve {
  private:
   void BuildTree(const std::vector<int64_t>& values);
   void AddToNode(int node, int64_t bytes);
-  // Recomputes the maxima of the ancestors of `node`.
-  void Recompute(int node);
+  // Recomputes the maxima of the ancestors of the leaves `first` and `last`.
+  void Recompute(int first, int last);
 
   std::vector<double> times_;  // by point
   std::vector<int> point_of_;  // by instruction
@@ -116,8 +116,8 @@ class ScheduleEditor {
   const proto::Schedule& in_;
   google::protobuf::RepeatedPtrField<proto::Instruction>* out_;
   std::vector<int> new_of_old_;                 // -1: not mapped
-  std::vector<std::vector<int>> drop_targets_;  // for dropped old instructions
-  std::vector<char> dropped_;
+  std::vector<int> drop_of_old_;                // index into drop_targets_; -1: not dropped
+  std::vector<std::vector<int>> drop_targets_;  // of the dropped old instructions
 };
 
 // A copy of `schedule` without its instructions (the other fields) on `arena`, for building

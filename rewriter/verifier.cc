@@ -13,8 +13,9 @@ namespace {
 Status CheckOpCounts(const proto::Schedule& schedule) {
   const proto::Program& program = schedule.program();
   const int gas = static_cast<int>(std::max<int64_t>(1, program.config().gas()));
-  // counts[op][micro + 1]; micro = -1 is the optimizer phase.
-  std::vector<std::vector<int>> counts(program.ops_size(), std::vector<int>(gas + 1, 0));
+  // counts[op * (gas + 1) + micro + 1]; micro = -1 is the optimizer phase.
+  const size_t stride = static_cast<size_t>(gas) + 1;
+  std::vector<int> counts(static_cast<size_t>(program.ops_size()) * stride, 0);
   for (int i = 0; i < schedule.instructions_size(); ++i) {
     const auto& instr = schedule.instructions(i);
     for (int d : instr.deps()) {
@@ -30,16 +31,17 @@ Status CheckOpCounts(const proto::Schedule& schedule) {
     if (instr.micro_step() < -1 || instr.micro_step() >= gas) {
       return Status::Error("instruction " + std::to_string(i) + " has a bad micro-step");
     }
-    ++counts[instr.op()][instr.micro_step() + 1];
+    ++counts[instr.op() * stride + (instr.micro_step() + 1)];
   }
   for (int op = 0; op < program.ops_size(); ++op) {
     const bool optimizer = program.ops(op).phase() == proto::PHASE_OPTIMIZER;
     for (int m = -1; m < gas; ++m) {
       const int want = (optimizer == (m == -1)) ? 1 : 0;
-      if (counts[op][m + 1] != want) {
-        return Status::Error("op " + program.ops(op).name() + " runs " +
-                             std::to_string(counts[op][m + 1]) + " times in micro-step " +
-                             std::to_string(m) + ", expected " + std::to_string(want));
+      const int count = counts[op * stride + (m + 1)];
+      if (count != want) {
+        return Status::Error("op " + program.ops(op).name() + " runs " + std::to_string(count) +
+                             " times in micro-step " + std::to_string(m) + ", expected " +
+                             std::to_string(want));
       }
     }
   }
@@ -57,7 +59,8 @@ Status VerifySchedule(const proto::Schedule& schedule, const PassContext& contex
     CostModel fallback;
     SimOptions options;
     options.memory_timeline = false;  // the peak is all a check needs
-    DC_ASSIGN_OR_RETURN(sim, Simulate(schedule, context.costs ? *context.costs : fallback, options));
+    DC_ASSIGN_OR_RETURN(sim,
+                        Simulate(schedule, context.costs ? *context.costs : fallback, options));
   }
   if (context.budget_bytes > 0 && sim.peak_device_bytes > context.budget_bytes) {
     return Status::Error("the schedule needs " + FormatBytes(sim.peak_device_bytes) +
