@@ -19,6 +19,10 @@ double CostModel::InstructionSeconds(const proto::Program& program, int world_si
                                      const proto::Instruction& instruction) const {
   switch (instruction.kind()) {
     case proto::INSTR_COMPUTE:
+      if (instruction.stream() == proto::STREAM_HOST && host_optimizer_elements_per_second > 0) {
+        return static_cast<double>(HostOptimizerElements(program, world_size, instruction)) /
+               host_optimizer_elements_per_second;
+      }
       return OpSeconds(program, instruction.op());
     case proto::INSTR_ALL_GATHER:
       return all_gather.Seconds(InstructionBytes(program, instruction));
@@ -113,6 +117,22 @@ int64_t InstructionBytes(const proto::Program& program, const proto::Instruction
   return bytes;
 }
 
+int64_t HostOptimizerElements(const proto::Program& program, int world_size,
+                              const proto::Instruction& instruction) {
+  if (instruction.kind() != proto::INSTR_COMPUTE || instruction.op() < 0 ||
+      instruction.op() >= program.ops_size()) {
+    return 0;
+  }
+  int64_t elements = 0;
+  for (int id : program.ops(instruction.op()).inputs()) {
+    const proto::Tensor* t = FindTensor(program, id);
+    if (t && t->role() == proto::ROLE_PARAM) {
+      elements += ShardElements(NumElements(*t), std::max(1, world_size));
+    }
+  }
+  return elements;
+}
+
 int64_t CopyBytes(const proto::Program& program, int world_size,
                   const proto::Instruction& instruction) {
   if (instruction.kind() != proto::INSTR_OFFLOAD && instruction.kind() != proto::INSTR_RELOAD) {
@@ -185,6 +205,7 @@ std::string CostModelText(const CostModel& costs) {
   add_linear("reduce_scatter", costs.reduce_scatter);
   add_linear("host_to_device", costs.host_to_device);
   add_linear("device_to_host", costs.device_to_host);
+  add("host_optimizer_elements_per_second", costs.host_optimizer_elements_per_second);
   add("release_seconds", costs.release_seconds);
   add("serial_streams", costs.serial_streams ? 1 : 0);
   add("overlap_compute_slowdown", costs.overlap_compute_slowdown);

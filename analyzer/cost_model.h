@@ -28,6 +28,9 @@ struct CostModel {
   LinearCost all_gather;      // bytes = whole gathered size
   LinearCost reduce_scatter;  // bytes = whole grad size
   LinearCost host_to_device, device_to_host;
+  // An optimizer op on the host (STREAM_HOST, ZeRO-Offload's CPU Adam) takes the rank's shard
+  // elements of the params it updates over this rate; 0: its OpSeconds (the host is the device).
+  double host_optimizer_elements_per_second = 0;
   double release_seconds = 0;
   // True when the backend runs one instruction at a time (the cpu backend today): streams do not
   // overlap and the simulator serializes them.
@@ -48,6 +51,11 @@ struct CostModel {
 // Bytes an instruction moves: an all-gather the whole params (compute dtype), a reduce-scatter
 // the whole grads; 0 for others.
 int64_t InstructionBytes(const proto::Program& program, const proto::Instruction& instruction);
+
+// Elements a host optimizer op updates: the rank's shard elements of the params its op reads;
+// 0 for anything but a compute.
+int64_t HostOptimizerElements(const proto::Program& program, int world_size,
+                              const proto::Instruction& instruction);
 
 // Bytes an offload or reload copies: the rank's fp32 shard of a param, grad or optimizer state
 // (the persistent buffers), the whole buffer of anything else; 0 for other instructions.

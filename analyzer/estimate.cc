@@ -129,6 +129,7 @@ CostModel EstimateCostModel(const proto::Program& program, const HardwareProfile
   costs.reduce_scatter = costs.all_gather;
   costs.host_to_device = {hw.host_link_latency_s, hw.host_link_bandwidth_bytes_per_s};
   costs.device_to_host = costs.host_to_device;
+  costs.host_optimizer_elements_per_second = hw.host_optimizer_elements_per_s;
   costs.release_seconds = 0;  // a release is bookkeeping in the executor's arena
   costs.serial_streams = hw.serial_streams;
   costs.overlap_compute_slowdown = hw.overlap_compute_slowdown;

@@ -58,6 +58,8 @@ const Field kFields[] = {
     {"host_link_bandwidth_bytes_per_s", &HardwareProfile::host_link_bandwidth_bytes_per_s,
      Range::kPositive},
     {"host_link_latency_s", &HardwareProfile::host_link_latency_s, Range::kNonNegative},
+    {"host_optimizer_elements_per_s", &HardwareProfile::host_optimizer_elements_per_s,
+     Range::kNonNegative},
     {"kernel_launch_seconds", &HardwareProfile::kernel_launch_seconds, Range::kNonNegative},
     {"overlap_compute_slowdown", &HardwareProfile::overlap_compute_slowdown, Range::kAtLeastOne},
     {"serial_streams", &HardwareProfile::serial_streams, Range::kBoolean},

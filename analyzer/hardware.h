@@ -41,6 +41,10 @@ struct HardwareProfile {
   // Host link (H2D / D2H copies of pinned memory).
   double host_link_bandwidth_bytes_per_s = 0;
   double host_link_latency_s = 0;
+  // Optimizer step on the host (ZeRO-Offload's CPU Adam): param elements per second that one
+  // rank's share of the host's cores updates. 0: the host is the device (the cpu backend), an
+  // optimizer op there costs what it costs on the device.
+  double host_optimizer_elements_per_s = 0;
 
   // Floor on the duration of one op: launching its kernels.
   double kernel_launch_seconds = 0;

@@ -98,6 +98,7 @@ constexpr char kToyConstants[] = R"(
   "inter_node_step_latency_s": {"value": 1e-5, "source": "s"},
   "host_link_bandwidth_bytes_per_s": {"value": 1e10, "source": "s"},
   "host_link_latency_s": {"value": 1e-5, "source": "s"},
+  "host_optimizer_elements_per_s": {"value": 1e8, "source": "s"},
   "kernel_launch_seconds": {"value": 1e-6, "source": "s"},
   "overlap_compute_slowdown": {"value": 1.0, "source": "s"},
   "serial_streams": {"value": false, "source": "s"},

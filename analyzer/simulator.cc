@@ -73,20 +73,22 @@ Status CheckReferences(const proto::Schedule& schedule) {
 
 // Per-tensor and per-op numbers the replay looks up many times, computed once.
 struct Facts {
-  Facts(const proto::Schedule& schedule, const CostModel& costs) {
+  Facts(const proto::Schedule& schedule, const CostModel& costs)
+      : program_of_schedule(&schedule.program()), world(std::max(1, schedule.world_size())) {
     const proto::Program& program = schedule.program();
     constexpr int64_t kF32Bytes = 4;  // persistent shards are fp32 (schemas/program.h)
-    const int world_size = std::max(1, schedule.world_size());
     for (const proto::Tensor& t : program.tensors()) {
       role.push_back(t.role());
       transient_bytes.push_back(TransientBytes(program, t));
       transient_kind.push_back(TransientKind(t));
-      shard_bytes.push_back(ShardElements(NumElements(t), world_size) * kF32Bytes);
+      shard_bytes.push_back(ShardElements(NumElements(t), world) * kF32Bytes);
     }
     for (int op = 0; op < program.ops_size(); ++op) {
       op_seconds.push_back(costs.OpSeconds(program, op));
     }
   }
+  const proto::Program* program_of_schedule;
+  int world;
   // Bytes an offload or reload moves (as CopyBytes counts them).
   int64_t CopyBytes(int tensor) const {
     return IsPersistentRole(role[tensor]) ? shard_bytes[tensor] : transient_bytes[tensor];
@@ -96,6 +98,10 @@ struct Facts {
     int64_t bytes = 0;
     switch (instr.kind()) {
       case proto::INSTR_COMPUTE:
+        if (instr.stream() == proto::STREAM_HOST && costs.host_optimizer_elements_per_second > 0) {
+          // Rare (one per param, in the optimizer phase): the cost model's own count.
+          return costs.InstructionSeconds(*program_of_schedule, world, instr);
+        }
         return op_seconds[instr.op()];
       case proto::INSTR_ALL_GATHER:
         for (int t : instr.tensors()) bytes += transient_bytes[t];
@@ -234,7 +240,8 @@ class TimeReplay {
         }
         Slot& slot = slots_[s];
         slot.instruction = i;
-        slot.compute = instr.kind() == proto::INSTR_COMPUTE;
+        // The host's cores are not the SMs a collective takes.
+        slot.compute = instr.kind() == proto::INSTR_COMPUTE && instr.stream() != proto::STREAM_HOST;
         slot.collective = IsCollective(instr.kind());
         slot.fresh = true;
         slot.since = now;
@@ -439,7 +446,7 @@ class MemoryReplay {
         facts_(facts),
         times_(times),
         gathered_(program_.tensors_size(), false),
-        offloaded_(program_.tensors_size(), false),
+        offloaded_(HostResidentTensors(schedule)),
         live_(program_.tensors_size(), max_micro_step),
         offloaded_live_(program_.tensors_size(), max_micro_step) {
     events_.reserve(2 * static_cast<size_t>(schedule.instructions_size()));
@@ -518,6 +525,15 @@ Status MemoryReplay::ReadInput(int i, const proto::Instruction& instr, bool opti
   const int micro = instr.micro_step();
   // The optimizer phase works on the rank's persistent shards, never on gathered buffers.
   if (IsPersistentRole(role) && (optimizer || role == proto::ROLE_OPTIMIZER_STATE)) {
+    // A host optimizer op works on the host copies of the param's master and states (its grad
+    // shard it copies from the device).
+    if (instr.stream() == proto::STREAM_HOST && role != proto::ROLE_GRAD) {
+      if (!offloaded_[tensor]) {
+        return Status::Error(Where(i, instr) + " runs on the host but reads " + Name(tensor) +
+                             ", which is on the device");
+      }
+      return Status::Ok();
+    }
     if (offloaded_[tensor]) {
       return Status::Error(Where(i, instr) + " reads " + Name(tensor) +
                            ", which is offloaded to the host; reload it first");

@@ -183,7 +183,7 @@ TEST(HostTracerTest, MergedTraceHasEveryRowOfBothRanks) {
   EXPECT_EQ(db.Int("SELECT count(*) FROM TC_CLOCK_ANCHOR"), 4);
   EXPECT_EQ(db.Int("SELECT count(*) FROM TARGET_INFO_GPU WHERE name = 'cpu'"), 2);
   EXPECT_EQ(db.Int("SELECT count(*) FROM TARGET_INFO_SESSION_START_TIME"), 1);
-  EXPECT_EQ(db.Int("SELECT count(*) FROM TC_STREAM"), 5);
+  EXPECT_EQ(db.Int("SELECT count(*) FROM TC_STREAM"), 6);  // every schedule stream, host's too
   EXPECT_EQ(db.Int("SELECT count(*) FROM ANALYSIS_DETAILS WHERE duration > 0"), 1);
   // Strings merged by value: each name once.
   EXPECT_EQ(db.Texts("SELECT value FROM StringIds ORDER BY value"),

@@ -139,8 +139,11 @@ class RankRunner : public RankStepper {
   Status Offload(const proto::Instruction& instr, int index);
   Status Reload(const proto::Instruction& instr, int index);
   Status LoadInput(int index, int tensor, int micro, int step, const std::string& what);
-  // Copies a param's master into its compute-dtype shard, if it has one.
+  // Copies a param's master (on the device or the host) into its compute-dtype shard, if it has
+  // one.
   void RefreshComputeShard(int param);
+  // The fp32 master of `param`: its device shard, or its host copy; null if it has neither.
+  const float* Master(int param) const;
   void FlushMemoryEvents(int64_t correlation_id);
 
   const proto::Schedule& schedule_;
@@ -158,6 +161,7 @@ class RankRunner : public RankStepper {
   // micro-step.
   std::map<std::pair<int, int>, Buffer> live_;
   std::map<int, std::vector<float>> host_;  // offloaded shards, by tensor
+  std::vector<bool> host_resident_;         // HostResidentTensors: in host_ for the whole run
   std::vector<std::byte> arena_;
   std::map<PlacementKey, int64_t> placements_;
   std::vector<Pending> pending_;
@@ -254,6 +258,7 @@ Status RankRunner::Init() {
     }
   }
   DC_ASSIGN_OR_RETURN(is_loss_term_, LossTerms(program_));
+  host_resident_ = HostResidentTensors(schedule_);
   for (const auto& t : program_.tensors()) {
     BufferKind kind;
     if (t.role() == proto::ROLE_PARAM) {
@@ -266,6 +271,13 @@ Status RankRunner::Init() {
       continue;
     }
     const int64_t shard = ShardOf(t.id());
+    if (host_resident_[t.id()]) {  // the host optimizer's: in host memory from the start
+      std::vector<float>& host = host_[t.id()];
+      host.assign(shard, 0.0f);
+      if (t.role() == proto::ROLE_PARAM)
+        InitParamSlice(config, t, rank_ * shard, shard, host.data());
+      continue;
+    }
     constexpr int64_t kF32Bytes = 4;
     DC_RETURN_IF_ERROR(Allocate(-1, t.id(), kPersistentKey, kind, shard * kF32Bytes, shard, false,
                                 "start-up (persistent shard of " + t.name() + ")"));
@@ -290,8 +302,10 @@ StatusOr<std::string> RankRunner::ParamsDigest() {
   std::string bytes;
   for (const auto& t : program_.tensors()) {
     if (t.role() != proto::ROLE_PARAM) continue;
-    const Buffer* shard = Shard(t.id());
-    if (shard) bytes.append(reinterpret_cast<const char*>(shard->f32), shard->elements * sizeof(float));
+    const float* master = Master(t.id());
+    if (master) {
+      bytes.append(reinterpret_cast<const char*>(master), ShardOf(t.id()) * sizeof(float));
+    }
   }
   return Sha256Hex(bytes);
 }
@@ -312,15 +326,25 @@ Status RankRunner::LoadInput(int index, int tensor, int micro, int step, const s
   return Status::Ok();
 }
 
+const float* RankRunner::Master(int param) const {
+  auto device = live_.find({param, kPersistentKey});
+  if (device != live_.end()) return device->second.f32;
+  auto host = host_.find(param);
+  return host == host_.end() ? nullptr : host->second.data();
+}
+
 void RankRunner::RefreshComputeShard(int param) {
   Buffer* compute = Find(param, kComputeShardKey);
-  const Buffer* master = Shard(param);
-  if (compute && master) std::copy(master->f32, master->f32 + master->elements, compute->f32);
+  const float* master = Master(param);
+  if (compute && master) std::copy(master, master + compute->elements, compute->f32);
 }
 
 Status RankRunner::Compute(const proto::Instruction& instr, int index, int step) {
   const proto::Op& op = program_.ops(instr.op());
   const bool optimizer = op.phase() == proto::PHASE_OPTIMIZER;
+  // On the host: the master and states from their host copies (this backend's device is the
+  // host, so the grad shard is read where it is and the math is the same).
+  const bool on_host = optimizer && instr.stream() == proto::STREAM_HOST;
   const int micro = instr.micro_step();
   const std::string what = Describe(index);
   std::vector<TensorRef> inputs, outputs;
@@ -333,6 +357,17 @@ Status RankRunner::Compute(const proto::Instruction& instr, int index, int step)
   };
   for (int tensor : op.inputs()) {
     const proto::Tensor& t = program_.tensors(tensor);
+    if (on_host && t.role() != proto::ROLE_GRAD) {
+      auto host = host_.find(tensor);
+      if (host == host_.end()) {
+        return Status::Error(what + ": runs on the host but " + t.name() + " is on the device");
+      }
+      TensorRef ref;
+      ref.f32 = host->second.data();
+      ref.shape = {static_cast<int64_t>(host->second.size())};
+      inputs.push_back(ref);
+      continue;
+    }
     if (optimizer) {
       Buffer* shard = Shard(tensor);
       if (!shard) {
@@ -572,8 +607,9 @@ Status RankRunner::RunStep(int step, bool warmup, double* loss, double* seconds)
       std::fill(buffer.f32, buffer.f32 + buffer.elements, 0.0f);
     }
   }
-  if (!host_.empty()) {
-    return Status::Error("the plan leaves " + program_.tensors(host_.begin()->first).name() +
+  for (const auto& [tensor, values] : host_) {
+    if (host_resident_[tensor]) continue;
+    return Status::Error("the plan leaves " + program_.tensors(tensor).name() +
                          " offloaded at the end of the step; re-plan it");
   }
   double sum = loss_sum_;

@@ -53,8 +53,10 @@ class LifetimeReplay {
     persistent_.assign(num_tensors, -1);
     gathered_.assign(num_tensors, -1);
     transient_.assign(static_cast<size_t>(num_tensors) * stride_, -1);
+    // Host-resident tensors never take device memory.
+    const std::vector<bool> host = HostResidentTensors(schedule_);
     for (const proto::Tensor& t : program_.tensors()) {
-      if (!IsPersistentRole(t.role())) continue;
+      if (!IsPersistentRole(t.role()) || host[t.id()]) continue;
       persistent_[t.id()] = Open(-1, t.id(), -1, ShardBytes(t.id()));
     }
     // The compute-dtype shards beside offloaded masters live for the whole run.
@@ -155,10 +157,18 @@ class LifetimeReplay {
     }
     const proto::Op& op = program_.ops(instr.op());
     const bool optimizer = op.phase() == proto::PHASE_OPTIMIZER;
+    const bool on_host = instr.stream() == proto::STREAM_HOST;
     const int micro = instr.micro_step();
     for (int t : op.inputs()) {
       const proto::Role role = Role(t);
       if (IsPersistentRole(role) && (optimizer || role == proto::ROLE_OPTIMIZER_STATE)) {
+        if (on_host && role != proto::ROLE_GRAD) {
+          if (persistent_[t] >= 0) {
+            return Status::Error(Where(i, instr) + " runs on the host but reads " + Name(t) +
+                                 ", which is on the device");
+          }
+          continue;
+        }
         if (persistent_[t] < 0) {
           return Status::Error(Where(i, instr) + " reads " + Name(t) +
                                ", which is offloaded to the host");

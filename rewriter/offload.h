@@ -19,7 +19,8 @@
 //   and repaired (waits on offload copies, more fragments, later reloads) until its peak fits;
 //   then its static memory plan is packed and, while the arena is over the budget, everything
 //   is planned again against a budget lowered by the excess.
-// - `offload-all` (ZeroOffloadPass): the ZeRO-3 offload baseline. Every fragment leaves; every
+// - `offload-all` (ZeroOffloadPass): ZeRO-3 offload with the step on the GPU (the `zero3-offload`
+//   policy runs Adam on the host instead: rewriter/host_optimizer.h). Every fragment leaves; every
 //   reload waits for the end of backward.
 // - `dc-offload` (DcOffloadPass): DeepCompile's adaptive rule (offload_adam_states.py) with its
 //   fixed margin, on a profile without optimizer state, as the paper runs it, over Adam's m

@@ -3,12 +3,12 @@
 #include <algorithm>
 #include <optional>
 
-#include "rewriter/memory_plan.h"
-#include "rewriter/offload.h"
-
 #include "analyzer/simulator.h"
 #include "rewriter/bucket.h"
 #include "rewriter/deepcompile.h"
+#include "rewriter/host_optimizer.h"
+#include "rewriter/memory_plan.h"
+#include "rewriter/offload.h"
 #include "rewriter/plan_cache.h"
 #include "rewriter/prefetch.h"
 #include "rewriter/unshard.h"
@@ -41,6 +41,7 @@ constexpr PassFactory kPasses[] = {
     {"offload", Make<OffloadPass>},
     {"offload-all", Make<ZeroOffloadPass>},
     {"dc-offload", Make<DcOffloadPass>},
+    {"host-optimizer", Make<HostOptimizerPass>},
     {"memory-plan", Make<MemoryPlanPass>},
 };
 
@@ -57,7 +58,7 @@ struct Policy {
 const std::vector<Policy>& Policies() {
   static const std::vector<Policy> policies = {
       {"baseline", {"zero3"}},
-      {"zero3-offload", {"zero3", "offload-all", "memory-plan"}},
+      {"zero3-offload", {"zero3", "host-optimizer", "memory-plan"}},
       {"deepcompile", {"zero3", "dc-prefetch", "dc-selective-gather", "dc-offload", "memory-plan"}},
       {"dc", {"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload", "memory-plan"}},
   };

@@ -9,8 +9,9 @@ namespace {
 
 constexpr proto::InstrKind kKinds[] = {proto::INSTR_COMPUTE, proto::INSTR_ALL_GATHER, proto::INSTR_RELEASE,
                                        proto::INSTR_REDUCE_SCATTER, proto::INSTR_OFFLOAD, proto::INSTR_RELOAD};
-constexpr proto::Stream kStreams[] = {proto::STREAM_COMPUTE, proto::STREAM_GATHER, proto::STREAM_REDUCE,
-                                      proto::STREAM_H2D, proto::STREAM_D2H};
+constexpr proto::Stream kStreams[] = {proto::STREAM_COMPUTE, proto::STREAM_GATHER,
+                                      proto::STREAM_REDUCE,  proto::STREAM_H2D,
+                                      proto::STREAM_D2H,     proto::STREAM_HOST};
 
 std::string Trim(const std::string& s) {
   const size_t b = s.find_first_not_of(" \t");

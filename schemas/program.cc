@@ -63,6 +63,8 @@ const char* StreamName(proto::Stream stream) {
     case proto::STREAM_REDUCE: return "reduce";
     case proto::STREAM_H2D: return "h2d";
     case proto::STREAM_D2H: return "d2h";
+    case proto::STREAM_HOST:
+      return "host";
     default: return "?";
   }
 }
@@ -235,9 +237,29 @@ std::vector<int64_t> PersistentBytesByKind(const proto::Program& program, int wo
   return bytes;
 }
 
+std::vector<bool> HostResidentTensors(const proto::Schedule& schedule) {
+  const proto::Program& program = schedule.program();
+  std::vector<bool> host(program.tensors_size(), false);
+  for (const proto::Instruction& instr : schedule.instructions()) {
+    if (instr.kind() != proto::INSTR_COMPUTE || instr.stream() != proto::STREAM_HOST) continue;
+    if (instr.op() < 0 || instr.op() >= program.ops_size()) continue;
+    const proto::Op& op = program.ops(instr.op());
+    if (op.phase() != proto::PHASE_OPTIMIZER) continue;
+    for (int t : op.inputs()) {
+      if (t < 0 || t >= program.tensors_size()) continue;
+      const proto::Role role = program.tensors(t).role();
+      if (role == proto::ROLE_PARAM || role == proto::ROLE_OPTIMIZER_STATE) host[t] = true;
+    }
+  }
+  return host;
+}
+
 std::vector<bool> ComputeShardParams(const proto::Schedule& schedule) {
   const proto::Program& program = schedule.program();
-  std::vector<bool> has(program.tensors_size(), false);
+  std::vector<bool> has = HostResidentTensors(schedule);
+  for (int t = 0; t < program.tensors_size(); ++t) {
+    if (program.tensors(t).role() != proto::ROLE_PARAM) has[t] = false;
+  }
   for (const proto::Instruction& instr : schedule.instructions()) {
     if (instr.kind() != proto::INSTR_OFFLOAD) continue;
     for (int t : instr.tensors()) {
@@ -259,10 +281,17 @@ std::vector<int64_t> PersistentBytesByKind(const proto::Schedule& schedule) {
   const int world_size = std::max(1, schedule.world_size());
   std::vector<int64_t> bytes = PersistentBytesByKind(program, world_size);
   const std::vector<bool> compute_shard = ComputeShardParams(schedule);
+  const std::vector<bool> host = HostResidentTensors(schedule);
+  constexpr int64_t kF32Bytes = 4;
   for (int t = 0; t < program.tensors_size(); ++t) {
+    const proto::Tensor& tensor = program.tensors(t);
     if (compute_shard[t]) {
-      bytes[static_cast<int>(BufferKind::kShard)] +=
-          ComputeShardBytes(program, program.tensors(t), world_size);
+      bytes[static_cast<int>(BufferKind::kShard)] += ComputeShardBytes(program, tensor, world_size);
+    }
+    if (host[t]) {
+      const BufferKind kind =
+          tensor.role() == proto::ROLE_PARAM ? BufferKind::kShard : BufferKind::kOptimizerState;
+      bytes[static_cast<int>(kind)] -= ShardElements(NumElements(tensor), world_size) * kF32Bytes;
     }
   }
   return bytes;

@@ -57,17 +57,24 @@ int64_t TransientBytes(const proto::Program& program, const proto::Tensor& tenso
 // Bytes of the persistent buffers of one rank, by kind (index = BufferKind).
 std::vector<int64_t> PersistentBytesByKind(const proto::Program& program, int world_size);
 
-// A param whose fp32 master shard a schedule offloads keeps its shard in the compute dtype on
-// the device as well (the param partition ZeRO-3 keeps beside an offloaded master): its
-// gathers read that copy, so they never wait for the master. The copy is persistent (made at
-// start-up, kind kShard) and refreshed by the param's optimizer op; the memory plan places it
-// under micro-step kComputeShardMicroStep. By tensor id: whether the schedule offloads the
-// tensor's master (a ROLE_PARAM tensor named by an OFFLOAD instruction).
+// Tensors that live in host memory for the whole run, never on the device: the optimizer states
+// and fp32 master of every param whose optimizer op the schedule runs on the host (an
+// optimizer-phase COMPUTE on STREAM_HOST: ZeRO-Offload's CPU Adam). By tensor id.
+std::vector<bool> HostResidentTensors(const proto::Schedule& schedule);
+
+// A param whose fp32 master shard a schedule offloads (or keeps on the host) keeps its shard in the
+// compute dtype on the device as well (the param partition ZeRO-3 keeps beside an offloaded
+// master): its gathers read that copy, so they never wait for the master. The copy is persistent
+// (made at start-up, kind kShard) and refreshed by the param's optimizer op; the memory plan places
+// it under micro-step kComputeShardMicroStep. By tensor id: whether the schedule offloads the
+// tensor's master (a ROLE_PARAM tensor named by an OFFLOAD instruction) or keeps it on the host
+// (HostResidentTensors); a host optimizer op writes the copy from the host.
 std::vector<bool> ComputeShardParams(const proto::Schedule& schedule);
 inline constexpr int kComputeShardMicroStep = -3;
 // Bytes of one rank's compute-dtype shard of `param`.
 int64_t ComputeShardBytes(const proto::Program& program, const proto::Tensor& param, int world_size);
-// PersistentBytesByKind of the schedule's program plus its compute-dtype shards.
+// PersistentBytesByKind of the schedule's program plus its compute-dtype shards, less its
+// host-resident tensors.
 std::vector<int64_t> PersistentBytesByKind(const proto::Schedule& schedule);
 
 // Tokens processed by all ranks in one optimizer step.

@@ -448,8 +448,9 @@ TEST(MasterOffload, Bf16MastersOnTheHostTrainBitIdentically) {
   const int64_t masters = kinds["shard"].get<int64_t>();  // fp32: moving them frees half
   const int64_t budget = base_plan["predicted"]["peak_device_bytes"].get<int64_t>() - states - masters / 4;
 
-  for (const auto& [flags, pass] : {std::pair<std::string, std::string>{"--passes zero3,offload", "offload"},
-                                    {"--policy zero3-offload", "offload-all"}}) {
+  for (const auto& [flags, pass] :
+       {std::pair<std::string, std::string>{"--passes zero3,offload", "offload"},
+        {"--passes zero3,offload-all,memory-plan", "offload-all"}}) {
     auto [plan, run] = plan_and_run(flags, pass, budget);
     EXPECT_LE(plan["predicted"]["peak_device_bytes"].get<int64_t>(), budget) << flags;
     EXPECT_EQ(run["losses"], base_run["losses"]) << flags;
@@ -462,6 +463,49 @@ TEST(MasterOffload, Bf16MastersOnTheHostTrainBitIdentically) {
       moved_masters += line.find(": offload d2h") != std::string::npos && line.find(".adam_") == std::string::npos;
     }
     EXPECT_GT(moved_masters, 0) << flags;
+  }
+}
+
+// ZeRO-3 offload runs Adam on the host: the masters and Adam's states never take device memory,
+// the device keeps the compute-dtype shards the host writes back, and training is exactly the
+// baseline's (the cpu backend's host is its device; the math is the same kernel).
+TEST(HostOptimizer, ZeroOffloadKeepsNoStateOnTheDeviceAndTrainsBitIdentically) {
+  for (const std::string dtype : {"f32", "bf16"}) {
+    const std::string dir = FreshDir("host-optimizer-" + dtype);
+    auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model tiny --dtype " + dtype +
+                              " --nproc 2 --gas 2 --steps 2 --warmup 1 -o " + dir + "/t.db");
+    ASSERT_EQ(collect.exit_code, 0) << collect.err;
+    auto plan_and_run = [&](const std::string& policy) {
+      const std::string plan = dir + "/" + policy + ".dcplan";
+      auto planned = RunCommand(Tool("dc-plan") + " " + dir + "/t.db --no-cache --policy " +
+                                policy + " --json -o " + plan);
+      EXPECT_EQ(planned.exit_code, 0) << policy << ": " << planned.err;
+      const json plan_json = ParseJson(planned.out);
+      // The capacity the plan needs: its arena, or its live peak without one.
+      const int64_t capacity = std::max(
+          plan_json["predicted"]["peak_device_bytes"].get<int64_t>(),
+          plan_json.contains("arena_bytes") ? plan_json["arena_bytes"].get<int64_t>() : int64_t{0});
+      auto run = RunCommand(Tool("dc-run") + " --backend cpu " + plan + " --steps 10 --json" +
+                            " --device-memory " + std::to_string(capacity));
+      EXPECT_EQ(run.exit_code, 0) << policy << ": " << run.err;
+      return std::make_pair(plan_json, ParseJson(run.out));
+    };
+    auto [base_plan, base_run] = plan_and_run("baseline");
+    auto [host_plan, host_run] = plan_and_run("zero3-offload");
+    EXPECT_EQ(host_run["losses"], base_run["losses"]) << dtype;
+    EXPECT_EQ(host_run["params_digest"], base_run["params_digest"]) << dtype;
+    EXPECT_EQ(host_run["peak_live_bytes"], host_plan["predicted"]["peak_device_bytes"]) << dtype;
+    const json& base_kinds = base_plan["predicted"]["peak_by_kind"];
+    const json& host_kinds = host_plan["predicted"]["peak_by_kind"];
+    EXPECT_GT(base_kinds["optimizer_state"].get<int64_t>(), 0) << dtype;
+    EXPECT_FALSE(host_kinds.contains("optimizer_state")) << dtype;  // kinds at 0 are left out
+    // The device's param shards are the compute dtype's: half the fp32 masters' bytes in bf16.
+    const int64_t masters = base_kinds["shard"].get<int64_t>();
+    EXPECT_EQ(host_kinds["shard"].get<int64_t>(), dtype == "bf16" ? masters / 2 : masters) << dtype;
+    EXPECT_LT(host_plan["predicted"]["peak_device_bytes"].get<int64_t>(),
+              base_plan["predicted"]["peak_device_bytes"].get<int64_t>() -
+                  base_kinds["optimizer_state"].get<int64_t>() + 1)
+        << dtype;
   }
 }
 

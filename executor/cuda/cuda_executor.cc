@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <memory>
@@ -11,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "executor/cpu_kernels.h"
 #include "executor/cuda/cuda_device.h"
 #include "executor/cuda/cuda_kernels.h"
 #include "executor/cuda/cuda_layout.h"
@@ -119,6 +121,13 @@ class CudaRankRunner : public RankStepper {
   Buffer* Shard(int tensor) { return Find(tensor, kPersistentKey); }
   // Casts a param's fp32 master into its compute-dtype shard, if it has one, on `stream`.
   Status RefreshComputeShard(int param, cudaStream_t stream, const std::string& what);
+  // The same from the master's host copy (a host-resident param): cast on the host, one
+  // synchronous copy to the device.
+  Status RefreshComputeShardFromHost(int param, const std::string& what);
+  // An optimizer op on the host (STREAM_HOST): waits for its deps, copies its grad shards to
+  // the host, runs the cpu backend's kernel on the host-resident master and states, and writes
+  // the params' compute-dtype shards back. Synchronous: done when it returns.
+  Status HostOptimizerStep(const proto::Instruction& instr, int index, int step);
 
   Status Execute(int index, int step);
   Status Dispatch(const proto::Instruction& instr, int index, int step, cudaStream_t stream);
@@ -169,6 +178,7 @@ class CudaRankRunner : public RankStepper {
   std::map<int, PinnedHostBuffer> host_shards_;  // offloaded shards' host copies, by tensor
   std::set<int> offloaded_;                      // tensors whose shard is on the host now
   PinnedHostBuffer input_staging_;               // token ids of every (micro-step, input)
+  PinnedHostBuffer host_optimizer_staging_;      // a host optimizer op's grads and casts
   std::map<std::pair<int, int>, int64_t> input_offsets_;
   DeviceBuffer loss_sum_;  // fp32 [1]: the step's summed loss on the device
   PinnedHostBuffer loss_host_;
@@ -215,9 +225,9 @@ Status CudaRankRunner::Init() {
                         DeviceBuffer::Create(layout_.staging_bytes[s], who + "collective staging"));
   }
   DC_RETURN_IF_ERROR(InitArena());
+  DC_RETURN_IF_ERROR(InitHostBuffers());  // first: the compute shards of host masters read them
   DC_RETURN_IF_ERROR(InitPersistentShards());
   DC_RETURN_IF_ERROR(InitKernelScratch());
-  DC_RETURN_IF_ERROR(InitHostBuffers());
   DC_ASSIGN_OR_RETURN(loss_sum_, DeviceBuffer::Create(sizeof(float), who + "loss sum"));
   DC_ASSIGN_OR_RETURN(loss_host_, PinnedHostBuffer::Create(sizeof(float), who + "loss sum"));
   DC_RETURN_IF_ERROR(CudaStatus(cudaMemset(loss_sum_.data(), 0, sizeof(float)),
@@ -274,6 +284,7 @@ Status CudaRankRunner::InitPersistentShards() {
         t.role() != proto::ROLE_OPTIMIZER_STATE) {
       continue;
     }
+    if (layout_.host_resident[t.id()]) continue;  // InitHostBuffers made it on the host
     const CudaBufferShape shape = ShardShape(t, world_);
     const std::string what =
         "start-up (persistent shard of " + t.name() + ") on rank " + std::to_string(rank_);
@@ -302,7 +313,11 @@ Status CudaRankRunner::InitPersistentShards() {
         "start-up (compute-dtype shard of " + t.name() + ") on rank " + std::to_string(rank_);
     DC_RETURN_IF_ERROR(
         Allocate(-1, t.id(), kComputeShardKey, BufferKind::kShard, shape, nullptr, what).status());
-    DC_RETURN_IF_ERROR(RefreshComputeShard(t.id(), stream, what));
+    if (layout_.host_resident[t.id()]) {
+      DC_RETURN_IF_ERROR(RefreshComputeShardFromHost(t.id(), what));
+    } else {
+      DC_RETURN_IF_ERROR(RefreshComputeShard(t.id(), stream, what));
+    }
   }
   return CudaStatus(cudaStreamSynchronize(stream),
                     "rank " + std::to_string(rank_) + ": start-up casts of the compute-dtype shards");
@@ -317,6 +332,120 @@ Status CudaRankRunner::RefreshComputeShard(int param, cudaStream_t stream,
   return CudaCast(MakeTensor(master->data, proto::DTYPE_F32, {elements}),
                   MakeTensor(compute->data, compute->shape.dtype, {elements}), stream)
       .Prefixed(what + ": " + program_.tensors(param).name() + "'s compute-dtype shard: ");
+}
+
+namespace {
+
+// fp32 to bf16, rounding to nearest even as the device's __float2bfloat16_rn does (NaN stays a
+// quiet NaN).
+uint16_t FloatToBf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// fp32 to fp16, rounding to nearest even (the compiler's conversion, as __float2half_rn).
+uint16_t FloatToF16(float value) {
+  const _Float16 half = static_cast<_Float16>(value);
+  uint16_t bits;
+  std::memcpy(&bits, &half, sizeof(bits));
+  return bits;
+}
+
+// Writes `elements` fp32 values as `dtype` into `out` (which holds elements * its size).
+void CastOnHost(const float* in, int64_t elements, proto::DType dtype, void* out) {
+  if (dtype == proto::DTYPE_F32) {
+    std::memcpy(out, in, static_cast<size_t>(elements) * sizeof(float));
+    return;
+  }
+  auto* half = static_cast<uint16_t*>(out);
+  for (int64_t i = 0; i < elements; ++i) {
+    half[i] = dtype == proto::DTYPE_BF16 ? FloatToBf16(in[i]) : FloatToF16(in[i]);
+  }
+}
+
+}  // namespace
+
+Status CudaRankRunner::RefreshComputeShardFromHost(int param, const std::string& what) {
+  Buffer* compute = Find(param, kComputeShardKey);
+  auto master = host_shards_.find(param);
+  if (compute == nullptr || master == host_shards_.end()) return Status::Ok();
+  const int64_t elements = compute->shape.elements;
+  if (host_optimizer_staging_.size_bytes() < compute->shape.size_bytes) {
+    return Status::Error(what + ": the host optimizer's staging of " +
+                         FormatBytes(host_optimizer_staging_.size_bytes()) + " cannot hold " +
+                         program_.tensors(param).name() +
+                         "'s compute-dtype shard (an executor bug; please report it)");
+  }
+  CastOnHost(static_cast<const float*>(master->second.data()), elements, compute->shape.dtype,
+             host_optimizer_staging_.data());
+  return CudaStatus(
+      cudaMemcpy(compute->data, host_optimizer_staging_.data(), compute->shape.size_bytes,
+                 cudaMemcpyHostToDevice),
+      what + ": " + program_.tensors(param).name() + "'s compute-dtype shard from the host");
+}
+
+Status CudaRankRunner::HostOptimizerStep(const proto::Instruction& instr, int index, int step) {
+  const proto::Op& op = program_.ops(instr.op());
+  const std::string what = Describe(index) + " on the host";
+  for (int d : layout_.waits[index]) {
+    DC_RETURN_IF_ERROR(events_[d].Synchronize().Prefixed(what + ": waiting for instruction " +
+                                                         std::to_string(d) + ": "));
+  }
+  // Grad shards first, side by side in the staging; the casts reuse it afterwards.
+  std::vector<TensorRef> inputs;
+  int64_t offset = 0;
+  for (int tensor : op.inputs()) {
+    const proto::Tensor& t = program_.tensors(tensor);
+    TensorRef ref;
+    if (t.role() == proto::ROLE_GRAD) {
+      const Buffer* grad = Shard(tensor);
+      if (grad == nullptr) return Status::Error(what + ": " + t.name() + " has no shard");
+      if (offset + grad->shape.size_bytes > host_optimizer_staging_.size_bytes()) {
+        return Status::Error(what + ": the host optimizer's staging cannot hold " + t.name() +
+                             " (an executor bug; please report it)");
+      }
+      void* host = static_cast<char*>(host_optimizer_staging_.data()) + offset;
+      DC_RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpy(host, grad->data, grad->shape.size_bytes, cudaMemcpyDeviceToHost),
+                     what + ": copying " + t.name() + " to the host"));
+      constexpr int64_t kAlign = kCudaStagingAlignmentBytes;
+      offset += (grad->shape.size_bytes + kAlign - 1) / kAlign * kAlign;
+      ref.f32 = static_cast<float*>(host);
+      ref.shape = {grad->shape.elements};
+    } else {
+      auto host = host_shards_.find(tensor);
+      if (host == host_shards_.end() || !layout_.host_resident[tensor]) {
+        return Status::Error(what + ": " + t.name() + " is not in host memory; re-plan it");
+      }
+      ref.f32 = static_cast<float*>(host->second.data());
+      ref.shape = {ShardOf(tensor)};
+    }
+    inputs.push_back(ref);
+  }
+  if (op.outputs_size() > 0) {
+    return Status::Error(what + ": " + op.name() +
+                         " writes tensors besides its shards; the host "
+                         "runs in-place optimizer ops only");
+  }
+  KernelContext context;
+  context.config = &program_.config();
+  context.grad_scale = 1.0 / static_cast<double>(TokensPerStep(program_.config(), world_));
+  context.adam_step = step + 1;
+  context.num_threads = options_.num_threads;
+  DC_RETURN_IF_ERROR(RunCpuOp(op, inputs, {}, context).Prefixed(what + ": "));
+  for (int tensor : op.inputs()) {
+    if (program_.tensors(tensor).role() != proto::ROLE_PARAM) continue;
+    DC_RETURN_IF_ERROR(RefreshComputeShardFromHost(tensor, what));
+  }
+  if (layout_.records_event[index]) {
+    // Recorded on the compute stream: a waiter also waits for the compute queued before it,
+    // which is never less than the host op's own completion (done by now).
+    DC_RETURN_IF_ERROR(events_[index].Record(compute_stream()).Prefixed(what + ": "));
+  }
+  return Status::Ok();
 }
 
 // One scratch buffer for every compute op: ops run in order on the compute stream, so the
@@ -369,6 +498,20 @@ Status CudaRankRunner::InitHostBuffers() {
     }
   }
   DC_ASSIGN_OR_RETURN(input_staging_, PinnedHostBuffer::Create(offset, who + "token staging"));
+  DC_ASSIGN_OR_RETURN(host_optimizer_staging_,
+                      PinnedHostBuffer::Create(layout_.host_optimizer_staging_bytes,
+                                               who + "host optimizer staging"));
+  // The host optimizer's masters and states start in host memory, as the device's would.
+  const proto::ModelConfig& config = program_.config();
+  for (const auto& t : program_.tensors()) {
+    if (!layout_.host_resident[t.id()]) continue;
+    const int64_t elements = ShardOf(t.id());
+    auto* values = static_cast<float*>(host_shards_.at(t.id()).data());
+    std::fill(values, values + elements, 0.0f);
+    if (t.role() == proto::ROLE_PARAM) {
+      InitParamSlice(config, t, rank_ * elements, elements, values);
+    }
+  }
   return Status::Ok();
 }
 
@@ -443,6 +586,7 @@ Status CudaRankRunner::Release(int tensor, int key, cudaStream_t stream, const s
 
 Status CudaRankRunner::Execute(int index, int step) {
   const proto::Instruction& instr = schedule_.instructions(index);
+  if (instr.stream() == proto::STREAM_HOST) return HostOptimizerStep(instr, index, step);
   const cudaStream_t stream = StreamOf(instr);
   for (int d : layout_.waits[index]) {
     DC_RETURN_IF_ERROR(events_[d].MakeStreamWait(stream).Prefixed(
@@ -828,6 +972,11 @@ StatusOr<std::string> CudaRankRunner::ParamsDigest() {
   std::string bytes;
   for (const auto& t : program_.tensors()) {
     if (t.role() != proto::ROLE_PARAM) continue;
+    if (layout_.host_resident[t.id()]) {
+      const auto* master = static_cast<const char*>(host_shards_.at(t.id()).data());
+      bytes.append(master, static_cast<size_t>(ShardOf(t.id())) * sizeof(float));
+      continue;
+    }
     const Buffer* shard = Shard(t.id());
     if (!shard) continue;
     const size_t offset = bytes.size();

@@ -37,11 +37,18 @@ Status CheckPlacements(const proto::Schedule& schedule) {
                            std::to_string(p.instruction()) + ", which the plan lacks; re-plan it");
     }
     const proto::Tensor& t = program.tensors(p.tensor());
+    const bool compute_shard = p.micro_step() == kComputeShardMicroStep;
     const bool shard = IsPersistentRole(t.role()) && p.micro_step() != kGatheredMicroStep &&
+                       !compute_shard &&
                        (p.instruction() < 0 ||
                         schedule.instructions(p.instruction()).kind() == proto::INSTR_RELOAD);
-    const CudaBufferShape shape =
+    CudaBufferShape shape =
         shard ? ShardShape(t, schedule.world_size()) : TransientShape(program, t);
+    if (compute_shard) {
+      shape = {program.config().compute_dtype(),
+               ShardElements(NumElements(t), schedule.world_size()),
+               ComputeShardBytes(program, t, schedule.world_size())};
+    }
     if (p.offset_bytes() < 0 || p.offset_bytes() % kCudaStagingAlignmentBytes != 0 ||
         p.size_bytes() < shape.size_bytes ||
         p.offset_bytes() + shape.size_bytes > plan.arena_bytes()) {
@@ -96,11 +103,30 @@ StatusOr<CudaLayout> MakeCudaLayout(const proto::Schedule& schedule) {
   for (int i = 0; i < n; ++i) {
     const proto::Instruction& instr = schedule.instructions(i);
     const int stream = CudaStreamIndex(instr.stream());
-    if (stream < 0 || stream >= kNumCudaStreams) {
+    const bool on_host = instr.stream() == proto::STREAM_HOST;
+    if (on_host) {
+      if (instr.kind() != proto::INSTR_COMPUTE || instr.op() < 0 ||
+          instr.op() >= program.ops_size() ||
+          program.ops(instr.op()).phase() != proto::PHASE_OPTIMIZER) {
+        return Status::Error(Where(schedule, i) +
+                             " is on the host stream, which runs optimizer ops only; re-plan it");
+      }
+      int64_t staging = 0;
+      for (int t : program.ops(instr.op()).inputs()) {
+        const proto::Tensor& tensor = program.tensors(t);
+        if (tensor.role() == proto::ROLE_GRAD) {
+          staging += AlignUp(ShardShape(tensor, world).size_bytes, kCudaStagingAlignmentBytes);
+        } else if (tensor.role() == proto::ROLE_PARAM) {
+          staging += AlignUp(ComputeShardBytes(program, tensor, world), kCudaStagingAlignmentBytes);
+        }
+      }
+      layout.host_optimizer_staging_bytes = std::max(layout.host_optimizer_staging_bytes, staging);
+    } else if (stream < 0 || stream >= kNumCudaStreams) {
       return Status::Error(Where(schedule, i) + " has no stream the cuda backend knows (" +
                            std::to_string(static_cast<int>(instr.stream())) + "); re-plan it");
     }
-    if (instr.kind() == proto::INSTR_COMPUTE && instr.stream() != proto::STREAM_COMPUTE) {
+    if (instr.kind() == proto::INSTR_COMPUTE && instr.stream() != proto::STREAM_COMPUTE &&
+        !on_host) {
       return Status::Error(Where(schedule, i) + " computes on the " + StreamName(instr.stream()) +
                            " stream; the cuda backend runs compute on the compute stream only; "
                            "re-plan it");
@@ -175,6 +201,12 @@ StatusOr<CudaLayout> MakeCudaLayout(const proto::Schedule& schedule) {
     waits.erase(std::unique(waits.begin(), waits.end()), waits.end());
     for (int w : waits) layout.records_event[w] = true;
     layout.waits[i] = std::move(waits);
+  }
+  layout.host_resident = HostResidentTensors(schedule);
+  for (int t = 0; t < program.tensors_size(); ++t) {
+    if (layout.host_resident[t]) {
+      layout.pinned_shard_bytes[t] = ShardShape(program.tensors(t), world).size_bytes;
+    }
   }
   if (schedule.memory_plan().arena_bytes() > 0) DC_RETURN_IF_ERROR(CheckPlacements(schedule));
   return layout;

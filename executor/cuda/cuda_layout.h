@@ -47,8 +47,13 @@ struct CudaLayout {
   std::vector<bool> records_event;
   // Per stream: bytes of collective staging (0 for most plans).
   std::array<int64_t, kNumCudaStreams> staging_bytes{};
-  // Offloaded shards by tensor: bytes of pinned host memory each needs.
+  // Offloaded and host-resident shards by tensor: bytes of pinned host memory each needs.
   std::map<int, int64_t> pinned_shard_bytes;
+  // By tensor: HostResidentTensors, kept in pinned host memory for the whole run.
+  std::vector<bool> host_resident;
+  // Pinned bytes the largest host optimizer op needs for its grad shards (fp32) and, beside
+  // them, its params' compute-dtype shards on their way back to the device.
+  int64_t host_optimizer_staging_bytes = 0;
   // Input tensors (token ids) by tensor: bytes of one micro-batch.
   std::map<int, int64_t> input_bytes;
   int gas = 1;  // micro-steps per step
@@ -66,9 +71,10 @@ int64_t StagingBytes(const proto::Tensor& tensor, int world_size, proto::DType d
 
 // Derives the layout and checks what the cuda executor relies on: every instruction on a known
 // stream and compute instructions on the compute stream (the kernels of one step share one
-// cuBLASLt workspace and scratch), deps pointing to earlier instructions, every reload preceded
-// by an offload of the same tensor, and (with a memory plan) every placement inside the arena,
-// aligned, and as large as the buffer it holds. Messages name the instruction and say re-plan.
+// cuBLASLt workspace and scratch) or, for an optimizer op, on the host, deps pointing to earlier
+// instructions, every reload preceded by an offload of the same tensor, and (with a memory plan)
+// every placement inside the arena, aligned, and as large as the buffer it holds. Messages name the
+// instruction and say re-plan.
 StatusOr<CudaLayout> MakeCudaLayout(const proto::Schedule& schedule);
 
 }  // namespace dc

@@ -129,7 +129,7 @@ TEST(CudaLayout, AcceptsTheMemoryPlanOfADcPlan) {
 TEST(CudaLayout, ReloadsWaitForTheirOffloadsCopy) {
   TinyPlanOptions options;
   options.world_size = 2;
-  options.policy = "zero3-offload";
+  options.passes = {"zero3", "offload-all", "memory-plan"};
   const proto::Schedule plan = Plan(options);
   const CudaLayout layout = Layout(plan);
   ASSERT_FALSE(layout.pinned_shard_bytes.empty());
@@ -153,6 +153,70 @@ TEST(CudaLayout, ReloadsWaitForTheirOffloadsCopy) {
   EXPECT_GT(reloads, 0);
 }
 
+// ZeRO-3 offload's Adam on the host: every param's master and states in pinned host memory for
+// the whole run, staging for the largest op's grad shards and compute-dtype shards, and every
+// host op waiting (on the host) for the end of the backward.
+TEST(CudaLayout, HostOptimizerKeepsMastersAndStatesInPinnedMemory) {
+  TinyPlanOptions options;
+  options.world_size = 2;
+  options.compute_dtype = proto::DTYPE_BF16;
+  options.policy = "zero3-offload";
+  const proto::Schedule plan = Plan(options);
+  const CudaLayout layout = Layout(plan);
+  const proto::Program& program = plan.program();
+  int host_resident = 0;
+  for (const proto::Tensor& t : program.tensors()) {
+    const bool host = t.role() == proto::ROLE_PARAM || t.role() == proto::ROLE_OPTIMIZER_STATE;
+    EXPECT_EQ(layout.host_resident[t.id()], host) << t.name();
+    if (!host) continue;
+    ++host_resident;
+    EXPECT_EQ(layout.pinned_shard_bytes.at(t.id()), ShardShape(t, 2).size_bytes) << t.name();
+  }
+  EXPECT_GT(host_resident, 0);
+  int64_t largest = 0;
+  for (int i = 0; i < plan.instructions_size(); ++i) {
+    const proto::Instruction& instr = plan.instructions(i);
+    if (instr.stream() != proto::STREAM_HOST) continue;
+    EXPECT_FALSE(layout.waits[i].empty()) << "host op " << i;
+    for (int w : layout.waits[i]) EXPECT_TRUE(layout.records_event[w]);
+    int64_t staging = 0;
+    for (int t : program.ops(instr.op()).inputs()) {
+      const proto::Tensor& tensor = program.tensors(t);
+      if (tensor.role() == proto::ROLE_GRAD) staging += ShardShape(tensor, 2).size_bytes;
+      if (tensor.role() == proto::ROLE_PARAM) staging += ComputeShardBytes(program, tensor, 2);
+    }
+    largest = std::max(largest, staging);
+  }
+  EXPECT_GE(layout.host_optimizer_staging_bytes, largest);
+  EXPECT_LT(layout.host_optimizer_staging_bytes, largest + 2 * kCudaStagingAlignmentBytes);
+  // The memory plan places the bf16 shards (micro-step -3) and no master or state.
+  ASSERT_GT(plan.memory_plan().arena_bytes(), 0);
+  int compute_shards = 0;
+  for (const proto::BufferPlacement& p : plan.memory_plan().placements()) {
+    const proto::Tensor& t = program.tensors(p.tensor());
+    if (p.micro_step() == kComputeShardMicroStep) {
+      ++compute_shards;
+      EXPECT_EQ(p.size_bytes() >= ComputeShardBytes(program, t, 2), true) << t.name();
+    } else if (p.instruction() < 0) {
+      EXPECT_FALSE(layout.host_resident[t.id()]) << t.name() << " placed on the device";
+    }
+  }
+  EXPECT_EQ(compute_shards, host_resident / 3);  // a param's master, m and v; one bf16 shard
+}
+
+// A bf16 shard beside an offloaded master is placed at its own size, not its master's.
+TEST(CudaLayout, AcceptsTheBf16ShardsBesideOffloadedMasters) {
+  TinyPlanOptions options;
+  options.world_size = 2;
+  options.compute_dtype = proto::DTYPE_BF16;
+  options.passes = {"zero3", "offload-all", "memory-plan"};
+  const proto::Schedule plan = Plan(options);
+  const std::vector<bool> compute_shard = ComputeShardParams(plan);
+  ASSERT_GT(std::count(compute_shard.begin(), compute_shard.end(), true), 0);
+  ASSERT_GT(plan.memory_plan().arena_bytes(), 0);
+  Layout(plan);
+}
+
 TEST(CudaLayout, RefusesWhatTheExecutorCannotRun) {
   TinyPlanOptions options;
   options.world_size = 2;
@@ -168,6 +232,10 @@ TEST(CudaLayout, RefusesWhatTheExecutorCannotRun) {
   proto::Schedule on_gather = good;
   on_gather.mutable_instructions(compute)->set_stream(proto::STREAM_GATHER);
   ExpectRefused(on_gather, "compute stream only");
+
+  proto::Schedule forward_on_host = good;
+  forward_on_host.mutable_instructions(compute)->set_stream(proto::STREAM_HOST);
+  ExpectRefused(forward_on_host, "runs optimizer ops only");
 
   proto::Schedule no_stream = good;
   no_stream.mutable_instructions(0)->set_stream(proto::STREAM_UNSPECIFIED);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "analyzer/estimate.h"
 #include "analyzer/hardware.h"
@@ -15,6 +16,7 @@ namespace dc::testing {
 struct TinyPlanOptions {
   std::string backend = "cuda";
   std::string policy = "baseline";
+  std::vector<std::string> passes;  // non-empty: these instead of the policy's (--passes)
   int world_size = 1;
   proto::DType compute_dtype = proto::DTYPE_F32;  // the tiny preset's own
   int64_t gas = 2;
@@ -37,6 +39,7 @@ inline StatusOr<proto::Schedule> TinyPlan(const TinyPlanOptions& options) {
   request.backend = options.backend;
   request.device = hw.name;
   request.policy = options.policy;
+  request.passes = options.passes;
   request.budget_bytes = options.budget_bytes;
   return MakePlan(request);
 }
