@@ -58,9 +58,25 @@ Status CheckReferences(const proto::Schedule& schedule) {
                              ", which does not come before it");
       }
     }
-    if (instr.kind() == proto::INSTR_COMPUTE &&
+    if ((instr.kind() == proto::INSTR_COMPUTE || instr.kind() == proto::INSTR_RENAME) &&
         (instr.op() < 0 || instr.op() >= program.ops_size())) {
       return Status::Error(Where(i, instr) + " computes a bad op id " + std::to_string(instr.op()));
+    }
+    if (instr.kind() == proto::INSTR_RENAME) {
+      const proto::Op& op = program.ops(instr.op());
+      bool same = op.outputs_size() == instr.tensors_size();
+      for (int k = 0; same && k < op.outputs_size(); ++k) {
+        const int from = instr.tensors(k), to = op.outputs(k);
+        same = from >= 0 && from < program.tensors_size() &&
+               TransientBytes(program, program.tensors(from)) ==
+                   TransientBytes(program, program.tensors(to)) &&
+               program.tensors(from).role() == proto::ROLE_ACTIVATION &&
+               program.tensors(to).role() == proto::ROLE_ACTIVATION;
+      }
+      if (!same) {
+        return Status::Error(Where(i, instr) + " renames tensors that are not, one for one, " +
+                             "activations of the size of " + op.name() + "'s outputs");
+      }
     }
     for (int t : instr.tensors()) {
       if (t < 0 || t >= program.tensors_size()) {
@@ -473,6 +489,7 @@ class MemoryReplay {
   Status ReduceScatter(int i, const proto::Instruction& instr);
   Status Offload(int i, const proto::Instruction& instr);
   Status Reload(int i, const proto::Instruction& instr);
+  Status Rename(int i, const proto::Instruction& instr);
   Status ReadInput(int i, const proto::Instruction& instr, bool optimizer, int tensor);
 
   const proto::Schedule& schedule_;
@@ -500,9 +517,30 @@ Status MemoryReplay::Apply(int i, const proto::Instruction& instr) {
       return Offload(i, instr);
     case proto::INSTR_RELOAD:
       return Reload(i, instr);
+    case proto::INSTR_RENAME:
+      return Rename(i, instr);
     default:
       return Status::Ok();
   }
+}
+
+// The kept buffers change name, not size: no memory event.
+Status MemoryReplay::Rename(int i, const proto::Instruction& instr) {
+  const proto::Op& op = program_.ops(instr.op());
+  const int micro = instr.micro_step();
+  for (int k = 0; k < instr.tensors_size(); ++k) {
+    const int from = instr.tensors(k), to = op.outputs(k);
+    if (!live_.erase(from, micro)) {
+      return Status::Error(Where(i, instr) + " renames " + Name(from) + " (micro-step " +
+                           std::to_string(micro) + "), which is not live");
+    }
+    if (live_.contains(to, micro)) {
+      return Status::Error(Where(i, instr) + " renames into " + Name(to) +
+                           ", which is still live from an earlier write");
+    }
+    live_.insert(to, micro);
+  }
+  return Status::Ok();
 }
 
 Status MemoryReplay::Gather(int i, const proto::Instruction& instr) {

@@ -138,6 +138,7 @@ class RankRunner : public RankStepper {
   Status ReduceScatter(const proto::Instruction& instr);
   Status Offload(const proto::Instruction& instr, int index);
   Status Reload(const proto::Instruction& instr, int index);
+  Status Rename(const proto::Instruction& instr, int index);
   Status LoadInput(int index, int tensor, int micro, int step, const std::string& what);
   // Copies a param's master (on the device or the host) into its compute-dtype shard, if it has
   // one.
@@ -530,6 +531,37 @@ Status RankRunner::Reload(const proto::Instruction& instr, int index) {
   return Status::Ok();
 }
 
+// The kept buffers go on under the op's output names: no copy, no allocation.
+Status RankRunner::Rename(const proto::Instruction& instr, int index) {
+  const proto::Op& op = program_.ops(instr.op());
+  const int micro = instr.micro_step();
+  if (op.outputs_size() != instr.tensors_size()) {
+    return Status::Error(Describe(index) + ": renames " + std::to_string(instr.tensors_size()) +
+                         " tensors to the " + std::to_string(op.outputs_size()) + " outputs of " +
+                         op.name());
+  }
+  for (int k = 0; k < instr.tensors_size(); ++k) {
+    const int from = instr.tensors(k), to = op.outputs(k);
+    auto node = live_.extract({from, micro});
+    if (node.empty()) {
+      return Status::Error(Describe(index) + ": renames " + program_.tensors(from).name() +
+                           ", which is not live");
+    }
+    if (live_.count({to, micro})) {
+      return Status::Error(Describe(index) + ": " + program_.tensors(to).name() +
+                           " is already live");
+    }
+    node.key() = {to, micro};
+    live_.insert(std::move(node));
+    auto address = addresses_.extract({from, micro});
+    if (!address.empty()) {
+      address.key() = {to, micro};
+      addresses_.insert(std::move(address));
+    }
+  }
+  return Status::Ok();
+}
+
 Status RankRunner::Execute(int index, int step, const InstructionRef& ref) {
   const proto::Instruction& instr = schedule_.instructions(index);
   const int64_t start_ns = Now();
@@ -549,6 +581,9 @@ Status RankRunner::Execute(int index, int step, const InstructionRef& ref) {
       break;
     case proto::INSTR_RELOAD:
       status = Reload(instr, index);
+      break;
+    case proto::INSTR_RENAME:
+      status = Rename(instr, index);
       break;
     case proto::INSTR_RELEASE:
       for (int tensor : instr.tensors()) {

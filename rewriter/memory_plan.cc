@@ -135,6 +135,25 @@ class LifetimeReplay {
           Close(open, i);
         }
         return Status::Ok();
+      case proto::INSTR_RENAME: {
+        // The kept buffer goes on under the op's output name: one lifetime, one place.
+        if (instr.op() < 0 || instr.op() >= program_.ops_size() ||
+            program_.ops(instr.op()).outputs_size() != instr.tensors_size()) {
+          return Status::Error(Where(i, instr) + " renames to the outputs of a bad op");
+        }
+        const proto::Op& op = program_.ops(instr.op());
+        for (int k = 0; k < instr.tensors_size(); ++k) {
+          int& from = Transient(instr.tensors(k), micro);
+          int& to = Transient(op.outputs(k), micro);
+          if (from < 0 || to >= 0) {
+            return Status::Error(Where(i, instr) + " renames " + Name(instr.tensors(k)) +
+                                 ", which is not live, or into a live " + Name(op.outputs(k)));
+          }
+          to = from;
+          from = -1;
+        }
+        return Status::Ok();
+      }
       case proto::INSTR_RELOAD:
         for (int t : instr.tensors()) {
           const bool persistent = IsPersistentRole(Role(t));

@@ -4,9 +4,11 @@
 #include <optional>
 
 #include "analyzer/simulator.h"
+#include "models/op_kinds.h"
 #include "rewriter/bucket.h"
 #include "rewriter/deepcompile.h"
 #include "rewriter/host_optimizer.h"
+#include "rewriter/keep_activations.h"
 #include "rewriter/memory_plan.h"
 #include "rewriter/offload.h"
 #include "rewriter/plan_cache.h"
@@ -42,6 +44,7 @@ constexpr PassFactory kPasses[] = {
     {"offload-all", Make<ZeroOffloadPass>},
     {"dc-offload", Make<DcOffloadPass>},
     {"host-optimizer", Make<HostOptimizerPass>},
+    {"keep-activations", Make<KeepActivationsPass>},
     {"memory-plan", Make<MemoryPlanPass>},
 };
 
@@ -60,7 +63,9 @@ const std::vector<Policy>& Policies() {
       {"baseline", {"zero3"}},
       {"zero3-offload", {"zero3", "host-optimizer", "memory-plan"}},
       {"deepcompile", {"zero3", "dc-prefetch", "dc-selective-gather", "dc-offload", "memory-plan"}},
-      {"dc", {"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload", "memory-plan"}},
+      {"dc",
+       {"zero3", "keep-activations", "bucket", "prefetch", "unshard", "prefetch", "offload",
+        "memory-plan"}},
   };
   return policies;
 }
@@ -243,6 +248,23 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
     Zero3Pass zero3;
     DC_RETURN_IF_ERROR(zero3.Run(&baseline, context).status());
     DC_ASSIGN_OR_RETURN(baseline_sim, Simulate(baseline, request.costs));
+  }
+  // Kept activations take memory first, before the passes that spend it on communication: on
+  // a compute-bound step that pays most, on a communication-bound one the memory may buy more
+  // as prefetch and unsharding. dc plans both ways and keeps the faster.
+  const bool recomputes = std::any_of(
+      request.program.ops().begin(), request.program.ops().end(),
+      [](const proto::Op& op) { return op.name().ends_with(op_kind::kRecomputeSuffix); });
+  if (dc_policy && recomputes &&
+      std::count(request.disabled_passes.begin(), request.disabled_passes.end(),
+                 "keep-activations") == 0) {
+    DC_ASSIGN_OR_RETURN(auto recomputing, PipelineFor(request));
+    recomputing->Disable("keep-activations");
+    StatusOr<proto::Schedule> other = RunPipeline(request, program_digest, *recomputing, context);
+    if (other.ok() && (!planned.ok() ||
+                       other->prediction().step_seconds() < planned->prediction().step_seconds())) {
+      planned = std::move(other);
+    }
   }
   constexpr double kSlowerTolerance = 1e-9;
   auto slower_than_baseline = [&](const proto::Schedule& s) {

@@ -98,6 +98,14 @@ class DeltaReplay {
           }
         }
         break;
+      case proto::INSTR_RENAME: {  // the same bytes under the op's output names
+        const proto::Op& op = program_.ops(instr.op());
+        for (int k = 0; k < instr.tensors_size() && k < op.outputs_size(); ++k) {
+          SetLive(instr.tensors(k), micro, false);
+          SetLive(op.outputs(k), micro, true);
+        }
+        break;
+      }
       default:
         break;
     }

@@ -7,8 +7,10 @@ namespace dc {
 
 namespace {
 
-constexpr proto::InstrKind kKinds[] = {proto::INSTR_COMPUTE, proto::INSTR_ALL_GATHER, proto::INSTR_RELEASE,
-                                       proto::INSTR_REDUCE_SCATTER, proto::INSTR_OFFLOAD, proto::INSTR_RELOAD};
+constexpr proto::InstrKind kKinds[] = {proto::INSTR_COMPUTE, proto::INSTR_ALL_GATHER,
+                                       proto::INSTR_RELEASE, proto::INSTR_REDUCE_SCATTER,
+                                       proto::INSTR_OFFLOAD, proto::INSTR_RELOAD,
+                                       proto::INSTR_RENAME};
 constexpr proto::Stream kStreams[] = {proto::STREAM_COMPUTE, proto::STREAM_GATHER,
                                       proto::STREAM_REDUCE,  proto::STREAM_H2D,
                                       proto::STREAM_D2H,     proto::STREAM_HOST};
@@ -46,6 +48,7 @@ std::string ScheduleToText(const proto::Schedule& schedule) {
     if (instr.kind() == proto::INSTR_COMPUTE) {
       out << " " << program.ops(instr.op()).name();
     } else {
+      if (instr.kind() == proto::INSTR_RENAME) out << " " << program.ops(instr.op()).name();
       out << " [";
       for (int k = 0; k < instr.tensors_size(); ++k) {
         out << (k ? ", " : "") << program.tensors(instr.tensors(k)).name();
@@ -119,14 +122,18 @@ Status ParseScheduleText(const std::string& text, proto::Schedule* schedule) {
         for (const auto& d : Split(word.substr(5), ',')) instr.add_deps(std::stoi(d));
       } else if (word.rfind("bucket=", 0) == 0) {
         instr.set_bucket(std::stoi(word.substr(7)));
-      } else if (instr.kind() == proto::INSTR_COMPUTE && instr.op() < 0) {
+      } else if ((instr.kind() == proto::INSTR_COMPUTE || instr.kind() == proto::INSTR_RENAME) &&
+                 instr.op() < 0) {
         if (!ops.count(word)) return fail("unknown op " + word);
         instr.set_op(ops[word]);
       } else {
         return fail("unexpected " + word);
       }
     }
-    if (instr.kind() == proto::INSTR_COMPUTE && instr.op() < 0) return fail("compute without an op");
+    if ((instr.kind() == proto::INSTR_COMPUTE || instr.kind() == proto::INSTR_RENAME) &&
+        instr.op() < 0) {
+      return fail(std::string(InstrKindName(instr.kind())) + " without an op");
+    }
     for (const auto& name : tensor_names) {
       if (!tensors.count(name)) return fail("unknown tensor " + name);
       instr.add_tensors(tensors[name]);

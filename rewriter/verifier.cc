@@ -24,7 +24,8 @@ Status CheckOpCounts(const proto::Schedule& schedule) {
                              std::to_string(d) + ", which does not come before it");
       }
     }
-    if (instr.kind() != proto::INSTR_COMPUTE) continue;
+    // A rename stands in for its op's run (its outputs kept from the forward).
+    if (instr.kind() != proto::INSTR_COMPUTE && instr.kind() != proto::INSTR_RENAME) continue;
     if (instr.op() < 0 || instr.op() >= program.ops_size()) {
       return Status::Error("instruction " + std::to_string(i) + " computes a bad op id");
     }

@@ -52,6 +52,7 @@ const char* InstrKindName(proto::InstrKind kind) {
     case proto::INSTR_REDUCE_SCATTER: return "reduce_scatter";
     case proto::INSTR_OFFLOAD: return "offload";
     case proto::INSTR_RELOAD: return "reload";
+    case proto::INSTR_RENAME: return "rename";
     default: return "?";
   }
 }

@@ -422,6 +422,48 @@ TEST(Recompute, TrainsBitIdenticallyInLessMemory) {
   }
 }
 
+// dc keeps the activations of recomputed layers where memory allows: each recompute op is
+// replaced by a rename of its forward twin's outputs, which the executor keeps live. Training
+// is bit-identical to the model without recompute; the measured peak is the predicted one.
+TEST(KeepActivations, SkippedRecomputesTrainBitIdentically) {
+  for (const std::string model : {"tiny", "mixtral-tiny"}) {
+    const std::string dir = FreshDir("keep-" + model);
+    auto plan_and_run = [&](const std::string& name, const std::string& collect_flags,
+                            const std::string& plan_flags) {
+      auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model " + model +
+                                " --layers 4 --nproc 2 --gas 2 --steps 2 --warmup 1 " +
+                                collect_flags + " -o " + dir + "/" + name + ".db");
+      EXPECT_EQ(collect.exit_code, 0) << collect.err;
+      auto planned = RunCommand(Tool("dc-plan") + " " + dir + "/" + name + ".db --no-cache " +
+                                plan_flags + " --json -o " + dir + "/" + name + ".dcplan");
+      EXPECT_EQ(planned.exit_code, 0) << name << ": " << planned.err;
+      auto run = RunCommand(Tool("dc-run") + " --backend cpu " + dir + "/" + name +
+                            ".dcplan --steps 10 --json");
+      EXPECT_EQ(run.exit_code, 0) << name << ": " << run.err;
+      return std::make_pair(ParseJson(planned.out), ParseJson(run.out));
+    };
+    auto [plain_plan, plain] = plan_and_run("plain", "", "--policy baseline");
+    auto [recompute_plan, recompute] =
+        plan_and_run("recompute", "--recompute", "--policy baseline");
+    auto [kept_plan, kept] =
+        plan_and_run("kept", "--recompute", "--passes zero3,keep-activations,memory-plan");
+    for (const json* run : {&recompute, &kept}) {
+      EXPECT_EQ((*run)["losses"], plain["losses"]) << model;
+      EXPECT_EQ((*run)["params_digest"], plain["params_digest"]) << model;
+    }
+    EXPECT_EQ(kept["peak_live_bytes"], kept_plan["predicted"]["peak_device_bytes"]) << model;
+    // Every layer kept (no budget): the peak is back above the recomputing one.
+    std::string summary;
+    for (const json& pass : kept_plan["passes"]) {
+      if (pass["name"] == "keep-activations") summary = pass["summary"].get<std::string>();
+    }
+    EXPECT_NE(summary.find("kept 8 of 8"), std::string::npos) << model << ": " << summary;
+    EXPECT_GT(kept_plan["predicted"]["peak_device_bytes"].get<int64_t>(),
+              recompute_plan["predicted"]["peak_device_bytes"].get<int64_t>())
+        << model;
+  }
+}
+
 // In bf16 a master weight on the host frees half its bytes (its bf16 shard stays for the
 // gathers). Past what Adam's m and v free, offload moves masters too, and the plan trains
 // exactly as the baseline does, inside the budget it was planned for.

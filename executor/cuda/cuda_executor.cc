@@ -128,6 +128,7 @@ class CudaRankRunner : public RankStepper {
   // the host, runs the cpu backend's kernel on the host-resident master and states, and writes
   // the params' compute-dtype shards back. Synchronous: done when it returns.
   Status HostOptimizerStep(const proto::Instruction& instr, int index, int step);
+  Status Rename(const proto::Instruction& instr, int index);
 
   Status Execute(int index, int step);
   Status Dispatch(const proto::Instruction& instr, int index, int step, cudaStream_t stream);
@@ -625,6 +626,8 @@ Status CudaRankRunner::Dispatch(const proto::Instruction& instr, int index, int 
       return Reload(instr, index, stream);
     case proto::INSTR_RELEASE:
       return ReleaseInstruction(instr, index, stream);
+    case proto::INSTR_RENAME:
+      return Rename(instr, index);
     default:
       return Status::Error(Describe(index) + ": the cuda backend does not run " +
                            InstrKindName(instr.kind()) + " instructions");
@@ -867,6 +870,33 @@ Status CudaRankRunner::Reload(const proto::Instruction& instr, int index, cudaSt
     DC_RETURN_IF_ERROR(CopyAsync(shard->data, host_shards_.at(tensor).data(),
                                  shard->shape.size_bytes, stream, what + ": " + t.name()));
     offloaded_.erase(tensor);
+  }
+  return Status::Ok();
+}
+
+// The kept buffers go on under the op's output names (same dtype and shape): nothing runs on
+// the device, so no stream is involved.
+Status CudaRankRunner::Rename(const proto::Instruction& instr, int index) {
+  const proto::Op& op = program_.ops(instr.op());
+  const int micro = instr.micro_step();
+  if (op.outputs_size() != instr.tensors_size()) {
+    return Status::Error(Describe(index) + ": renames " + std::to_string(instr.tensors_size()) +
+                         " tensors to the " + std::to_string(op.outputs_size()) + " outputs of " +
+                         op.name());
+  }
+  for (int k = 0; k < instr.tensors_size(); ++k) {
+    const int from = instr.tensors(k), to = op.outputs(k);
+    auto node = live_.extract({from, micro});
+    if (node.empty()) {
+      return Status::Error(Describe(index) + ": renames " + program_.tensors(from).name() +
+                           ", which is not live");
+    }
+    if (live_.count({to, micro})) {
+      return Status::Error(Describe(index) + ": " + program_.tensors(to).name() +
+                           " is already live");
+    }
+    node.key() = {to, micro};
+    live_.insert(std::move(node));
   }
   return Status::Ok();
 }

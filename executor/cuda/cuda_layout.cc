@@ -183,6 +183,13 @@ StatusOr<CudaLayout> MakeCudaLayout(const proto::Schedule& schedule) {
           }
         }
         break;
+      case proto::INSTR_RENAME:
+        if (instr.op() < 0 || instr.op() >= program.ops_size() ||
+            program.ops(instr.op()).outputs_size() != instr.tensors_size()) {
+          return Status::Error(Where(schedule, i) + " renames to the outputs of op id " +
+                               std::to_string(instr.op()) + ", which does not match; re-plan it");
+        }
+        break;
       case proto::INSTR_COMPUTE: {
         if (instr.op() < 0 || instr.op() >= program.ops_size()) {
           return Status::Error(Where(schedule, i) + " runs op id " + std::to_string(instr.op()) +
