@@ -238,38 +238,57 @@ std::vector<int64_t> PersistentBytesByKind(const proto::Program& program, int wo
   return bytes;
 }
 
-std::vector<bool> HostResidentTensors(const proto::Schedule& schedule) {
+namespace {
+
+// One scan of the instructions: the params whose masters an OFFLOAD names, and the tensors the
+// host optimizer ops keep on the host.
+struct Residency {
+  std::vector<bool> offloaded_params;
+  std::vector<bool> host;
+};
+
+Residency ScanResidency(const proto::Schedule& schedule) {
   const proto::Program& program = schedule.program();
-  std::vector<bool> host(program.tensors_size(), false);
+  const int num_tensors = program.tensors_size();
+  Residency r{std::vector<bool>(num_tensors, false), std::vector<bool>(num_tensors, false)};
   for (const proto::Instruction& instr : schedule.instructions()) {
+    if (instr.kind() == proto::INSTR_OFFLOAD) {
+      for (int t : instr.tensors()) {
+        if (t >= 0 && t < num_tensors && program.tensors(t).role() == proto::ROLE_PARAM) {
+          r.offloaded_params[t] = true;
+        }
+      }
+      continue;
+    }
     if (instr.kind() != proto::INSTR_COMPUTE || instr.stream() != proto::STREAM_HOST) continue;
     if (instr.op() < 0 || instr.op() >= program.ops_size()) continue;
     const proto::Op& op = program.ops(instr.op());
     if (op.phase() != proto::PHASE_OPTIMIZER) continue;
     for (int t : op.inputs()) {
-      if (t < 0 || t >= program.tensors_size()) continue;
+      if (t < 0 || t >= num_tensors) continue;
       const proto::Role role = program.tensors(t).role();
-      if (role == proto::ROLE_PARAM || role == proto::ROLE_OPTIMIZER_STATE) host[t] = true;
+      if (role == proto::ROLE_PARAM || role == proto::ROLE_OPTIMIZER_STATE) r.host[t] = true;
     }
   }
-  return host;
+  return r;
+}
+
+std::vector<bool> ComputeShardParamsOf(const proto::Program& program, const Residency& r) {
+  std::vector<bool> has = r.offloaded_params;
+  for (int t = 0; t < program.tensors_size(); ++t) {
+    if (r.host[t] && program.tensors(t).role() == proto::ROLE_PARAM) has[t] = true;
+  }
+  return has;
+}
+
+}  // namespace
+
+std::vector<bool> HostResidentTensors(const proto::Schedule& schedule) {
+  return ScanResidency(schedule).host;
 }
 
 std::vector<bool> ComputeShardParams(const proto::Schedule& schedule) {
-  const proto::Program& program = schedule.program();
-  std::vector<bool> has = HostResidentTensors(schedule);
-  for (int t = 0; t < program.tensors_size(); ++t) {
-    if (program.tensors(t).role() != proto::ROLE_PARAM) has[t] = false;
-  }
-  for (const proto::Instruction& instr : schedule.instructions()) {
-    if (instr.kind() != proto::INSTR_OFFLOAD) continue;
-    for (int t : instr.tensors()) {
-      if (t >= 0 && t < program.tensors_size() && program.tensors(t).role() == proto::ROLE_PARAM) {
-        has[t] = true;
-      }
-    }
-  }
-  return has;
+  return ComputeShardParamsOf(schedule.program(), ScanResidency(schedule));
 }
 
 int64_t ComputeShardBytes(const proto::Program& program, const proto::Tensor& param, int world_size) {
@@ -281,8 +300,9 @@ std::vector<int64_t> PersistentBytesByKind(const proto::Schedule& schedule) {
   const proto::Program& program = schedule.program();
   const int world_size = std::max(1, schedule.world_size());
   std::vector<int64_t> bytes = PersistentBytesByKind(program, world_size);
-  const std::vector<bool> compute_shard = ComputeShardParams(schedule);
-  const std::vector<bool> host = HostResidentTensors(schedule);
+  const Residency residency = ScanResidency(schedule);
+  const std::vector<bool> compute_shard = ComputeShardParamsOf(program, residency);
+  const std::vector<bool>& host = residency.host;
   constexpr int64_t kF32Bytes = 4;
   for (int t = 0; t < program.tensors_size(); ++t) {
     const proto::Tensor& tensor = program.tensors(t);

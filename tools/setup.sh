@@ -10,7 +10,8 @@ build_dir=${DC_BUILD_DIR:-build}
 jobs=${DC_JOBS:-$(nproc)}
 
 packages=(build-essential cmake pkg-config libprotobuf-dev protobuf-compiler libsqlite3-dev sqlite3
-          libcli11-dev libgtest-dev libgloo-dev libopenblas-dev libssl-dev nlohmann-json3-dev zlib1g-dev)
+          libcli11-dev libgtest-dev libgloo-dev libopenblas-dev libssl-dev nlohmann-json3-dev zlib1g-dev
+          libmimalloc-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
