@@ -9,6 +9,7 @@
 #include "models/model.h"
 #include "models/op_kinds.h"
 #include "rewriter/memory_plan.h"
+#include "rewriter/planner.h"
 #include "rewriter/verifier.h"
 #include "rewriter/zero3.h"
 
@@ -126,6 +127,36 @@ TEST(KeepActivations, ABudgetKeepsWhatFits) {
   auto tight_sim = Simulate(none, costs);
   ASSERT_TRUE(tight_sim.ok());
   EXPECT_LE(tight_sim->peak_device_bytes, recomputing->peak_device_bytes);
+}
+
+// dc plans a recomputing program with and without kept activations, and with half or all of
+// Adam's state to spend before offload, and keeps the fastest: never slower than any of them.
+TEST(KeepActivations, DcKeepsTheFastestOfItsAlternatives) {
+  CostModel costs;
+  const proto::Schedule zero3 = TinyZero3(true, &costs);
+  auto baseline = Simulate(zero3, costs);
+  ASSERT_TRUE(baseline.ok());
+  PlanRequest request;
+  request.program = zero3.program();
+  request.world_size = kWorld;
+  request.costs = costs;
+  request.budget_bytes = baseline->peak_device_bytes * 11 / 10;
+  auto dc = MakePlan(request);
+  ASSERT_TRUE(dc.ok()) << dc.status().message();
+  const std::vector<std::vector<std::string>> alternatives = {
+      {"zero3", "keep-activations", "bucket", "prefetch", "unshard", "prefetch", "offload",
+       "memory-plan"},
+      {"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload", "memory-plan"}};
+  for (const auto& passes : alternatives) {
+    PlanRequest one = request;
+    one.policy = "";
+    one.passes = passes;
+    auto plan = MakePlan(one);
+    ASSERT_TRUE(plan.ok()) << plan.status().message();
+    EXPECT_LE(dc->prediction().step_seconds(), plan->prediction().step_seconds())
+        << passes.size() << " passes";
+  }
+  EXPECT_LE(dc->prediction().peak_device_bytes(), request.budget_bytes);
 }
 
 TEST(KeepActivations, NothingToDoWithoutRecompute) {
