@@ -9,6 +9,7 @@
 #include "models/model.h"
 #include "rewriter/memory_plan.h"
 #include "rewriter/offload.h"
+#include "rewriter/planner.h"
 #include "rewriter/verifier.h"
 #include "rewriter/zero3.h"
 
@@ -153,6 +154,39 @@ TEST(HostOptimizer, HostStepCostsTheElementsOverTheHostsRate) {
     EXPECT_DOUBLE_EQ(costs.InstructionSeconds(program, kWorld, instr),
                      costs.OpSeconds(program, instr.op()));
   }
+}
+
+// Below what the optimizer step on the device needs (every shard resident), dc falls back to
+// Adam on the host and still spends the freed memory on communication: never slower than ZeRO-3
+// offload.
+TEST(HostOptimizer, DcFallsBackToTheHostWhereTheDeviceCannotHoldTheStep) {
+  CostModel costs;
+  const proto::Schedule zero3 = TinyZero3(proto::DTYPE_BF16, &costs);
+  PlanRequest request;
+  request.program = zero3.program();
+  request.world_size = kWorld;
+  request.costs = costs;
+  request.policy = "zero3-offload";
+  auto host = MakePlan(request);
+  ASSERT_TRUE(host.ok()) << host.status().message();
+  int64_t persistent = 0;
+  for (int64_t b : PersistentBytesByKind(zero3)) persistent += b;
+  // Room for ZeRO-3 offload's peak, not for every shard the device's optimizer step holds.
+  request.budget_bytes =
+      std::max(host->prediction().peak_device_bytes(), host->memory_plan().arena_bytes());
+  ASSERT_LT(request.budget_bytes, persistent);
+  request.policy = "dc";
+  auto dc = MakePlan(request);
+  ASSERT_TRUE(dc.ok()) << dc.status().message();
+  int host_ops = 0;
+  for (const proto::Instruction& instr : dc->instructions()) {
+    host_ops += instr.stream() == proto::STREAM_HOST;
+  }
+  EXPECT_GT(host_ops, 0);
+  EXPECT_LE(dc->prediction().step_seconds(), host->prediction().step_seconds());
+  EXPECT_LE(dc->prediction().peak_device_bytes(), request.budget_bytes);
+  ASSERT_GT(dc->notes_size(), 0);
+  EXPECT_NE(dc->notes(0).find("host-optimizer"), std::string::npos) << dc->notes(0);
 }
 
 TEST(HostOptimizer, RefusesAScheduleThatAlreadyOffloads) {

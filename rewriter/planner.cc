@@ -201,6 +201,11 @@ const std::vector<Fallback>& DcFallbacks() {
       {{"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload"}, false},
       {{"zero3", "offload"}, false},
       {{"zero3"}, false},
+      // Where the device cannot hold the optimizer step's shards, Adam on the host (as ZeRO-3
+      // offload runs it), with the memory that frees spent on communication.
+      {{"zero3", "host-optimizer", "bucket", "prefetch", "unshard", "prefetch", "memory-plan"},
+       false},
+      {{"zero3", "host-optimizer", "memory-plan"}, false},
   };
   return *fallbacks;
 }
