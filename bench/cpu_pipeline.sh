@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The cpu pipeline measured end to end: for a model, record a trace, plan it with each policy,
 # run each plan and report predicted against measured step time, tokens/s and peak bytes.
-#   bench/cpu_pipeline.sh [build-dir] [model] [nproc] [gas] [steps]
+#   bench/cpu_pipeline.sh [build-dir] [model] [nproc] [gas] [steps] [collect flags]
+# e.g. bench/cpu_pipeline.sh build tiny 2 4 10 "--recompute" (the flags go to dc-collect).
 # Medians over `steps` measured steps after one warm-up; the machine is shared and noisy, so
 # compare the ratios within one run.
 set -euo pipefail
@@ -10,14 +11,16 @@ model=${2:-tiny}
 nproc=${3:-2}
 gas=${4:-4}
 steps=${5:-10}
+collect_flags=${6:-}
 bin="$build/tools"
 work=$(mktemp -d /tmp/dc-bench-XXXXXX)
 trap 'rm -rf "$work"' EXIT
 
-"$bin/dc-collect" --model "$model" --nproc "$nproc" --gas "$gas" --steps 3 --warmup 1 -o "$work/trace.db" --quiet >/dev/null
-echo "date: $(date -u +%Y-%m-%dT%H:%MZ)  machine: $(nproc) cores, $(uname -m)  model: $model  ranks: $nproc  gas: $gas  steps: $steps"
+# shellcheck disable=SC2086  # the flags are words
+"$bin/dc-collect" --model "$model" --nproc "$nproc" --gas "$gas" --steps 3 --warmup 1 $collect_flags -o "$work/trace.db" --quiet >/dev/null
+echo "date: $(date -u +%Y-%m-%dT%H:%MZ)  machine: $(nproc) cores, $(uname -m)  model: $model ${collect_flags}  ranks: $nproc  gas: $gas  steps: $steps"
 printf "%-12s %10s %10s %10s %12s %12s %12s %8s\n" policy predicted measured ratio tokens/s peak_bytes pred_peak instrs
-for policy in baseline deepcompile dc; do
+for policy in baseline zero3-offload deepcompile dc; do
   if ! "$bin/dc-plan" "$work/trace.db" --policy "$policy" --no-cache -o "$work/$policy.dcplan" --json >"$work/$policy.plan.json" 2>"$work/$policy.err"; then
     printf "%-12s %s\n" "$policy" "$(cat "$work/$policy.err")"
     continue
