@@ -3,18 +3,19 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <span>
 #include <tuple>
-#include <cstring>
 
 #include "executor/cpu_kernels.h"
 #include "executor/device_memory.h"
-#include "schemas/digest.h"
-#include "schemas/units.h"
+#include "executor/rename.h"
 #include "models/data.h"
 #include "models/model.h"
+#include "schemas/digest.h"
+#include "schemas/units.h"
 
 namespace dc {
 
@@ -533,33 +534,7 @@ Status RankRunner::Reload(const proto::Instruction& instr, int index) {
 
 // The kept buffers go on under the op's output names: no copy, no allocation.
 Status RankRunner::Rename(const proto::Instruction& instr, int index) {
-  const proto::Op& op = program_.ops(instr.op());
-  const int micro = instr.micro_step();
-  if (op.outputs_size() != instr.tensors_size()) {
-    return Status::Error(Describe(index) + ": renames " + std::to_string(instr.tensors_size()) +
-                         " tensors to the " + std::to_string(op.outputs_size()) + " outputs of " +
-                         op.name());
-  }
-  for (int k = 0; k < instr.tensors_size(); ++k) {
-    const int from = instr.tensors(k), to = op.outputs(k);
-    auto node = live_.extract({from, micro});
-    if (node.empty()) {
-      return Status::Error(Describe(index) + ": renames " + program_.tensors(from).name() +
-                           ", which is not live");
-    }
-    if (live_.count({to, micro})) {
-      return Status::Error(Describe(index) + ": " + program_.tensors(to).name() +
-                           " is already live");
-    }
-    node.key() = {to, micro};
-    live_.insert(std::move(node));
-    auto address = addresses_.extract({from, micro});
-    if (!address.empty()) {
-      address.key() = {to, micro};
-      addresses_.insert(std::move(address));
-    }
-  }
-  return Status::Ok();
+  return RenameLiveBuffers(program_, instr, Describe(index), &live_, &addresses_);
 }
 
 Status RankRunner::Execute(int index, int step, const InstructionRef& ref) {

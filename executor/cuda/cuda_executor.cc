@@ -17,6 +17,7 @@
 #include "executor/cuda/cuda_kernels.h"
 #include "executor/cuda/cuda_layout.h"
 #include "executor/device_memory.h"
+#include "executor/rename.h"
 #include "models/data.h"
 #include "models/model.h"
 #include "schemas/digest.h"
@@ -877,28 +878,7 @@ Status CudaRankRunner::Reload(const proto::Instruction& instr, int index, cudaSt
 // The kept buffers go on under the op's output names (same dtype and shape): nothing runs on
 // the device, so no stream is involved.
 Status CudaRankRunner::Rename(const proto::Instruction& instr, int index) {
-  const proto::Op& op = program_.ops(instr.op());
-  const int micro = instr.micro_step();
-  if (op.outputs_size() != instr.tensors_size()) {
-    return Status::Error(Describe(index) + ": renames " + std::to_string(instr.tensors_size()) +
-                         " tensors to the " + std::to_string(op.outputs_size()) + " outputs of " +
-                         op.name());
-  }
-  for (int k = 0; k < instr.tensors_size(); ++k) {
-    const int from = instr.tensors(k), to = op.outputs(k);
-    auto node = live_.extract({from, micro});
-    if (node.empty()) {
-      return Status::Error(Describe(index) + ": renames " + program_.tensors(from).name() +
-                           ", which is not live");
-    }
-    if (live_.count({to, micro})) {
-      return Status::Error(Describe(index) + ": " + program_.tensors(to).name() +
-                           " is already live");
-    }
-    node.key() = {to, micro};
-    live_.insert(std::move(node));
-  }
-  return Status::Ok();
+  return RenameLiveBuffers(program_, instr, Describe(index), &live_);
 }
 
 Status CudaRankRunner::ReleaseInstruction(const proto::Instruction& instr, int index,
