@@ -141,12 +141,12 @@ StatusOr<bool> KeepActivationsPass::Run(proto::Schedule* schedule, const PassCon
   // released in the forward, before the recompute.
   std::map<std::pair<int, int>, Candidate> by_key;
   std::map<std::pair<int, int>, bool> viable;
+  const int gas = static_cast<int>(std::max<int64_t>(1, program.config().gas()));
   for (const proto::Op& op : program.ops()) {
     if (!op.name().ends_with(op_kind::kRecomputeSuffix)) continue;
-    const int gas = static_cast<int>(std::max<int64_t>(1, program.config().gas()));
     for (int micro = 0; micro < gas; ++micro) {
       const std::pair<int, int> key{op.layer(), micro};
-      auto [ok, fresh] = viable.emplace(key, true);
+      auto ok = viable.emplace(key, true).first;
       auto r = compute_at.find({op.id(), micro});
       if (twin[op.id()] < 0 || r == compute_at.end()) {
         ok->second = false;
