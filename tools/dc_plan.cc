@@ -299,7 +299,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> disable;
   app.add_option("--disable", disable, "switch these passes of the policy off by name, e.g. --disable bucket")
       ->delimiter(',');
-  app.add_option("--policy", policy, "pass pipeline: baseline (ZeRO-3), deepcompile (the paper's rules) or dc (ours)")
+  app.add_option("--policy", policy, "pass pipeline: baseline (ZeRO-3), zero3-offload (ZeRO-3 offload: masters and Adam's state on the host, Adam run there), deepcompile (the paper's rules) or dc (ours)")
       ->check(CLI::IsMember(PolicyNames()))->capture_default_str();
   app.add_option("--from-plan", from_plan,
                  "re-plan this plan's program with the trace's profile (the trace must be of the same program)");
