@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
-#include <cstring>
 #include <limits>
 #include <map>
 #include <memory>
@@ -335,40 +334,6 @@ Status CudaRankRunner::RefreshComputeShard(int param, cudaStream_t stream,
                   MakeTensor(compute->data, compute->shape.dtype, {elements}), stream)
       .Prefixed(what + ": " + program_.tensors(param).name() + "'s compute-dtype shard: ");
 }
-
-namespace {
-
-// fp32 to bf16, rounding to nearest even as the device's __float2bfloat16_rn does (NaN stays a
-// quiet NaN).
-uint16_t FloatToBf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-// fp32 to fp16, rounding to nearest even (the compiler's conversion, as __float2half_rn).
-uint16_t FloatToF16(float value) {
-  const _Float16 half = static_cast<_Float16>(value);
-  uint16_t bits;
-  std::memcpy(&bits, &half, sizeof(bits));
-  return bits;
-}
-
-// Writes `elements` fp32 values as `dtype` into `out` (which holds elements * its size).
-void CastOnHost(const float* in, int64_t elements, proto::DType dtype, void* out) {
-  if (dtype == proto::DTYPE_F32) {
-    std::memcpy(out, in, static_cast<size_t>(elements) * sizeof(float));
-    return;
-  }
-  auto* half = static_cast<uint16_t*>(out);
-  for (int64_t i = 0; i < elements; ++i) {
-    half[i] = dtype == proto::DTYPE_BF16 ? FloatToBf16(in[i]) : FloatToF16(in[i]);
-  }
-}
-
-}  // namespace
 
 Status CudaRankRunner::RefreshComputeShardFromHost(int param, const std::string& what) {
   Buffer* compute = Find(param, kComputeShardKey);

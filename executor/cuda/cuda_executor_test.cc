@@ -176,6 +176,21 @@ TEST(CudaExecutor, MasterOffloadInBF16MatchesTheBaseline) {
   ExpectClose(CudaLosses(offload), baseline, kBF16Tolerance, "master offload against baseline");
 }
 
+// dc keeps the recomputed layers' activations (renames instead of recompute ops): the cuda
+// executor re-keys the kept buffers and trains as the model without recompute does.
+TEST(CudaExecutor, KeptActivationsMatchTheModelWithoutRecompute) {
+  DC_REQUIRE_DEVICE();
+  TinyPlanOptions options;
+  const std::vector<double> plain = CudaLosses(Plan(options));
+  options.recompute = true;
+  options.policy = "dc";
+  const proto::Schedule kept = Plan(options);
+  int renames = 0;
+  for (const auto& instr : kept.instructions()) renames += instr.kind() == proto::INSTR_RENAME;
+  ASSERT_GT(renames, 0);
+  ExpectClose(CudaLosses(kept), plain, kF32Tolerance, "kept activations against no recompute");
+}
+
 TEST(CudaExecutor, ArenaIsTheDeviceFootprintAndCapacityIsEnforced) {
   DC_REQUIRE_DEVICE();
   TinyPlanOptions options;

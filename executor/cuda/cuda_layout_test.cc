@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
+#include <limits>
 #include <set>
 
 #include "executor/cuda/cuda_test_plans.h"
@@ -215,6 +217,64 @@ TEST(CudaLayout, AcceptsTheBf16ShardsBesideOffloadedMasters) {
   ASSERT_GT(std::count(compute_shard.begin(), compute_shard.end(), true), 0);
   ASSERT_GT(plan.memory_plan().arena_bytes(), 0);
   Layout(plan);
+}
+
+// A dc plan of a recomputing program keeps activations: its renames pass the layout's checks.
+TEST(CudaLayout, AcceptsTheRenamesOfKeptActivations) {
+  TinyPlanOptions options;
+  options.world_size = 2;
+  options.recompute = true;
+  options.policy = "dc";
+  const proto::Schedule plan = Plan(options);
+  int renames = 0;
+  for (const auto& instr : plan.instructions()) renames += instr.kind() == proto::INSTR_RENAME;
+  EXPECT_GT(renames, 0);
+  Layout(plan);
+  proto::Schedule bad = plan;
+  for (auto& instr : *bad.mutable_instructions()) {
+    if (instr.kind() == proto::INSTR_RENAME) {
+      instr.add_tensors(instr.tensors(0));
+      break;
+    }
+  }
+  ExpectRefused(bad, "does not match");
+}
+
+uint16_t Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float FromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// The host's casts round as the device's do: to nearest, ties to the even neighbour.
+TEST(CudaLayout, HostCastsRoundToNearestEven) {
+  EXPECT_EQ(FloatToBf16(1.0f), 0x3f80);
+  EXPECT_EQ(FloatToBf16(-2.5f), Bits(-2.5f));             // exact
+  EXPECT_EQ(FloatToBf16(FromBits(0x3f808000u)), 0x3f80);  // tie, even below
+  EXPECT_EQ(FloatToBf16(FromBits(0x3f818000u)), 0x3f82);  // tie, even above
+  EXPECT_EQ(FloatToBf16(FromBits(0x3f808001u)), 0x3f81);  // just past the tie
+  EXPECT_EQ(FloatToBf16(FromBits(0x7f7fffffu)), 0x7f80);  // the largest float rounds to inf
+  EXPECT_EQ(FloatToBf16(std::numeric_limits<float>::infinity()), 0x7f80);
+  EXPECT_EQ(FloatToBf16(FromBits(0x7f800001u)) & 0x7fc0, 0x7fc0);  // a NaN stays a quiet NaN
+  EXPECT_EQ(FloatToF16(1.0f), 0x3c00);
+  EXPECT_EQ(FloatToF16(65504.0f), 0x7bff);                // the largest half
+  EXPECT_EQ(FloatToF16(65520.0f), 0x7c00);                // its tie rounds to inf
+  EXPECT_EQ(FloatToF16(1.0f + 1.0f / 2048), 0x3c00);      // tie, even below
+  EXPECT_EQ(FloatToF16(1.0f + 3.0f / 2048), 0x3c02);      // tie, even above
+  EXPECT_EQ(FloatToF16(5.960464477539063e-08f), 0x0001);  // the smallest subnormal
+  const float values[] = {0.1f, -3.0f, 1e-3f};
+  uint16_t half[3];
+  CastOnHost(values, 3, proto::DTYPE_BF16, half);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(half[i], FloatToBf16(values[i]));
+  float copy[3];
+  CastOnHost(values, 3, proto::DTYPE_F32, copy);
+  EXPECT_EQ(std::memcmp(copy, values, sizeof(copy)), 0);
 }
 
 TEST(CudaLayout, RefusesWhatTheExecutorCannotRun) {

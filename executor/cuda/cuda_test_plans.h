@@ -20,12 +20,14 @@ struct TinyPlanOptions {
   int world_size = 1;
   proto::DType compute_dtype = proto::DTYPE_F32;  // the tiny preset's own
   int64_t gas = 2;
+  bool recompute = false;    // --recompute: every layer's forward again in its backward
   int64_t budget_bytes = 0;  // 0 = unlimited
 };
 
 inline StatusOr<proto::Schedule> TinyPlan(const TinyPlanOptions& options) {
   ModelOverrides overrides;
   overrides.gas = options.gas;
+  overrides.recompute_layers = options.recompute;
   DC_ASSIGN_OR_RETURN(proto::ModelConfig config, MakeConfig("tiny", overrides));
   config.set_compute_dtype(options.compute_dtype);
   DC_ASSIGN_OR_RETURN(proto::Program program, BuildProgram(config));
