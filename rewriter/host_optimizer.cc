@@ -3,11 +3,16 @@
 #include <algorithm>
 #include <vector>
 
+#include "analyzer/cost_model.h"
 #include "schemas/units.h"
 
 namespace dc {
 
-StatusOr<bool> HostOptimizerPass::Run(proto::Schedule* schedule, const PassContext&) {
+std::string HostOptimizerPass::OptionsText() const {
+  return "device_share_of_budget=" + std::to_string(options_.device_share_of_budget);
+}
+
+StatusOr<bool> HostOptimizerPass::Run(proto::Schedule* schedule, const PassContext& context) {
   stats_ = HostOptimizerStats();
   const proto::Program& program = schedule->program();
   const int n = schedule->instructions_size();
@@ -34,13 +39,51 @@ StatusOr<bool> HostOptimizerPass::Run(proto::Schedule* schedule, const PassConte
   }
   std::sort(end_of_backward.begin(), end_of_backward.end());
 
+  std::vector<int> optimizer_ops;
   for (int i = first_optimizer; i < n; ++i) {
-    proto::Instruction* instr = schedule->mutable_instructions(i);
-    if (instr->kind() != proto::INSTR_COMPUTE || instr->op() < 0 ||
-        instr->op() >= program.ops_size() ||
-        program.ops(instr->op()).phase() != proto::PHASE_OPTIMIZER) {
-      continue;
+    const proto::Instruction& instr = schedule->instructions(i);
+    if (instr.kind() == proto::INSTR_COMPUTE && instr.op() >= 0 &&
+        instr.op() < program.ops_size() &&
+        program.ops(instr.op()).phase() == proto::PHASE_OPTIMIZER) {
+      optimizer_ops.push_back(i);
     }
+  }
+  const int world_size = std::max(1, schedule->world_size());
+  std::vector<char> on_host(n, 1);
+  const int64_t budget =
+      context.final_budget_bytes > 0 ? context.final_budget_bytes : context.budget_bytes;
+  if (options_.device_share_of_budget > 0 && budget > 0) {
+    // The largest params first (the fewest ops for the bytes; ties: schedule order), until the
+    // device's persistent shards fit. Each frees its master and states, less its compute shard.
+    on_host.assign(n, 0);
+    std::vector<std::pair<int64_t, int>> by_size;
+    for (int i : optimizer_ops) {
+      by_size.push_back({HostOptimizerElements(program, world_size, schedule->instructions(i)), i});
+    }
+    std::stable_sort(by_size.begin(), by_size.end(),
+                     [](const auto& a, const auto& b) { return a.first > b.first; });
+    const auto target =
+        static_cast<int64_t>(static_cast<double>(budget) * options_.device_share_of_budget);
+    int64_t persistent = 0;
+    for (int64_t b : PersistentBytesByKind(*schedule)) persistent += b;
+    constexpr int64_t kF32Bytes = 4;
+    for (const auto& [elements, i] : by_size) {
+      if (persistent <= target) break;
+      on_host[i] = 1;
+      for (int t : program.ops(schedule->instructions(i).op()).inputs()) {
+        const proto::Tensor& tensor = program.tensors(t);
+        if (tensor.role() == proto::ROLE_OPTIMIZER_STATE) {
+          persistent -= ShardElements(NumElements(tensor), world_size) * kF32Bytes;
+        } else if (tensor.role() == proto::ROLE_PARAM) {
+          persistent -= ShardElements(NumElements(tensor), world_size) * kF32Bytes -
+                        ComputeShardBytes(program, tensor, world_size);
+        }
+      }
+    }
+  }
+  for (int i : optimizer_ops) {
+    if (!on_host[i]) continue;
+    proto::Instruction* instr = schedule->mutable_instructions(i);
     instr->set_stream(proto::STREAM_HOST);
     std::vector<int> deps(instr->deps().begin(), instr->deps().end());
     deps.insert(deps.end(), end_of_backward.begin(), end_of_backward.end());
@@ -50,19 +93,22 @@ StatusOr<bool> HostOptimizerPass::Run(proto::Schedule* schedule, const PassConte
     for (int d : deps) instr->add_deps(d);
     ++stats_.host_ops;
   }
-  if (stats_.host_ops == 0)
+  if (optimizer_ops.empty()) {
     return Status::Error("the schedule has no optimizer op to run on the host");
+  }
+  if (stats_.host_ops == 0) return false;  // the device holds the step already
 
-  const int world_size = std::max(1, schedule->world_size());
   const std::vector<bool> host = HostResidentTensors(*schedule);
   const std::vector<bool> compute_shard = ComputeShardParams(*schedule);
   constexpr int64_t kF32Bytes = 4;  // persistent shards are fp32 (schemas/program.h)
   for (int t = 0; t < program.tensors_size(); ++t) {
     const proto::Tensor& tensor = program.tensors(t);
-    if (host[t])
+    if (host[t]) {
       stats_.host_resident_bytes += ShardElements(NumElements(tensor), world_size) * kF32Bytes;
-    if (compute_shard[t])
+    }
+    if (compute_shard[t]) {
       stats_.compute_shard_bytes += ComputeShardBytes(program, tensor, world_size);
+    }
   }
   return true;
 }

@@ -19,6 +19,14 @@
 
 namespace dc {
 
+struct HostOptimizerOptions {
+  // 0: every optimizer op on the host (ZeRO-3 offload). Above 0 (`host-optimizer-part`, dc's
+  // fallback where the device cannot hold the optimizer step): only the ops of the largest
+  // params, until the device's persistent shards fit this share of the budget; the other
+  // params step on the device, and the offload pass moves their state as it must.
+  double device_share_of_budget = 0;
+};
+
 struct HostOptimizerStats {
   int host_ops = 0;                 // optimizer ops moved to the host
   int64_t host_resident_bytes = 0;  // states and masters kept in host memory (per rank)
@@ -27,8 +35,14 @@ struct HostOptimizerStats {
 
 class HostOptimizerPass : public Pass {
  public:
-  bool FreesMemory() const override { return true; }
-  std::string_view name() const override { return "host-optimizer"; }
+  explicit HostOptimizerPass(HostOptimizerOptions options = {}) : options_(options) {}
+  // The partial pass frees only what the optimizer step needs; the offload pass after it frees
+  // what the forward and backward need, so the budget is checked from there on.
+  bool FreesMemory() const override { return options_.device_share_of_budget <= 0; }
+  std::string_view name() const override {
+    return options_.device_share_of_budget > 0 ? "host-optimizer-part" : "host-optimizer";
+  }
+  std::string OptionsText() const override;
   // Errors when the schedule already offloads or reloads anything (run this pass instead of the
   // offload passes) or has no optimizer op.
   StatusOr<bool> Run(proto::Schedule* schedule, const PassContext& context) override;
@@ -36,6 +50,7 @@ class HostOptimizerPass : public Pass {
   const HostOptimizerStats& stats() const { return stats_; }
 
  private:
+  HostOptimizerOptions options_;
   HostOptimizerStats stats_;
 };
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "analyzer/estimate.h"
 #include "analyzer/simulator.h"
@@ -187,6 +188,49 @@ TEST(HostOptimizer, DcFallsBackToTheHostWhereTheDeviceCannotHoldTheStep) {
   EXPECT_LE(dc->prediction().peak_device_bytes(), request.budget_bytes);
   ASSERT_GT(dc->notes_size(), 0);
   EXPECT_NE(dc->notes(0).find("host-optimizer"), std::string::npos) << dc->notes(0);
+}
+
+// The partial pass moves the largest params' steps to the host, just until the device's shards
+// fit its share of the final budget; the rest stay on the device.
+TEST(HostOptimizer, PartMovesTheLargestParamsUntilTheShardsFit) {
+  CostModel costs;
+  proto::Schedule s = TinyZero3(proto::DTYPE_BF16, &costs);
+  int64_t persistent = 0;
+  for (int64_t b : PersistentBytesByKind(s)) persistent += b;
+  HostOptimizerPass pass(HostOptimizerOptions{0.9});
+  EXPECT_EQ(pass.name(), "host-optimizer-part");
+  EXPECT_FALSE(pass.FreesMemory());             // the offload pass after it frees the rest
+  PassContext context{&costs, persistent * 2};  // relaxed: what the pass must not aim at
+  context.final_budget_bytes = persistent;      // room for 90%: a few ops move
+  auto changed = pass.Run(&s, context);
+  ASSERT_TRUE(changed.ok()) << changed.status().message();
+  EXPECT_TRUE(*changed);
+  int64_t after = 0;
+  for (int64_t b : PersistentBytesByKind(s)) after += b;
+  EXPECT_LE(after, persistent * 9 / 10);
+  const proto::Program& program = s.program();
+  int64_t smallest_on_host = std::numeric_limits<int64_t>::max(), largest_on_device = 0;
+  int on_host = 0, on_device = 0;
+  for (const proto::Instruction& instr : s.instructions()) {
+    if (instr.kind() != proto::INSTR_COMPUTE ||
+        program.ops(instr.op()).phase() != proto::PHASE_OPTIMIZER) {
+      continue;
+    }
+    const int64_t elements = HostOptimizerElements(program, kWorld, instr);
+    if (instr.stream() == proto::STREAM_HOST) {
+      ++on_host;
+      smallest_on_host = std::min(smallest_on_host, elements);
+    } else {
+      ++on_device;
+      largest_on_device = std::max(largest_on_device, elements);
+    }
+  }
+  EXPECT_EQ(on_host, pass.stats().host_ops);
+  EXPECT_GT(on_host, 0);
+  EXPECT_GT(on_device, 0);
+  EXPECT_GE(smallest_on_host, largest_on_device);
+  // One op fewer would not have fit: the last one moved was needed.
+  EXPECT_GT(after + 10 * smallest_on_host, persistent * 9 / 10);
 }
 
 TEST(HostOptimizer, RefusesAScheduleThatAlreadyOffloads) {

@@ -61,6 +61,11 @@ StatusOr<Layout> AnalyzeLayout(const proto::Schedule& schedule) {
       }
     }
   }
+  // The host optimizer's masters and states never come to the device.
+  const std::vector<bool> host = HostResidentTensors(schedule);
+  for (int t = 0; t < program.tensors_size(); ++t) {
+    if (host[t]) already_offloaded[t] = true;
+  }
   std::vector<int> fragment_of(program.tensors_size(), -1);
   for (int i = 0; i < schedule.instructions_size(); ++i) {
     const proto::Instruction& instr = schedule.instructions(i);

@@ -32,7 +32,9 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
       break;
     }
   }
-  PassContext relaxed = context;
+  PassContext enforced = context;
+  enforced.final_budget_bytes = context.budget_bytes;
+  PassContext relaxed = enforced;
   if (context.relaxed_budget_bytes > 0) relaxed.budget_bytes = context.relaxed_budget_bytes;
   PassContext structural = context;
   structural.budget_bytes = 0;
@@ -43,7 +45,7 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
     const std::string name(pass->name());
     if (disabled_.count(name)) continue;
     const bool before_freeing = i < first_freeing && first_freeing < passes_.size();
-    PassContext pass_context = before_freeing ? relaxed : context;
+    PassContext pass_context = before_freeing ? relaxed : enforced;
     // Only with a cost model: without one the verifier simulates with a default model.
     if (verified_sim && context.costs) pass_context.input_simulation = &*verified_sim;
     const auto start = std::chrono::steady_clock::now();

@@ -33,6 +33,12 @@ std::unique_ptr<Pass> Make() {
   return std::make_unique<P>();
 }
 
+// Adam on the host for the largest params, until the device's shards fit nine tenths of the
+// budget (the rest: activations, gathers, the arena's fragmentation).
+std::unique_ptr<Pass> MakePartialHostOptimizer() {
+  return std::make_unique<HostOptimizerPass>(HostOptimizerOptions{0.9});
+}
+
 constexpr PassFactory kPasses[] = {
     {"zero3", Make<Zero3Pass>},
     {"bucket", Make<BucketPass>},
@@ -44,6 +50,7 @@ constexpr PassFactory kPasses[] = {
     {"offload-all", Make<ZeroOffloadPass>},
     {"dc-offload", Make<DcOffloadPass>},
     {"host-optimizer", Make<HostOptimizerPass>},
+    {"host-optimizer-part", MakePartialHostOptimizer},
     {"keep-activations", Make<KeepActivationsPass>},
     {"memory-plan", Make<MemoryPlanPass>},
 };
@@ -201,8 +208,13 @@ const std::vector<Fallback>& DcFallbacks() {
       {{"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload"}, false},
       {{"zero3", "offload"}, false},
       {{"zero3"}, false},
-      // Where the device cannot hold the optimizer step's shards, Adam on the host (as ZeRO-3
-      // offload runs it), with the memory that frees spent on communication.
+      // Where the device cannot hold the optimizer step's shards, Adam on the host: for the
+      // largest params only, until the device's shards fit (offload moves the other params'
+      // state as it must), else for all, as ZeRO-3 offload runs it. The memory that frees goes
+      // to communication.
+      {{"zero3", "host-optimizer-part", "bucket", "prefetch", "unshard", "prefetch", "offload",
+        "memory-plan"},
+       false},
       {{"zero3", "host-optimizer", "bucket", "prefetch", "unshard", "prefetch", "memory-plan"},
        false},
       {{"zero3", "host-optimizer", "memory-plan"}, false},

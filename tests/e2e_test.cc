@@ -551,6 +551,55 @@ TEST(HostOptimizer, ZeroOffloadKeepsNoStateOnTheDeviceAndTrainsBitIdentically) {
   }
 }
 
+// Adam on the host for the largest params only, the rest on the device with their state
+// offloaded as it must be: both kinds of step in one plan train exactly as the baseline does.
+TEST(HostOptimizer, PartOnTheHostPartOnTheDeviceTrainsBitIdentically) {
+  const std::string dir = FreshDir("host-optimizer-part");
+  auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model tiny --dtype bf16 " +
+                            "--nproc 2 --gas 2 --steps 2 --warmup 1 -o " + dir + "/t.db");
+  ASSERT_EQ(collect.exit_code, 0) << collect.err;
+  auto base_plan =
+      RunCommand(Tool("dc-plan") + " " + dir + "/t.db --no-cache --policy baseline --json -o " +
+                 dir + "/base.dcplan");
+  ASSERT_EQ(base_plan.exit_code, 0) << base_plan.err;
+  // The budget of the persistent shards alone: the device cannot hold them and the forward's
+  // buffers, so some steps go to the host and offload moves the other params' state.
+  const json base_json = ParseJson(base_plan.out);
+  const json& kinds = base_json["predicted"]["peak_by_kind"];
+  const int64_t budget = kinds["shard"].get<int64_t>() + kinds["grad_shard"].get<int64_t>() +
+                         kinds["optimizer_state"].get<int64_t>();
+  auto planned = RunCommand(Tool("dc-plan") + " " + dir + "/t.db --no-cache --budget " +
+                            std::to_string(budget) +
+                            " --passes zero3,host-optimizer-part,offload,memory-plan --json "
+                            "--dump-after memory-plan -o " +
+                            dir + "/part.dcplan");
+  ASSERT_EQ(planned.exit_code, 0) << planned.err;
+  const json plan = ParseJson(planned.out);
+  std::ifstream text(dir + "/part.dcplan.memory-plan.txt");
+  int host_ops = 0, device_steps = 0;
+  for (std::string line; std::getline(text, line);) {
+    if (line.find(": compute host opt ") != std::string::npos) ++host_ops;
+    if (line.find(": compute compute opt ") != std::string::npos) ++device_steps;
+  }
+  EXPECT_GT(host_ops, 0);
+  EXPECT_GT(device_steps, 0);
+  const int64_t capacity =
+      std::max(plan["predicted"]["peak_device_bytes"].get<int64_t>(),
+               plan.contains("arena_bytes") ? plan["arena_bytes"].get<int64_t>() : int64_t{0});
+  EXPECT_LE(plan["predicted"]["peak_device_bytes"].get<int64_t>(), budget);
+  auto base =
+      RunCommand(Tool("dc-run") + " --backend cpu " + dir + "/base.dcplan --steps 10 --json");
+  ASSERT_EQ(base.exit_code, 0) << base.err;
+  auto part =
+      RunCommand(Tool("dc-run") + " --backend cpu " + dir + "/part.dcplan --steps 10 --json" +
+                 " --device-memory " + std::to_string(capacity));
+  ASSERT_EQ(part.exit_code, 0) << part.err;
+  const json base_run = ParseJson(base.out), part_run = ParseJson(part.out);
+  EXPECT_EQ(part_run["losses"], base_run["losses"]);
+  EXPECT_EQ(part_run["params_digest"], base_run["params_digest"]);
+  EXPECT_EQ(part_run["peak_live_bytes"], plan["predicted"]["peak_device_bytes"]);
+}
+
 TEST_P(OptimizedPlans, SameInputsGiveAByteIdenticalPlanFile) {
   std::string bytes[2];
   for (int i = 0; i < 2; ++i) {
