@@ -320,7 +320,16 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
     std::optional<proto::Schedule> best;
     std::string chosen;
     if (planned.ok()) best = *planned;
+    // Where the persistent shards alone exceed the budget, no optimizer step on the device fits:
+    // only the fallbacks that run it on the host can plan.
+    int64_t persistent = 0;
+    for (int64_t b : PersistentBytesByKind(request.program, request.world_size)) persistent += b;
+    const bool device_step_cannot_fit =
+        request.budget_bytes > 0 && persistent > request.budget_bytes;
     for (const Fallback& fallback : DcFallbacks()) {
+      const bool on_host = std::any_of(fallback.passes.begin(), fallback.passes.end(),
+                                       [](const std::string& p) { return p.starts_with("host-"); });
+      if (device_step_cannot_fit && !on_host) continue;
       DC_ASSIGN_OR_RETURN(auto simpler, MakePipelineFromNames(fallback.passes));
       for (const auto& name : request.disabled_passes) simpler->Disable(name);
       PassContext fallback_context = context;
