@@ -276,8 +276,9 @@ Status RankRunner::Init() {
     if (host_resident_[t.id()]) {  // the host optimizer's: in host memory from the start
       std::vector<float>& host = host_[t.id()];
       host.assign(shard, 0.0f);
-      if (t.role() == proto::ROLE_PARAM)
+      if (t.role() == proto::ROLE_PARAM) {
         InitParamSlice(config, t, rank_ * shard, shard, host.data());
+      }
       continue;
     }
     constexpr int64_t kF32Bytes = 4;

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "analyzer/cost_model.h"
+#include "rewriter/prefetch_timeline.h"
 #include "schemas/units.h"
 
 namespace dc {
@@ -26,18 +27,9 @@ StatusOr<bool> HostOptimizerPass::Run(proto::Schedule* schedule, const PassConte
     }
     if (instr.micro_step() < 0) first_optimizer = std::min(first_optimizer, i);
   }
-  // The last instruction of each stream before the optimizer phase: the host's step starts once
-  // the backward and every reduce-scatter into the grad shards are done.
-  std::vector<int> last(proto::Stream_MAX + 1, -1);
-  for (int i = 0; i < first_optimizer; ++i) {
-    const int stream = schedule->instructions(i).stream();
-    if (stream >= 0 && stream <= proto::Stream_MAX) last[stream] = i;
-  }
-  std::vector<int> end_of_backward;
-  for (int i : last) {
-    if (i >= 0) end_of_backward.push_back(i);
-  }
-  std::sort(end_of_backward.begin(), end_of_backward.end());
+  // The host's step starts once the backward and every reduce-scatter are done.
+  const std::vector<int> end_of_backward =
+      rewriter_internal::EndOfBackward(*schedule, first_optimizer);
 
   std::vector<int> optimizer_ops;
   for (int i = first_optimizer; i < n; ++i) {
@@ -47,6 +39,9 @@ StatusOr<bool> HostOptimizerPass::Run(proto::Schedule* schedule, const PassConte
         program.ops(instr.op()).phase() == proto::PHASE_OPTIMIZER) {
       optimizer_ops.push_back(i);
     }
+  }
+  if (optimizer_ops.empty()) {
+    return Status::Error("the schedule has no optimizer op to run on the host");
   }
   const int world_size = std::max(1, schedule->world_size());
   std::vector<char> on_host(n, 1);
@@ -92,9 +87,6 @@ StatusOr<bool> HostOptimizerPass::Run(proto::Schedule* schedule, const PassConte
     instr->clear_deps();
     for (int d : deps) instr->add_deps(d);
     ++stats_.host_ops;
-  }
-  if (optimizer_ops.empty()) {
-    return Status::Error("the schedule has no optimizer op to run on the host");
   }
   if (stats_.host_ops == 0) return false;  // the device holds the step already
 

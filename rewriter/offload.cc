@@ -139,22 +139,6 @@ int PositionAfter(const proto::Schedule& schedule, const Layout& layout, int com
   return j;
 }
 
-// The last instruction of each stream before the optimizer phase: a reload that depends on all
-// of them starts once the forward and backward are done.
-std::vector<int> EndOfBackward(const proto::Schedule& schedule, const Layout& layout) {
-  std::vector<int> last(proto::Stream_MAX + 1, -1);
-  for (int i = 0; i < layout.first_optimizer; ++i) {
-    const int stream = schedule.instructions(i).stream();
-    if (stream >= 0 && stream < static_cast<int>(last.size())) last[stream] = i;
-  }
-  std::vector<int> deps;
-  for (int i : last) {
-    if (i >= 0) deps.push_back(i);
-  }
-  std::sort(deps.begin(), deps.end());
-  return deps;
-}
-
 proto::Instruction CopyInstruction(proto::InstrKind kind, proto::Stream stream, int micro_step,
                                    int tensor) {
   proto::Instruction instr;
@@ -173,7 +157,7 @@ Built Build(const proto::Schedule& input, const Layout& layout, const Plan& plan
   std::vector<std::vector<int>> before(n + 1);
   const int num_offloads = static_cast<int>(plan.offloads.size());
   for (int k = 0; k < num_offloads; ++k) before[0].push_back(k);
-  const std::vector<int> end_deps = EndOfBackward(input, layout);
+  const std::vector<int> end_deps = rewriter_internal::EndOfBackward(input, layout.first_optimizer);
   for (int r = 0; r < static_cast<int>(plan.reloads.size()); ++r) {
     const int after = plan.reload_after[r];
     const int position = after < 0 ? layout.first_optimizer : PositionAfter(input, layout, after);

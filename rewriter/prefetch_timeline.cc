@@ -428,6 +428,20 @@ proto::Schedule* ScheduleShell(proto::Schedule* schedule, google::protobuf::Aren
   return shell;
 }
 
+std::vector<int> EndOfBackward(const proto::Schedule& schedule, int first_optimizer) {
+  std::vector<int> last(proto::Stream_MAX + 1, -1);
+  for (int i = 0; i < first_optimizer; ++i) {
+    const int stream = schedule.instructions(i).stream();
+    if (stream >= 0 && stream <= proto::Stream_MAX) last[stream] = i;
+  }
+  std::vector<int> deps;
+  for (int i : last) {
+    if (i >= 0) deps.push_back(i);
+  }
+  std::sort(deps.begin(), deps.end());
+  return deps;
+}
+
 void CopyAllButInstructions(const proto::Schedule& from, proto::Schedule* to) {
   // Every field of the message type but the instructions, read off its descriptor, so a field
   // added to Schedule is copied too.

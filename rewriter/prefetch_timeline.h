@@ -128,6 +128,11 @@ class ScheduleEditor {
 // copy and back).
 proto::Schedule* ScheduleShell(proto::Schedule* schedule, google::protobuf::Arena* arena);
 
+// The last instruction of each stream before `first_optimizer` (the first optimizer-phase
+// instruction), in index order: what waits for all of them starts once the forward, the
+// backward and every reduce-scatter into the grad shards are done.
+std::vector<int> EndOfBackward(const proto::Schedule& schedule, int first_optimizer);
+
 // Replaces `to` with a copy of every field of `from` but its instructions (which a caller
 // rebuilding the stream would copy only to clear them).
 void CopyAllButInstructions(const proto::Schedule& from, proto::Schedule* to);
