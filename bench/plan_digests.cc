@@ -35,15 +35,17 @@ struct Case {
 };
 
 std::vector<Case> Cases() {
+  // preset, world, GAS, seq (0: the preset's), hardware, dtype ("": the preset's), recompute,
+  // in --quick
   return {
-      {"tiny", 2, 1, 0, "cpu"},
-      {"tiny", 2, 4, 0, "cpu", "", true},
-      {"tiny", 4, 2, 0, "cpu", "bf16"},
-      {"mixtral-tiny", 2, 2, 0, "cpu"},
-      {"mixtral-tiny", 2, 2, 0, "cpu", "", true},
-      {"small", 2, 4, 0, "cpu"},
-      {"llama-1b", 8, 1, 512, "h100-sxm", "bf16"},
-      {"llama-1b", 8, 4, 512, "h100-sxm", "bf16", true},
+      {"tiny", 2, 1, 0, "cpu", "", false, true},
+      {"tiny", 2, 4, 0, "cpu", "", true, true},
+      {"tiny", 4, 2, 0, "cpu", "bf16", false, true},
+      {"mixtral-tiny", 2, 2, 0, "cpu", "", false, true},
+      {"mixtral-tiny", 2, 2, 0, "cpu", "", true, true},
+      {"small", 2, 4, 0, "cpu", "", false, true},
+      {"llama-1b", 8, 1, 512, "h100-sxm", "bf16", false, true},
+      {"llama-1b", 8, 4, 512, "h100-sxm", "bf16", true, true},
       {"llama3-8b", 8, 1, 1024, "h100-sxm", "", false, false},
       {"llama3-8b", 32, 4, 1024, "h100-sxm", "", false, false},
       {"llama3-70b", 32, 1, 1024, "h100-sxm", "", false, false},
