@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "analyzer/intervals.h"
+#include "schemas/effects.h"
 
 namespace dc {
 
@@ -45,11 +46,6 @@ using analyzer_internal::Median;
 
 const proto::Tensor* FindTensor(const proto::Program& program, int id) {
   return id >= 0 && id < program.tensors_size() ? &program.tensors(id) : nullptr;
-}
-
-bool IsPersistentRole(proto::Role role) {
-  return role == proto::ROLE_PARAM || role == proto::ROLE_GRAD ||
-         role == proto::ROLE_OPTIMIZER_STATE;
 }
 
 // Latency 0, the bandwidth of the typical sample.
@@ -138,13 +134,12 @@ int64_t CopyBytes(const proto::Program& program, int world_size,
   if (instruction.kind() != proto::INSTR_OFFLOAD && instruction.kind() != proto::INSTR_RELOAD) {
     return 0;
   }
-  constexpr int64_t kF32Bytes = 4;  // persistent shards are fp32 (schemas/program.h)
   int64_t bytes = 0;
   for (int id : instruction.tensors()) {
     const proto::Tensor* t = FindTensor(program, id);
     if (!t) continue;
     bytes += IsPersistentRole(t->role())
-                 ? ShardElements(NumElements(*t), std::max(1, world_size)) * kF32Bytes
+                 ? ShardBytes(*t, std::max(1, world_size))
                  : TransientBytes(program, *t);
   }
   return bytes;

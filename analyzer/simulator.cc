@@ -6,6 +6,7 @@
 #include <string>
 
 #include "analyzer/intervals.h"
+#include "schemas/effects.h"
 
 namespace dc {
 namespace {
@@ -17,74 +18,8 @@ using Span = analyzer_internal::Interval<double>;
 
 constexpr int kNumStreams = proto::Stream_MAX + 1;
 
-std::string Where(int index, const proto::Instruction& instruction) {
-  return "instruction " + std::to_string(index) + " (" + InstrKindName(instruction.kind()) + ")";
-}
-
 bool IsCollective(proto::InstrKind kind) {
   return kind == proto::INSTR_ALL_GATHER || kind == proto::INSTR_REDUCE_SCATTER;
-}
-
-bool IsPersistentRole(proto::Role role) {
-  return role == proto::ROLE_PARAM || role == proto::ROLE_GRAD ||
-         role == proto::ROLE_OPTIMIZER_STATE;
-}
-
-BufferKind PersistentKind(proto::Role role) {
-  switch (role) {
-    case proto::ROLE_PARAM:
-      return BufferKind::kShard;
-    case proto::ROLE_GRAD:
-      return BufferKind::kGradShard;
-    default:
-      return BufferKind::kOptimizerState;
-  }
-}
-
-// Ids and references the rest of the simulation relies on.
-Status CheckReferences(const proto::Schedule& schedule) {
-  const proto::Program& program = schedule.program();
-  for (int i = 0; i < schedule.instructions_size(); ++i) {
-    const proto::Instruction& instr = schedule.instructions(i);
-    if (instr.kind() == proto::INSTR_UNSPECIFIED || !proto::InstrKind_IsValid(instr.kind())) {
-      return Status::Error("instruction " + std::to_string(i) + " has no valid kind");
-    }
-    if (instr.stream() < 0 || instr.stream() >= kNumStreams) {
-      return Status::Error(Where(i, instr) + " has a bad stream");
-    }
-    for (int d : instr.deps()) {
-      if (d < 0 || d >= i) {
-        return Status::Error(Where(i, instr) + " depends on instruction " + std::to_string(d) +
-                             ", which does not come before it");
-      }
-    }
-    if ((instr.kind() == proto::INSTR_COMPUTE || instr.kind() == proto::INSTR_RENAME) &&
-        (instr.op() < 0 || instr.op() >= program.ops_size())) {
-      return Status::Error(Where(i, instr) + " computes a bad op id " + std::to_string(instr.op()));
-    }
-    if (instr.kind() == proto::INSTR_RENAME) {
-      const proto::Op& op = program.ops(instr.op());
-      bool same = op.outputs_size() == instr.tensors_size();
-      for (int k = 0; same && k < op.outputs_size(); ++k) {
-        const int from = instr.tensors(k), to = op.outputs(k);
-        same = from >= 0 && from < program.tensors_size() &&
-               TransientBytes(program, program.tensors(from)) ==
-                   TransientBytes(program, program.tensors(to)) &&
-               program.tensors(from).role() == proto::ROLE_ACTIVATION &&
-               program.tensors(to).role() == proto::ROLE_ACTIVATION;
-      }
-      if (!same) {
-        return Status::Error(Where(i, instr) + " renames tensors that are not, one for one, " +
-                             "activations of the size of " + op.name() + "'s outputs");
-      }
-    }
-    for (int t : instr.tensors()) {
-      if (t < 0 || t >= program.tensors_size()) {
-        return Status::Error(Where(i, instr) + " names a bad tensor id " + std::to_string(t));
-      }
-    }
-  }
-  return Status::Ok();
 }
 
 // Per-tensor and per-op numbers the replay looks up many times, computed once.
@@ -92,12 +27,10 @@ struct Facts {
   Facts(const proto::Schedule& schedule, const CostModel& costs)
       : program_of_schedule(&schedule.program()), world(std::max(1, schedule.world_size())) {
     const proto::Program& program = schedule.program();
-    constexpr int64_t kF32Bytes = 4;  // persistent shards are fp32 (schemas/program.h)
     for (const proto::Tensor& t : program.tensors()) {
       role.push_back(t.role());
       transient_bytes.push_back(TransientBytes(program, t));
-      transient_kind.push_back(TransientKind(t));
-      shard_bytes.push_back(ShardElements(NumElements(t), world) * kF32Bytes);
+      shard_bytes.push_back(ShardBytes(t, world));
     }
     for (int op = 0; op < program.ops_size(); ++op) {
       op_seconds.push_back(costs.OpSeconds(program, op));
@@ -151,7 +84,6 @@ struct Facts {
 
   std::vector<proto::Role> role;
   std::vector<int64_t> transient_bytes, shard_bytes;
-  std::vector<BufferKind> transient_kind;
   std::vector<double> op_seconds;
 };
 
@@ -407,287 +339,45 @@ class TimeOrder {
   int best_ = -1;
 };
 
-// Which (tensor, micro-step) buffers exist: a flat bitmap, micro-steps -1 .. max.
-class BufferSet {
+// The buffer effects (schemas/effects.h) as timed memory events: each allocation and free at its
+// instruction's start or end; the persistent buffers of start-up summed by kind.
+class MemoryEvents : public BufferListener {
  public:
-  BufferSet(int num_tensors, int max_micro_step)
-      : stride_(max_micro_step + 2), bits_(static_cast<size_t>(num_tensors) * stride_, 0) {}
-  bool contains(int tensor, int micro_step) const { return bits_[Index(tensor, micro_step)]; }
-  void insert(int tensor, int micro_step) { bits_[Index(tensor, micro_step)] = 1; }
-  // Returns whether it was there.
-  bool erase(int tensor, int micro_step) {
-    const size_t i = Index(tensor, micro_step);
-    const bool was = bits_[i];
-    bits_[i] = 0;
-    return was;
-  }
-
- private:
-  size_t Index(int tensor, int micro_step) const {
-    return static_cast<size_t>(tensor) * stride_ + static_cast<size_t>(micro_step + 1);
-  }
-  size_t stride_;
-  std::vector<uint8_t> bits_;
-};
-
-int MaxMicroStep(const proto::Schedule& schedule) {
-  int max_micro_step = 0;
-  for (const auto& instr : schedule.instructions()) {
-    max_micro_step = std::max(max_micro_step, instr.micro_step());
-  }
-  return max_micro_step;
-}
-
-// Replays buffer lifetimes in instruction order, checking every use, and emits the allocation
-// and free events with their times. Transients are keyed by (tensor, micro-step), gathered
-// params by tensor alone (a param may stay gathered across micro-steps).
-class MemoryReplay {
- public:
-  MemoryReplay(const proto::Schedule& schedule, const Facts& facts, const SimResult& times)
-      : MemoryReplay(schedule, facts, times, MaxMicroStep(schedule)) {}
-
-  Status Run() {
-    for (int i = 0; i < schedule_.instructions_size(); ++i) {
-      DC_RETURN_IF_ERROR(Apply(i, schedule_.instructions(i)));
-    }
-    return Status::Ok();
-  }
-  const std::vector<MemoryEvent>& events() const { return events_; }
-
- private:
-  MemoryReplay(const proto::Schedule& schedule, const Facts& facts, const SimResult& times,
-               int max_micro_step)
-      : schedule_(schedule),
-        program_(schedule.program()),
-        facts_(facts),
-        times_(times),
-        gathered_(program_.tensors_size(), false),
-        offloaded_(HostResidentTensors(schedule)),
-        live_(program_.tensors_size(), max_micro_step),
-        offloaded_live_(program_.tensors_size(), max_micro_step) {
+  MemoryEvents(const proto::Schedule& schedule, const SimResult& times)
+      : schedule_(schedule), times_(times), start_up_bytes_(kNumBufferKinds, 0) {
     events_.reserve(2 * static_cast<size_t>(schedule.instructions_size()));
   }
+  void Allocated(int instruction, const BufferKey& /*key*/, int64_t size_bytes, BufferKind kind,
+                 bool at_end, int /*handle*/) override {
+    Emit(instruction, at_end, size_bytes, kind);
+  }
+  void Freed(int instruction, const BufferKey& /*key*/, int64_t size_bytes, BufferKind kind,
+             bool at_end, int /*handle*/) override {
+    Emit(instruction, at_end, -size_bytes, kind);
+  }
+  const std::vector<MemoryEvent>& events() const { return events_; }
+  const std::vector<int64_t>& start_up_bytes() const { return start_up_bytes_; }
 
-  std::string Name(int id) const { return program_.tensors(id).name(); }
-  proto::Role Role(int id) const { return facts_.role[id]; }
+ private:
   void Emit(int i, bool at_end, int64_t delta, BufferKind kind) {
+    if (i < 0) {
+      start_up_bytes_[static_cast<int>(kind)] += delta;
+      return;
+    }
     const double time = at_end ? times_.end_seconds[i] : times_.start_seconds[i];
     events_.push_back({time, i, schedule_.instructions(i).stream(), delta, kind});
   }
-  void Allocate(int i, int tensor, int micro_step) {
-    live_.insert(tensor, micro_step);
-    Emit(i, false, facts_.transient_bytes[tensor], facts_.transient_kind[tensor]);
-  }
-  void Free(int i, bool at_end, int tensor) {
-    Emit(i, at_end, -facts_.transient_bytes[tensor], facts_.transient_kind[tensor]);
-  }
-
-  Status Apply(int i, const proto::Instruction& instr);
-  Status Gather(int i, const proto::Instruction& instr);
-  Status Compute(int i, const proto::Instruction& instr);
-  Status Release(int i, const proto::Instruction& instr);
-  Status ReduceScatter(int i, const proto::Instruction& instr);
-  Status Offload(int i, const proto::Instruction& instr);
-  Status Reload(int i, const proto::Instruction& instr);
-  Status Rename(int i, const proto::Instruction& instr);
-  Status ReadInput(int i, const proto::Instruction& instr, bool optimizer, int tensor);
-
   const proto::Schedule& schedule_;
-  const proto::Program& program_;
-  const Facts& facts_;
   const SimResult& times_;
-  std::vector<bool> gathered_;       // by param id
-  std::vector<bool> offloaded_;      // persistent shards on the host, by tensor id
-  BufferSet live_;                   // transients on the device
-  BufferSet offloaded_live_;         // transients on the host
   std::vector<MemoryEvent> events_;  // in instruction order
+  std::vector<int64_t> start_up_bytes_;
 };
-
-Status MemoryReplay::Apply(int i, const proto::Instruction& instr) {
-  switch (instr.kind()) {
-    case proto::INSTR_ALL_GATHER:
-      return Gather(i, instr);
-    case proto::INSTR_COMPUTE:
-      return Compute(i, instr);
-    case proto::INSTR_RELEASE:
-      return Release(i, instr);
-    case proto::INSTR_REDUCE_SCATTER:
-      return ReduceScatter(i, instr);
-    case proto::INSTR_OFFLOAD:
-      return Offload(i, instr);
-    case proto::INSTR_RELOAD:
-      return Reload(i, instr);
-    case proto::INSTR_RENAME:
-      return Rename(i, instr);
-    default:
-      return Status::Ok();
-  }
-}
-
-// The kept buffers change name, not size: no memory event.
-Status MemoryReplay::Rename(int i, const proto::Instruction& instr) {
-  const proto::Op& op = program_.ops(instr.op());
-  const int micro = instr.micro_step();
-  for (int k = 0; k < instr.tensors_size(); ++k) {
-    const int from = instr.tensors(k), to = op.outputs(k);
-    if (!live_.erase(from, micro)) {
-      return Status::Error(Where(i, instr) + " renames " + Name(from) + " (micro-step " +
-                           std::to_string(micro) + "), which is not live");
-    }
-    if (live_.contains(to, micro)) {
-      return Status::Error(Where(i, instr) + " renames into " + Name(to) +
-                           ", which is still live from an earlier write");
-    }
-    live_.insert(to, micro);
-  }
-  return Status::Ok();
-}
-
-Status MemoryReplay::Gather(int i, const proto::Instruction& instr) {
-  for (int t : instr.tensors()) {
-    if (Role(t) != proto::ROLE_PARAM) {
-      return Status::Error(Where(i, instr) + " gathers " + Name(t) + ", which is not a param");
-    }
-    if (gathered_[t]) {
-      return Status::Error(Where(i, instr) + " gathers " + Name(t) +
-                           ", which is already gathered and not released");
-    }
-    gathered_[t] = true;
-    Emit(i, false, facts_.transient_bytes[t], BufferKind::kGathered);
-  }
-  return Status::Ok();
-}
-
-Status MemoryReplay::ReadInput(int i, const proto::Instruction& instr, bool optimizer, int tensor) {
-  const proto::Role role = Role(tensor);
-  const int micro = instr.micro_step();
-  // The optimizer phase works on the rank's persistent shards, never on gathered buffers.
-  if (IsPersistentRole(role) && (optimizer || role == proto::ROLE_OPTIMIZER_STATE)) {
-    // A host optimizer op works on the host copies of the param's master and states (its grad
-    // shard it copies from the device).
-    if (instr.stream() == proto::STREAM_HOST && role != proto::ROLE_GRAD) {
-      if (!offloaded_[tensor]) {
-        return Status::Error(Where(i, instr) + " runs on the host but reads " + Name(tensor) +
-                             ", which is on the device");
-      }
-      return Status::Ok();
-    }
-    if (offloaded_[tensor]) {
-      return Status::Error(Where(i, instr) + " reads " + Name(tensor) +
-                           ", which is offloaded to the host; reload it first");
-    }
-    return Status::Ok();
-  }
-  if (role == proto::ROLE_PARAM) {
-    if (!gathered_[tensor]) {
-      return Status::Error(Where(i, instr) + " reads param " + Name(tensor) +
-                           ", which is not gathered");
-    }
-    return Status::Ok();
-  }
-  if (live_.contains(tensor, micro)) return Status::Ok();
-  if (role == proto::ROLE_INPUT) {
-    Allocate(i, tensor, micro);  // inputs arrive with the first compute that reads them
-    return Status::Ok();
-  }
-  return Status::Error(Where(i, instr) + " reads " + Name(tensor) + " (micro-step " +
-                       std::to_string(micro) + "), which is not live");
-}
-
-Status MemoryReplay::Compute(int i, const proto::Instruction& instr) {
-  const proto::Op& op = program_.ops(instr.op());
-  const bool optimizer = op.phase() == proto::PHASE_OPTIMIZER;
-  for (int t : op.inputs()) DC_RETURN_IF_ERROR(ReadInput(i, instr, optimizer, t));
-  for (int t : op.outputs()) {
-    if (optimizer && IsPersistentRole(Role(t))) continue;  // updated in place
-    if (live_.contains(t, instr.micro_step())) {
-      return Status::Error(Where(i, instr) + " writes " + Name(t) +
-                           ", which is still live from an earlier write");
-    }
-    Allocate(i, t, instr.micro_step());
-  }
-  return Status::Ok();
-}
-
-Status MemoryReplay::Release(int i, const proto::Instruction& instr) {
-  for (int t : instr.tensors()) {
-    if (Role(t) == proto::ROLE_PARAM) {
-      if (!gathered_[t]) {
-        return Status::Error(Where(i, instr) + " releases param " + Name(t) +
-                             ", which is not gathered");
-      }
-      gathered_[t] = false;
-    } else if (!live_.erase(t, instr.micro_step())) {
-      return Status::Error(Where(i, instr) + " releases " + Name(t) + " (micro-step " +
-                           std::to_string(instr.micro_step()) + "), which is not live");
-    }
-    Free(i, false, t);
-  }
-  return Status::Ok();
-}
-
-Status MemoryReplay::ReduceScatter(int i, const proto::Instruction& instr) {
-  for (int t : instr.tensors()) {
-    if (Role(t) != proto::ROLE_GRAD) {
-      return Status::Error(Where(i, instr) + " reduce-scatters " + Name(t) +
-                           ", which is not a grad");
-    }
-    if (!live_.contains(t, instr.micro_step())) {
-      return Status::Error(Where(i, instr) + " reduce-scatters " + Name(t) + " (micro-step " +
-                           std::to_string(instr.micro_step()) + "), which is not live");
-    }
-  }
-  return Status::Ok();
-}
-
-// Persistent shards leave the device when their copy ends; transients likewise.
-Status MemoryReplay::Offload(int i, const proto::Instruction& instr) {
-  for (int t : instr.tensors()) {
-    const proto::Role role = Role(t);
-    if (IsPersistentRole(role)) {
-      if (offloaded_[t]) {
-        return Status::Error(Where(i, instr) + " offloads " + Name(t) +
-                             ", which is already offloaded");
-      }
-      offloaded_[t] = true;
-      Emit(i, true, -facts_.shard_bytes[t], PersistentKind(role));
-      continue;
-    }
-    if (!live_.erase(t, instr.micro_step())) {
-      return Status::Error(Where(i, instr) + " offloads " + Name(t) + ", which is not live");
-    }
-    offloaded_live_.insert(t, instr.micro_step());
-    Free(i, true, t);
-  }
-  return Status::Ok();
-}
-
-// Reloaded buffers take device memory from the copy's start.
-Status MemoryReplay::Reload(int i, const proto::Instruction& instr) {
-  for (int t : instr.tensors()) {
-    const proto::Role role = Role(t);
-    if (IsPersistentRole(role)) {
-      if (!offloaded_[t]) {
-        return Status::Error(Where(i, instr) + " reloads " + Name(t) + ", which is not offloaded");
-      }
-      offloaded_[t] = false;
-      Emit(i, false, facts_.shard_bytes[t], PersistentKind(role));
-      continue;
-    }
-    if (!offloaded_live_.erase(t, instr.micro_step())) {
-      return Status::Error(Where(i, instr) + " reloads " + Name(t) + ", which is not offloaded");
-    }
-    Allocate(i, t, instr.micro_step());
-  }
-  return Status::Ok();
-}
 
 // Sweeps the events in time order (ties in instruction order); one timeline point per
 // instruction's change, the peak the first instant the total is highest.
-void SweepMemory(const proto::Schedule& schedule, const std::vector<MemoryEvent>& events,
+void SweepMemory(const std::vector<int64_t>& persistent, const std::vector<MemoryEvent>& events,
                  bool record_timeline, SimResult* result) {
   MemoryPoint now;
-  const std::vector<int64_t> persistent = PersistentBytesByKind(schedule);
   for (int k = 0; k < kNumBufferKinds; ++k) {
     now.bytes_by_kind[k] = persistent[k];
     now.total_bytes += persistent[k];
@@ -749,9 +439,9 @@ StatusOr<SimResult> Simulate(const proto::Schedule& schedule, const CostModel& c
   SimResult result;
   const Facts facts(schedule, costs);
   TimeReplay(schedule, costs, facts, &result).Run();
-  MemoryReplay replay(schedule, facts, result);
-  DC_RETURN_IF_ERROR(replay.Run());
-  SweepMemory(schedule, replay.events(), options.memory_timeline, &result);
+  MemoryEvents events(schedule, result);
+  DC_RETURN_IF_ERROR(BufferReplay(schedule, &events).Run());
+  SweepMemory(events.start_up_bytes(), events.events(), options.memory_timeline, &result);
   ComputeBusy(schedule, &result);
   return result;
 }

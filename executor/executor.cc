@@ -16,6 +16,7 @@
 #include "models/model.h"
 #include "schemas/digest.h"
 #include "schemas/units.h"
+#include "schemas/effects.h"
 
 namespace dc {
 
@@ -262,16 +263,8 @@ Status RankRunner::Init() {
   DC_ASSIGN_OR_RETURN(is_loss_term_, LossTerms(program_));
   host_resident_ = HostResidentTensors(schedule_);
   for (const auto& t : program_.tensors()) {
-    BufferKind kind;
-    if (t.role() == proto::ROLE_PARAM) {
-      kind = BufferKind::kShard;
-    } else if (t.role() == proto::ROLE_GRAD) {
-      kind = BufferKind::kGradShard;
-    } else if (t.role() == proto::ROLE_OPTIMIZER_STATE) {
-      kind = BufferKind::kOptimizerState;
-    } else {
-      continue;
-    }
+    if (!IsPersistentRole(t.role())) continue;
+    const BufferKind kind = PersistentKind(t.role());
     const int64_t shard = ShardOf(t.id());
     if (host_resident_[t.id()]) {  // the host optimizer's: in host memory from the start
       std::vector<float>& host = host_[t.id()];
@@ -281,8 +274,7 @@ Status RankRunner::Init() {
       }
       continue;
     }
-    constexpr int64_t kF32Bytes = 4;
-    DC_RETURN_IF_ERROR(Allocate(-1, t.id(), kPersistentKey, kind, shard * kF32Bytes, shard, false,
+    DC_RETURN_IF_ERROR(Allocate(-1, t.id(), kPersistentKey, kind, shard * kShardElementBytes, shard, false,
                                 "start-up (persistent shard of " + t.name() + ")"));
     if (t.role() == proto::ROLE_PARAM) InitParamSlice(config, t, rank_ * shard, shard, Shard(t.id())->f32);
   }
@@ -520,12 +512,9 @@ Status RankRunner::Reload(const proto::Instruction& instr, int index) {
       return Status::Error(Describe(index) + ": " + program_.tensors(tensor).name() + " is not offloaded");
     }
     const proto::Tensor& t = program_.tensors(tensor);
-    const BufferKind kind = t.role() == proto::ROLE_PARAM  ? BufferKind::kShard
-                            : t.role() == proto::ROLE_GRAD ? BufferKind::kGradShard
-                                                           : BufferKind::kOptimizerState;
-    constexpr int64_t kF32Bytes = 4;
+    const BufferKind kind = PersistentKind(t.role());
     const int64_t elements = static_cast<int64_t>(it->second.size());
-    DC_RETURN_IF_ERROR(Allocate(index, tensor, kPersistentKey, kind, elements * kF32Bytes, elements,
+    DC_RETURN_IF_ERROR(Allocate(index, tensor, kPersistentKey, kind, elements * kShardElementBytes, elements,
                                 false, Describe(index)));
     std::copy(it->second.begin(), it->second.end(), Shard(tensor)->f32);
     host_.erase(it);
@@ -583,9 +572,8 @@ Status RankRunner::Execute(int index, int step, const InstructionRef& ref) {
     if (instr.kind() == proto::INSTR_COMPUTE) {
       correlation = tracer_->Kernel(program_.ops(instr.op()).name(), instr.stream(), start_ns, end_ns, ref);
     } else if (instr.kind() == proto::INSTR_OFFLOAD || instr.kind() == proto::INSTR_RELOAD) {
-      constexpr int64_t kF32Bytes = 4;
       int64_t bytes = 0;
-      for (int tensor : instr.tensors()) bytes += ShardOf(tensor) * kF32Bytes;
+      for (int tensor : instr.tensors()) bytes += ShardOf(tensor) * kShardElementBytes;
       correlation = tracer_->Copy(instr.kind(), instr.stream(), start_ns, end_ns, bytes, ref);
     } else if (instr.kind() == proto::INSTR_ALL_GATHER || instr.kind() == proto::INSTR_REDUCE_SCATTER) {
       int64_t bytes = 0;

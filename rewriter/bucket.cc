@@ -6,6 +6,7 @@
 
 #include "analyzer/simulator.h"
 #include "rewriter/prefetch_timeline.h"
+#include "schemas/effects.h"
 
 namespace dc {
 namespace {
@@ -14,7 +15,6 @@ using rewriter_internal::GatherIndex;
 using rewriter_internal::LiveCurve;
 using rewriter_internal::ScheduleEditor;
 
-constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max() / 4;
 
 // Runs of collectives to fuse, each by its members' instruction indices (in stream order).
 struct Grouping {
@@ -303,7 +303,6 @@ std::string BucketPass::OptionsText() const {
 }
 
 StatusOr<bool> BucketPass::Run(proto::Schedule* schedule, const PassContext& context) {
-  output_simulation_.reset();
   if (!context.costs) return Status::Error("bucket needs a cost model");
   if (options_.cap_ratio <= 1) return Status::Error("bucket: cap_ratio must be above 1");
   SimOptions quick;
@@ -320,7 +319,7 @@ StatusOr<bool> BucketPass::Run(proto::Schedule* schedule, const PassContext& con
   const Planner planner(*schedule, *context.costs, input, index, curve);
 
   const int64_t budget = context.budget_bytes;
-  const int64_t limit = budget > 0 ? budget : kUnlimited;
+  const int64_t limit = budget > 0 ? budget : kUnlimitedBytes;
   google::protobuf::Arena arena;
   proto::Schedule* best = nullptr;
   proto::Schedule* candidate = rewriter_internal::ScheduleShell(schedule, &arena);
@@ -369,11 +368,9 @@ StatusOr<bool> BucketPass::Run(proto::Schedule* schedule, const PassContext& con
     DC_RETURN_IF_ERROR(search(&Caps::reduction_bytes, &Grouping::fused_reductions));
   }
   if (!best) {
-    if (!ordered) output_simulation_ = std::move(input);
     return ordered;
   }
   *schedule->mutable_instructions() = best->instructions();
-  output_simulation_ = std::move(best_sim);
   return true;
 }
 

@@ -51,13 +51,9 @@ class BucketPass : public Pass {
   std::string_view name() const override { return "bucket"; }
   std::string OptionsText() const override;
   StatusOr<bool> Run(proto::Schedule* schedule, const PassContext& context) override;
-  const SimResult* OutputSimulation() const override {
-    return output_simulation_ ? &*output_simulation_ : nullptr;
-  }
 
  private:
   BucketOptions options_;
-  std::optional<SimResult> output_simulation_;
 };
 
 }  // namespace dc

@@ -7,6 +7,7 @@
 
 #include "analyzer/simulator.h"
 #include "rewriter/prefetch_timeline.h"
+#include "schemas/effects.h"
 
 namespace dc {
 namespace {
@@ -16,7 +17,6 @@ using rewriter_internal::GatherIndex;
 using rewriter_internal::LiveCurve;
 using rewriter_internal::ScheduleEditor;
 
-constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max() / 4;
 
 bool OnComputeStream(const proto::Schedule& schedule, int i) {
   return schedule.instructions(i).stream() == proto::STREAM_COMPUTE;
@@ -256,7 +256,7 @@ StatusOr<bool> DcPrefetchPass::Run(proto::Schedule* schedule, const PassContext&
   const int64_t budget = context.budget_bytes;
   int64_t max_mem = budget > 0
                         ? static_cast<int64_t>(static_cast<double>(budget) * (1 - options_.margin))
-                        : kUnlimited;
+                        : kUnlimitedBytes;
   for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
     DC_RETURN_IF_ERROR(planner.Emit(planner.Plan(max_mem), candidate));
     DC_ASSIGN_OR_RETURN(SimResult output, Simulate(*candidate, *context.costs, quick));
@@ -312,7 +312,7 @@ StatusOr<bool> DcSelectiveGatherPass::Run(proto::Schedule* schedule, const PassC
   int64_t available =
       budget > 0 ? static_cast<int64_t>(static_cast<double>(budget) * (1 - options_.margin)) -
                        input.peak_device_bytes
-                 : kUnlimited;
+                 : kUnlimitedBytes;
   google::protobuf::Arena arena;
   proto::Schedule* candidate = rewriter_internal::ScheduleShell(schedule, &arena);
   for (int attempt = 0; attempt < options_.max_attempts && available > 0; ++attempt) {

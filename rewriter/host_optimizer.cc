@@ -6,6 +6,7 @@
 #include "analyzer/cost_model.h"
 #include "rewriter/prefetch_timeline.h"
 #include "schemas/units.h"
+#include "schemas/effects.h"
 
 namespace dc {
 
@@ -61,16 +62,15 @@ StatusOr<bool> HostOptimizerPass::Run(proto::Schedule* schedule, const PassConte
         static_cast<int64_t>(static_cast<double>(budget) * options_.device_share_of_budget);
     int64_t persistent = 0;
     for (int64_t b : PersistentBytesByKind(*schedule)) persistent += b;
-    constexpr int64_t kF32Bytes = 4;
     for (const auto& [elements, i] : by_size) {
       if (persistent <= target) break;
       on_host[i] = 1;
       for (int t : program.ops(schedule->instructions(i).op()).inputs()) {
         const proto::Tensor& tensor = program.tensors(t);
         if (tensor.role() == proto::ROLE_OPTIMIZER_STATE) {
-          persistent -= ShardElements(NumElements(tensor), world_size) * kF32Bytes;
+          persistent -= ShardBytes(tensor, world_size);
         } else if (tensor.role() == proto::ROLE_PARAM) {
-          persistent -= ShardElements(NumElements(tensor), world_size) * kF32Bytes -
+          persistent -= ShardBytes(tensor, world_size) -
                         ComputeShardBytes(program, tensor, world_size);
         }
       }
@@ -92,11 +92,10 @@ StatusOr<bool> HostOptimizerPass::Run(proto::Schedule* schedule, const PassConte
 
   const std::vector<bool> host = HostResidentTensors(*schedule);
   const std::vector<bool> compute_shard = ComputeShardParams(*schedule);
-  constexpr int64_t kF32Bytes = 4;  // persistent shards are fp32 (schemas/program.h)
   for (int t = 0; t < program.tensors_size(); ++t) {
     const proto::Tensor& tensor = program.tensors(t);
     if (host[t]) {
-      stats_.host_resident_bytes += ShardElements(NumElements(tensor), world_size) * kF32Bytes;
+      stats_.host_resident_bytes += ShardBytes(tensor, world_size);
     }
     if (compute_shard[t]) {
       stats_.compute_shard_bytes += ComputeShardBytes(program, tensor, world_size);

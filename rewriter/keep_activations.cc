@@ -11,6 +11,7 @@
 #include "analyzer/simulator.h"
 #include "models/op_kinds.h"
 #include "rewriter/prefetch_timeline.h"
+#include "schemas/effects.h"
 
 namespace dc {
 namespace {
@@ -18,7 +19,6 @@ namespace {
 using rewriter_internal::LiveCurve;
 using rewriter_internal::ScheduleEditor;
 
-constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max() / 4;
 
 // Each recompute op's forward twin, by op id (-1: none, or not one whose outputs can stand in).
 std::vector<int> TwinsOf(const proto::Program& program) {
@@ -112,7 +112,6 @@ std::string KeepActivationsPass::OptionsText() const {
 
 StatusOr<bool> KeepActivationsPass::Run(proto::Schedule* schedule, const PassContext& context) {
   stats_ = KeepActivationsStats();
-  output_simulation_.reset();
   if (!context.costs) return Status::Error("keep-activations needs a cost model");
   const proto::Program& program = schedule->program();
   const std::vector<int> twin = TwinsOf(program);
@@ -186,7 +185,7 @@ StatusOr<bool> KeepActivationsPass::Run(proto::Schedule* schedule, const PassCon
     return a->micro > b->micro;
   });
 
-  const int64_t limit = context.budget_bytes > 0 ? context.budget_bytes : kUnlimited;
+  const int64_t limit = context.budget_bytes > 0 ? context.budget_bytes : kUnlimitedBytes;
   std::vector<int64_t> bytes_of(program.tensors_size());
   for (const proto::Tensor& t : program.tensors()) bytes_of[t.id()] = TransientBytes(program, t);
   std::vector<const Candidate*> kept;
@@ -218,12 +217,10 @@ StatusOr<bool> KeepActivationsPass::Run(proto::Schedule* schedule, const PassCon
         stats_.recompute_seconds_saved += c->seconds;
       }
       *schedule = std::move(out);
-      output_simulation_ = std::move(output);
       return true;
     }
     kept.resize(kept.size() / 2);
   }
-  output_simulation_ = std::move(input);
   return false;
 }
 

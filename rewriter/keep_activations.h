@@ -46,15 +46,11 @@ class KeepActivationsPass : public Pass {
   // No change for a program without recompute ops. Needs a cost model.
   StatusOr<bool> Run(proto::Schedule* schedule, const PassContext& context) override;
   std::string Summary() const override;
-  const SimResult* OutputSimulation() const override {
-    return output_simulation_ ? &*output_simulation_ : nullptr;
-  }
   const KeepActivationsStats& stats() const { return stats_; }
 
  private:
   KeepActivationsOptions options_;
   KeepActivationsStats stats_;
-  std::optional<SimResult> output_simulation_;
 };
 
 }  // namespace dc

@@ -15,6 +15,7 @@
 #include "analyzer/simulator.h"
 #include "rewriter/arena_occupancy.h"
 #include "schemas/digest.h"
+#include "schemas/effects.h"
 #include "schemas/units.h"
 
 namespace dc {
@@ -23,210 +24,31 @@ namespace {
 using rewriter_internal::ArenaOccupancy;
 using rewriter_internal::ArenaOccupancy32;
 
-constexpr int64_t kF32Bytes = 4;  // persistent shards are fp32 (schemas/program.h)
-
-bool IsPersistentRole(proto::Role role) {
-  return role == proto::ROLE_PARAM || role == proto::ROLE_GRAD ||
-         role == proto::ROLE_OPTIMIZER_STATE;
-}
-
-std::string Where(int index, const proto::Instruction& instr) {
-  return "instruction " + std::to_string(index) + " (" + InstrKindName(instr.kind()) + ")";
-}
-
-// Replays the stream in index order and records when each buffer is allocated and freed.
-class LifetimeReplay {
+// The buffer effects (schemas/effects.h) as lifetimes over instruction indices: a buffer is
+// held from the instruction that allocates it to the one that frees it (the instruction count
+// if none does). Handles number the allocations, so they index the lifetimes.
+class Lifetimes : public BufferListener {
  public:
-  explicit LifetimeReplay(const proto::Schedule& schedule)
-      : schedule_(schedule),
-        program_(schedule.program()),
-        n_(schedule.instructions_size()),
-        world_size_(std::max(1, schedule.world_size())) {}
-
-  StatusOr<std::vector<BufferLifetime>> Run() {
-    int max_micro_step = 0;
-    for (const auto& instr : schedule_.instructions()) {
-      max_micro_step = std::max(max_micro_step, instr.micro_step());
-    }
-    const int num_tensors = program_.tensors_size();
-    stride_ = max_micro_step + 2;
-    persistent_.assign(num_tensors, -1);
-    gathered_.assign(num_tensors, -1);
-    transient_.assign(static_cast<size_t>(num_tensors) * stride_, -1);
-    // Host-resident tensors never take device memory.
-    const std::vector<bool> host = HostResidentTensors(schedule_);
-    for (const proto::Tensor& t : program_.tensors()) {
-      if (!IsPersistentRole(t.role()) || host[t.id()]) continue;
-      persistent_[t.id()] = Open(-1, t.id(), -1, ShardBytes(t.id()));
-    }
-    // The compute-dtype shards beside offloaded masters live for the whole run.
-    const std::vector<bool> compute_shard = ComputeShardParams(schedule_);
-    for (const proto::Tensor& t : program_.tensors()) {
-      if (!compute_shard[t.id()]) continue;
-      Open(-1, t.id(), kComputeShardMicroStep, ComputeShardBytes(program_, t, world_size_));
-    }
-    for (int i = 0; i < n_; ++i) DC_RETURN_IF_ERROR(Apply(i, schedule_.instructions(i)));
-    return std::move(buffers_);
-  }
-
- private:
-  int64_t ShardBytes(int t) const {
-    return ShardElements(NumElements(program_.tensors(t)), world_size_) * kF32Bytes;
-  }
-  int64_t TransientSize(int t) const { return TransientBytes(program_, program_.tensors(t)); }
-  const std::string& Name(int t) const { return program_.tensors(t).name(); }
-  proto::Role Role(int t) const { return program_.tensors(t).role(); }
-  int& Transient(int t, int micro_step) {
-    return transient_[static_cast<size_t>(t) * stride_ + (micro_step + 1)];
-  }
-
-  int Open(int instruction, int tensor, int micro_step, int64_t size_bytes) {
+  explicit Lifetimes(int num_instructions) : n_(num_instructions) {}
+  void Allocated(int instruction, const BufferKey& key, int64_t size_bytes, BufferKind /*kind*/,
+                 bool /*at_end*/, int /*handle*/) override {
     BufferLifetime b;
     b.instruction = instruction;
-    b.tensor = tensor;
-    b.micro_step = micro_step;
+    b.tensor = key.tensor;
+    b.micro_step = key.placement_micro_step();
     b.alloc_index = instruction;
     b.free_index = n_;
     b.size_bytes = size_bytes;
     buffers_.push_back(b);
-    return static_cast<int>(buffers_.size()) - 1;
   }
-  void Close(int* open, int i) {
-    buffers_[*open].free_index = i;
-    *open = -1;
+  void Freed(int instruction, const BufferKey& /*key*/, int64_t /*size_bytes*/,
+             BufferKind /*kind*/, bool /*at_end*/, int handle) override {
+    buffers_[handle].free_index = instruction;
   }
+  std::vector<BufferLifetime> Take() { return std::move(buffers_); }
 
-  Status Apply(int i, const proto::Instruction& instr) {
-    if (instr.micro_step() < -1) return Status::Error(Where(i, instr) + " has a bad micro-step");
-    for (int t : instr.tensors()) {
-      if (t < 0 || t >= program_.tensors_size()) {
-        return Status::Error(Where(i, instr) + " names a bad tensor id " + std::to_string(t));
-      }
-    }
-    const int micro = instr.micro_step();
-    switch (instr.kind()) {
-      case proto::INSTR_ALL_GATHER:
-        for (int t : instr.tensors()) {
-          if (Role(t) != proto::ROLE_PARAM || gathered_[t] >= 0) {
-            return Status::Error(Where(i, instr) + " gathers " + Name(t) +
-                                 ", which is not a param or is already gathered");
-          }
-          gathered_[t] = Open(i, t, -2, TransientSize(t));
-        }
-        return Status::Ok();
-      case proto::INSTR_COMPUTE:
-        return Compute(i, instr);
-      case proto::INSTR_RELEASE:
-        for (int t : instr.tensors()) {
-          int* open = Role(t) == proto::ROLE_PARAM ? &gathered_[t] : &Transient(t, micro);
-          if (*open < 0) {
-            return Status::Error(Where(i, instr) + " releases " + Name(t) + ", which is not live");
-          }
-          Close(open, i);
-        }
-        return Status::Ok();
-      case proto::INSTR_OFFLOAD:
-        for (int t : instr.tensors()) {
-          int* open = IsPersistentRole(Role(t)) ? &persistent_[t] : &Transient(t, micro);
-          if (*open < 0) {
-            return Status::Error(Where(i, instr) + " offloads " + Name(t) +
-                                 ", which is not on the device");
-          }
-          Close(open, i);
-        }
-        return Status::Ok();
-      case proto::INSTR_RENAME: {
-        // The kept buffer goes on under the op's output name: one lifetime, one place.
-        if (instr.op() < 0 || instr.op() >= program_.ops_size() ||
-            program_.ops(instr.op()).outputs_size() != instr.tensors_size()) {
-          return Status::Error(Where(i, instr) + " renames to the outputs of a bad op");
-        }
-        const proto::Op& op = program_.ops(instr.op());
-        for (int k = 0; k < instr.tensors_size(); ++k) {
-          int& from = Transient(instr.tensors(k), micro);
-          int& to = Transient(op.outputs(k), micro);
-          if (from < 0 || to >= 0) {
-            return Status::Error(Where(i, instr) + " renames " + Name(instr.tensors(k)) +
-                                 ", which is not live, or into a live " + Name(op.outputs(k)));
-          }
-          to = from;
-          from = -1;
-        }
-        return Status::Ok();
-      }
-      case proto::INSTR_RELOAD:
-        for (int t : instr.tensors()) {
-          const bool persistent = IsPersistentRole(Role(t));
-          int* open = persistent ? &persistent_[t] : &Transient(t, micro);
-          if (*open >= 0) {
-            return Status::Error(Where(i, instr) + " reloads " + Name(t) +
-                                 ", which is already on the device");
-          }
-          *open = persistent ? Open(i, t, -1, ShardBytes(t)) : Open(i, t, micro, TransientSize(t));
-        }
-        return Status::Ok();
-      default:
-        return Status::Ok();
-    }
-  }
-
-  Status Compute(int i, const proto::Instruction& instr) {
-    if (instr.op() < 0 || instr.op() >= program_.ops_size()) {
-      return Status::Error(Where(i, instr) + " computes a bad op id " + std::to_string(instr.op()));
-    }
-    const proto::Op& op = program_.ops(instr.op());
-    const bool optimizer = op.phase() == proto::PHASE_OPTIMIZER;
-    const bool on_host = instr.stream() == proto::STREAM_HOST;
-    const int micro = instr.micro_step();
-    for (int t : op.inputs()) {
-      const proto::Role role = Role(t);
-      if (IsPersistentRole(role) && (optimizer || role == proto::ROLE_OPTIMIZER_STATE)) {
-        if (on_host && role != proto::ROLE_GRAD) {
-          if (persistent_[t] >= 0) {
-            return Status::Error(Where(i, instr) + " runs on the host but reads " + Name(t) +
-                                 ", which is on the device");
-          }
-          continue;
-        }
-        if (persistent_[t] < 0) {
-          return Status::Error(Where(i, instr) + " reads " + Name(t) +
-                               ", which is offloaded to the host");
-        }
-        continue;
-      }
-      if (role == proto::ROLE_PARAM) {
-        if (gathered_[t] < 0) {
-          return Status::Error(Where(i, instr) + " reads param " + Name(t) +
-                               ", which is not gathered");
-        }
-        continue;
-      }
-      int& open = Transient(t, micro);
-      if (open >= 0) continue;
-      if (role != proto::ROLE_INPUT) {
-        return Status::Error(Where(i, instr) + " reads " + Name(t) + " (micro-step " +
-                             std::to_string(micro) + "), which is not live");
-      }
-      open = Open(i, t, micro, TransientSize(t));  // inputs arrive with their first reader
-    }
-    for (int t : op.outputs()) {
-      if (optimizer && IsPersistentRole(Role(t))) continue;  // updated in place
-      int& open = Transient(t, micro);
-      if (open >= 0) {
-        return Status::Error(Where(i, instr) + " writes " + Name(t) +
-                             ", which is still live from an earlier write");
-      }
-      open = Open(i, t, micro, TransientSize(t));
-    }
-    return Status::Ok();
-  }
-
-  const proto::Schedule& schedule_;
-  const proto::Program& program_;
+ private:
   const int n_;
-  const int world_size_;
-  int stride_ = 1;
-  std::vector<int> persistent_, gathered_, transient_;  // open buffer index, -1 if none
   std::vector<BufferLifetime> buffers_;
 };
 
@@ -400,7 +222,10 @@ std::pair<int64_t, int> LivePeak(const std::vector<BufferLifetime>& buffers, int
 }  // namespace
 
 StatusOr<std::vector<BufferLifetime>> BufferLifetimes(const proto::Schedule& schedule) {
-  return LifetimeReplay(schedule).Run();
+  DC_RETURN_IF_ERROR(CheckReferences(schedule));
+  Lifetimes lifetimes(schedule.instructions_size());
+  DC_RETURN_IF_ERROR(BufferReplay(schedule, &lifetimes).Run());
+  return lifetimes.Take();
 }
 
 // Moves lifetimes onto an axis that orders events by simulated time, then instruction index.
@@ -740,7 +565,6 @@ std::string MemoryPlanPass::OptionsText() const {
 StatusOr<bool> MemoryPlanPass::Run(proto::Schedule* schedule, const PassContext& context) {
   summary_.clear();
   reuse_dependencies_added_ = 0;
-  output_simulation_.reset();
   const int64_t budget = context.budget_bytes;
   proto::MemoryPlan plan;
   std::optional<PackingMemo::Entry> packed =
@@ -807,9 +631,6 @@ StatusOr<bool> MemoryPlanPass::Run(proto::Schedule* schedule, const PassContext&
     std::snprintf(text, sizeof(text), "; %d reuse dependencies: step %.4f s -> %.4f s",
                   reuse_dependencies_added_, sim.step_seconds, ordered.step_seconds);
     summary_ += text;
-    output_simulation_ = std::move(ordered);
-  } else {
-    output_simulation_ = std::move(sim);  // the memory plan does not change the timing
   }
   return changed;
 }

@@ -173,13 +173,9 @@ class MemoryPlanPass : public Pass {
   const MemoryPlanStats& stats() const { return stats_; }
   int64_t simulated_peak_bytes() const { return simulated_peak_bytes_; }
   int reuse_dependencies_added() const { return reuse_dependencies_added_; }
-  const SimResult* OutputSimulation() const override {
-    return output_simulation_ ? &*output_simulation_ : nullptr;
-  }
 
  private:
   MemoryPlanOptions options_;
-  std::optional<SimResult> output_simulation_;
   MemoryPlanStats stats_;
   int64_t simulated_peak_bytes_ = 0;
   int reuse_dependencies_added_ = 0;

@@ -11,11 +11,11 @@
 #include "analyzer/simulator.h"
 #include "rewriter/prefetch_timeline.h"
 #include "schemas/units.h"
+#include "schemas/effects.h"
 
 namespace dc {
 namespace {
 
-constexpr int64_t kF32Bytes = 4;  // persistent shards are fp32 (schemas/program.h)
 
 // One fragment that may move: the rank's fp32 shard of one optimizer-state tensor (Adam m or
 // v), or of one param (its master weight). A master on the host leaves a compute-dtype shard on
@@ -90,7 +90,7 @@ StatusOr<Layout> AnalyzeLayout(const proto::Schedule& schedule) {
           Fragment fragment;
           fragment.tensor = t;
           fragment.master = role == proto::ROLE_PARAM;
-          fragment.copy_bytes = ShardElements(NumElements(tensor), world_size) * kF32Bytes;
+          fragment.copy_bytes = ShardBytes(tensor, world_size);
           fragment.resident_bytes =
               fragment.master ? ComputeShardBytes(program, tensor, world_size) : 0;
           fragment.bytes = fragment.copy_bytes - fragment.resident_bytes;
@@ -686,7 +686,6 @@ std::string OffloadPass::OptionsText() const {
 StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& context) {
   stats_ = OffloadStats();
   arena_note_.clear();
-  output_simulation_.reset();
   budget_bytes_ = context.budget_bytes;
   if (context.budget_bytes <= 0) return false;
   const CostModel& costs = CostsOf(context);
@@ -758,12 +757,8 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
     planning_budget -= static_cast<int64_t>(static_cast<double>(stats_.arena_bytes - budget) *
                                             options_.arena_overshoot_factor);
   }
-  if (stats_.offloaded == 0) {
-    output_simulation_ = std::move(base);
-    return false;
-  }
+  if (stats_.offloaded == 0) return false;
   *schedule = std::move(out);
-  output_simulation_ = std::move(out_simulation);
   return true;
 }
 

@@ -106,9 +106,6 @@ class OffloadPass : public Pass {
   // how many bytes are still missing) or when the optimizer step alone does not fit.
   StatusOr<bool> Run(proto::Schedule* schedule, const PassContext& context) override;
   std::string Summary() const override;
-  const SimResult* OutputSimulation() const override {
-    return output_simulation_ ? &*output_simulation_ : nullptr;
-  }
   const OffloadStats& stats() const { return stats_; }
 
  private:
@@ -116,7 +113,6 @@ class OffloadPass : public Pass {
   OffloadStats stats_;
   int64_t budget_bytes_ = 0;  // of the last Run
   std::string arena_note_;    // why the last Run's arena stays over the budget, if it does
-  std::optional<SimResult> output_simulation_;
 };
 
 // ZeRO-3 offload: every fragment leaves at the start of the step and comes back after the last

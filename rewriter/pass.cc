@@ -12,6 +12,40 @@ std::vector<std::string> Pipeline::PassNames() const {
   return names;
 }
 
+bool Pipeline::Has(const std::string& name) const {
+  for (const auto& pass : passes_) {
+    if (pass->name() == name) return true;
+  }
+  return false;
+}
+
+namespace {
+std::string Listed(const std::vector<std::string>& names) {
+  std::string text;
+  for (const auto& name : names) text += (text.empty() ? "" : ", ") + name;
+  return text;
+}
+}  // namespace
+
+Status Pipeline::Disable(const std::string& name) {
+  if (!Has(name)) {
+    return Status::Error("no pass '" + name + "' to disable; this pipeline runs " +
+                         Listed(PassNames()));
+  }
+  disabled_.insert(name);
+  return Status::Ok();
+}
+
+Status Pipeline::DumpAfter(const std::string& name, DumpFn fn) {
+  if (!Has(name)) {
+    return Status::Error("no pass '" + name + "' to dump after; this pipeline runs " +
+                         Listed(PassNames()));
+  }
+  dump_after_ = name;
+  dump_ = std::move(fn);
+  return Status::Ok();
+}
+
 std::string Pipeline::OptionsText() const {
   std::string text;
   for (const auto& pass : passes_) {
@@ -40,6 +74,31 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
   structural.budget_bytes = 0;
   // The verifier's last simulation: of the schedule the next pass receives.
   std::optional<SimResult> verified_sim;
+  // Before the first pass: the schedule given must hold, or be empty for a pass that builds one.
+  if (schedule->instructions_size() == 0) {
+    const Pass* first = nullptr;
+    for (const auto& pass : passes_) {
+      if (!disabled_.count(std::string(pass->name()))) {
+        first = pass.get();
+        break;
+      }
+    }
+    if (!first) {
+      return Status::Error("the schedule is empty and every pass is disabled; enable a pass that "
+                           "lowers the program (zero3)");
+    }
+    if (!first->BuildsSchedule()) {
+      return Status::Error("pass " + std::string(first->name()) +
+                           " is the first to run, but the schedule is empty and it does not " +
+                           "build one; enable a pass that lowers the program (zero3) first");
+    }
+  } else {
+    SimResult sim;
+    DC_RETURN_IF_ERROR(verifier_(*schedule, structural, &sim).Prefixed("before the first pass: "));
+    if (sim.start_seconds.size() == static_cast<size_t>(schedule->instructions_size())) {
+      verified_sim = std::move(sim);
+    }
+  }
   for (size_t i = 0; i < passes_.size(); ++i) {
     const auto& pass = passes_[i];
     const std::string name(pass->name());
@@ -54,7 +113,7 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!changed.ok()) return changed.status().Prefixed("pass " + name + ": ");
     PassContext verify_context = before_freeing ? structural : context;
-    verify_context.input_simulation = context.costs ? pass->OutputSimulation() : nullptr;
+    verify_context.input_simulation = nullptr;
     SimResult sim;
     if (Status verified = verifier_(*schedule, verify_context, &sim); !verified.ok()) {
       return verified.Prefixed("after pass " + name + ": ");

@@ -1,6 +1,6 @@
 // The pass interface and the pipeline that runs passes over a schedule: one readable sequence,
-// the verifier after every pass, each pass timed, any pass switchable off by name, and the
-// schedule dumpable after any pass.
+// the verifier before the first pass and after every pass, each pass timed, any pass switchable
+// off by name, and the schedule dumpable after any pass.
 #pragma once
 
 #include <functional>
@@ -34,10 +34,9 @@ struct PassContext {
   // memory-plan pass does not pack again what the offload pass's arena check just packed.
   // Optional; one per plan (the costs and program must not change while it lives).
   PackingMemo* packings = nullptr;
-  // Simulate(schedule, *costs) of the schedule as the call receives it, when the caller has it
-  // (memory timeline off unless said otherwise): for a pass, the verifier's after the previous
-  // pass; for the verifier, the pass's own of its output. Whoever would simulate that schedule
-  // again may take it instead. Null otherwise.
+  // For a pass: the verifier's Simulate(schedule, *costs) of the schedule it receives (memory
+  // timeline off), when there is one; a pass that would simulate its input takes it instead.
+  // The verifier never takes one: it checks what it simulates itself. Null otherwise.
   const SimResult* input_simulation = nullptr;
 };
 
@@ -53,29 +52,31 @@ class Pass {
   // True for passes that free device memory (offload): the passes before the first of them plan
   // against PassContext::relaxed_budget_bytes, and the budget is enforced from it on.
   virtual bool FreesMemory() const { return false; }
+  // True for a pass that lowers the program into a schedule (zero3): the only pass that may be
+  // given a schedule with no instructions.
+  virtual bool BuildsSchedule() const { return false; }
   // What the last Run changed, for --explain ("moved 80 gathers earlier by 3.1 ops on average").
   virtual std::string Summary() const { return ""; }
-  // Simulate(schedule, *context.costs) of the schedule the last Run left, if Run made it (the
-  // memory timeline may be there or not): the pipeline's verifier checks it instead of
-  // simulating the same instructions again. Null if Run made none.
-  virtual const SimResult* OutputSimulation() const { return nullptr; }
 };
 
 class Pipeline {
  public:
   using DumpFn = std::function<void(std::string_view pass_name, const proto::Schedule&)>;
   // Checks a schedule; fills the simulation it made (for the pass record) when given one:
-  // Simulate(schedule, the context's costs) with the memory timeline off.
+  // Simulate(schedule, the context's costs) with the memory timeline off. It must simulate the
+  // schedule itself (never take PassContext::input_simulation).
   using VerifyFn = std::function<Status(const proto::Schedule&, const PassContext&, SimResult*)>;
 
   explicit Pipeline(VerifyFn verifier) : verifier_(std::move(verifier)) {}
 
   void Add(std::unique_ptr<Pass> pass) { passes_.push_back(std::move(pass)); }
-  void Disable(const std::string& name) { disabled_.insert(name); }
-  void DumpAfter(const std::string& name, DumpFn fn) {
-    dump_after_ = name;
-    dump_ = std::move(fn);
-  }
+  // Whether a pass of this name is in the pipeline.
+  bool Has(const std::string& name) const;
+  // Switches off every pass of this name; an error, naming the pipeline's passes, if it has none.
+  Status Disable(const std::string& name);
+  // Calls `fn` with the schedule after every pass of this name; an error, naming the pipeline's
+  // passes, if it has none.
+  Status DumpAfter(const std::string& name, DumpFn fn);
   // Called after every pass with its record (progress for people on long plans).
   using ProgressFn = std::function<void(const proto::PassRecord&)>;
   void OnPass(ProgressFn fn) { progress_ = std::move(fn); }
@@ -86,8 +87,9 @@ class Pipeline {
   // Names and options of the enabled passes, for the cache key.
   std::string OptionsText() const;
 
-  // Runs every enabled pass in order, the verifier after each. Records go to
-  // schedule->passes. An error names the pass. `last_simulation` (optional) receives the
+  // Runs every enabled pass in order, the verifier before the first (on a schedule with
+  // instructions; an empty one only a schedule-building pass may take) and after each. Records
+  // go to schedule->passes. An error names the pass. `last_simulation` (optional) receives the
   // verifier's simulation of the final schedule (memory timeline off), or nothing when no pass
   // ran.
   Status Run(proto::Schedule* schedule, const PassContext& context,

@@ -126,8 +126,13 @@ StatusOr<std::unique_ptr<Pipeline>> PipelineFor(const PlanRequest& request) {
   DC_ASSIGN_OR_RETURN(auto pipeline, request.passes.empty()
                                          ? MakePipeline(request.policy)
                                          : MakePipelineFromNames(request.passes));
-  for (const auto& name : request.disabled_passes) pipeline->Disable(name);
-  if (!request.dump_after.empty()) pipeline->DumpAfter(request.dump_after, request.dump);
+  for (const auto& name : request.disabled_passes) {
+    DC_RETURN_IF_ERROR(pipeline->Disable(name).Prefixed("--disable: "));
+  }
+  if (!request.dump_after.empty()) {
+    DC_RETURN_IF_ERROR(
+        pipeline->DumpAfter(request.dump_after, request.dump).Prefixed("--dump-after: "));
+  }
   if (request.on_pass) pipeline->OnPass(request.on_pass);
   return pipeline;
 }
@@ -300,7 +305,9 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
     }
     for (const Alternative& alternative : alternatives) {
       DC_ASSIGN_OR_RETURN(auto other_pipeline, PipelineFor(request));
-      if (!alternative.keep_activations) other_pipeline->Disable("keep-activations");
+      if (!alternative.keep_activations) {
+        DC_RETURN_IF_ERROR(other_pipeline->Disable("keep-activations"));
+      }
       PassContext other_context = context;
       other_context.relaxed_budget_bytes = alternative.relaxed_budget_bytes;
       StatusOr<proto::Schedule> other =
@@ -331,7 +338,9 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
                                        [](const std::string& p) { return p.starts_with("host-"); });
       if (device_step_cannot_fit && !on_host) continue;
       DC_ASSIGN_OR_RETURN(auto simpler, MakePipelineFromNames(fallback.passes));
-      for (const auto& name : request.disabled_passes) simpler->Disable(name);
+      for (const auto& name : request.disabled_passes) {
+        if (simpler->Has(name)) DC_RETURN_IF_ERROR(simpler->Disable(name));
+      }
       PassContext fallback_context = context;
       if (!fallback.relaxed) fallback_context.relaxed_budget_bytes = 0;
       StatusOr<proto::Schedule> candidate =

@@ -7,6 +7,7 @@
 
 #include "analyzer/simulator.h"
 #include "rewriter/prefetch_timeline.h"
+#include "schemas/effects.h"
 
 namespace dc {
 namespace {
@@ -15,7 +16,6 @@ using rewriter_internal::GatherIndex;
 using rewriter_internal::LiveCurve;
 using rewriter_internal::ScheduleEditor;
 
-constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max() / 4;
 
 // One all-gather as the planner sees it.
 struct Gather {
@@ -246,7 +246,6 @@ std::string PrefetchPass::OptionsText() const {
 }
 
 StatusOr<bool> PrefetchPass::Run(proto::Schedule* schedule, const PassContext& context) {
-  output_simulation_.reset();
   if (!context.costs) return Status::Error("prefetch needs a cost model");
   // One instruction at a time: nothing can hide behind anything.
   if (context.costs->serial_streams) return false;
@@ -283,7 +282,7 @@ StatusOr<bool> PrefetchPass::Run(proto::Schedule* schedule, const PassContext& c
   };
 
   const int64_t budget = context.budget_bytes;
-  int64_t limit = budget > 0 ? budget : kUnlimited;
+  int64_t limit = budget > 0 ? budget : kUnlimitedBytes;
   double slack = options_.hide_slack;
   if (slack <= 0 && budget <= 0) slack = options_.unlimited_hide_slack;
   proto::Schedule* candidate = unconstrained;  // reused: its instructions are rebuilt
@@ -295,7 +294,6 @@ StatusOr<bool> PrefetchPass::Run(proto::Schedule* schedule, const PassContext& c
     if (accept) {
       const bool changed = !rewriter_internal::SameInstructions(*schedule, *candidate);
       *schedule->mutable_instructions() = candidate->instructions();
-      output_simulation_ = std::move(output);
       return changed;
     }
     if (budget > 0 && output.peak_device_bytes > budget) {

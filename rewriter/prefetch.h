@@ -54,13 +54,9 @@ class PrefetchPass : public Pass {
   std::string_view name() const override { return "prefetch"; }
   std::string OptionsText() const override;
   StatusOr<bool> Run(proto::Schedule* schedule, const PassContext& context) override;
-  const SimResult* OutputSimulation() const override {
-    return output_simulation_ ? &*output_simulation_ : nullptr;
-  }
 
  private:
   PrefetchOptions options_;
-  std::optional<SimResult> output_simulation_;
 };
 
 }  // namespace dc

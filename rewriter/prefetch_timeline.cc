@@ -9,121 +9,31 @@
 #include <limits>
 #include <string>
 
+#include "schemas/effects.h"
+
 namespace dc::rewriter_internal {
 namespace {
 
 constexpr int kNumStreams = proto::Stream_MAX + 1;
-constexpr int64_t kF32Bytes = 4;  // persistent shards are fp32 (schemas/program.h)
 // Padding leaves of the segment tree: below any real value.
 constexpr int64_t kNoPoint = std::numeric_limits<int64_t>::min() / 4;
 
-bool IsPersistentRole(proto::Role role) {
-  return role == proto::ROLE_PARAM || role == proto::ROLE_GRAD ||
-         role == proto::ROLE_OPTIMIZER_STATE;
-}
-
-// The simulator's buffer accounting (analyzer/simulator.cc), reduced to one byte delta per
-// instruction: transients by (tensor, micro-step), gathered params by tensor.
-class DeltaReplay {
+// The buffer effects (schemas/effects.h) reduced to one byte delta per instruction.
+class Deltas : public BufferListener {
  public:
-  explicit DeltaReplay(const proto::Schedule& schedule) : program_(schedule.program()) {
-    int max_micro = 0;
-    for (const auto& instr : schedule.instructions()) {
-      max_micro = std::max(max_micro, instr.micro_step());
-    }
-    stride_ = max_micro + 2;
-    const int world = std::max(1, schedule.world_size());
-    for (const proto::Tensor& t : program_.tensors()) {
-      role_.push_back(t.role());
-      bytes_.push_back(TransientBytes(program_, t));
-      shard_bytes_.push_back(ShardElements(NumElements(t), world) * kF32Bytes);
-    }
-    live_.assign(role_.size() * stride_, 0);
+  explicit Deltas(int num_instructions) : delta_(num_instructions, 0) {}
+  void Allocated(int instruction, const BufferKey& /*key*/, int64_t size_bytes,
+                 BufferKind /*kind*/, bool /*at_end*/, int /*handle*/) override {
+    if (instruction >= 0) delta_[instruction] += size_bytes;
   }
-
-  // Bytes instruction `instr` allocates (+) and frees (-) and whether that happens at its end.
-  int64_t Delta(const proto::Instruction& instr, bool* at_end) {
-    *at_end = false;
-    const int micro = instr.micro_step();
-    int64_t delta = 0;
-    switch (instr.kind()) {
-      case proto::INSTR_ALL_GATHER:
-        for (int t : instr.tensors()) delta += bytes_[t];
-        break;
-      case proto::INSTR_COMPUTE: {
-        const proto::Op& op = program_.ops(instr.op());
-        const bool optimizer = op.phase() == proto::PHASE_OPTIMIZER;
-        for (int t : op.inputs()) {
-          const proto::Role role = role_[t];
-          if (role == proto::ROLE_PARAM || (IsPersistentRole(role) && optimizer) ||
-              role == proto::ROLE_OPTIMIZER_STATE) {
-            continue;
-          }
-          if (role == proto::ROLE_INPUT && !Live(t, micro)) {
-            SetLive(t, micro, true);
-            delta += bytes_[t];
-          }
-        }
-        for (int t : op.outputs()) {
-          if (optimizer && IsPersistentRole(role_[t])) continue;
-          SetLive(t, micro, true);
-          delta += bytes_[t];
-        }
-        break;
-      }
-      case proto::INSTR_RELEASE:
-        for (int t : instr.tensors()) {
-          if (role_[t] != proto::ROLE_PARAM) SetLive(t, micro, false);
-          delta -= bytes_[t];
-        }
-        break;
-      case proto::INSTR_OFFLOAD:
-        *at_end = true;
-        for (int t : instr.tensors()) {
-          if (IsPersistentRole(role_[t])) {
-            delta -= shard_bytes_[t];
-          } else {
-            SetLive(t, micro, false);
-            delta -= bytes_[t];
-          }
-        }
-        break;
-      case proto::INSTR_RELOAD:
-        for (int t : instr.tensors()) {
-          if (IsPersistentRole(role_[t])) {
-            delta += shard_bytes_[t];
-          } else {
-            SetLive(t, micro, true);
-            delta += bytes_[t];
-          }
-        }
-        break;
-      case proto::INSTR_RENAME: {  // the same bytes under the op's output names
-        const proto::Op& op = program_.ops(instr.op());
-        for (int k = 0; k < instr.tensors_size() && k < op.outputs_size(); ++k) {
-          SetLive(instr.tensors(k), micro, false);
-          SetLive(op.outputs(k), micro, true);
-        }
-        break;
-      }
-      default:
-        break;
-    }
-    return delta;
+  void Freed(int instruction, const BufferKey& /*key*/, int64_t size_bytes, BufferKind /*kind*/,
+             bool /*at_end*/, int /*handle*/) override {
+    delta_[instruction] -= size_bytes;
   }
+  int64_t delta(int instruction) const { return delta_[instruction]; }
 
  private:
-  size_t Index(int t, int micro) const {
-    return static_cast<size_t>(t) * stride_ + static_cast<size_t>(micro + 1);
-  }
-  bool Live(int t, int micro) const { return live_[Index(t, micro)]; }
-  void SetLive(int t, int micro, bool live) { live_[Index(t, micro)] = live; }
-
-  const proto::Program& program_;
-  size_t stride_ = 1;
-  std::vector<proto::Role> role_;
-  std::vector<int64_t> bytes_, shard_bytes_;
-  std::vector<uint8_t> live_;
+  std::vector<int64_t> delta_;
 };
 
 }  // namespace
@@ -142,15 +52,16 @@ StatusOr<LiveCurve> LiveCurve::Build(const proto::Schedule& schedule, const SimR
   for (int64_t bytes : PersistentBytesByKind(schedule)) {
     curve.persistent_bytes_ += bytes;
   }
-  DeltaReplay replay(schedule);
+  DC_RETURN_IF_ERROR(CheckReferences(schedule));
+  Deltas deltas(n);
+  DC_RETURN_IF_ERROR(BufferReplay(schedule, &deltas).Run());
   std::vector<int64_t> delta(n);
   std::vector<double> time(n);
   std::array<std::vector<int>, kNumStreams> by_stream;
   for (int i = 0; i < n; ++i) {
     const proto::Instruction& instr = schedule.instructions(i);
-    bool at_end = false;
-    delta[i] = replay.Delta(instr, &at_end);
-    time[i] = at_end ? sim.end_seconds[i] : sim.start_seconds[i];
+    delta[i] = deltas.delta(i);
+    time[i] = EffectsAtEnd(instr.kind()) ? sim.end_seconds[i] : sim.start_seconds[i];
     const int stream = instr.stream() >= 0 && instr.stream() < kNumStreams ? instr.stream() : 0;
     by_stream[stream].push_back(i);
   }

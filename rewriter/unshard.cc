@@ -7,6 +7,7 @@
 
 #include "analyzer/simulator.h"
 #include "rewriter/prefetch_timeline.h"
+#include "schemas/effects.h"
 
 namespace dc {
 namespace {
@@ -15,7 +16,6 @@ using rewriter_internal::Bridge;
 using rewriter_internal::GatherIndex;
 using rewriter_internal::LiveCurve;
 
-constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max() / 4;
 
 struct Gap {
   Bridge bridge;
@@ -145,7 +145,6 @@ std::string UnshardPass::OptionsText() const {
 }
 
 StatusOr<bool> UnshardPass::Run(proto::Schedule* schedule, const PassContext& context) {
-  output_simulation_.reset();
   if (!context.costs) return Status::Error("unshard needs a cost model");
   SimOptions quick;
   quick.memory_timeline = false;
@@ -165,7 +164,7 @@ StatusOr<bool> UnshardPass::Run(proto::Schedule* schedule, const PassContext& co
   if (gaps.empty()) return ordered;
 
   const int64_t budget = context.budget_bytes;
-  int64_t limit = budget > 0 ? budget : kUnlimited;
+  int64_t limit = budget > 0 ? budget : kUnlimitedBytes;
   google::protobuf::Arena arena;
   proto::Schedule* candidate = rewriter_internal::ScheduleShell(schedule, &arena);
   // A plan slower than its input, or far over the budget, keeps only the better half of its
@@ -179,7 +178,6 @@ StatusOr<bool> UnshardPass::Run(proto::Schedule* schedule, const PassContext& co
     DC_ASSIGN_OR_RETURN(SimResult output, Simulate(*candidate, *context.costs, quick));
     if (rewriter_internal::Acceptable(input, output, budget, options_.slowdown_tolerance)) {
       *schedule->mutable_instructions() = candidate->instructions();
-      output_simulation_ = std::move(output);
       return true;
     }
     // Over the budget: plan against a limit lowered by the overshoot. Where the overshoot is

@@ -49,13 +49,9 @@ class UnshardPass : public Pass {
   std::string_view name() const override { return "unshard"; }
   std::string OptionsText() const override;
   StatusOr<bool> Run(proto::Schedule* schedule, const PassContext& context) override;
-  const SimResult* OutputSimulation() const override {
-    return output_simulation_ ? &*output_simulation_ : nullptr;
-  }
 
  private:
   UnshardOptions options_;
-  std::optional<SimResult> output_simulation_;
 };
 
 }  // namespace dc

@@ -52,17 +52,17 @@ Status CheckOpCounts(const proto::Schedule& schedule) {
 }  // namespace
 
 Status VerifySchedule(const proto::Schedule& schedule, const PassContext& context, SimResult* simulated) {
-  DC_RETURN_IF_ERROR(CheckOpCounts(schedule));
-  SimResult sim;
-  if (context.input_simulation) {
-    sim = *context.input_simulation;
-  } else {
-    CostModel fallback;
-    SimOptions options;
-    options.memory_timeline = false;  // the peak is all a check needs
-    DC_ASSIGN_OR_RETURN(sim,
-                        Simulate(schedule, context.costs ? *context.costs : fallback, options));
+  if (schedule.instructions_size() == 0) {
+    return Status::Error("the schedule has no instructions; plan it with a pipeline that starts "
+                         "with zero3");
   }
+  DC_RETURN_IF_ERROR(CheckOpCounts(schedule));
+  // Simulate checks every reference and buffer effect (schemas/effects.h) before it times.
+  CostModel fallback;
+  SimOptions options;
+  options.memory_timeline = false;  // the peak is all a check needs
+  DC_ASSIGN_OR_RETURN(SimResult sim,
+                      Simulate(schedule, context.costs ? *context.costs : fallback, options));
   if (context.budget_bytes > 0 && sim.peak_device_bytes > context.budget_bytes) {
     return Status::Error("the schedule needs " + FormatBytes(sim.peak_device_bytes) +
                          " of device memory at its peak (instruction " +

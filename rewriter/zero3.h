@@ -25,6 +25,7 @@ class Zero3Pass : public Pass {
   std::string_view name() const override { return "zero3"; }
   std::string OptionsText() const override;
   std::string Summary() const override { return summary_; }
+  bool BuildsSchedule() const override { return true; }
   // Replaces schedule->instructions with the baseline stream for schedule->program.
   StatusOr<bool> Run(proto::Schedule* schedule, const PassContext& context) override;
 

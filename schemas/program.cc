@@ -1,4 +1,5 @@
 #include "schemas/program.h"
+#include "schemas/effects.h"
 
 #include <algorithm>
 
@@ -224,9 +225,8 @@ int64_t TransientBytes(const proto::Program& program, const proto::Tensor& tenso
 
 std::vector<int64_t> PersistentBytesByKind(const proto::Program& program, int world_size) {
   std::vector<int64_t> bytes(kNumBufferKinds, 0);
-  constexpr int64_t kF32Bytes = 4;
   for (const auto& t : program.tensors()) {
-    const int64_t shard_bytes = ShardElements(NumElements(t), world_size) * kF32Bytes;
+    const int64_t shard_bytes = ShardBytes(t, world_size);
     if (t.role() == proto::ROLE_PARAM) {
       bytes[static_cast<int>(BufferKind::kShard)] += shard_bytes;
     } else if (t.role() == proto::ROLE_GRAD) {
@@ -303,7 +303,6 @@ std::vector<int64_t> PersistentBytesByKind(const proto::Schedule& schedule) {
   const Residency residency = ScanResidency(schedule);
   const std::vector<bool> compute_shard = ComputeShardParamsOf(program, residency);
   const std::vector<bool>& host = residency.host;
-  constexpr int64_t kF32Bytes = 4;
   for (int t = 0; t < program.tensors_size(); ++t) {
     const proto::Tensor& tensor = program.tensors(t);
     if (compute_shard[t]) {
@@ -312,7 +311,7 @@ std::vector<int64_t> PersistentBytesByKind(const proto::Schedule& schedule) {
     if (host[t]) {
       const BufferKind kind =
           tensor.role() == proto::ROLE_PARAM ? BufferKind::kShard : BufferKind::kOptimizerState;
-      bytes[static_cast<int>(kind)] -= ShardElements(NumElements(tensor), world_size) * kF32Bytes;
+      bytes[static_cast<int>(kind)] -= ShardBytes(tensor, world_size);
     }
   }
   return bytes;

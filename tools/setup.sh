@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set-up in one command: install the Debian packages that are missing, build, then
 #   tools/setup.sh          run the main job: dc-collect -> dc-plan -> dc-run on `tiny`, 2 ranks
-#   tools/setup.sh test     run every test (ctest)
+#   tools/setup.sh test     check the format (tools/format.sh --check), then run every test (ctest)
 #   tools/setup.sh build    build only
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ jobs=${DC_JOBS:-$(nproc)}
 
 packages=(build-essential cmake pkg-config libprotobuf-dev protobuf-compiler libsqlite3-dev sqlite3
           libcli11-dev libgtest-dev libgloo-dev libopenblas-dev libssl-dev nlohmann-json3-dev zlib1g-dev
-          libmimalloc-dev)
+          libmimalloc-dev clang-format)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -23,6 +23,9 @@ if ((${#missing[@]})); then
   $sudo apt-get update -q
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
+
+# The format check first: it takes a second, the build minutes.
+if [ "$mode" = test ]; then tools/format.sh --check; fi
 
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$build_dir" -j "$jobs"

@@ -21,6 +21,7 @@
 #include "models/model.h"
 #include "schemas/digest.h"
 #include "schemas/units.h"
+#include "schemas/effects.h"
 
 namespace dc {
 namespace {
@@ -483,7 +484,6 @@ Status CudaRankRunner::InitHostBuffers() {
 }
 
 void CudaRankRunner::DescribeToTracer() {
-  constexpr int64_t kF32Bytes = 4;
   for (int i = 0; i < schedule_.instructions_size(); ++i) {
     const proto::Instruction& instr = schedule_.instructions(i);
     InstructionInfo info;
@@ -495,7 +495,7 @@ void CudaRankRunner::DescribeToTracer() {
       if (instr.kind() == proto::INSTR_ALL_GATHER || instr.kind() == proto::INSTR_REDUCE_SCATTER) {
         info.bytes += TransientBytes(program_, program_.tensors(t));
       } else if (instr.kind() == proto::INSTR_OFFLOAD || instr.kind() == proto::INSTR_RELOAD) {
-        info.bytes += ShardOf(t) * kF32Bytes;
+        info.bytes += ShardOf(t) * kShardElementBytes;
       }
     }
     tracer_->DescribeInstruction(i, std::move(info));

@@ -1,4 +1,5 @@
 #include "executor/cuda/cuda_layout.h"
+#include "schemas/effects.h"
 
 #include <algorithm>
 #include <cstring>
@@ -7,22 +8,13 @@
 namespace dc {
 namespace {
 
-constexpr int64_t kF32Bytes = 4;
-// BufferPlacement.micro_step of a gathered param (schedule.proto).
-constexpr int kGatheredMicroStep = -2;
 
 int64_t AlignUp(int64_t bytes, int64_t alignment) {
   return (bytes + alignment - 1) / alignment * alignment;
 }
 
-bool IsPersistentRole(proto::Role role) {
-  return role == proto::ROLE_PARAM || role == proto::ROLE_GRAD ||
-         role == proto::ROLE_OPTIMIZER_STATE;
-}
-
 std::string Where(const proto::Schedule& schedule, int index) {
-  const proto::Instruction& instr = schedule.instructions(index);
-  return "instruction " + std::to_string(index) + " (" + InstrKindName(instr.kind()) + ")";
+  return InstructionWhere(index, schedule.instructions(index));
 }
 
 Status CheckPlacements(const proto::Schedule& schedule) {
@@ -94,7 +86,7 @@ void CastOnHost(const float* in, int64_t elements, proto::DType dtype, void* out
 
 CudaBufferShape ShardShape(const proto::Tensor& tensor, int world_size) {
   const int64_t elements = ShardElements(NumElements(tensor), world_size);
-  return {proto::DTYPE_F32, elements, elements * kF32Bytes};
+  return {proto::DTYPE_F32, elements, elements * kShardElementBytes};
 }
 
 CudaBufferShape TransientShape(const proto::Program& program, const proto::Tensor& tensor) {

@@ -1,0 +1,204 @@
+// The pipeline: disable by name, dump after a pass, unknown names refused, the verifier before
+// the first pass and after every pass, on its own.
+#include "rewriter/pass.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "analyzer/simulator.h"
+#include "models/model.h"
+#include "rewriter/planner.h"
+#include "rewriter/verifier.h"
+#include "rewriter/zero3.h"
+
+namespace dc {
+namespace {
+
+proto::Program TinyProgram() {
+  ModelOverrides overrides;
+  overrides.gas = 2;
+  auto config = MakeConfig("tiny", overrides);
+  EXPECT_TRUE(config.ok()) << config.status().message();
+  auto program = BuildProgram(*config);
+  EXPECT_TRUE(program.ok()) << program.status().message();
+  return *program;
+}
+
+proto::Schedule EmptySchedule() {
+  proto::Schedule s;
+  s.set_world_size(2);
+  s.set_backend("cpu");
+  *s.mutable_program() = TinyProgram();
+  return s;
+}
+
+std::unique_ptr<Pipeline> Make(const std::vector<std::string>& names) {
+  auto pipeline = MakePipelineFromNames(names);
+  EXPECT_TRUE(pipeline.ok()) << pipeline.status().message();
+  return std::move(*pipeline);
+}
+
+std::vector<std::string> Records(const proto::Schedule& s) {
+  std::vector<std::string> names;
+  for (const auto& record : s.passes()) names.push_back(record.name());
+  return names;
+}
+
+const CostModel kCosts;
+
+TEST(Pipeline, DisableByNameSkipsEveryPassOfThatName) {
+  proto::Schedule all = EmptySchedule();
+  ASSERT_TRUE(Make({"zero3", "prefetch", "bucket", "prefetch"})->Run(&all, {&kCosts}).ok());
+  EXPECT_EQ(Records(all), (std::vector<std::string>{"zero3", "prefetch", "bucket", "prefetch"}));
+
+  auto pipeline = Make({"zero3", "prefetch", "bucket", "prefetch"});
+  ASSERT_TRUE(pipeline->Disable("prefetch").ok());
+  proto::Schedule some = EmptySchedule();
+  ASSERT_TRUE(pipeline->Run(&some, {&kCosts}).ok());
+  EXPECT_EQ(Records(some), (std::vector<std::string>{"zero3", "bucket"}));
+  EXPECT_EQ(pipeline->OptionsText().find("prefetch"), std::string::npos);
+}
+
+TEST(Pipeline, UnknownNamesAreRefused) {
+  auto pipeline = Make({"zero3", "prefetch"});
+  Status disabled = pipeline->Disable("prefech");
+  ASSERT_FALSE(disabled.ok());
+  EXPECT_EQ(disabled.message(), "no pass 'prefech' to disable; this pipeline runs zero3, prefetch");
+  // Known to dc, but not in this pipeline: as wrong.
+  EXPECT_FALSE(pipeline->Disable("unshard").ok());
+  Status dump = pipeline->DumpAfter("offload", [](std::string_view, const proto::Schedule&) {});
+  ASSERT_FALSE(dump.ok());
+  EXPECT_EQ(dump.message(), "no pass 'offload' to dump after; this pipeline runs zero3, prefetch");
+
+  PlanRequest request;
+  request.program = TinyProgram();
+  request.world_size = 2;
+  request.disabled_passes = {"no-such-pass"};
+  auto plan = MakePlan(request);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.status().message().find("--disable: no pass 'no-such-pass' to disable"),
+            std::string::npos)
+      << plan.status().message();
+  request.disabled_passes = {};
+  request.dump_after = "no-such-pass";
+  plan = MakePlan(request);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_NE(plan.status().message().find("--dump-after: no pass 'no-such-pass'"),
+            std::string::npos)
+      << plan.status().message();
+}
+
+TEST(Pipeline, DumpAfterGivesTheScheduleAfterThatPass) {
+  auto pipeline = Make({"zero3", "prefetch"});
+  std::vector<std::string> dumped;
+  int instructions = 0;
+  ASSERT_TRUE(pipeline
+                  ->DumpAfter("zero3",
+                              [&](std::string_view name, const proto::Schedule& s) {
+                                dumped.emplace_back(name);
+                                instructions = s.instructions_size();
+                              })
+                  .ok());
+  proto::Schedule s = EmptySchedule();
+  ASSERT_TRUE(pipeline->Run(&s, {&kCosts}).ok());
+  EXPECT_EQ(dumped, std::vector<std::string>{"zero3"});
+  EXPECT_GT(instructions, 0);
+  EXPECT_EQ(instructions, s.passes(0).instructions());
+}
+
+// Without zero3 nothing lowers the program: the pipeline says so instead of planning nothing.
+TEST(Pipeline, AnEmptyScheduleGoesOnlyToAPassThatBuildsOne) {
+  auto pipeline = Make({"zero3", "prefetch", "memory-plan"});
+  ASSERT_TRUE(pipeline->Disable("zero3").ok());
+  proto::Schedule s = EmptySchedule();
+  Status status = pipeline->Run(&s, {&kCosts});
+  ASSERT_FALSE(status.ok());
+  EXPECT_EQ(status.message(),
+            "pass prefetch is the first to run, but the schedule is empty and it does not build "
+            "one; enable a pass that lowers the program (zero3) first");
+  EXPECT_EQ(s.passes_size(), 0);
+
+  auto only_zero3 = Make({"zero3"});
+  ASSERT_TRUE(only_zero3->Disable("zero3").ok());
+  status = only_zero3->Run(&s, {&kCosts});
+  ASSERT_FALSE(status.ok());
+  EXPECT_EQ(status.message(),
+            "the schedule is empty and every pass is disabled; enable a pass that lowers the "
+            "program (zero3)");
+
+  // dc's fallbacks keep the user's --disable: none of them plans without zero3 either.
+  PlanRequest request;
+  request.program = TinyProgram();
+  request.world_size = 2;
+  request.disabled_passes = {"zero3"};
+  auto plan = MakePlan(request);
+  ASSERT_FALSE(plan.ok()) << plan->instructions_size() << " instructions";
+  EXPECT_NE(plan.status().message().find("enable a pass that lowers the program (zero3)"),
+            std::string::npos)
+      << plan.status().message();
+}
+
+TEST(Pipeline, TheVerifierChecksTheInputBeforeTheFirstPass) {
+  proto::Schedule s = EmptySchedule();
+  Zero3Pass zero3;
+  ASSERT_TRUE(zero3.Run(&s, {}).ok());
+  // The first all-gather gathers nothing: the first compute reads a param that is not gathered.
+  proto::Schedule broken = s;
+  ASSERT_EQ(broken.instructions(0).kind(), proto::INSTR_ALL_GATHER);
+  broken.mutable_instructions(0)->clear_tensors();
+  auto pipeline = Make({"prefetch"});
+  Status status = pipeline->Run(&broken, {&kCosts});
+  ASSERT_FALSE(status.ok());
+  EXPECT_EQ(status.message().rfind("before the first pass: instruction ", 0), 0u)
+      << status.message();
+  EXPECT_NE(status.message().find(", which is not gathered"), std::string::npos);
+  EXPECT_EQ(broken.passes_size(), 0);  // prefetch never ran
+}
+
+TEST(Verifier, RefusesAScheduleWithNoInstructions) {
+  Status status = VerifySchedule(EmptySchedule(), PassContext{&kCosts});
+  ASSERT_FALSE(status.ok());
+  EXPECT_EQ(status.message(),
+            "the schedule has no instructions; plan it with a pipeline that starts with zero3");
+}
+
+TEST(Verifier, RefusesAScheduleWithAnOpMissing) {
+  proto::Schedule s = EmptySchedule();
+  Zero3Pass zero3;
+  ASSERT_TRUE(zero3.Run(&s, {}).ok());
+  for (int i = s.instructions_size() - 1; i >= 0; --i) {
+    if (s.instructions(i).kind() == proto::INSTR_COMPUTE) {
+      s.mutable_instructions()->DeleteSubrange(i, 1);  // the last optimizer op
+      break;
+    }
+  }
+  Status status = VerifySchedule(s, PassContext{&kCosts});
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("runs 0 times in micro-step -1, expected 1"), std::string::npos)
+      << status.message();
+}
+
+// A simulation handed in (by a pass, or a caller) is not taken on trust: the verifier simulates.
+TEST(Verifier, RecomputesWhatItChecks) {
+  proto::Schedule s = EmptySchedule();
+  Zero3Pass zero3;
+  ASSERT_TRUE(zero3.Run(&s, {}).ok());
+  auto real = Simulate(s, kCosts);
+  ASSERT_TRUE(real.ok());
+  SimResult flattering = *real;
+  flattering.peak_device_bytes = 1;
+  PassContext context{&kCosts, real->peak_device_bytes - 1};
+  context.input_simulation = &flattering;
+  SimResult simulated;
+  Status status = VerifySchedule(s, context, &simulated);
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("over the budget"), std::string::npos) << status.message();
+  context.budget_bytes = 0;
+  ASSERT_TRUE(VerifySchedule(s, context, &simulated).ok());
+  EXPECT_EQ(simulated.peak_device_bytes, real->peak_device_bytes);
+}
+
+}  // namespace
+}  // namespace dc
