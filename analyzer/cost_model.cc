@@ -138,9 +138,8 @@ int64_t CopyBytes(const proto::Program& program, int world_size,
   for (int id : instruction.tensors()) {
     const proto::Tensor* t = FindTensor(program, id);
     if (!t) continue;
-    bytes += IsPersistentRole(t->role())
-                 ? ShardBytes(*t, std::max(1, world_size))
-                 : TransientBytes(program, *t);
+    bytes += IsPersistentRole(t->role()) ? ShardBytes(*t, std::max(1, world_size))
+                                         : TransientBytes(program, *t);
   }
   return bytes;
 }

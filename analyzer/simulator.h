@@ -14,13 +14,13 @@
 // instruction that met no contention lasts exactly its cost model duration.
 //
 // Memory: the persistent shards from time 0 (with the compute-dtype shards of the params whose
-// masters the schedule offloads: schemas/program.h's ComputeShardParams); an all-gather allocates each gathered param at its
-// start; a compute allocates its outputs, and the ROLE_INPUT inputs not yet live in its
-// micro-step, at its start; a release frees at its start; an offload frees persistent shards
-// (or a transient) at its end and a reload allocates them at its start. Transients are
-// identified by (tensor, micro-step), gathered params by tensor. Optimizer-phase ops work on
-// persistent shards and read no gathered buffers. Events at one instant apply in instruction
-// order. Use checks run in instruction order. Thread-safe (pure function).
+// masters the schedule offloads: schemas/program.h's ComputeShardParams); an all-gather allocates
+// each gathered param at its start; a compute allocates its outputs, and the ROLE_INPUT inputs not
+// yet live in its micro-step, at its start; a release frees at its start; an offload frees
+// persistent shards (or a transient) at its end and a reload allocates them at its start.
+// Transients are identified by (tensor, micro-step), gathered params by tensor. Optimizer-phase ops
+// work on persistent shards and read no gathered buffers. Events at one instant apply in
+// instruction order. Use checks run in instruction order. Thread-safe (pure function).
 #pragma once
 
 #include <array>

@@ -324,7 +324,9 @@ Status Trace::LoadDcBlobs() {
   }
   if (blobs.empty() && IsAttachCapture()) {
     // `dc-collect --attach` of a program that is not ours: there is no program to re-plan.
-    notes_.push_back("captured with dc-collect --attach from a foreign program: report-only, no program to plan");
+    notes_.push_back(
+        "captured with dc-collect --attach from a foreign program: report-only, no program to "
+        "plan");
     return Status::Ok();
   }
   if (!blobs.contains("schedule")) {

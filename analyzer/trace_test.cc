@@ -122,7 +122,8 @@ TEST(TraceOpenTest, AttachCaptureWithoutBlobsIsReportOnly) {
   ASSERT_TRUE(opened.ok()) << opened.status().message();
   EXPECT_FALSE((*opened)->program().has_value());
   bool noted = false;
-  for (const auto& note : (*opened)->notes()) noted |= note.find("report-only") != std::string::npos;
+  for (const auto& note : (*opened)->notes())
+    noted |= note.find("report-only") != std::string::npos;
   EXPECT_TRUE(noted);
 }
 

@@ -24,7 +24,8 @@ constexpr int kReduceScattersBefore = 20;
 constexpr int64_t kGradElements = 4096;
 
 double Millis(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+      .count();
 }
 
 // Runs on one rank; rank 0 prints.
@@ -46,7 +47,8 @@ int Rank(int rank, const std::string& store, const std::vector<int64_t>& sizes) 
       for (int i = 0; i < kRepeats; ++i) {
         if (after_reduce_scatters) {
           for (int k = 0; k < kReduceScattersBefore; ++k) {
-            if (!(*comm)->ReduceScatterSum(grads.data(), kGradElements, grad_shard.data()).ok()) return 1;
+            if (!(*comm)->ReduceScatterSum(grads.data(), kGradElements, grad_shard.data()).ok())
+              return 1;
           }
         }
         const auto start = std::chrono::steady_clock::now();
@@ -70,9 +72,11 @@ int Rank(int rank, const std::string& store, const std::vector<int64_t>& sizes) 
 int main() {
   const std::vector<int64_t> sizes = {16384, 131072, 1048576};
   const std::string store =
-      (std::filesystem::temp_directory_path() / ("dc-comm-bench-" + std::to_string(::getpid()))).string();
+      (std::filesystem::temp_directory_path() / ("dc-comm-bench-" + std::to_string(::getpid())))
+          .string();
   std::filesystem::create_directories(store);
-  std::printf("| floats per rank | all-gather | median ms | max ms |\n| ---: | --- | ---: | ---: |\n");
+  std::printf(
+      "| floats per rank | all-gather | median ms | max ms |\n| ---: | --- | ---: | ---: |\n");
   std::fflush(stdout);
   pid_t children[2];
   for (int rank = 0; rank < 2; ++rank) {

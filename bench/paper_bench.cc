@@ -102,7 +102,8 @@ PolicyRun Plan(const dc::proto::Program& program, const dc::CostModel& costs, in
   const auto start = std::chrono::steady_clock::now();
   StatusOr<dc::proto::Schedule> plan = dc::MakePlan(request);
   PolicyRun run;
-  run.plan_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  run.plan_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!plan.ok()) {
     run.error = plan.status().message();
     return run;
@@ -149,7 +150,8 @@ StatusOr<Row> Measure(const Config& config, const dc::HardwareProfile& hw,
     if (table && policy == "dc" && run.ok) {
       std::vector<double> seconds = {run.plan_seconds};
       for (int i = 1; i < kTimingRepeats; ++i) {
-        seconds.push_back(Plan(program, costs, cluster.world_size(), policy, hw.device_memory_bytes).plan_seconds);
+        seconds.push_back(Plan(program, costs, cluster.world_size(), policy, hw.device_memory_bytes)
+                              .plan_seconds);
       }
       std::sort(seconds.begin(), seconds.end());
       run.plan_seconds = seconds[seconds.size() / 2];
@@ -180,7 +182,8 @@ class Footnotes {
     return "[" + std::to_string(it - notes_.begin() + 1) + "]";
   }
   void Print() const {
-    for (size_t i = 0; i < notes_.size(); ++i) std::printf("[%zu] %s\n\n", i + 1, notes_[i].c_str());
+    for (size_t i = 0; i < notes_.size(); ++i)
+      std::printf("[%zu] %s\n\n", i + 1, notes_[i].c_str());
   }
 
  private:
@@ -199,7 +202,8 @@ void Print(const std::vector<Row>& rows, const dc::HardwareProfile& hw) {
       "it), as its users would run it.\n\n",
       hw.name.c_str(), kGpusPerNode, static_cast<double>(hw.device_memory_bytes) / kGiB,
       hw.peak_bf16_flops_per_s / 1e12);
-  std::printf("| setting | policy | step s | tokens/s/GPU | MFU | peak GiB | x base | paper | plan s |\n");
+  std::printf(
+      "| setting | policy | step s | tokens/s/GPU | MFU | peak GiB | x base | paper | plan s |\n");
   std::printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   Footnotes notes;
   for (const Row& row : rows) {
@@ -213,20 +217,22 @@ void Print(const std::vector<Row>& rows, const dc::HardwareProfile& hw) {
       const std::string label = policy == order.front() ? row.config.label : "";
       if (!run.ok) {
         std::printf("| %s | %s | refused %s | | | | | | %s |\n", label.c_str(), policy.c_str(),
-                    notes.Cite(policy + ": " + run.error).c_str(), Format("%.2f", run.plan_seconds).c_str());
+                    notes.Cite(policy + ": " + run.error).c_str(),
+                    Format("%.2f", run.plan_seconds).c_str());
         continue;
       }
       const double tokens = static_cast<double>(row.tokens_per_rank_step) / run.step_seconds;
       const double mfu = row.flops_per_rank_step / run.step_seconds / hw.peak_bf16_flops_per_s;
       const bool compared = base.ok && policy != row.base_policy && policy != "baseline";
-      const std::string speedup = compared ? Format("%.2fx", base.step_seconds / run.step_seconds) : "";
+      const std::string speedup =
+          compared ? Format("%.2fx", base.step_seconds / run.step_seconds) : "";
       const std::string paper =
           compared && policy == "dc" ? Format("%.2fx", row.config.paper_speedup) : "";
       std::printf("| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", label.c_str(), policy.c_str(),
                   Format("%.3f", run.step_seconds).c_str(), Format("%.0f", tokens).c_str(),
                   Format("%.1f%%", 100 * mfu).c_str(),
-                  Format("%.2f", static_cast<double>(run.peak_bytes) / kGiB).c_str(), speedup.c_str(),
-                  paper.c_str(), Format("%.2f", run.plan_seconds).c_str());
+                  Format("%.2f", static_cast<double>(run.peak_bytes) / kGiB).c_str(),
+                  speedup.c_str(), paper.c_str(), Format("%.2f", run.plan_seconds).c_str());
     }
   }
   std::printf("\n");
@@ -253,8 +259,9 @@ int Sensitivity(const std::vector<Row>& rows, const dc::HardwareProfile& nominal
       {"host Adam x3", [](dc::HardwareProfile* hw) { hw->host_optimizer_elements_per_s *= 3; }},
   };
   std::printf("## Sensitivity: dc's speed-up over the baseline (deepcompile's in brackets)\n\n");
-  std::printf("Each column moves one constant of h100-sxm and re-plans the row. \"-\": the baseline "
-              "or dc refuses the row at that setting.\n\n| setting |");
+  std::printf(
+      "Each column moves one constant of h100-sxm and re-plans the row. \"-\": the baseline "
+      "or dc refuses the row at that setting.\n\n| setting |");
   for (const Variant& v : variants) std::printf(" %s |", v.name.c_str());
   std::printf("\n| --- |");
   for (size_t i = 0; i < variants.size(); ++i) std::printf(" ---: |");
@@ -276,7 +283,8 @@ int Sensitivity(const std::vector<Row>& rows, const dc::HardwareProfile& nominal
       }
       const std::string bracket =
           theirs.ok ? " (" + Format("%.2f", base.step_seconds / theirs.step_seconds) + ")" : " (-)";
-      std::printf(" %s%s |", Format("%.2fx", base.step_seconds / ours.step_seconds).c_str(), bracket.c_str());
+      std::printf(" %s%s |", Format("%.2fx", base.step_seconds / ours.step_seconds).c_str(),
+                  bracket.c_str());
     }
     std::printf("\n");
   }

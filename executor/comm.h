@@ -30,9 +30,9 @@ class Communicator {
 struct RendezvousOptions {
   int rank = 0;
   int world_size = 1;
-  std::string store_dir;          // shared directory for the file store
-  std::string bind_host = "127.0.0.1";  // address this rank listens on
-  std::string run_id = "dc";      // prefix of the store's keys
+  std::string store_dir;                     // shared directory for the file store
+  std::string bind_host = "127.0.0.1";       // address this rank listens on
+  std::string run_id = "dc";                 // prefix of the store's keys
   std::chrono::milliseconds timeout{60000};  // rendezvous and each collective
 };
 

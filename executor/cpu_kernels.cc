@@ -817,7 +817,8 @@ Status CheckTokenSide(const proto::Op& op, const TensorRef& x, const Operand& x_
 Status CheckDispatch(const proto::Op& op, const TensorRef& x, const Operand& x_what,
                      const TensorRef& experts, const TensorRef& rows, const Operand& rows_what,
                      int64_t* tokens, int64_t* hidden, int64_t* top_k, MoeLayout* layout) {
-  DC_RETURN_IF_ERROR(CheckTokenSide(op, x, x_what, experts, In(1, "experts"), tokens, hidden, top_k));
+  DC_RETURN_IF_ERROR(
+      CheckTokenSide(op, x, x_what, experts, In(1, "experts"), tokens, hidden, top_k));
   int64_t num_experts = 0;
   DC_RETURN_IF_ERROR(RequireIntAttr(op, op_attr::kExperts, &num_experts));
   DC_RETURN_IF_ERROR(CheckRouting(op, experts, In(1, "experts"), num_experts, layout));
@@ -905,7 +906,8 @@ Status GroupedMatmulBackward(const proto::Op& op, Refs in, Refs out, const Kerne
   DC_RETURN_IF_ERROR(CheckGroupedMatmul(op, in, 1, &rows, &n, &k, &layout));
   const int64_t num_experts = static_cast<int64_t>(layout.offsets.size()) - 1;
   if (static_cast<int64_t>(out.size()) != 1 + num_experts) {
-    return OpError(op, "expects " + std::to_string(1 + num_experts) + " outputs (dx and one dW per expert), got " +
+    return OpError(op, "expects " + std::to_string(1 + num_experts) +
+                           " outputs (dx and one dW per expert), got " +
                            std::to_string(out.size()));
   }
   const TensorRef &dy = in[0], &x = in[1];
@@ -921,7 +923,8 @@ Status GroupedMatmulBackward(const proto::Op& op, Refs in, Refs out, const Kerne
     }
     Gemm(false, false, count, k, n, 1.0f, dy.f32 + begin * n, n, in[3 + e].f32, k, 0.0f,
          out[0].f32 + begin * k, k);
-    Gemm(true, false, n, k, count, 1.0f, dy.f32 + begin * n, n, x.f32 + begin * k, k, 0.0f, dw.f32, k);
+    Gemm(true, false, n, k, count, 1.0f, dy.f32 + begin * n, n, x.f32 + begin * k, k, 0.0f, dw.f32,
+         k);
   }
   return Status::Ok();
 }

@@ -620,9 +620,11 @@ TEST(Moe, RouterPicksTopKRenormalizesAndWeighsTheBalance) {
   logits.f32 = {0, 2, 1, 3, /*token 1, a tie:*/ 1, 1, 0, 0};
   Buffer gates = Buffer::F32({1, 2, 2}), experts = Buffer::I32({1, 2, 2}), aux = Buffer::F32({1});
   constexpr double kCoef = 0.1;
-  const proto::Op op = MakeOp(op_kind::kMoeRouter, {{op_attr::kTopK, 2}}, {{op_attr::kAuxCoef, kCoef}});
+  const proto::Op op =
+      MakeOp(op_kind::kMoeRouter, {{op_attr::kTopK, 2}}, {{op_attr::kAuxCoef, kCoef}});
   ASSERT_TRUE(RunOp(op, {&logits}, {&gates, &experts, &aux}).ok());
-  EXPECT_EQ(experts.i32, (std::vector<int32_t>{3, 1, 0, 1})) << "descending p; a tie takes the lower id";
+  EXPECT_EQ(experts.i32, (std::vector<int32_t>{3, 1, 0, 1}))
+      << "descending p; a tie takes the lower id";
   EXPECT_NEAR(gates.f32[0], std::exp(3.0) / (std::exp(3.0) + std::exp(2.0)), 1e-6);
   EXPECT_NEAR(gates.f32[1], std::exp(2.0) / (std::exp(3.0) + std::exp(2.0)), 1e-6);
   EXPECT_NEAR(gates.f32[2], 0.5, 1e-6);
@@ -648,18 +650,23 @@ TEST(Moe, DispatchGroupedMatmulCombineEqualEachTokensExperts) {
   for (int e = 0; e < kExperts; ++e) w.push_back(RandomF32({kOut, kHidden}, &rng));
   Buffer xs = Buffer::F32({6 * kTopK, kHidden}), ys = Buffer::F32({6 * kTopK, kOut});
   Buffer y = Buffer::F32({2, 3, kOut});
-  ASSERT_TRUE(RunOp(MakeOp(op_kind::kMoeDispatch, {{op_attr::kExperts, kExperts}}), {&x, &routing}, {&xs}).ok());
+  ASSERT_TRUE(
+      RunOp(MakeOp(op_kind::kMoeDispatch, {{op_attr::kExperts, kExperts}}), {&x, &routing}, {&xs})
+          .ok());
   std::vector<Buffer*> matmul_in = {&xs, &routing};
   for (Buffer& b : w) matmul_in.push_back(&b);
   ASSERT_TRUE(RunOp(MakeOp(op_kind::kGroupedMatmul), matmul_in, {&ys}).ok());
-  ASSERT_TRUE(RunOp(MakeOp(op_kind::kMoeCombine, {{op_attr::kExperts, kExperts}}), {&ys, &gates, &routing}, {&y}).ok());
+  ASSERT_TRUE(RunOp(MakeOp(op_kind::kMoeCombine, {{op_attr::kExperts, kExperts}}),
+                    {&ys, &gates, &routing}, {&y})
+                  .ok());
   for (int64_t t = 0; t < 6; ++t) {
     for (int64_t n = 0; n < kOut; ++n) {
       double expected = 0;
       for (int64_t j = 0; j < kTopK; ++j) {
         const Buffer& we = w[routing.i32[t * kTopK + j]];
         double dot = 0;
-        for (int64_t h = 0; h < kHidden; ++h) dot += double{x.f32[t * kHidden + h]} * we.f32[n * kHidden + h];
+        for (int64_t h = 0; h < kHidden; ++h)
+          dot += double{x.f32[t * kHidden + h]} * we.f32[n * kHidden + h];
         expected += gates.f32[t * kTopK + j] * dot;
       }
       EXPECT_NEAR(y.f32[t * kOut + n], expected, 1e-4) << "token " << t << " column " << n;
@@ -689,7 +696,8 @@ TEST_P(RouterGradCheck, MoeRouterWithTheBalancingLoss) {
   const std::map<std::string, double> floats = {{op_attr::kAuxCoef, kCoef}};
   Buffer logits = RandomF32({3, 2, 5}, &rng);
   Buffer cotangent = RandomF32({3, 2, top_k}, &rng);
-  Buffer gates = Buffer::F32({3, 2, top_k}), experts = Buffer::I32({3, 2, top_k}), aux = Buffer::F32({1});
+  Buffer gates = Buffer::F32({3, 2, top_k}), experts = Buffer::I32({3, 2, top_k}),
+         aux = Buffer::F32({1});
   const proto::Op forward = MakeOp(op_kind::kMoeRouter, ints, floats);
   // The executor's loss: <cotangent, gates> from the layers above, plus grad_scale * aux.
   auto objective = [&] {
@@ -709,7 +717,8 @@ TEST_P(RouterGradCheck, MoeRouterWithTheBalancingLoss) {
   if (top_k == 1) {
     EXPECT_EQ(gates.f32, std::vector<float>(6, 1.0f));
     // Without the balancing loss nothing reaches the router.
-    const proto::Op no_balance = MakeOp(op_kind::kMoeRouterBackward, ints, {{op_attr::kAuxCoef, 0.0}});
+    const proto::Op no_balance =
+        MakeOp(op_kind::kMoeRouterBackward, ints, {{op_attr::kAuxCoef, 0.0}});
     ASSERT_TRUE(RunOp(no_balance, {&cotangent, &logits, &experts}, {&dlogits}, context).ok());
     for (float g : dlogits.f32) EXPECT_NEAR(g, 0.0f, 1e-7f);
   }
@@ -726,9 +735,14 @@ TEST(GradCheck, MoeDispatchGroupedMatmulAndCombine) {
   Buffer x = RandomF32({2, 2, kHidden}, &rng), xs = Buffer::F32({kSlots, kHidden});
   Buffer c_xs = RandomF32({kSlots, kHidden}, &rng), dx = Buffer::F32({2, 2, kHidden});
   const proto::Op dispatch = MakeOp(op_kind::kMoeDispatch, experts_attr);
-  ASSERT_TRUE(RunOp(MakeOp(op_kind::kMoeDispatchBackward, experts_attr), {&c_xs, &routing}, {&dx}).ok());
-  CheckNumeric([&] { EXPECT_TRUE(RunOp(dispatch, {&x, &routing}, {&xs}).ok()); return Dot(c_xs, xs); },
-               &x.f32, dx.f32, "dispatch dx");
+  ASSERT_TRUE(
+      RunOp(MakeOp(op_kind::kMoeDispatchBackward, experts_attr), {&c_xs, &routing}, {&dx}).ok());
+  CheckNumeric(
+      [&] {
+        EXPECT_TRUE(RunOp(dispatch, {&x, &routing}, {&xs}).ok());
+        return Dot(c_xs, xs);
+      },
+      &x.f32, dx.f32, "dispatch dx");
 
   // Grouped matmul: objective <c, y> over x and every expert's w (the unused expert's dW is 0).
   std::vector<Buffer> w;
@@ -746,17 +760,23 @@ TEST(GradCheck, MoeDispatchGroupedMatmulAndCombine) {
   for (Buffer& b : dw) backward_out.push_back(&b);
   ASSERT_TRUE(RunOp(MakeOp(op_kind::kGroupedMatmulBackward), backward_in, backward_out).ok());
   const proto::Op grouped = MakeOp(op_kind::kGroupedMatmul);
-  auto matmul_objective = [&] { EXPECT_TRUE(RunOp(grouped, forward_in, {&y}).ok()); return Dot(c_y, y); };
+  auto matmul_objective = [&] {
+    EXPECT_TRUE(RunOp(grouped, forward_in, {&y}).ok());
+    return Dot(c_y, y);
+  };
   CheckNumeric(matmul_objective, &xs.f32, dxs.f32, "grouped dx");
-  for (int e = 0; e < kExperts; ++e) CheckNumeric(matmul_objective, &w[e].f32, dw[e].f32, "grouped dw " + std::to_string(e));
-  EXPECT_EQ(dw[kExperts - 1].f32, std::vector<float>(kOut * kHidden, 0.0f)) << "an expert without tokens";
+  for (int e = 0; e < kExperts; ++e)
+    CheckNumeric(matmul_objective, &w[e].f32, dw[e].f32, "grouped dw " + std::to_string(e));
+  EXPECT_EQ(dw[kExperts - 1].f32, std::vector<float>(kOut * kHidden, 0.0f))
+      << "an expert without tokens";
 
   // Combine: objective <c, y> over the experts' rows and the gates.
   Buffer gates = RandomF32({2, 2, kTopK}, &rng), combined = Buffer::F32({2, 2, kOut});
   Buffer c_combined = RandomF32({2, 2, kOut}, &rng);
   Buffer dys = Buffer::F32({kSlots, kOut}), dgates = Buffer::F32({2, 2, kTopK});
-  ASSERT_TRUE(RunOp(MakeOp(op_kind::kMoeCombineBackward, experts_attr), {&c_combined, &y, &gates, &routing},
-                    {&dys, &dgates}).ok());
+  ASSERT_TRUE(RunOp(MakeOp(op_kind::kMoeCombineBackward, experts_attr),
+                    {&c_combined, &y, &gates, &routing}, {&dys, &dgates})
+                  .ok());
   const proto::Op combine = MakeOp(op_kind::kMoeCombine, experts_attr);
   auto combine_objective = [&] {
     EXPECT_TRUE(RunOp(combine, {&y, &gates, &routing}, {&combined}).ok());
@@ -769,13 +789,18 @@ TEST(GradCheck, MoeDispatchGroupedMatmulAndCombine) {
 TEST(Moe, BadRoutingAndAttrsAreNamed) {
   Buffer x = Buffer::F32({1, 2, 4}), routing = Buffer::I32({1, 2, 2}), xs = Buffer::F32({4, 4});
   routing.i32 = {0, 1, 9, 2};
-  const Status bad_id = RunOp(MakeOp(op_kind::kMoeDispatch, {{op_attr::kExperts, 4}}), {&x, &routing}, {&xs});
+  const Status bad_id =
+      RunOp(MakeOp(op_kind::kMoeDispatch, {{op_attr::kExperts, 4}}), {&x, &routing}, {&xs});
   EXPECT_EQ(bad_id.message(),
-            "op test.moe_dispatch (moe_dispatch): input 1 (experts) names expert 9 at slot 2, outside the 4 experts");
-  Buffer logits = Buffer::F32({1, 2, 4}), gates = Buffer::F32({1, 2, 5}), ids = Buffer::I32({1, 2, 5});
+            "op test.moe_dispatch (moe_dispatch): input 1 (experts) names expert 9 at slot 2, "
+            "outside the 4 experts");
+  Buffer logits = Buffer::F32({1, 2, 4}), gates = Buffer::F32({1, 2, 5}),
+         ids = Buffer::I32({1, 2, 5});
   Buffer aux = Buffer::F32({1});
-  const Status too_many = RunOp(MakeOp(op_kind::kMoeRouter, {{op_attr::kTopK, 5}}), {&logits}, {&gates, &ids, &aux});
-  EXPECT_EQ(too_many.message(), "op test.moe_router (moe_router): top_k 5 is more than the 4 experts");
+  const Status too_many =
+      RunOp(MakeOp(op_kind::kMoeRouter, {{op_attr::kTopK, 5}}), {&logits}, {&gates, &ids, &aux});
+  EXPECT_EQ(too_many.message(),
+            "op test.moe_router (moe_router): top_k 5 is more than the 4 experts");
   Buffer y = Buffer::F32({3, 4});
   Buffer w = Buffer::F32({4, 4});
   const Status rows = RunOp(MakeOp(op_kind::kGroupedMatmul), {&xs, &routing, &w}, {&y});
@@ -879,7 +904,10 @@ class TinyPrograms : public ::testing::TestWithParam<std::string> {
   }
 };
 INSTANTIATE_TEST_SUITE_P(DenseAndMoe, TinyPrograms, ::testing::Values("tiny", "mixtral-tiny"),
-                         [](const auto& info) { return info.param == "tiny" ? std::string("Tiny") : std::string("MixtralTiny"); });
+                         [](const auto& info) {
+                           return info.param == "tiny" ? std::string("Tiny")
+                                                       : std::string("MixtralTiny");
+                         });
 
 TEST_P(TinyPrograms, BackwardMatchesFiniteDifferencesOfTheLoss) {
   ProgramRunner runner(Program());

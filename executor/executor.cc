@@ -15,8 +15,8 @@
 #include "models/data.h"
 #include "models/model.h"
 #include "schemas/digest.h"
-#include "schemas/units.h"
 #include "schemas/effects.h"
+#include "schemas/units.h"
 
 namespace dc {
 
@@ -42,8 +42,9 @@ std::string DescribeInstruction(const proto::Schedule& schedule, int index, int 
 
 Status CheckRunnable(const proto::Schedule& schedule, int world_size, const std::string& backend) {
   if (schedule.backend() != backend) {
-    return Status::Error("the plan is for the '" + schedule.backend() + "' backend and this run uses '" +
-                         backend + "'; re-plan with dc-plan for " + backend);
+    return Status::Error("the plan is for the '" + schedule.backend() +
+                         "' backend and this run uses '" + backend +
+                         "'; re-plan with dc-plan for " + backend);
   }
   if (schedule.world_size() != world_size) {
     return Status::Error("the plan is for " + std::to_string(schedule.world_size()) +
@@ -113,7 +114,9 @@ class RankRunner : public RankStepper {
     BufferKind kind;
   };
 
-  int64_t ShardOf(int tensor) const { return ShardElements(NumElements(program_.tensors(tensor)), world_); }
+  int64_t ShardOf(int tensor) const {
+    return ShardElements(NumElements(program_.tensors(tensor)), world_);
+  }
   std::string Describe(int index) const;
   int64_t Now() const { return tracer_ ? tracer_->NowNs() : 0; }
 
@@ -174,7 +177,9 @@ class RankRunner : public RankStepper {
   std::map<std::pair<int, int>, int64_t> addresses_;
 };
 
-std::string RankRunner::Describe(int index) const { return DescribeInstruction(schedule_, index, rank_); }
+std::string RankRunner::Describe(int index) const {
+  return DescribeInstruction(schedule_, index, rank_);
+}
 
 Status RankRunner::Place(int index, int tensor, int key, Buffer* buffer, bool ints) {
   if (arena_.empty()) {
@@ -233,8 +238,8 @@ void RankRunner::Release(int tensor, int key) {
 void RankRunner::FlushMemoryEvents(int64_t correlation_id) {
   if (tracer_) {
     for (const Pending& e : pending_) {
-      tracer_->Memory(e.ts_ns, e.address, e.bytes, e.alloc, program_.tensors(e.tensor).name(), e.kind,
-                      correlation_id);
+      tracer_->Memory(e.ts_ns, e.address, e.bytes, e.alloc, program_.tensors(e.tensor).name(),
+                      e.kind, correlation_id);
     }
   }
   pending_.clear();
@@ -251,7 +256,8 @@ Status RankRunner::Init() {
     const int64_t capacity = memory_.capacity_bytes();
     if (capacity > 0 && plan.arena_bytes() > capacity) {
       return Status::Error("out of device memory at start-up: the memory plan's arena of " +
-                           FormatBytes(plan.arena_bytes()) + " is over the capacity of " + FormatBytes(capacity) +
+                           FormatBytes(plan.arena_bytes()) + " is over the capacity of " +
+                           FormatBytes(capacity) +
                            "; raise --device-memory or plan with a lower --budget");
     }
     memory_ = DeviceMemory(0);
@@ -274,9 +280,10 @@ Status RankRunner::Init() {
       }
       continue;
     }
-    DC_RETURN_IF_ERROR(Allocate(-1, t.id(), kPersistentKey, kind, shard * kShardElementBytes, shard, false,
-                                "start-up (persistent shard of " + t.name() + ")"));
-    if (t.role() == proto::ROLE_PARAM) InitParamSlice(config, t, rank_ * shard, shard, Shard(t.id())->f32);
+    DC_RETURN_IF_ERROR(Allocate(-1, t.id(), kPersistentKey, kind, shard * kShardElementBytes, shard,
+                                false, "start-up (persistent shard of " + t.name() + ")"));
+    if (t.role() == proto::ROLE_PARAM)
+      InitParamSlice(config, t, rank_ * shard, shard, Shard(t.id())->f32);
   }
   // This backend keeps every buffer in fp32, so a compute-dtype shard holds the master's values
   // (as the gathers from the master do); its accounted bytes are the compute dtype's.
@@ -314,7 +321,8 @@ Status RankRunner::LoadInput(int index, int tensor, int micro, int step, const s
   const int64_t seq = config.seq();
   std::vector<int32_t> inputs(seq), targets(seq);
   for (int64_t b = 0; b < config.micro_batch(); ++b) {
-    data_->Sample(SampleIndex(config, world_, step, micro, rank_, b), inputs.data(), targets.data());
+    data_->Sample(SampleIndex(config, world_, step, micro, rank_, b), inputs.data(),
+                  targets.data());
     const auto& source = t.name() == "targets" ? targets : inputs;
     std::copy(source.begin(), source.end(), tokens->i32 + b * seq);
   }
@@ -367,8 +375,9 @@ Status RankRunner::Compute(const proto::Instruction& instr, int index, int step)
       Buffer* shard = Shard(tensor);
       if (!shard) {
         return Status::Error(what + ": " + t.name() +
-                             (host_.count(tensor) ? "'s shard is offloaded; the plan must reload it first"
-                                                  : " has no shard"));
+                             (host_.count(tensor)
+                                  ? "'s shard is offloaded; the plan must reload it first"
+                                  : " has no shard"));
       }
       TensorRef ref;
       ref.f32 = shard->f32;
@@ -382,9 +391,9 @@ Status RankRunner::Compute(const proto::Instruction& instr, int index, int step)
     }
     Buffer* buffer = Find(tensor, key);
     if (!buffer) {
-      return Status::Error(what + ": reads " + t.name() +
-                           (t.role() == proto::ROLE_PARAM ? ", which is not gathered"
-                                                          : ", which is not live"));
+      return Status::Error(
+          what + ": reads " + t.name() +
+          (t.role() == proto::ROLE_PARAM ? ", which is not gathered" : ", which is not live"));
     }
     inputs.push_back(view_of(*buffer, t));
   }
@@ -461,10 +470,12 @@ Status RankRunner::ReduceScatter(const proto::Instruction& instr) {
   int64_t packed_elements = 0;
   for (int tensor : instr.tensors()) {
     if (!Find(tensor, instr.micro_step())) {
-      return Status::Error("reduce-scatter of " + program_.tensors(tensor).name() + ", which is not live");
+      return Status::Error("reduce-scatter of " + program_.tensors(tensor).name() +
+                           ", which is not live");
     }
     if (!Shard(tensor)) {
-      return Status::Error("reduce-scatter into " + program_.tensors(tensor).name() + "'s offloaded shard");
+      return Status::Error("reduce-scatter into " + program_.tensors(tensor).name() +
+                           "'s offloaded shard");
     }
     packed_elements += ShardOf(tensor);
   }
@@ -476,7 +487,8 @@ Status RankRunner::ReduceScatter(const proto::Instruction& instr) {
     for (int r = 0; r < world_; ++r) {
       const int64_t begin = r * shard;
       const int64_t count = std::max<int64_t>(0, std::min(shard, grad->elements - begin));
-      std::copy(grad->f32 + begin, grad->f32 + begin + count, packed.begin() + r * packed_elements + offset);
+      std::copy(grad->f32 + begin, grad->f32 + begin + count,
+                packed.begin() + r * packed_elements + offset);
     }
     offset += shard;
   }
@@ -496,8 +508,9 @@ Status RankRunner::Offload(const proto::Instruction& instr, int index) {
   for (int tensor : instr.tensors()) {
     Buffer* shard = Shard(tensor);
     if (!shard) {
-      return Status::Error(Describe(index) + ": " + program_.tensors(tensor).name() +
-                           " is not a persistent shard on the device (the cpu backend offloads shards only)");
+      return Status::Error(
+          Describe(index) + ": " + program_.tensors(tensor).name() +
+          " is not a persistent shard on the device (the cpu backend offloads shards only)");
     }
     host_[tensor].assign(shard->f32, shard->f32 + shard->elements);
     Release(tensor, kPersistentKey);
@@ -509,13 +522,14 @@ Status RankRunner::Reload(const proto::Instruction& instr, int index) {
   for (int tensor : instr.tensors()) {
     auto it = host_.find(tensor);
     if (it == host_.end()) {
-      return Status::Error(Describe(index) + ": " + program_.tensors(tensor).name() + " is not offloaded");
+      return Status::Error(Describe(index) + ": " + program_.tensors(tensor).name() +
+                           " is not offloaded");
     }
     const proto::Tensor& t = program_.tensors(tensor);
     const BufferKind kind = PersistentKind(t.role());
     const int64_t elements = static_cast<int64_t>(it->second.size());
-    DC_RETURN_IF_ERROR(Allocate(index, tensor, kPersistentKey, kind, elements * kShardElementBytes, elements,
-                                false, Describe(index)));
+    DC_RETURN_IF_ERROR(Allocate(index, tensor, kPersistentKey, kind, elements * kShardElementBytes,
+                                elements, false, Describe(index)));
     std::copy(it->second.begin(), it->second.end(), Shard(tensor)->f32);
     host_.erase(it);
   }
@@ -570,14 +584,17 @@ Status RankRunner::Execute(int index, int step, const InstructionRef& ref) {
     const int64_t end_ns = Now();
     int64_t correlation = 0;
     if (instr.kind() == proto::INSTR_COMPUTE) {
-      correlation = tracer_->Kernel(program_.ops(instr.op()).name(), instr.stream(), start_ns, end_ns, ref);
+      correlation =
+          tracer_->Kernel(program_.ops(instr.op()).name(), instr.stream(), start_ns, end_ns, ref);
     } else if (instr.kind() == proto::INSTR_OFFLOAD || instr.kind() == proto::INSTR_RELOAD) {
       int64_t bytes = 0;
       for (int tensor : instr.tensors()) bytes += ShardOf(tensor) * kShardElementBytes;
       correlation = tracer_->Copy(instr.kind(), instr.stream(), start_ns, end_ns, bytes, ref);
-    } else if (instr.kind() == proto::INSTR_ALL_GATHER || instr.kind() == proto::INSTR_REDUCE_SCATTER) {
+    } else if (instr.kind() == proto::INSTR_ALL_GATHER ||
+               instr.kind() == proto::INSTR_REDUCE_SCATTER) {
       int64_t bytes = 0;
-      for (int tensor : instr.tensors()) bytes += TransientBytes(program_, program_.tensors(tensor));
+      for (int tensor : instr.tensors())
+        bytes += TransientBytes(program_, program_.tensors(tensor));
       correlation = tracer_->Collective(instr.kind(), instr.stream(), start_ns, end_ns, bytes,
                                         instr.tensors_size(), instr.bucket(), ref);
     }
@@ -632,8 +649,8 @@ StatusOr<RunResult> RunSteps(RankStepper* runner, const proto::Schedule& schedul
     double loss = 0, seconds = 0;
     DC_RETURN_IF_ERROR(runner->RunStep(step, warmup, &loss, &seconds));
     if (!std::isfinite(loss)) {
-      return Status::Error("the loss is " + std::to_string(loss) + " at step " + std::to_string(step) +
-                           "; lower the learning rate or check the data");
+      return Status::Error("the loss is " + std::to_string(loss) + " at step " +
+                           std::to_string(step) + "; lower the learning rate or check the data");
     }
     if (!warmup) {
       result.losses.push_back(loss);
@@ -641,7 +658,8 @@ StatusOr<RunResult> RunSteps(RankStepper* runner, const proto::Schedule& schedul
     }
     if (options.on_step && comm->rank() == 0) options.on_step(step, loss, seconds);
   }
-  double peaks[2] = {static_cast<double>(runner->peak_live_bytes()), static_cast<double>(runner->arena_bytes())};
+  double peaks[2] = {static_cast<double>(runner->peak_live_bytes()),
+                     static_cast<double>(runner->arena_bytes())};
   DC_RETURN_IF_ERROR(comm->AllReduceMax(peaks, 2));
   result.peak_live_bytes = static_cast<int64_t>(peaks[0]);
   result.arena_bytes = static_cast<int64_t>(peaks[1]);
@@ -659,7 +677,8 @@ StatusOr<RunResult> RunSteps(RankStepper* runner, const proto::Schedule& schedul
   result.peak_by_kind = runner->peak_by_kind();
   result.step_seconds_median = Median(result.step_seconds);
   if (result.step_seconds_median > 0) {
-    result.tokens_per_second = static_cast<double>(result.tokens_per_step) / result.step_seconds_median;
+    result.tokens_per_second =
+        static_cast<double>(result.tokens_per_step) / result.step_seconds_median;
   }
   return result;
 }

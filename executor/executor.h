@@ -20,8 +20,8 @@
 namespace dc {
 
 struct RunOptions {
-  int steps = 20;         // measured optimizer steps
-  int warmup_steps = 0;   // run first, marked warm-up in the trace, not in the losses
+  int steps = 20;                   // measured optimizer steps
+  int warmup_steps = 0;             // run first, marked warm-up in the trace, not in the losses
   int64_t device_memory_bytes = 0;  // capacity; 0 = unlimited
   int num_threads = 1;
   // Called on rank 0 after every step (step index from 0, loss, seconds), e.g. for progress.
@@ -34,8 +34,8 @@ struct RunResult {
   // Max over ranks of the device memory the run held at its peak: the arena's size when the
   // plan has a memory plan (one allocation), else the peak of live buffers.
   int64_t peak_device_bytes = 0;
-  int64_t peak_live_bytes = 0;       // max over ranks of the peak of live buffers
-  int64_t arena_bytes = 0;           // 0 when the plan has no memory plan
+  int64_t peak_live_bytes = 0;  // max over ranks of the peak of live buffers
+  int64_t arena_bytes = 0;      // 0 when the plan has no memory plan
   // SHA-256 over every rank's fp32 param shards after the run: equal digests, equal params.
   std::string params_digest;
   std::vector<int64_t> peak_by_kind;  // this rank, at its peak, index = BufferKind
@@ -47,7 +47,8 @@ struct RunResult {
 
 // Checks that a plan can run here: made for `backend`, world size matching the communicator,
 // the program valid. The message names what differs and what to do.
-Status CheckRunnable(const proto::Schedule& schedule, int world_size, const std::string& backend = "cpu");
+Status CheckRunnable(const proto::Schedule& schedule, int world_size,
+                     const std::string& backend = "cpu");
 
 // How every backend names an instruction in its errors:
 // "instruction 37 (all_gather layers.0.wq +2) on rank 1".

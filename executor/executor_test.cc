@@ -128,7 +128,8 @@ TEST(Executor, ArenaPlacementGivesTheSameLosses) {
     offset += (bytes + 255) / 256 * 256;
   };
   for (const auto& t : program.tensors()) {
-    if (t.role() == proto::ROLE_PARAM || t.role() == proto::ROLE_GRAD || t.role() == proto::ROLE_OPTIMIZER_STATE) {
+    if (t.role() == proto::ROLE_PARAM || t.role() == proto::ROLE_GRAD ||
+        t.role() == proto::ROLE_OPTIMIZER_STATE) {
       place(-1, t.id(), -1, ShardElements(NumElements(t), 1) * 4);
     }
   }
@@ -140,11 +141,13 @@ TEST(Executor, ArenaPlacementGivesTheSameLosses) {
     } else if (instr.kind() == proto::INSTR_COMPUTE && instr.micro_step() >= 0) {
       const auto& op = program.ops(instr.op());
       for (int t : op.inputs()) {
-        if (program.tensors(t).role() == proto::ROLE_INPUT && inputs_seen.insert({t, instr.micro_step()}).second) {
+        if (program.tensors(t).role() == proto::ROLE_INPUT &&
+            inputs_seen.insert({t, instr.micro_step()}).second) {
           place(i, t, instr.micro_step(), TransientBytes(program, program.tensors(t)));
         }
       }
-      for (int t : op.outputs()) place(i, t, instr.micro_step(), TransientBytes(program, program.tensors(t)));
+      for (int t : op.outputs())
+        place(i, t, instr.micro_step(), TransientBytes(program, program.tensors(t)));
     }
   }
   plan->set_arena_bytes(offset);
@@ -157,7 +160,8 @@ TEST(Executor, ArenaPlacementGivesTheSameLosses) {
   options.steps = 1;
   auto result = RunSchedule(placed, options, comm->get(), nullptr);
   ASSERT_FALSE(result.ok());
-  EXPECT_NE(result.status().message().find("no place for"), std::string::npos) << result.status().message();
+  EXPECT_NE(result.status().message().find("no place for"), std::string::npos)
+      << result.status().message();
 }
 
 TEST(Executor, GoingOverCapacityFailsLikeAnOutOfMemory) {
@@ -171,7 +175,8 @@ TEST(Executor, GoingOverCapacityFailsLikeAnOutOfMemory) {
   options.device_memory_bytes = peak - 1;
   auto result = RunSchedule(base, options, comm->get(), nullptr);
   ASSERT_FALSE(result.ok());
-  EXPECT_NE(result.status().message().find("out of device memory at instruction"), std::string::npos)
+  EXPECT_NE(result.status().message().find("out of device memory at instruction"),
+            std::string::npos)
       << result.status().message();
 }
 

@@ -49,7 +49,9 @@ std::string DescribeExit(int status) {
 
 }  // namespace
 
-bool IsRankProcess() { return EnvInt("WORLD_SIZE").has_value() || EnvInt("SLURM_NTASKS").has_value(); }
+bool IsRankProcess() {
+  return EnvInt("WORLD_SIZE").has_value() || EnvInt("SLURM_NTASKS").has_value();
+}
 
 StatusOr<RankEnv> RankEnvFromEnvironment(const std::string& rendezvous_flag) {
   RankEnv env;

@@ -15,7 +15,7 @@ struct RankEnv {
   int rank = 0;
   int local_rank = 0;
   int world_size = 1;
-  std::string rendezvous_dir;      // empty for a world of one
+  std::string rendezvous_dir;  // empty for a world of one
   std::string bind_host = "127.0.0.1";
   bool under_local_launcher = false;  // started by LaunchLocal (stderr goes to a file)
 };

@@ -24,7 +24,8 @@ std::string Hostname() {
 }
 
 std::string RankPartPath(const RankEnv& env, const std::string& trace_path, int rank) {
-  const std::string base = env.world_size > 1 ? env.rendezvous_dir + "/trace" : TempPathBeside(trace_path);
+  const std::string base =
+      env.world_size > 1 ? env.rendezvous_dir + "/trace" : TempPathBeside(trace_path);
   return base + ".rank" + std::to_string(rank) + ".part";
 }
 
@@ -81,7 +82,8 @@ StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const Session
   if (failed > 0) return Status::Error("another rank could not write its trace; see its message");
   if (env.rank == 0) {
     std::vector<std::string> parts;
-    for (int r = 0; r < env.world_size; ++r) parts.push_back(RankPartPath(env, options.trace_path, r));
+    for (int r = 0; r < env.world_size; ++r)
+      parts.push_back(RankPartPath(env, options.trace_path, r));
     DC_ASSIGN_OR_RETURN(result.trace, MergeRankTraces(parts, schedule, options.trace_path));
   }
   double done = 0;

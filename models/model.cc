@@ -231,7 +231,7 @@ int LlamaBuilder::AddTensor(const std::string& name, std::vector<int64_t> shape,
   const int id = program_.tensors_size() - 1;
   t->set_id(id);
   t->set_name(recomputing_ && role == proto::ROLE_ACTIVATION ? name + op_kind::kRecomputeSuffix
-                                                              : name);
+                                                             : name);
   for (int64_t d : shape) t->add_shape(d);
   t->set_dtype(dtype);
   t->set_role(role);
@@ -401,8 +401,8 @@ int LlamaBuilder::MoeForward(int layer, const LayerParams& p, LayerActs* a, bool
   const double slots = static_cast<double>(tokens_ * top_k_);
   a->router_logits =
       Matmul(pre + "moe.router", pre + "moe.router_logits", a->mlp_norm_out, p.router, layer);
-  a->gates = AddTensor(pre + "moe.gates", Tokens(top_k_), proto::DTYPE_F32,
-                       proto::ROLE_ACTIVATION, layer);
+  a->gates =
+      AddTensor(pre + "moe.gates", Tokens(top_k_), proto::DTYPE_F32, proto::ROLE_ACTIVATION, layer);
   a->experts = AddTensor(pre + "moe.experts", Tokens(top_k_), proto::DTYPE_I32,
                          proto::ROLE_ACTIVATION, layer);
   const int aux = AddTensor(pre + "moe" + op_kind::kAuxLossSuffix, {1}, proto::DTYPE_F32,
@@ -419,8 +419,8 @@ int LlamaBuilder::MoeForward(int layer, const LayerParams& p, LayerActs* a, bool
   SetAttr(dispatch, op_attr::kExperts, experts_);
   a->gate = GroupedMatmul(pre + "experts.gate_proj", pre + "experts.gate", a->xs, a->experts,
                           p.expert_gate, layer);
-  a->up = GroupedMatmul(pre + "experts.up_proj", pre + "experts.up", a->xs, a->experts,
-                        p.expert_up, layer);
+  a->up = GroupedMatmul(pre + "experts.up_proj", pre + "experts.up", a->xs, a->experts, p.expert_up,
+                        layer);
   a->act = AddActivationLike(pre + "experts.act", a->gate);
   AddOp(pre + "experts.swiglu", op_kind::kSwiglu, proto::PHASE_FORWARD, layer, {a->gate, a->up},
         {a->act}, kSwigluFlopsPerElement * slots * static_cast<double>(ffn_));
@@ -461,10 +461,10 @@ int LlamaBuilder::MoeBackward(int layer, const LayerParams& p, const LayerActs& 
   // fp32 like the gates whatever the compute dtype (op_kinds.h: moe_combine_backward's dgates).
   const int d_gates = AddTensor(Name(a.gates) + pn::kGradSuffix, Tokens(top_k_), proto::DTYPE_F32,
                                 proto::ROLE_ACTIVATION, layer);
-  auto* combine = AddOp(pre + "moe.combine.backward", op_kind::kMoeCombineBackward,
-                        proto::PHASE_BACKWARD, layer, {d_out, a.ys, a.gates, a.experts},
-                        {d_ys, d_gates},
-                        kCombineBackwardFlopsPerElement * slots * static_cast<double>(hidden_));
+  auto* combine =
+      AddOp(pre + "moe.combine.backward", op_kind::kMoeCombineBackward, proto::PHASE_BACKWARD,
+            layer, {d_out, a.ys, a.gates, a.experts}, {d_ys, d_gates},
+            kCombineBackwardFlopsPerElement * slots * static_cast<double>(hidden_));
   SetAttr(combine, op_attr::kExperts, experts_);
   const int d_act = GroupedMatmulBackward(pre + "experts.down_proj", d_ys, a.act, a.experts,
                                           p.expert_down, Name(a.act) + pn::kGradSuffix);
@@ -478,17 +478,16 @@ int LlamaBuilder::MoeBackward(int layer, const LayerParams& p, const LayerActs& 
   const int d_xs_gate = GroupedMatmulBackward(pre + "experts.gate_proj", d_gate, a.xs, a.experts,
                                               p.expert_gate, partial(a.xs, "gate_proj"));
   const int d_xs = JoinGrads(a.xs, {d_xs_gate, d_xs_up}, layer);
-  const int d_n2_dispatch =
-      AddActivationLike(partial(a.mlp_norm_out, "dispatch"), a.mlp_norm_out);
-  auto* dispatch = AddOp(pre + "moe.dispatch.backward", op_kind::kMoeDispatchBackward,
-                         proto::PHASE_BACKWARD, layer, {d_xs, a.experts}, {d_n2_dispatch},
-                         slots * static_cast<double>(hidden_));
+  const int d_n2_dispatch = AddActivationLike(partial(a.mlp_norm_out, "dispatch"), a.mlp_norm_out);
+  auto* dispatch =
+      AddOp(pre + "moe.dispatch.backward", op_kind::kMoeDispatchBackward, proto::PHASE_BACKWARD,
+            layer, {d_xs, a.experts}, {d_n2_dispatch}, slots * static_cast<double>(hidden_));
   SetAttr(dispatch, op_attr::kExperts, experts_);
   const int d_logits = AddActivationLike(Name(a.router_logits) + pn::kGradSuffix, a.router_logits);
-  auto* route = AddOp(pre + "moe.route.backward", op_kind::kMoeRouterBackward,
-                      proto::PHASE_BACKWARD, layer, {d_gates, a.router_logits, a.experts},
-                      {d_logits},
-                      kRouterBackwardFlopsPerElement * static_cast<double>(tokens_ * experts_));
+  auto* route =
+      AddOp(pre + "moe.route.backward", op_kind::kMoeRouterBackward, proto::PHASE_BACKWARD, layer,
+            {d_gates, a.router_logits, a.experts}, {d_logits},
+            kRouterBackwardFlopsPerElement * static_cast<double>(tokens_ * experts_));
   SetAttr(route, op_attr::kTopK, top_k_);
   SetAttrFloat(route, op_attr::kAuxCoef, config_.router_aux_coef());
   const int d_n2_router = MatmulBackward(pre + "moe.router", d_logits, a.mlp_norm_out, p.router,
@@ -536,8 +535,7 @@ int LlamaBuilder::JoinGrads(int x, std::initializer_list<int> partials, int laye
   return Add(grad_name + ".join", grad_name, partials, layer, proto::PHASE_BACKWARD);
 }
 
-int LlamaBuilder::DenseMlpBackward(int layer, const LayerParams& p, const LayerActs& a,
-                                   int d_out) {
+int LlamaBuilder::DenseMlpBackward(int layer, const LayerParams& p, const LayerActs& a, int d_out) {
   const std::string pre = pn::LayerPrefix(layer);
   auto partial = [&](int x, const char* consumer) {
     return Name(x) + pn::kGradSuffix + ".from_" + consumer;

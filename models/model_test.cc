@@ -140,12 +140,14 @@ TEST(Model, RecomputeRunsEachLayersForwardAgainInItsBackward) {
     ASSERT_TRUE(ValidateProgram(program).ok());
     std::set<std::string> forward_layer_ops, recomputed;
     for (const auto& op : plain.ops()) {
-      if (op.phase() == proto::PHASE_FORWARD && op.layer() >= 0) forward_layer_ops.insert(op.name());
+      if (op.phase() == proto::PHASE_FORWARD && op.layer() >= 0)
+        forward_layer_ops.insert(op.name());
     }
     for (const auto& op : program.ops()) {
       if (!op.name().ends_with(op_kind::kRecomputeSuffix)) continue;
       EXPECT_EQ(op.phase(), proto::PHASE_BACKWARD) << op.name();
-      recomputed.insert(op.name().substr(0, op.name().size() - std::strlen(op_kind::kRecomputeSuffix)));
+      recomputed.insert(
+          op.name().substr(0, op.name().size() - std::strlen(op_kind::kRecomputeSuffix)));
     }
     std::set<std::string> expected = forward_layer_ops;
     for (int l = 0; l < static_cast<int>(plain.config().layers()); ++l) {
@@ -167,7 +169,8 @@ TEST(Model, RecomputeRunsEachLayersForwardAgainInItsBackward) {
         const proto::Op& from = *it->second;
         if (from.layer() < 0) continue;  // embedding output, final norm, lm head, loss
         // Read in the backward: a layer's output, i.e. the next layer's kept input.
-        EXPECT_TRUE(from.name().ends_with("mlp.add")) << op.name() << " reads " << program.tensors(t).name();
+        EXPECT_TRUE(from.name().ends_with("mlp.add"))
+            << op.name() << " reads " << program.tensors(t).name();
       }
     }
     EXPECT_EQ(ParamCount(program), ParamCount(plain));
@@ -374,7 +377,8 @@ TEST(Mixtral, MatmulFlopsAreSixTimesTheActiveParams) {
     }
   }
   const double expert_params = 3.0 * c.ffn() * c.hidden();
-  const double inactive = static_cast<double>(c.layers()) * (c.experts() - c.top_k()) * expert_params;
+  const double inactive =
+      static_cast<double>(c.layers()) * (c.experts() - c.top_k()) * expert_params;
   const double embed_params = static_cast<double>(c.vocab()) * c.hidden();
   const double active = static_cast<double>(ParamCount(program)) - inactive - embed_params;
   const double tokens = static_cast<double>(c.seq() * c.micro_batch());
@@ -384,8 +388,9 @@ TEST(Mixtral, MatmulFlopsAreSixTimesTheActiveParams) {
 TEST(Mixtral, BadExpertSettingsNameTheFlag) {
   ModelOverrides dense_with_experts;
   dense_with_experts.experts = 4;
-  EXPECT_EQ(BuildError("tiny", dense_with_experts),
-            "--experts and --top-k apply to the mixtral presets only (this is 'tiny', a dense llama)");
+  EXPECT_EQ(
+      BuildError("tiny", dense_with_experts),
+      "--experts and --top-k apply to the mixtral presets only (this is 'tiny', a dense llama)");
   ModelOverrides too_many;
   too_many.top_k = 9;
   EXPECT_EQ(BuildError("mixtral-tiny", too_many), "--top-k 9 is more than --experts 8");

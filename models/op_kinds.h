@@ -110,9 +110,8 @@ inline constexpr char kAdamW[] = "adamw";
 // over the micro-batch's M tokens (Switch Transformer / Mixtral; one term per MoE layer, as
 // each rank computes it on its own micro-batch); it is written in the cross-entropy's
 // sum scale, times M, so it joins the loss like another cross-entropy (see kAuxLossSuffix).
-//   inputs  [logits [..., E]]   outputs [gates f32 [..., k], experts i32 [..., k], aux_loss f32 [1]]
-//   attrs   top_k (i), aux_coef (f)
-//   flops   6 * M * E
+//   inputs  [logits [..., E]]   outputs [gates f32 [..., k], experts i32 [..., k], aux_loss f32
+//   [1]] attrs   top_k (i), aux_coef (f) flops   6 * M * E
 inline constexpr char kMoeRouter[] = "moe_router";
 // The gradient through the gates (the expert choice is not differentiable) plus the load
 // balancing term: dp[t, e] += grad_scale * aux_coef * E * f_e; softmax recomputed from logits.

@@ -15,7 +15,6 @@ using rewriter_internal::GatherIndex;
 using rewriter_internal::LiveCurve;
 using rewriter_internal::ScheduleEditor;
 
-
 // Runs of collectives to fuse, each by its members' instruction indices (in stream order).
 struct Grouping {
   std::vector<std::vector<int>> gathers;

@@ -17,7 +17,6 @@ using rewriter_internal::GatherIndex;
 using rewriter_internal::LiveCurve;
 using rewriter_internal::ScheduleEditor;
 
-
 bool OnComputeStream(const proto::Schedule& schedule, int i) {
   return schedule.instructions(i).stream() == proto::STREAM_COMPUTE;
 }

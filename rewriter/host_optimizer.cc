@@ -5,8 +5,8 @@
 
 #include "analyzer/cost_model.h"
 #include "rewriter/prefetch_timeline.h"
-#include "schemas/units.h"
 #include "schemas/effects.h"
+#include "schemas/units.h"
 
 namespace dc {
 
@@ -70,8 +70,8 @@ StatusOr<bool> HostOptimizerPass::Run(proto::Schedule* schedule, const PassConte
         if (tensor.role() == proto::ROLE_OPTIMIZER_STATE) {
           persistent -= ShardBytes(tensor, world_size);
         } else if (tensor.role() == proto::ROLE_PARAM) {
-          persistent -= ShardBytes(tensor, world_size) -
-                        ComputeShardBytes(program, tensor, world_size);
+          persistent -=
+              ShardBytes(tensor, world_size) - ComputeShardBytes(program, tensor, world_size);
         }
       }
     }

@@ -19,7 +19,6 @@ namespace {
 using rewriter_internal::LiveCurve;
 using rewriter_internal::ScheduleEditor;
 
-
 // Each recompute op's forward twin, by op id (-1: none, or not one whose outputs can stand in).
 std::vector<int> TwinsOf(const proto::Program& program) {
   std::map<std::string, int> by_name;

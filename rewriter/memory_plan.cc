@@ -41,8 +41,8 @@ class Lifetimes : public BufferListener {
     b.size_bytes = size_bytes;
     buffers_.push_back(b);
   }
-  void Freed(int instruction, const BufferKey& /*key*/, int64_t /*size_bytes*/,
-             BufferKind /*kind*/, bool /*at_end*/, int handle) override {
+  void Freed(int instruction, const BufferKey& /*key*/, int64_t /*size_bytes*/, BufferKind /*kind*/,
+             bool /*at_end*/, int handle) override {
     buffers_[handle].free_index = instruction;
   }
   std::vector<BufferLifetime> Take() { return std::move(buffers_); }

@@ -282,7 +282,8 @@ TEST(MemoryPlan, TakesTheMemoisedPackingOnlyForTheSameSchedule) {
       << "a budget the packing does not fit";
   proto::Schedule changed = s;
   changed.mutable_instructions(0)->add_deps(0);
-  EXPECT_EQ(memo.FindFitting(changed, MemoryPlanOptions{}, budget), nullptr) << "other instructions";
+  EXPECT_EQ(memo.FindFitting(changed, MemoryPlanOptions{}, budget), nullptr)
+      << "other instructions";
   MemoryPlanOptions area_first;
   area_first.orders = {MemoryPlanOptions::Order::kAreaDescending};
   EXPECT_EQ(memo.FindFitting(s, area_first, budget), nullptr) << "another first order";
@@ -292,7 +293,8 @@ TEST(MemoryPlan, TakesTheMemoisedPackingOnlyForTheSameSchedule) {
   PassContext context{&costs, budget};
   context.packings = &memo;
   ASSERT_TRUE(pass.Run(&memoised, context).ok());
-  EXPECT_EQ(memoised.memory_plan().SerializeAsString(), reference.memory_plan().SerializeAsString());
+  EXPECT_EQ(memoised.memory_plan().SerializeAsString(),
+            reference.memory_plan().SerializeAsString());
   EXPECT_EQ(memoised.SerializeAsString(), reference.SerializeAsString());
   EXPECT_NE(pass.Summary().find("memoised order"), std::string::npos) << pass.Summary();
   EXPECT_EQ(reference_pass.Summary().find("memoised"), std::string::npos);

@@ -10,12 +10,11 @@
 
 #include "analyzer/simulator.h"
 #include "rewriter/prefetch_timeline.h"
-#include "schemas/units.h"
 #include "schemas/effects.h"
+#include "schemas/units.h"
 
 namespace dc {
 namespace {
-
 
 // One fragment that may move: the rank's fp32 shard of one optimizer-state tensor (Adam m or
 // v), or of one param (its master weight). A master on the host leaves a compute-dtype shard on
@@ -311,8 +310,7 @@ Status MissingBytesError(const Layout& layout, int64_t peak_bytes, int64_t missi
   return Status::Error(
       "even with all " + std::to_string(layout.fragments.size()) + " optimizer-state fragments (" +
       FormatBytes(all) + " freed: " + FragmentKinds(layout) + ") on the host, the step needs " +
-      missing +
-      " more than the budget of " + FormatBytes(budget_bytes) + " (simulated peak " +
+      missing + " more than the budget of " + FormatBytes(budget_bytes) + " (simulated peak " +
       FormatBytes(peak_bytes) + " with everything resident); raise --budget by at least " +
       missing + " or use more ranks (each rank holds 1/world of every shard)");
 }
@@ -386,7 +384,8 @@ class OffloadPlanner {
       stats_->iterations = iteration;
       std::vector<int> chosen;
       if (mode_.minimal) {
-        DC_ASSIGN_OR_RETURN(chosen, Choose(target_bytes, base.peak_device_bytes, tail_headroom_bytes));
+        DC_ASSIGN_OR_RETURN(chosen,
+                            Choose(target_bytes, base.peak_device_bytes, tail_headroom_bytes));
       } else {
         chosen = All(tail_headroom_bytes);
       }
@@ -707,7 +706,8 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
     MemoryPlanStats packed;
     DC_ASSIGN_OR_RETURN(proto::MemoryPlan plan,
                         PlanMemory(*schedule, arena_check, budget, context.costs, &packed, &base));
-    if (context.packings) context.packings->Store(*schedule, arena_check, budget, std::move(plan), packed);
+    if (context.packings)
+      context.packings->Store(*schedule, arena_check, budget, std::move(plan), packed);
     if (packed.arena_bytes <= budget) return false;
     planning_budget -= static_cast<int64_t>(static_cast<double>(packed.arena_bytes - budget) *
                                             options_.arena_overshoot_factor);
@@ -745,7 +745,8 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
       DC_ASSIGN_OR_RETURN(
           proto::MemoryPlan plan,
           PlanMemory(out, arena_check, budget, context.costs, &packed, &out_simulation));
-      if (context.packings) context.packings->Store(out, arena_check, budget, std::move(plan), packed);
+      if (context.packings)
+        context.packings->Store(out, arena_check, budget, std::move(plan), packed);
       stats_.arena_bytes = packed.arena_bytes;
       stats_.arena_rounds = round + 1;
     }

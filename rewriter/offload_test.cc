@@ -343,8 +343,8 @@ TEST(DcOffload, NothingWithRoomToSpare) {
 // for the gathers).
 struct MasterCase {
   Case setup;
-  int64_t master_net_bytes = 0;      // fp32 masters less their bf16 shards
-  int64_t compute_shard_bytes = 0;   // all the bf16 shards
+  int64_t master_net_bytes = 0;     // fp32 masters less their bf16 shards
+  int64_t compute_shard_bytes = 0;  // all the bf16 shards
 };
 
 MasterCase TinyBf16() {
@@ -431,7 +431,8 @@ TEST(Offload, MastersFreeTheLastBytesBeforeTheBudgetIsRefused) {
   const MasterCase c = TinyBf16();
   const Case& setup = c.setup;
   // m and v alone are not enough, masters and all are: the error names what could move.
-  const int64_t out_of_reach = setup.sim.peak_device_bytes - setup.state_bytes - c.master_net_bytes - 1000;
+  const int64_t out_of_reach =
+      setup.sim.peak_device_bytes - setup.state_bytes - c.master_net_bytes - 1000;
   proto::Schedule s = setup.schedule;
   auto refused = OffloadPass().Run(&s, PassContext{&setup.costs, out_of_reach});
   ASSERT_FALSE(refused.ok());

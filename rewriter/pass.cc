@@ -84,8 +84,9 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
       }
     }
     if (!first) {
-      return Status::Error("the schedule is empty and every pass is disabled; enable a pass that "
-                           "lowers the program (zero3)");
+      return Status::Error(
+          "the schedule is empty and every pass is disabled; enable a pass that "
+          "lowers the program (zero3)");
     }
     if (!first->BuildsSchedule()) {
       return Status::Error("pass " + std::string(first->name()) +

@@ -85,8 +85,7 @@ TEST(Pipeline, UnknownNamesAreRefused) {
   request.dump_after = "no-such-pass";
   plan = MakePlan(request);
   ASSERT_FALSE(plan.ok());
-  EXPECT_NE(plan.status().message().find("--dump-after: no pass 'no-such-pass'"),
-            std::string::npos)
+  EXPECT_NE(plan.status().message().find("--dump-after: no pass 'no-such-pass'"), std::string::npos)
       << plan.status().message();
 }
 

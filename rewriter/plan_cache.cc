@@ -23,11 +23,14 @@ std::string PlanCacheKey(const PlanKeyInputs& in) {
 
 std::string DefaultCacheDir() {
   if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return std::string(xdg) + "/dc";
-  if (const char* home = std::getenv("HOME"); home && *home) return std::string(home) + "/.cache/dc";
+  if (const char* home = std::getenv("HOME"); home && *home)
+    return std::string(home) + "/.cache/dc";
   return ".dc-cache";
 }
 
-std::string PlanCache::PathFor(const std::string& key) const { return dir_ + "/" + key + ".dcplan"; }
+std::string PlanCache::PathFor(const std::string& key) const {
+  return dir_ + "/" + key + ".dcplan";
+}
 
 std::optional<proto::Schedule> PlanCache::Lookup(const std::string& key) const {
   const std::string path = PathFor(key);
@@ -41,7 +44,9 @@ std::optional<proto::Schedule> PlanCache::Lookup(const std::string& key) const {
 Status PlanCache::Store(const std::string& key, const proto::Schedule& plan) const {
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
-  if (ec) return Status::Error(dir_ + ": cannot create the plan cache (" + ec.message() + "); pass --cache-dir or --no-cache");
+  if (ec)
+    return Status::Error(dir_ + ": cannot create the plan cache (" + ec.message() +
+                         "); pass --cache-dir or --no-cache");
   return SavePlan(PathFor(key), plan);
 }
 

@@ -248,10 +248,11 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   // budget as it is (DeepCompile's rules have no such give-back).
   constexpr int64_t kRelaxedShareOfStates = 2;
   const bool dc_policy = request.passes.empty() && request.policy == "dc";
-  const bool offloads = dc_policy || std::count(request.passes.begin(), request.passes.end(), "offload") > 0;
+  const bool offloads =
+      dc_policy || std::count(request.passes.begin(), request.passes.end(), "offload") > 0;
   if (request.budget_bytes > 0 && offloads) {
-    const int64_t states =
-        PersistentBytesByKind(request.program, request.world_size)[static_cast<int>(BufferKind::kOptimizerState)];
+    const int64_t states = PersistentBytesByKind(
+        request.program, request.world_size)[static_cast<int>(BufferKind::kOptimizerState)];
     context.relaxed_budget_bytes = request.budget_bytes + states / kRelaxedShareOfStates;
   }
 
@@ -354,8 +355,9 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
     if (best) {
       if (!chosen.empty()) {
         best->add_notes(std::string("dc's full pipeline ") +
-                        (planned.ok() ? "predicted a slower step than the baseline"
-                                      : "did not fit the budget (" + planned.status().message() + ")") +
+                        (planned.ok()
+                             ? "predicted a slower step than the baseline"
+                             : "did not fit the budget (" + planned.status().message() + ")") +
                         "; planned with " + chosen);
       }
       planned = std::move(*best);

@@ -16,7 +16,6 @@ using rewriter_internal::GatherIndex;
 using rewriter_internal::LiveCurve;
 using rewriter_internal::ScheduleEditor;
 
-
 // One all-gather as the planner sees it.
 struct Gather {
   int instr = -1;

@@ -22,8 +22,8 @@ constexpr int64_t kNoPoint = std::numeric_limits<int64_t>::min() / 4;
 class Deltas : public BufferListener {
  public:
   explicit Deltas(int num_instructions) : delta_(num_instructions, 0) {}
-  void Allocated(int instruction, const BufferKey& /*key*/, int64_t size_bytes,
-                 BufferKind /*kind*/, bool /*at_end*/, int /*handle*/) override {
+  void Allocated(int instruction, const BufferKey& /*key*/, int64_t size_bytes, BufferKind /*kind*/,
+                 bool /*at_end*/, int /*handle*/) override {
     if (instruction >= 0) delta_[instruction] += size_bytes;
   }
   void Freed(int instruction, const BufferKey& /*key*/, int64_t size_bytes, BufferKind /*kind*/,

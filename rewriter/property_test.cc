@@ -8,9 +8,8 @@
 // case seed that reproduces it: rerun with --gtest_filter=Random/PlanProperties.Holds/<case>.
 #include <gtest/gtest.h>
 
-#include <array>
-
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>

@@ -85,12 +85,14 @@ Status ParseScheduleText(const std::string& text, proto::Schedule* schedule) {
     line = Trim(line);
     if (line.empty()) continue;
     auto fail = [&](const std::string& why) {
-      return Status::Error("schedule text line " + std::to_string(line_no) + ": " + why + ": '" + line + "'");
+      return Status::Error("schedule text line " + std::to_string(line_no) + ": " + why + ": '" +
+                           line + "'");
     };
     std::string rest = line;
     if (auto colon = rest.find(':'); colon != std::string::npos && rest.find('[') > colon) {
       const std::string index = Trim(rest.substr(0, colon));
-      if (index != std::to_string(parsed.size())) return fail("index " + index + " is not the position");
+      if (index != std::to_string(parsed.size()))
+        return fail("index " + index + " is not the position");
       rest = Trim(rest.substr(colon + 1));
     }
     // Pull out a bracketed tensor list first; names have no spaces.

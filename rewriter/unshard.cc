@@ -16,7 +16,6 @@ using rewriter_internal::Bridge;
 using rewriter_internal::GatherIndex;
 using rewriter_internal::LiveCurve;
 
-
 struct Gap {
   Bridge bridge;
   int64_t bytes = 0;

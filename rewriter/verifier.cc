@@ -51,10 +51,12 @@ Status CheckOpCounts(const proto::Schedule& schedule) {
 
 }  // namespace
 
-Status VerifySchedule(const proto::Schedule& schedule, const PassContext& context, SimResult* simulated) {
+Status VerifySchedule(const proto::Schedule& schedule, const PassContext& context,
+                      SimResult* simulated) {
   if (schedule.instructions_size() == 0) {
-    return Status::Error("the schedule has no instructions; plan it with a pipeline that starts "
-                         "with zero3");
+    return Status::Error(
+        "the schedule has no instructions; plan it with a pipeline that starts "
+        "with zero3");
   }
   DC_RETURN_IF_ERROR(CheckOpCounts(schedule));
   // Simulate checks every reference and buffer effect (schemas/effects.h) before it times.

@@ -82,11 +82,13 @@ StatusOr<bool> Zero3Pass::Run(proto::Schedule* schedule, const PassContext& /*co
         if (last_release[t] >= 0) gather_deps.push_back(last_release[t]);
         std::sort(gather_deps.begin(), gather_deps.end());
         gather_deps.erase(std::unique(gather_deps.begin(), gather_deps.end()), gather_deps.end());
-        deps.push_back(out.Emit(proto::INSTR_ALL_GATHER, proto::STREAM_GATHER, micro, -1, {t}, gather_deps));
+        deps.push_back(
+            out.Emit(proto::INSTR_ALL_GATHER, proto::STREAM_GATHER, micro, -1, {t}, gather_deps));
         gathered[t] = true;
         ++gathers;
       }
-      const int compute = out.Emit(proto::INSTR_COMPUTE, proto::STREAM_COMPUTE, micro, op_id, {}, deps);
+      const int compute =
+          out.Emit(proto::INSTR_COMPUTE, proto::STREAM_COMPUTE, micro, op_id, {}, deps);
       computes.push_back(compute);
 
       std::vector<int> released;
@@ -106,14 +108,16 @@ StatusOr<bool> Zero3Pass::Run(proto::Schedule* schedule, const PassContext& /*co
       for (int t : op.inputs()) release_if_last(t);
       for (int t : op.outputs()) release_if_last(t);
       if (!released.empty()) {
-        const int release = out.Emit(proto::INSTR_RELEASE, proto::STREAM_COMPUTE, micro, -1, released, {compute});
+        const int release =
+            out.Emit(proto::INSTR_RELEASE, proto::STREAM_COMPUTE, micro, -1, released, {compute});
         for (int t : released) {
           if (program.tensors(t).role() == proto::ROLE_PARAM) last_release[t] = release;
         }
       }
       for (int t : op.outputs()) {
         if (program.tensors(t).role() != proto::ROLE_GRAD) continue;
-        const int rs = out.Emit(proto::INSTR_REDUCE_SCATTER, proto::STREAM_REDUCE, micro, -1, {t}, {compute});
+        const int rs =
+            out.Emit(proto::INSTR_REDUCE_SCATTER, proto::STREAM_REDUCE, micro, -1, {t}, {compute});
         grad_reductions[t].push_back(rs);
         ++reductions;
         out.Emit(proto::INSTR_RELEASE, proto::STREAM_REDUCE, micro, -1, {t}, {rs});
@@ -128,9 +132,11 @@ StatusOr<bool> Zero3Pass::Run(proto::Schedule* schedule, const PassContext& /*co
     }
     out.Emit(proto::INSTR_COMPUTE, proto::STREAM_COMPUTE, -1, op_id, {}, deps);
   }
-  summary_ = std::to_string(schedule->instructions_size()) + " instructions: " + std::to_string(gathers) +
-             " all-gathers (" + std::to_string(options_.lookahead_ops) + " op of lookahead), " +
-             std::to_string(reductions) + " reduce-scatters over " + std::to_string(gas) + " micro-step(s)";
+  summary_ = std::to_string(schedule->instructions_size()) +
+             " instructions: " + std::to_string(gathers) + " all-gathers (" +
+             std::to_string(options_.lookahead_ops) + " op of lookahead), " +
+             std::to_string(reductions) + " reduce-scatters over " + std::to_string(gas) +
+             " micro-step(s)";
   return true;
 }
 

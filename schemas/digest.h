@@ -1,10 +1,10 @@
 // Stable digests: SHA-256 over canonical (deterministic) protobuf serializations.
 #pragma once
 
+#include <google/protobuf/message.h>
+
 #include <string>
 #include <string_view>
-
-#include <google/protobuf/message.h>
 
 namespace dc {
 

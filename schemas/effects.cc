@@ -196,8 +196,7 @@ Status BufferReplay::Gather(int i, const proto::Instruction& instr) {
   return Status::Ok();
 }
 
-Status BufferReplay::ReadInput(int i, const proto::Instruction& instr, bool optimizer,
-                               int tensor) {
+Status BufferReplay::ReadInput(int i, const proto::Instruction& instr, bool optimizer, int tensor) {
   const proto::Role role = role_[tensor];
   const int micro = instr.micro_step();
   // The optimizer phase works on the rank's persistent shards, never on gathered buffers.
@@ -261,17 +260,15 @@ Status BufferReplay::Release(int i, const proto::Instruction& instr) {
         return Status::Error(InstructionWhere(i, instr) + " releases param " + Name(t) +
                              ", which is not gathered");
       }
-      Close(i, BufferKey::Gathered(t), transient_bytes_[t], BufferKind::kGathered,
-            &gathered_[t]);
+      Close(i, BufferKey::Gathered(t), transient_bytes_[t], BufferKind::kGathered, &gathered_[t]);
       continue;
     }
     int& handle = TransientHandle(t, micro);
     if (handle < 0) {
-      return Status::Error(InstructionWhere(i, instr) + " releases " + Name(t) +
-                           " (micro-step " + std::to_string(micro) + "), which is not live");
+      return Status::Error(InstructionWhere(i, instr) + " releases " + Name(t) + " (micro-step " +
+                           std::to_string(micro) + "), which is not live");
     }
-    Close(i, BufferKey::Transient(t, micro), transient_bytes_[t], transient_kind_[t],
-          &handle);
+    Close(i, BufferKey::Transient(t, micro), transient_bytes_[t], transient_kind_[t], &handle);
   }
   return Status::Ok();
 }
@@ -305,8 +302,7 @@ Status BufferReplay::Offload(int i, const proto::Instruction& instr) {
         return Status::Error(InstructionWhere(i, instr) + " offloads " + Name(t) +
                              ", which is already offloaded");
       }
-      Close(i, BufferKey::Persistent(t), shard_bytes_[t], PersistentKind(role),
-            &persistent_[t]);
+      Close(i, BufferKey::Persistent(t), shard_bytes_[t], PersistentKind(role), &persistent_[t]);
       continue;
     }
     int& handle = TransientHandle(t, micro);
@@ -314,8 +310,7 @@ Status BufferReplay::Offload(int i, const proto::Instruction& instr) {
       return Status::Error(InstructionWhere(i, instr) + " offloads " + Name(t) +
                            ", which is not live");
     }
-    Close(i, BufferKey::Transient(t, micro), transient_bytes_[t], transient_kind_[t],
-          &handle);
+    Close(i, BufferKey::Transient(t, micro), transient_bytes_[t], transient_kind_[t], &handle);
     transient_on_host_[static_cast<size_t>(t) * stride_ + (micro + 1)] = 1;
   }
   return Status::Ok();
@@ -355,8 +350,8 @@ Status BufferReplay::Rename(int i, const proto::Instruction& instr) {
     int& from_handle = TransientHandle(from, micro);
     int& to_handle = TransientHandle(to, micro);
     if (from_handle < 0) {
-      return Status::Error(InstructionWhere(i, instr) + " renames " + Name(from) +
-                           " (micro-step " + std::to_string(micro) + "), which is not live");
+      return Status::Error(InstructionWhere(i, instr) + " renames " + Name(from) + " (micro-step " +
+                           std::to_string(micro) + "), which is not live");
     }
     if (to_handle >= 0) {
       return Status::Error(InstructionWhere(i, instr) + " renames into " + Name(to) +

@@ -100,8 +100,8 @@ class BufferListener {
  public:
   virtual ~BufferListener() = default;
   // `instruction` is -1 for the persistent buffers made at start-up.
-  virtual void Allocated(int instruction, const BufferKey& key, int64_t size_bytes,
-                         BufferKind kind, bool at_end, int handle) = 0;
+  virtual void Allocated(int instruction, const BufferKey& key, int64_t size_bytes, BufferKind kind,
+                         bool at_end, int handle) = 0;
   virtual void Freed(int instruction, const BufferKey& key, int64_t size_bytes, BufferKind kind,
                      bool at_end, int handle) = 0;
   // The buffer `handle` goes on under `to` (a rename): no allocation, no free.

@@ -57,8 +57,9 @@ proto::Schedule Empty() {
   return schedule;
 }
 
-void Add(proto::Schedule* schedule, proto::InstrKind kind, int op, std::initializer_list<int> tensors,
-         int micro_step = 0, proto::Stream stream = proto::STREAM_COMPUTE) {
+void Add(proto::Schedule* schedule, proto::InstrKind kind, int op,
+         std::initializer_list<int> tensors, int micro_step = 0,
+         proto::Stream stream = proto::STREAM_COMPUTE) {
   proto::Instruction* instr = schedule->add_instructions();
   instr->set_kind(kind);
   instr->set_stream(stream);
@@ -70,17 +71,17 @@ void Add(proto::Schedule* schedule, proto::InstrKind kind, int op, std::initiali
 // One instruction of every kind, every effect once.
 proto::Schedule EveryKind() {
   proto::Schedule s = Empty();
-  Add(&s, proto::INSTR_ALL_GATHER, -1, {kW}, 0, proto::STREAM_GATHER);    // 0
-  Add(&s, proto::INSTR_COMPUTE, kFwd, {});                                // 1
-  Add(&s, proto::INSTR_COMPUTE, kHead, {});                               // 2
-  Add(&s, proto::INSTR_RENAME, kHeadRecompute, {kB});                     // 3
-  Add(&s, proto::INSTR_COMPUTE, kBwd, {});                                // 4
-  Add(&s, proto::INSTR_RELEASE, -1, {kW, kX, kA, kB2});                   // 5
+  Add(&s, proto::INSTR_ALL_GATHER, -1, {kW}, 0, proto::STREAM_GATHER);      // 0
+  Add(&s, proto::INSTR_COMPUTE, kFwd, {});                                  // 1
+  Add(&s, proto::INSTR_COMPUTE, kHead, {});                                 // 2
+  Add(&s, proto::INSTR_RENAME, kHeadRecompute, {kB});                       // 3
+  Add(&s, proto::INSTR_COMPUTE, kBwd, {});                                  // 4
+  Add(&s, proto::INSTR_RELEASE, -1, {kW, kX, kA, kB2});                     // 5
   Add(&s, proto::INSTR_REDUCE_SCATTER, -1, {kG}, 0, proto::STREAM_REDUCE);  // 6
-  Add(&s, proto::INSTR_RELEASE, -1, {kG});                                // 7
-  Add(&s, proto::INSTR_OFFLOAD, -1, {kM}, -1, proto::STREAM_D2H);          // 8
-  Add(&s, proto::INSTR_RELOAD, -1, {kM}, -1, proto::STREAM_H2D);           // 9
-  Add(&s, proto::INSTR_COMPUTE, kAdam, {}, -1);                           // 10
+  Add(&s, proto::INSTR_RELEASE, -1, {kG});                                  // 7
+  Add(&s, proto::INSTR_OFFLOAD, -1, {kM}, -1, proto::STREAM_D2H);           // 8
+  Add(&s, proto::INSTR_RELOAD, -1, {kM}, -1, proto::STREAM_H2D);            // 9
+  Add(&s, proto::INSTR_COMPUTE, kAdam, {}, -1);                             // 10
   return s;
 }
 
@@ -117,8 +118,8 @@ class Recorder : public BufferListener {
   std::string text;
 
  private:
-  void Line(int instruction, const char* sign, const BufferKey& key, int64_t bytes,
-            BufferKind kind, bool at_end, int handle) {
+  void Line(int instruction, const char* sign, const BufferKey& key, int64_t bytes, BufferKind kind,
+            bool at_end, int handle) {
     text += std::to_string(instruction) + " " + sign + " " + program_.tensors(key.tensor).name() +
             " " + SlotName(key.slot) + " " + std::to_string(key.placement_micro_step()) + " " +
             std::to_string(bytes) + " " + BufferKindName(kind) + (at_end ? " end" : " start") +
@@ -195,11 +196,14 @@ TEST(Effects, EveryMisuseIsRefusedWithItsMessage) {
          Add(s, proto::INSTR_ALL_GATHER, -1, {kW});
        },
        "instruction 1 (all_gather) gathers w, which is already gathered and not released"},
-      {"gather of a non-param", [](proto::Schedule* s) { Add(s, proto::INSTR_ALL_GATHER, -1, {kA}); },
+      {"gather of a non-param",
+       [](proto::Schedule* s) { Add(s, proto::INSTR_ALL_GATHER, -1, {kA}); },
        "instruction 0 (all_gather) gathers a, which is not a param"},
-      {"read of an ungathered param", [](proto::Schedule* s) { Add(s, proto::INSTR_COMPUTE, kFwd, {}); },
+      {"read of an ungathered param",
+       [](proto::Schedule* s) { Add(s, proto::INSTR_COMPUTE, kFwd, {}); },
        "instruction 0 (compute) reads param w, which is not gathered"},
-      {"read of a dead activation", [](proto::Schedule* s) { Add(s, proto::INSTR_COMPUTE, kHead, {}); },
+      {"read of a dead activation",
+       [](proto::Schedule* s) { Add(s, proto::INSTR_COMPUTE, kHead, {}); },
        "instruction 0 (compute) reads a (micro-step 0), which is not live"},
       {"second write",
        [](proto::Schedule* s) {
@@ -208,9 +212,11 @@ TEST(Effects, EveryMisuseIsRefusedWithItsMessage) {
          Add(s, proto::INSTR_COMPUTE, kFwd, {});
        },
        "instruction 2 (compute) writes a, which is still live from an earlier write"},
-      {"release of an ungathered param", [](proto::Schedule* s) { Add(s, proto::INSTR_RELEASE, -1, {kW}); },
+      {"release of an ungathered param",
+       [](proto::Schedule* s) { Add(s, proto::INSTR_RELEASE, -1, {kW}); },
        "instruction 0 (release) releases param w, which is not gathered"},
-      {"release of a dead transient", [](proto::Schedule* s) { Add(s, proto::INSTR_RELEASE, -1, {kA}); },
+      {"release of a dead transient",
+       [](proto::Schedule* s) { Add(s, proto::INSTR_RELEASE, -1, {kA}); },
        "instruction 0 (release) releases a (micro-step 0), which is not live"},
       {"reduce-scatter of a non-grad",
        [](proto::Schedule* s) { Add(s, proto::INSTR_REDUCE_SCATTER, -1, {kA}); },
@@ -267,7 +273,8 @@ TEST(Effects, HostOptimizerOpMustNotFindItsStateOnTheDevice) {
   proto::Schedule reloaded = Empty();
   Add(&reloaded, proto::INSTR_RELOAD, -1, {kM}, -1, proto::STREAM_H2D);
   Add(&reloaded, proto::INSTR_COMPUTE, kAdam, {}, -1, proto::STREAM_HOST);
-  EXPECT_EQ(Replay(reloaded), "instruction 1 (compute) runs on the host but reads m, which is on the device");
+  EXPECT_EQ(Replay(reloaded),
+            "instruction 1 (compute) runs on the host but reads m, which is on the device");
 }
 
 }  // namespace

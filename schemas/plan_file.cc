@@ -19,7 +19,8 @@ void PutLe(std::string* out, uint64_t value, int bytes) {
 
 uint64_t GetLe(const char* p, int bytes) {
   uint64_t value = 0;
-  for (int i = 0; i < bytes; ++i) value |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  for (int i = 0; i < bytes; ++i)
+    value |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
   return value;
 }
 
@@ -43,7 +44,8 @@ Status SavePlan(const std::string& path, proto::Schedule schedule) {
 }
 
 StatusOr<proto::Schedule> ParsePlan(const std::string& bytes, const std::string& what) {
-  if (bytes.empty()) return Status::Error(what + ": empty file; is this a plan written by dc-plan?");
+  if (bytes.empty())
+    return Status::Error(what + ": empty file; is this a plan written by dc-plan?");
   if (bytes.size() < sizeof(kMagic) || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
     return Status::Error(what + ": not a dc plan file (bad magic); write one with dc-plan");
   }
@@ -71,7 +73,8 @@ StatusOr<proto::Schedule> ParsePlan(const std::string& bytes, const std::string&
     return Status::Error(what + ": corrupt plan (payload does not parse); re-run dc-plan");
   }
   if (schedule.format_version() != version) {
-    return Status::Error(what + ": plan header and body disagree on the format version; re-run dc-plan");
+    return Status::Error(what +
+                         ": plan header and body disagree on the format version; re-run dc-plan");
   }
   if (schedule.program().format_version() > kProgramFormatVersion) {
     return Status::Error(what + ": embedded program format version " +

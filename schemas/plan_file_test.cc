@@ -77,7 +77,8 @@ TEST(PlanFile, RefusesTamperedProgram) {
   tampered.mutable_program()->mutable_tensors(0)->set_name("other");
   const std::string payload = CanonicalBytes(tampered);
   std::string framed = bytes.substr(0, 12);
-  for (int i = 0; i < 8; ++i) framed.push_back(static_cast<char>((payload.size() >> (8 * i)) & 0xFF));
+  for (int i = 0; i < 8; ++i)
+    framed.push_back(static_cast<char>((payload.size() >> (8 * i)) & 0xFF));
   framed += Sha256Hex(payload) + payload;
   auto back = ParsePlan(framed, "p");
   ASSERT_FALSE(back.ok());

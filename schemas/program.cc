@@ -1,73 +1,108 @@
 #include "schemas/program.h"
-#include "schemas/effects.h"
 
 #include <algorithm>
+
+#include "schemas/effects.h"
 
 namespace dc {
 
 int64_t DTypeSizeBytes(proto::DType dtype) {
   switch (dtype) {
-    case proto::DTYPE_F32: return 4;
-    case proto::DTYPE_BF16: return 2;
-    case proto::DTYPE_F16: return 2;
-    case proto::DTYPE_I32: return 4;
-    default: return 0;
+    case proto::DTYPE_F32:
+      return 4;
+    case proto::DTYPE_BF16:
+      return 2;
+    case proto::DTYPE_F16:
+      return 2;
+    case proto::DTYPE_I32:
+      return 4;
+    default:
+      return 0;
   }
 }
 
 const char* DTypeName(proto::DType dtype) {
   switch (dtype) {
-    case proto::DTYPE_F32: return "f32";
-    case proto::DTYPE_BF16: return "bf16";
-    case proto::DTYPE_F16: return "f16";
-    case proto::DTYPE_I32: return "i32";
-    default: return "?";
+    case proto::DTYPE_F32:
+      return "f32";
+    case proto::DTYPE_BF16:
+      return "bf16";
+    case proto::DTYPE_F16:
+      return "f16";
+    case proto::DTYPE_I32:
+      return "i32";
+    default:
+      return "?";
   }
 }
 
 const char* RoleName(proto::Role role) {
   switch (role) {
-    case proto::ROLE_PARAM: return "param";
-    case proto::ROLE_GRAD: return "grad";
-    case proto::ROLE_OPTIMIZER_STATE: return "optimizer_state";
-    case proto::ROLE_ACTIVATION: return "activation";
-    case proto::ROLE_INPUT: return "input";
-    default: return "?";
+    case proto::ROLE_PARAM:
+      return "param";
+    case proto::ROLE_GRAD:
+      return "grad";
+    case proto::ROLE_OPTIMIZER_STATE:
+      return "optimizer_state";
+    case proto::ROLE_ACTIVATION:
+      return "activation";
+    case proto::ROLE_INPUT:
+      return "input";
+    default:
+      return "?";
   }
 }
 
 const char* PhaseName(proto::Phase phase) {
   switch (phase) {
-    case proto::PHASE_FORWARD: return "forward";
-    case proto::PHASE_BACKWARD: return "backward";
-    case proto::PHASE_OPTIMIZER: return "optimizer";
-    default: return "?";
+    case proto::PHASE_FORWARD:
+      return "forward";
+    case proto::PHASE_BACKWARD:
+      return "backward";
+    case proto::PHASE_OPTIMIZER:
+      return "optimizer";
+    default:
+      return "?";
   }
 }
 
 const char* InstrKindName(proto::InstrKind kind) {
   switch (kind) {
-    case proto::INSTR_COMPUTE: return "compute";
-    case proto::INSTR_ALL_GATHER: return "all_gather";
-    case proto::INSTR_RELEASE: return "release";
-    case proto::INSTR_REDUCE_SCATTER: return "reduce_scatter";
-    case proto::INSTR_OFFLOAD: return "offload";
-    case proto::INSTR_RELOAD: return "reload";
-    case proto::INSTR_RENAME: return "rename";
-    default: return "?";
+    case proto::INSTR_COMPUTE:
+      return "compute";
+    case proto::INSTR_ALL_GATHER:
+      return "all_gather";
+    case proto::INSTR_RELEASE:
+      return "release";
+    case proto::INSTR_REDUCE_SCATTER:
+      return "reduce_scatter";
+    case proto::INSTR_OFFLOAD:
+      return "offload";
+    case proto::INSTR_RELOAD:
+      return "reload";
+    case proto::INSTR_RENAME:
+      return "rename";
+    default:
+      return "?";
   }
 }
 
 const char* StreamName(proto::Stream stream) {
   switch (stream) {
-    case proto::STREAM_COMPUTE: return "compute";
-    case proto::STREAM_GATHER: return "gather";
-    case proto::STREAM_REDUCE: return "reduce";
-    case proto::STREAM_H2D: return "h2d";
-    case proto::STREAM_D2H: return "d2h";
+    case proto::STREAM_COMPUTE:
+      return "compute";
+    case proto::STREAM_GATHER:
+      return "gather";
+    case proto::STREAM_REDUCE:
+      return "reduce";
+    case proto::STREAM_H2D:
+      return "h2d";
+    case proto::STREAM_D2H:
+      return "d2h";
     case proto::STREAM_HOST:
       return "host";
-    default: return "?";
+    default:
+      return "?";
   }
 }
 
@@ -138,7 +173,8 @@ Status ValidateProgram(const proto::Program& program) {
       return Status::Error("tensor " + t.name() + " has id " + std::to_string(t.id()) +
                            " at index " + std::to_string(i));
     }
-    if (DTypeSizeBytes(t.dtype()) == 0) return Status::Error("tensor " + t.name() + " has no dtype");
+    if (DTypeSizeBytes(t.dtype()) == 0)
+      return Status::Error("tensor " + t.name() + " has no dtype");
     for (int64_t d : t.shape()) {
       if (d <= 0) return Status::Error("tensor " + t.name() + " has a non-positive dimension");
     }
@@ -158,7 +194,8 @@ Status ValidateProgram(const proto::Program& program) {
     if (op.phase() < last_phase) return Status::Error("op " + op.name() + " is out of phase order");
     last_phase = op.phase();
     for (int in : op.inputs()) {
-      if (in < 0 || in >= num_tensors) return Status::Error("op " + op.name() + " reads a bad tensor id");
+      if (in < 0 || in >= num_tensors)
+        return Status::Error("op " + op.name() + " reads a bad tensor id");
       const auto& t = program.tensors(in);
       const bool external = t.role() == proto::ROLE_PARAM || t.role() == proto::ROLE_INPUT ||
                             t.role() == proto::ROLE_OPTIMIZER_STATE ||
@@ -168,7 +205,8 @@ Status ValidateProgram(const proto::Program& program) {
       }
     }
     for (int out : op.outputs()) {
-      if (out < 0 || out >= num_tensors) return Status::Error("op " + op.name() + " writes a bad tensor id");
+      if (out < 0 || out >= num_tensors)
+        return Status::Error("op " + op.name() + " writes a bad tensor id");
       if (producer[out] >= 0) {
         return Status::Error("tensor " + program.tensors(out).name() + " is produced twice");
       }
@@ -187,7 +225,8 @@ Status ValidateProgram(const proto::Program& program) {
   }
   for (int i = 0; i < num_tensors; ++i) {
     if (program.tensors(i).role() == proto::ROLE_GRAD && grad_producers[i] != 1) {
-      return Status::Error("grad " + program.tensors(i).name() + " has no backward op producing it");
+      return Status::Error("grad " + program.tensors(i).name() +
+                           " has no backward op producing it");
     }
   }
   return Status::Ok();
@@ -195,24 +234,36 @@ Status ValidateProgram(const proto::Program& program) {
 
 const char* BufferKindName(BufferKind kind) {
   switch (kind) {
-    case BufferKind::kGathered: return "gathered";
-    case BufferKind::kShard: return "shard";
-    case BufferKind::kGrad: return "grad";
-    case BufferKind::kGradShard: return "grad_shard";
-    case BufferKind::kOptimizerState: return "optimizer_state";
-    case BufferKind::kActivation: return "activation";
-    case BufferKind::kInput: return "input";
+    case BufferKind::kGathered:
+      return "gathered";
+    case BufferKind::kShard:
+      return "shard";
+    case BufferKind::kGrad:
+      return "grad";
+    case BufferKind::kGradShard:
+      return "grad_shard";
+    case BufferKind::kOptimizerState:
+      return "optimizer_state";
+    case BufferKind::kActivation:
+      return "activation";
+    case BufferKind::kInput:
+      return "input";
   }
   return "?";
 }
 
 BufferKind TransientKind(const proto::Tensor& tensor) {
   switch (tensor.role()) {
-    case proto::ROLE_PARAM: return BufferKind::kGathered;
-    case proto::ROLE_GRAD: return BufferKind::kGrad;
-    case proto::ROLE_INPUT: return BufferKind::kInput;
-    case proto::ROLE_OPTIMIZER_STATE: return BufferKind::kOptimizerState;
-    default: return BufferKind::kActivation;
+    case proto::ROLE_PARAM:
+      return BufferKind::kGathered;
+    case proto::ROLE_GRAD:
+      return BufferKind::kGrad;
+    case proto::ROLE_INPUT:
+      return BufferKind::kInput;
+    case proto::ROLE_OPTIMIZER_STATE:
+      return BufferKind::kOptimizerState;
+    default:
+      return BufferKind::kActivation;
   }
 }
 
@@ -291,7 +342,8 @@ std::vector<bool> ComputeShardParams(const proto::Schedule& schedule) {
   return ComputeShardParamsOf(schedule.program(), ScanResidency(schedule));
 }
 
-int64_t ComputeShardBytes(const proto::Program& program, const proto::Tensor& param, int world_size) {
+int64_t ComputeShardBytes(const proto::Program& program, const proto::Tensor& param,
+                          int world_size) {
   return ShardElements(NumElements(param), world_size) *
          DTypeSizeBytes(program.config().compute_dtype());
 }

@@ -49,7 +49,15 @@ Status ValidateProgram(const proto::Program& program);
 // the fp32 optimizer-state shards. Transient: a gathered param (whole, compute dtype) from its
 // all-gather to its release; an activation, grad or input from the compute that first writes or
 // reads it to its release.
-enum class BufferKind { kGathered, kShard, kGrad, kGradShard, kOptimizerState, kActivation, kInput };
+enum class BufferKind {
+  kGathered,
+  kShard,
+  kGrad,
+  kGradShard,
+  kOptimizerState,
+  kActivation,
+  kInput
+};
 inline constexpr int kNumBufferKinds = 7;
 const char* BufferKindName(BufferKind kind);
 BufferKind TransientKind(const proto::Tensor& tensor);
@@ -72,7 +80,8 @@ std::vector<bool> HostResidentTensors(const proto::Schedule& schedule);
 std::vector<bool> ComputeShardParams(const proto::Schedule& schedule);
 inline constexpr int kComputeShardMicroStep = -3;
 // Bytes of one rank's compute-dtype shard of `param`.
-int64_t ComputeShardBytes(const proto::Program& program, const proto::Tensor& param, int world_size);
+int64_t ComputeShardBytes(const proto::Program& program, const proto::Tensor& param,
+                          int world_size);
 // PersistentBytesByKind of the schedule's program plus its compute-dtype shards, less its
 // host-resident tensors.
 std::vector<int64_t> PersistentBytesByKind(const proto::Schedule& schedule);

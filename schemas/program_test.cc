@@ -5,7 +5,8 @@
 namespace dc {
 namespace {
 
-proto::Tensor* AddTensor(proto::Program* p, const std::string& name, proto::Role role, int param = -1) {
+proto::Tensor* AddTensor(proto::Program* p, const std::string& name, proto::Role role,
+                         int param = -1) {
   auto* t = p->add_tensors();
   t->set_id(p->tensors_size() - 1);
   t->set_name(name);

@@ -33,7 +33,7 @@ class [[nodiscard]] Status {
 template <typename T>
 class [[nodiscard]] StatusOr {
  public:
-  StatusOr(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
+  StatusOr(T value) : value_(std::move(value)) {}         // NOLINT: implicit by design
   StatusOr(Status status) : value_(std::move(status)) {}  // NOLINT: implicit by design
 
   bool ok() const { return std::holds_alternative<T>(value_); }
@@ -56,9 +56,9 @@ class [[nodiscard]] StatusOr {
 #define DC_CONCAT(a, b) DC_CONCAT_INNER(a, b)
 
 // Returns from the enclosing function if `expr` (a Status) is an error.
-#define DC_RETURN_IF_ERROR(expr)            \
-  do {                                      \
-    ::dc::Status dc_status_ = (expr);       \
+#define DC_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::dc::Status dc_status_ = (expr);        \
     if (!dc_status_.ok()) return dc_status_; \
   } while (0)
 

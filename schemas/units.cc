@@ -8,16 +8,27 @@
 namespace dc {
 
 StatusOr<int64_t> ParseBytes(const std::string& text) {
-  static const std::pair<const char*, double> kUnits[] = {
-      {"", 1.0},          {"B", 1.0},           {"KiB", 1024.0},     {"MiB", 1048576.0},
-      {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}, {"KB", 1e3},  {"MB", 1e6},
-      {"GB", 1e9},        {"TB", 1e12},         {"K", 1024.0},       {"M", 1048576.0},
-      {"G", 1073741824.0}};
+  static const std::pair<const char*, double> kUnits[] = {{"", 1.0},
+                                                          {"B", 1.0},
+                                                          {"KiB", 1024.0},
+                                                          {"MiB", 1048576.0},
+                                                          {"GiB", 1073741824.0},
+                                                          {"TiB", 1099511627776.0},
+                                                          {"KB", 1e3},
+                                                          {"MB", 1e6},
+                                                          {"GB", 1e9},
+                                                          {"TB", 1e12},
+                                                          {"K", 1024.0},
+                                                          {"M", 1048576.0},
+                                                          {"G", 1073741824.0}};
   size_t pos = 0;
-  while (pos < text.size() && (std::isdigit(static_cast<unsigned char>(text[pos])) || text[pos] == '.')) ++pos;
+  while (pos < text.size() &&
+         (std::isdigit(static_cast<unsigned char>(text[pos])) || text[pos] == '.'))
+    ++pos;
   const std::string number = text.substr(0, pos);
   const std::string unit = text.substr(pos);
-  const std::string error = "'" + text + "' is not a byte size; write e.g. 1073741824, 1GiB or 512MiB";
+  const std::string error =
+      "'" + text + "' is not a byte size; write e.g. 1073741824, 1GiB or 512MiB";
   if (number.empty()) return Status::Error(error);
   char* end = nullptr;
   const double value = std::strtod(number.c_str(), &end);

@@ -27,20 +27,28 @@ std::string ReadFile(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-int Lines(const std::string& text) { return static_cast<int>(std::count(text.begin(), text.end(), '\n')); }
+int Lines(const std::string& text) {
+  return static_cast<int>(std::count(text.begin(), text.end(), '\n'));
+}
 
 class BadInput : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = FreshDir("bad");
-    auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model tiny --steps 1 --warmup 0 -o " + dir_ + "/good.db");
+    auto collect =
+        RunCommand(Tool("dc-collect") + " --backend cpu --model tiny --steps 1 --warmup 0 -o " +
+                   dir_ + "/good.db");
     ASSERT_EQ(collect.exit_code, 0) << collect.err;
-    auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/good.db --no-cache -o " + dir_ + "/good.dcplan");
+    auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/good.db --no-cache -o " + dir_ +
+                           "/good.dcplan");
     ASSERT_EQ(plan.exit_code, 0) << plan.err;
     // A two-rank plan for the tests that kill a rank.
-    auto two = RunCommand(Tool("dc-collect") + " --backend cpu --model tiny --nproc 2 --steps 1 --warmup 0 -o " + dir_ + "/two.db");
+    auto two = RunCommand(Tool("dc-collect") +
+                          " --backend cpu --model tiny --nproc 2 --steps 1 --warmup 0 -o " + dir_ +
+                          "/two.db");
     ASSERT_EQ(two.exit_code, 0) << two.err;
-    auto two_plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/two.db --no-cache -o " + dir_ + "/two.dcplan");
+    auto two_plan =
+        RunCommand(Tool("dc-plan") + " " + dir_ + "/two.db --no-cache -o " + dir_ + "/two.dcplan");
     ASSERT_EQ(two_plan.exit_code, 0) << two_plan.err;
   }
 
@@ -106,7 +114,8 @@ TEST_F(BadInput, PlanOfANewerFormat) {
 }
 
 TEST_F(BadInput, PlanForAnotherWorldSize) {
-  auto r = RunCommand(Tool("dc-run") + " --backend cpu " + dir_ + "/good.dcplan --steps 1 --nproc 2");
+  auto r =
+      RunCommand(Tool("dc-run") + " --backend cpu " + dir_ + "/good.dcplan --steps 1 --nproc 2");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("planned for 1 rank"), std::string::npos) << r.err;
 }
@@ -128,8 +137,8 @@ TEST_F(BadInput, ARankThatDiesStopsTheOthers) {
       std::freopen((dir_ + "/rank" + std::to_string(rank) + ".err").c_str(), "w", stderr);
       const std::string tool = Tool("dc-run");
       const std::string plan_path = dir_ + "/two.dcplan";
-      ::execl(tool.c_str(), tool.c_str(), plan_path.c_str(), "--steps", "100000", "--backend", "cpu", "--rendezvous", rdzv.c_str(),
-              static_cast<char*>(nullptr));
+      ::execl(tool.c_str(), tool.c_str(), plan_path.c_str(), "--steps", "100000", "--backend",
+              "cpu", "--rendezvous", rdzv.c_str(), static_cast<char*>(nullptr));
       std::_Exit(127);
     }
     pids.push_back(pid);
@@ -159,7 +168,8 @@ TEST_F(BadInput, ARankThatDiesStopsTheOthers) {
 
 TEST_F(BadInput, ARankThatDiesUnderTheLocalLauncher) {
   // The launcher reports the first rank that failed, in one line, and stops the rest.
-  auto r = RunCommand("( " + Tool("dc-run") + " --backend cpu " + dir_ + "/two.dcplan --steps 100000 --quiet & "
+  auto r = RunCommand("( " + Tool("dc-run") + " --backend cpu " + dir_ +
+                      "/two.dcplan --steps 100000 --quiet & "
                       "L=$!; sleep 3; pkill -KILL -P $L -f 'dc-run' -n; wait $L )");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("rank"), std::string::npos) << r.err;
@@ -173,14 +183,17 @@ class BackendMismatch : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = FreshDir("backend");
-    auto cuda = RunCommand(Tool("dc-plan") + " --synthetic --hardware h100-sxm --model tiny --world 1 --no-cache -o " +
-                           dir_ + "/cuda.dcplan");
+    auto cuda = RunCommand(
+        Tool("dc-plan") + " --synthetic --hardware h100-sxm --model tiny --world 1 --no-cache -o " +
+        dir_ + "/cuda.dcplan");
     ASSERT_EQ(cuda.exit_code, 0) << cuda.err;
-    auto cpu = RunCommand(Tool("dc-plan") + " --synthetic --hardware cpu --model tiny --world 1 --no-cache -o " +
+    auto cpu = RunCommand(Tool("dc-plan") +
+                          " --synthetic --hardware cpu --model tiny --world 1 --no-cache -o " +
                           dir_ + "/cpu.dcplan");
     ASSERT_EQ(cpu.exit_code, 0) << cpu.err;
     auto probe = RunCommand(Tool("dc-run") + " " + dir_ + "/cpu.dcplan --steps 1 --json");
-    auto_is_cpu_ = probe.exit_code == 0 && probe.out.find("\"backend\":\"cpu\"") != std::string::npos;
+    auto_is_cpu_ =
+        probe.exit_code == 0 && probe.out.find("\"backend\":\"cpu\"") != std::string::npos;
   }
 
   void ExpectRefused(const std::string& args, const std::vector<std::string>& any_of) {
@@ -199,25 +212,31 @@ std::string BackendMismatch::dir_;
 bool BackendMismatch::auto_is_cpu_ = false;
 
 TEST_F(BackendMismatch, ACudaPlanOnTheCpuBackend) {
-  ExpectRefused(dir_ + "/cuda.dcplan --backend cpu",
-                {dir_ + "/cuda.dcplan: the plan is for the cuda backend and --backend cpu runs on cpu; run it "
-                        "with --backend cuda on a GPU host, or re-plan for cpu"});
+  ExpectRefused(
+      dir_ + "/cuda.dcplan --backend cpu",
+      {dir_ +
+       "/cuda.dcplan: the plan is for the cuda backend and --backend cpu runs on cpu; run it "
+       "with --backend cuda on a GPU host, or re-plan for cpu"});
 }
 
 TEST_F(BackendMismatch, ACudaPlanWhereAutoPicksCpu) {
   if (!auto_is_cpu_) GTEST_SKIP() << "--backend auto picks cuda on this host";
-  ExpectRefused(dir_ + "/cuda.dcplan", {dir_ + "/cuda.dcplan: the plan is for the cuda backend and this host has "
-                                               "no CUDA device",
-                                        dir_ + "/cuda.dcplan: the plan is for the cuda backend and this build has "
-                                               "no CUDA backend"});
+  ExpectRefused(dir_ + "/cuda.dcplan",
+                {dir_ + "/cuda.dcplan: the plan is for the cuda backend and this host has "
+                        "no CUDA device",
+                 dir_ + "/cuda.dcplan: the plan is for the cuda backend and this build has "
+                        "no CUDA backend"});
 }
 
 TEST_F(BackendMismatch, ACpuPlanOnTheCudaBackend) {
-  ExpectRefused(dir_ + "/cpu.dcplan --backend cuda",
-                {dir_ + "/cpu.dcplan: the plan is for the cpu backend and this run uses cuda (--backend cuda); "
-                        "re-plan for cuda",
-                 "--backend cuda: no CUDA device is visible to dc-run", "--backend cuda: this dc-run was built "
-                                                                         "without the CUDA toolkit"});
+  ExpectRefused(
+      dir_ + "/cpu.dcplan --backend cuda",
+      {dir_ +
+           "/cpu.dcplan: the plan is for the cpu backend and this run uses cuda (--backend cuda); "
+           "re-plan for cuda",
+       "--backend cuda: no CUDA device is visible to dc-run",
+       "--backend cuda: this dc-run was built "
+       "without the CUDA toolkit"});
 }
 
 TEST_F(BackendMismatch, CollectOnCudaWithoutADevice) {

@@ -53,8 +53,9 @@ class DcTrace : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = FreshDir("dc-trace");
-    auto collect = RunCommand(Tool("dc-collect") +
-                              " --backend cpu --model tiny --nproc 2 --steps 3 --warmup 1 -o " + Trace());
+    auto collect =
+        RunCommand(Tool("dc-collect") +
+                   " --backend cpu --model tiny --nproc 2 --steps 3 --warmup 1 -o " + Trace());
     ASSERT_EQ(collect.exit_code, 0) << collect.err;
     auto plan = RunCommand(Tool("dc-plan") + " " + Trace() + " --no-cache -o " + Plan());
     ASSERT_EQ(plan.exit_code, 0) << plan.err;

@@ -4,9 +4,9 @@
 
 #include <cmath>
 #include <filesystem>
-#include <nlohmann/json.hpp>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <tuple>
 
@@ -30,8 +30,9 @@ class EndToEnd : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = FreshDir("e2e");
-    auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model tiny --nproc 2 --steps 3 --warmup 1 -o " + dir_ +
-                              "/trace.db --json");
+    auto collect = RunCommand(Tool("dc-collect") +
+                              " --backend cpu --model tiny --nproc 2 --steps 3 --warmup 1 -o " +
+                              dir_ + "/trace.db --json");
     ASSERT_EQ(collect.exit_code, 0) << collect.err;
     collect_ = ParseJson(collect.out);
   }
@@ -57,29 +58,33 @@ TEST_F(EndToEnd, CollectReportsWhatItRecorded) {
 
 TEST_F(EndToEnd, TraceHasNsysColumnNames) {
   sqlite3* db = nullptr;
-  ASSERT_EQ(sqlite3_open_v2((dir_ + "/trace.db").c_str(), &db, SQLITE_OPEN_READONLY, nullptr), SQLITE_OK);
+  ASSERT_EQ(sqlite3_open_v2((dir_ + "/trace.db").c_str(), &db, SQLITE_OPEN_READONLY, nullptr),
+            SQLITE_OK);
   auto columns = [&](const std::string& table) {
     std::set<std::string> names;
     sqlite3_stmt* stmt = nullptr;
     sqlite3_prepare_v2(db, ("PRAGMA table_info(" + table + ")").c_str(), -1, &stmt, nullptr);
-    while (sqlite3_step(stmt) == SQLITE_ROW) names.insert(reinterpret_cast<const char*>(sqlite3_column_text(stmt, 1)));
+    while (sqlite3_step(stmt) == SQLITE_ROW)
+      names.insert(reinterpret_cast<const char*>(sqlite3_column_text(stmt, 1)));
     sqlite3_finalize(stmt);
     return names;
   };
-  for (const char* c : {"start", "end", "deviceId", "contextId", "streamId", "correlationId", "globalPid",
-                        "demangledName", "shortName", "gridX", "blockX"}) {
+  for (const char* c : {"start", "end", "deviceId", "contextId", "streamId", "correlationId",
+                        "globalPid", "demangledName", "shortName", "gridX", "blockX"}) {
     EXPECT_TRUE(columns("CUPTI_ACTIVITY_KIND_KERNEL").count(c)) << c;
   }
-  for (const char* c : {"start", "globalPid", "deviceId", "address", "bytes", "memKind", "memoryOperationType"}) {
+  for (const char* c :
+       {"start", "globalPid", "deviceId", "address", "bytes", "memKind", "memoryOperationType"}) {
     EXPECT_TRUE(columns("CUDA_GPU_MEMORY_USAGE_EVENTS").count(c)) << c;
   }
   EXPECT_TRUE(columns("StringIds").count("value"));
   // Kernel names resolve through StringIds, as nsys recipes join them.
   sqlite3_stmt* stmt = nullptr;
-  sqlite3_prepare_v2(db,
-                     "SELECT COUNT(*) FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.shortName "
-                     "WHERE s.value LIKE 'layers.0.%'",
-                     -1, &stmt, nullptr);
+  sqlite3_prepare_v2(
+      db,
+      "SELECT COUNT(*) FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.shortName "
+      "WHERE s.value LIKE 'layers.0.%'",
+      -1, &stmt, nullptr);
   ASSERT_EQ(sqlite3_step(stmt), SQLITE_ROW);
   EXPECT_GT(sqlite3_column_int64(stmt, 0), 0);
   sqlite3_finalize(stmt);
@@ -88,8 +93,8 @@ TEST_F(EndToEnd, TraceHasNsysColumnNames) {
 
 TEST_F(EndToEnd, PlanThenCacheHitThenRunWithFallingLoss) {
   const std::string cache = dir_ + "/cache";
-  const std::string plan_cmd = Tool("dc-plan") + " " + dir_ + "/trace.db --cache-dir " + cache + " -o " + dir_ +
-                               "/plan.dcplan --json";
+  const std::string plan_cmd = Tool("dc-plan") + " " + dir_ + "/trace.db --cache-dir " + cache +
+                               " -o " + dir_ + "/plan.dcplan --json";
   auto first = RunCommand(plan_cmd);
   ASSERT_EQ(first.exit_code, 0) << first.err;
   json plan = ParseJson(first.out);
@@ -113,7 +118,8 @@ TEST_F(EndToEnd, PlanThenCacheHitThenRunWithFallingLoss) {
   EXPECT_GT(timeline["traceEvents"].size(), 100u);
   std::filesystem::remove(dir_ + "/plan.perfetto.json");
 
-  auto run = RunCommand(Tool("dc-run") + " --backend cpu " + dir_ + "/plan.dcplan --steps 20 --json");
+  auto run =
+      RunCommand(Tool("dc-run") + " --backend cpu " + dir_ + "/plan.dcplan --steps 20 --json");
   ASSERT_EQ(run.exit_code, 0) << run.err;
   json r = ParseJson(run.out);
   ASSERT_EQ(r["losses"].size(), 20u);
@@ -132,8 +138,9 @@ TEST_F(EndToEnd, PlanThenCacheHitThenRunWithFallingLoss) {
 
 TEST_F(EndToEnd, ProfileGuidedRoundsReportPredictedAndMeasured) {
   const std::string rounds_dir = FreshDir("rounds");
-  auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --rounds 2 --round-steps 2 --no-cache --json -o " +
-                         rounds_dir + "/best.dcplan");
+  auto plan = RunCommand(Tool("dc-plan") + " " + dir_ +
+                         "/trace.db --rounds 2 --round-steps 2 --no-cache --json -o " + rounds_dir +
+                         "/best.dcplan");
   ASSERT_EQ(plan.exit_code, 0) << plan.err;
   json j = ParseJson(plan.out);
   ASSERT_EQ(j["rounds"].size(), 2u);
@@ -152,24 +159,27 @@ TEST_F(EndToEnd, ProfileGuidedRoundsReportPredictedAndMeasured) {
 
 TEST_F(EndToEnd, TooSmallDeviceMemoryFailsLikeAnOom) {
   // Without a memory plan, the instruction that goes over names itself and the bytes.
-  auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --policy baseline --no-cache -o " + dir_ +
-                         "/oom.dcplan");
+  auto plan = RunCommand(Tool("dc-plan") + " " + dir_ +
+                         "/trace.db --policy baseline --no-cache -o " + dir_ + "/oom.dcplan");
   ASSERT_EQ(plan.exit_code, 0) << plan.err;
-  auto run = RunCommand(Tool("dc-run") + " --backend cpu " + dir_ + "/oom.dcplan --steps 1 --device-memory 64KiB");
+  auto run = RunCommand(Tool("dc-run") + " --backend cpu " + dir_ +
+                        "/oom.dcplan --steps 1 --device-memory 64KiB");
   EXPECT_NE(run.exit_code, 0);
   EXPECT_NE(run.err.find("out of device memory at"), std::string::npos) << run.err;
   EXPECT_NE(run.err.find("asked for"), std::string::npos) << run.err;
   // With one, the arena that does not fit is refused before the first step.
-  auto arena_plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache -o " + dir_ + "/arena.dcplan");
+  auto arena_plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache -o " + dir_ +
+                               "/arena.dcplan");
   ASSERT_EQ(arena_plan.exit_code, 0) << arena_plan.err;
-  auto arena_run = RunCommand(Tool("dc-run") + " --backend cpu " + dir_ + "/arena.dcplan --steps 1 --device-memory 64KiB");
+  auto arena_run = RunCommand(Tool("dc-run") + " --backend cpu " + dir_ +
+                              "/arena.dcplan --steps 1 --device-memory 64KiB");
   EXPECT_NE(arena_run.exit_code, 0);
   EXPECT_NE(arena_run.err.find("arena of"), std::string::npos) << arena_run.err;
 }
 
 TEST_F(EndToEnd, BudgetBelowTheBaselineIsRefused) {
-  auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache --budget 4KiB -o " + dir_ +
-                         "/small.dcplan");
+  auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache --budget 4KiB -o " +
+                         dir_ + "/small.dcplan");
   EXPECT_EQ(plan.exit_code, 1);
   EXPECT_NE(plan.err.find("over the budget"), std::string::npos) << plan.err;
   EXPECT_EQ(std::count(plan.err.begin(), plan.err.end(), '\n'), 1) << plan.err;
@@ -178,12 +188,15 @@ TEST_F(EndToEnd, BudgetBelowTheBaselineIsRefused) {
 
 TEST_F(EndToEnd, ReplanFromATraceOfAnotherProgramIsRefused) {
   const std::string other = dir_ + "/other.db";
-  auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model tiny --layers 1 --steps 1 --warmup 0 -o " + other);
+  auto collect =
+      RunCommand(Tool("dc-collect") +
+                 " --backend cpu --model tiny --layers 1 --steps 1 --warmup 0 -o " + other);
   ASSERT_EQ(collect.exit_code, 0) << collect.err;
-  auto base = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache -o " + dir_ + "/base.dcplan");
+  auto base =
+      RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache -o " + dir_ + "/base.dcplan");
   ASSERT_EQ(base.exit_code, 0) << base.err;
-  auto replan = RunCommand(Tool("dc-plan") + " " + other + " --from-plan " + dir_ + "/base.dcplan --no-cache -o " +
-                           dir_ + "/mixed.dcplan");
+  auto replan = RunCommand(Tool("dc-plan") + " " + other + " --from-plan " + dir_ +
+                           "/base.dcplan --no-cache -o " + dir_ + "/mixed.dcplan");
   EXPECT_EQ(replan.exit_code, 1);
   EXPECT_NE(replan.err.find("another program"), std::string::npos) << replan.err;
   EXPECT_FALSE(std::filesystem::exists(dir_ + "/mixed.dcplan"));
@@ -191,7 +204,10 @@ TEST_F(EndToEnd, ReplanFromATraceOfAnotherProgramIsRefused) {
 
 class Losses : public ::testing::TestWithParam<std::string> {};
 INSTANTIATE_TEST_SUITE_P(DenseAndMoe, Losses, ::testing::Values("tiny", "mixtral-tiny"),
-                         [](const auto& info) { return info.param == "tiny" ? std::string("Tiny") : std::string("MixtralTiny"); });
+                         [](const auto& info) {
+                           return info.param == "tiny" ? std::string("Tiny")
+                                                       : std::string("MixtralTiny");
+                         });
 
 TEST_P(Losses, AgreeAcrossOneTwoAndFourRanks) {
   // The same global batch of 8 sequences split over 1, 2 and 4 ranks. The dense model splits
@@ -204,15 +220,17 @@ TEST_P(Losses, AgreeAcrossOneTwoAndFourRanks) {
     const std::string dir = FreshDir("agree-" + GetParam() + std::to_string(ranks));
     const std::string batch = moe ? " --micro-batch 2 --gas " + std::to_string(4 / ranks)
                                   : " --micro-batch " + std::to_string(4 / ranks) + " --gas 2";
-    auto run = RunCommand(Tool("dc-collect") + " --backend cpu --model " + GetParam() + " --nproc " + std::to_string(ranks) +
-                          batch + " --steps 6 --warmup 0 -o " + dir + "/t.db --json");
+    auto run = RunCommand(Tool("dc-collect") + " --backend cpu --model " + GetParam() +
+                          " --nproc " + std::to_string(ranks) + batch +
+                          " --steps 6 --warmup 0 -o " + dir + "/t.db --json");
     ASSERT_EQ(run.exit_code, 0) << run.err;
     losses.push_back(ParseJson(run.out)["losses"].get<std::vector<double>>());
   }
   for (size_t r = 1; r < losses.size(); ++r) {
     ASSERT_EQ(losses[r].size(), losses[0].size());
     for (size_t s = 0; s < losses[0].size(); ++s) {
-      EXPECT_NEAR(losses[r][s], losses[0][s], 1e-5 * std::fabs(losses[0][s])) << "ranks index " << r << " step " << s;
+      EXPECT_NEAR(losses[r][s], losses[0][s], 1e-5 * std::fabs(losses[0][s]))
+          << "ranks index " << r << " step " << s;
     }
   }
 }
@@ -243,9 +261,11 @@ namespace {
 
 TEST(Synthetic, PlansLlama3_70bOn32H100sWithoutATrace) {
   const std::string dir = FreshDir("synthetic");
-  auto plan = RunCommand(Tool("dc-plan") +
-                         " --synthetic --model llama3-70b --world 32 --hardware h100-sxm --gpus-per-node 8 --gas 1 "
-                         "--micro-batch 1 --seq 1024 --no-cache --explain --json -o " + dir + "/70b.dcplan");
+  auto plan = RunCommand(
+      Tool("dc-plan") +
+      " --synthetic --model llama3-70b --world 32 --hardware h100-sxm --gpus-per-node 8 --gas 1 "
+      "--micro-batch 1 --seq 1024 --no-cache --explain --json -o " +
+      dir + "/70b.dcplan");
   ASSERT_EQ(plan.exit_code, 0) << plan.err;
   json j = ParseJson(plan.out);
   EXPECT_EQ(j["world_size"], 32);
@@ -269,10 +289,11 @@ TEST(Synthetic, MixtralAtGas16BeatsDeepCompileInsideTheGpu) {
   const std::string dir = FreshDir("synthetic-mixtral");
   std::map<std::string, json> plans;
   for (const std::string policy : {"deepcompile", "dc"}) {
-    auto plan = RunCommand(Tool("dc-plan") +
-                           " --synthetic --model mixtral-8x7b --world 32 --hardware h100-sxm --gpus-per-node 8 "
-                           "--gas 16 --micro-batch 1 --seq 1024 --no-cache --json --policy " + policy + " -o " +
-                           dir + "/" + policy + ".dcplan");
+    auto plan = RunCommand(
+        Tool("dc-plan") +
+        " --synthetic --model mixtral-8x7b --world 32 --hardware h100-sxm --gpus-per-node 8 "
+        "--gas 16 --micro-batch 1 --seq 1024 --no-cache --json --policy " +
+        policy + " -o " + dir + "/" + policy + ".dcplan");
     ASSERT_EQ(plan.exit_code, 0) << plan.err;
     plans[policy] = ParseJson(plan.out);
   }
@@ -281,15 +302,19 @@ TEST(Synthetic, MixtralAtGas16BeatsDeepCompileInsideTheGpu) {
             0.95 * plans["deepcompile"]["predicted"]["step_seconds"].get<double>());
   EXPECT_LE(dc["predicted"]["peak_device_bytes"].get<int64_t>(), dc["budget_bytes"].get<int64_t>());
   bool unsharded = false;
-  for (const auto& pass : dc["passes"]) unsharded = unsharded || (pass["name"] == "unshard" && pass["changed"] == true);
+  for (const auto& pass : dc["passes"])
+    unsharded = unsharded || (pass["name"] == "unshard" && pass["changed"] == true);
   EXPECT_TRUE(unsharded) << dc["passes"].dump();
 }
 
 TEST(Synthetic, BadHardwareAndClusterAreOneClearLine) {
-  auto hw = RunCommand(Tool("dc-plan") + " --synthetic --model tiny --hardware tpu-v9 --no-cache -o /dev/null");
+  auto hw = RunCommand(Tool("dc-plan") +
+                       " --synthetic --model tiny --hardware tpu-v9 --no-cache -o /dev/null");
   EXPECT_EQ(hw.exit_code, 1);
   EXPECT_NE(hw.err.find("h100-sxm"), std::string::npos) << hw.err;
-  auto cluster = RunCommand(Tool("dc-plan") + " --synthetic --model tiny --world 12 --gpus-per-node 8 --no-cache -o /dev/null");
+  auto cluster =
+      RunCommand(Tool("dc-plan") +
+                 " --synthetic --model tiny --world 12 --gpus-per-node 8 --no-cache -o /dev/null");
   EXPECT_EQ(cluster.exit_code, 1);
   EXPECT_EQ(std::count(cluster.err.begin(), cluster.err.end(), '\n'), 1) << cluster.err;
   auto neither = RunCommand(Tool("dc-plan") + " --no-cache");
@@ -299,8 +324,10 @@ TEST(Synthetic, BadHardwareAndClusterAreOneClearLine) {
 
 TEST(DumpAfter, WritesTheScheduleTextOfThePass) {
   const std::string dir = FreshDir("dump");
-  auto plan = RunCommand(Tool("dc-plan") + " --synthetic --model tiny --world 2 --hardware cpu --gpus-per-node 2 "
-                         "--budget 1GiB --no-cache --dump-after zero3 -o " + dir + "/p.dcplan");
+  auto plan = RunCommand(Tool("dc-plan") +
+                         " --synthetic --model tiny --world 2 --hardware cpu --gpus-per-node 2 "
+                         "--budget 1GiB --no-cache --dump-after zero3 -o " +
+                         dir + "/p.dcplan");
   ASSERT_EQ(plan.exit_code, 0) << plan.err;
   std::ifstream dump(dir + "/p.dcplan.zero3.txt");
   std::string first;
@@ -361,24 +388,31 @@ class OptimizedPlans : public ::testing::TestWithParam<std::string> {
 };
 std::map<std::string, OptimizedPlans::Baseline> OptimizedPlans::baselines_;
 INSTANTIATE_TEST_SUITE_P(DenseAndMoe, OptimizedPlans, ::testing::Values("tiny", "mixtral-tiny"),
-                         [](const auto& info) { return info.param == "tiny" ? std::string("Tiny") : std::string("MixtralTiny"); });
+                         [](const auto& info) {
+                           return info.param == "tiny" ? std::string("Tiny")
+                                                       : std::string("MixtralTiny");
+                         });
 
 TEST_P(OptimizedPlans, EveryPassAloneTrainsBitIdentically) {
-  for (const std::string pass : {"bucket", "prefetch", "unshard", "dc-prefetch", "dc-selective-gather"}) {
+  for (const std::string pass :
+       {"bucket", "prefetch", "unshard", "dc-prefetch", "dc-selective-gather"}) {
     auto [plan, run] = PlanAndRun("--passes zero3," + pass, "", pass);
     ExpectSameTraining(run, pass);
   }
   // The memory passes act under a budget the baseline exceeds.
-  for (const std::string passes : {"offload,memory-plan", "offload-all", "dc-offload", "memory-plan"}) {
+  for (const std::string passes :
+       {"offload,memory-plan", "offload-all", "dc-offload", "memory-plan"}) {
     const bool frees = passes != "memory-plan";
-    auto [plan, run] = PlanAndRun("--passes zero3," + passes, frees ? std::to_string(budget()) : "", passes);
+    auto [plan, run] =
+        PlanAndRun("--passes zero3," + passes, frees ? std::to_string(budget()) : "", passes);
     ExpectSameTraining(run, passes);
   }
 }
 
 TEST_P(OptimizedPlans, EveryPolicyTrainsBitIdenticallyInsideABudgetTheBaselineExceeds) {
-  auto refused = RunCommand(Tool("dc-plan") + " " + dir() + "/t.db --no-cache --policy baseline --budget " +
-                            std::to_string(budget()) + " -o " + dir() + "/refused.dcplan");
+  auto refused =
+      RunCommand(Tool("dc-plan") + " " + dir() + "/t.db --no-cache --policy baseline --budget " +
+                 std::to_string(budget()) + " -o " + dir() + "/refused.dcplan");
   EXPECT_EQ(refused.exit_code, 1) << "the baseline was expected not to fit";
   EXPECT_NE(refused.err.find("the smallest budget the baseline policy meets is"), std::string::npos)
       << refused.err;
@@ -401,14 +435,15 @@ TEST(Recompute, TrainsBitIdenticallyInLessMemory) {
     json plans[2], runs[2];
     for (int recompute = 0; recompute < 2; ++recompute) {
       const std::string name = dir + "/" + (recompute ? "recompute" : "plain");
-      auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model " + model + " --layers 4" +
-                                (recompute ? " --recompute" : "") +
+      auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model " + model +
+                                " --layers 4" + (recompute ? " --recompute" : "") +
                                 " --nproc 2 --gas 2 --steps 2 --warmup 1 -o " + name + ".db");
       ASSERT_EQ(collect.exit_code, 0) << collect.err;
-      auto planned = RunCommand(Tool("dc-plan") + " " + name + ".db --no-cache --policy baseline --json -o " +
-                                name + ".dcplan");
+      auto planned = RunCommand(Tool("dc-plan") + " " + name +
+                                ".db --no-cache --policy baseline --json -o " + name + ".dcplan");
       ASSERT_EQ(planned.exit_code, 0) << planned.err;
-      auto run = RunCommand(Tool("dc-run") + " --backend cpu " + name + ".dcplan --steps 10 --json");
+      auto run =
+          RunCommand(Tool("dc-run") + " --backend cpu " + name + ".dcplan --steps 10 --json");
       ASSERT_EQ(run.exit_code, 0) << run.err;
       plans[recompute] = ParseJson(planned.out);
       runs[recompute] = ParseJson(run.out);
@@ -469,8 +504,10 @@ TEST(KeepActivations, SkippedRecomputesTrainBitIdentically) {
 // exactly as the baseline does, inside the budget it was planned for.
 TEST(MasterOffload, Bf16MastersOnTheHostTrainBitIdentically) {
   const std::string dir = FreshDir("master-offload");
-  auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model tiny --dtype bf16 --micro-batch 8 "
-                            "--nproc 2 --gas 2 --steps 2 --warmup 1 -o " + dir + "/t.db");
+  auto collect = RunCommand(Tool("dc-collect") +
+                            " --backend cpu --model tiny --dtype bf16 --micro-batch 8 "
+                            "--nproc 2 --gas 2 --steps 2 --warmup 1 -o " +
+                            dir + "/t.db");
   ASSERT_EQ(collect.exit_code, 0) << collect.err;
   // Plans (writing the schedule after `pass` as text) and runs 10 steps with --device-memory.
   auto plan_and_run = [&](const std::string& flags, const std::string& pass, int64_t budget) {
@@ -488,7 +525,8 @@ TEST(MasterOffload, Bf16MastersOnTheHostTrainBitIdentically) {
   const json& kinds = base_plan["predicted"]["peak_by_kind"];
   const int64_t states = kinds["optimizer_state"].get<int64_t>();
   const int64_t masters = kinds["shard"].get<int64_t>();  // fp32: moving them frees half
-  const int64_t budget = base_plan["predicted"]["peak_device_bytes"].get<int64_t>() - states - masters / 4;
+  const int64_t budget =
+      base_plan["predicted"]["peak_device_bytes"].get<int64_t>() - states - masters / 4;
 
   for (const auto& [flags, pass] :
        {std::pair<std::string, std::string>{"--passes zero3,offload", "offload"},
@@ -502,7 +540,8 @@ TEST(MasterOffload, Bf16MastersOnTheHostTrainBitIdentically) {
     std::ifstream after(dir + "/" + pass + ".dcplan." + pass + ".txt");
     int moved_masters = 0;
     for (std::string line; std::getline(after, line);) {
-      moved_masters += line.find(": offload d2h") != std::string::npos && line.find(".adam_") == std::string::npos;
+      moved_masters += line.find(": offload d2h") != std::string::npos &&
+                       line.find(".adam_") == std::string::npos;
     }
     EXPECT_GT(moved_masters, 0) << flags;
   }
@@ -604,8 +643,8 @@ TEST_P(OptimizedPlans, SameInputsGiveAByteIdenticalPlanFile) {
   std::string bytes[2];
   for (int i = 0; i < 2; ++i) {
     const std::string path = dir() + "/same" + std::to_string(i) + ".dcplan";
-    auto planned = RunCommand(Tool("dc-plan") + " " + dir() + "/t.db --no-cache --budget " + std::to_string(budget()) +
-                              " -o " + path);
+    auto planned = RunCommand(Tool("dc-plan") + " " + dir() + "/t.db --no-cache --budget " +
+                              std::to_string(budget()) + " -o " + path);
     ASSERT_EQ(planned.exit_code, 0) << planned.err;
     std::ifstream in(path, std::ios::binary);
     bytes[i] = std::string(std::istreambuf_iterator<char>(in), {});

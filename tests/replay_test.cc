@@ -29,10 +29,12 @@ std::string Summary(const proto::Schedule& plan) {
   for (const auto& [kind, n] : counts) out << "  " << kind << " " << n << "\n";
   char line[160];
   std::snprintf(line, sizeof(line), "predicted step_seconds %.9g peak_device_bytes %lld\n",
-                plan.prediction().step_seconds(), static_cast<long long>(plan.prediction().peak_device_bytes()));
+                plan.prediction().step_seconds(),
+                static_cast<long long>(plan.prediction().peak_device_bytes()));
   out << line;
   std::snprintf(line, sizeof(line), "baseline step_seconds %.9g peak_device_bytes %lld\n",
-                plan.baseline().step_seconds(), static_cast<long long>(plan.baseline().peak_device_bytes()));
+                plan.baseline().step_seconds(),
+                static_cast<long long>(plan.baseline().peak_device_bytes()));
   out << line;
   out << "passes";
   for (const auto& p : plan.passes()) out << " " << p.name() << (p.changed() ? "+" : "-");

@@ -1,13 +1,12 @@
 #include "tests/run_command.h"
 
+#include <gtest/gtest.h>
 #include <sys/wait.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
-
-#include <gtest/gtest.h>
 
 namespace dc::testing {
 
@@ -22,7 +21,8 @@ std::string Slurp(const std::string& path) {
 
 CommandResult RunCommand(const std::string& command) {
   static int counter = 0;
-  const std::string base = ::testing::TempDir() + "/dc-cmd-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+  const std::string base = ::testing::TempDir() + "/dc-cmd-" + std::to_string(::getpid()) + "-" +
+                           std::to_string(counter++);
   const std::string full = "(" + command + ") >" + base + ".out 2>" + base + ".err";
   const int status = std::system(full.c_str());
   CommandResult result;
@@ -37,7 +37,8 @@ CommandResult RunCommand(const std::string& command) {
 std::string Tool(const std::string& name) { return std::string(DC_BINARY_DIR) + "/tools/" + name; }
 
 std::string FreshDir(const std::string& name) {
-  const std::string dir = ::testing::TempDir() + "/dc-test-" + name + "-" + std::to_string(::getpid());
+  const std::string dir =
+      ::testing::TempDir() + "/dc-test-" + name + "-" + std::to_string(::getpid());
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;

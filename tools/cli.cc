@@ -8,28 +8,36 @@ namespace dc::cli {
 
 namespace {
 template <typename T>
-void AddOptional(CLI::App& app, const std::string& name, std::optional<T>* target, const std::string& help) {
-  app.add_option_function<T>(name, [target](const T& v) { *target = v; }, help);
+void AddOptional(CLI::App& app, const std::string& name, std::optional<T>* target,
+                 const std::string& help) {
+  app.add_option_function<T>(
+      name, [target](const T& v) { *target = v; }, help);
 }
 }  // namespace
 
 void ModelFlags::Add(CLI::App& app) {
-  app.add_option("--model", preset, "model preset: " + [] {
-    std::string names;
-    for (const auto& n : PresetNames()) names += (names.empty() ? "" : ", ") + n;
-    return names;
-  }())->capture_default_str();
+  app.add_option(
+         "--model", preset,
+         "model preset: " +
+             [] {
+               std::string names;
+               for (const auto& n : PresetNames()) names += (names.empty() ? "" : ", ") + n;
+               return names;
+             }())
+      ->capture_default_str();
   AddOptional(app, "--layers", &overrides.layers, "override the number of decoder layers");
   AddOptional(app, "--hidden", &overrides.hidden, "override the hidden size");
   AddOptional(app, "--heads", &overrides.heads, "override the attention heads");
-  AddOptional(app, "--kv-heads", &overrides.kv_heads, "override the key/value heads (grouped-query)");
+  AddOptional(app, "--kv-heads", &overrides.kv_heads,
+              "override the key/value heads (grouped-query)");
   AddOptional(app, "--ffn", &overrides.ffn, "override the MLP inner size");
   AddOptional(app, "--vocab", &overrides.vocab, "override the vocabulary size");
   AddOptional(app, "--seq", &overrides.seq, "override the sequence length");
   AddOptional(app, "--micro-batch", &overrides.micro_batch, "sequences per rank per micro-step");
   AddOptional(app, "--gas", &overrides.gas, "gradient-accumulation micro-steps per optimizer step");
   AddOptional(app, "--experts", &overrides.experts, "experts per MoE layer (mixtral presets)");
-  AddOptional(app, "--top-k", &overrides.top_k, "experts each token is routed to (mixtral presets)");
+  AddOptional(app, "--top-k", &overrides.top_k,
+              "experts each token is routed to (mixtral presets)");
   AddOptional(app, "--router-aux-coef", &overrides.router_aux_coef,
               "weight of the MoE load-balancing loss (mixtral presets)");
   AddOptional(app, "--dtype", &overrides.compute_dtype,
@@ -40,11 +48,13 @@ void ModelFlags::Add(CLI::App& app) {
       "activation checkpointing: each decoder layer keeps only its input and recomputes the rest "
       "in its backward");
   AddOptional(app, "--seed", &overrides.seed, "seed of the initial weights and synthetic data");
-  AddOptional(app, "--data", &overrides.data_path,
-              "flat binary file of uint16 token ids (as nanoGPT writes them) instead of synthetic tokens");
+  AddOptional(
+      app, "--data", &overrides.data_path,
+      "flat binary file of uint16 token ids (as nanoGPT writes them) instead of synthetic tokens");
 }
 
-CLI::Option* AddBytesOption(CLI::App& app, const std::string& name, int64_t* bytes, const std::string& help) {
+CLI::Option* AddBytesOption(CLI::App& app, const std::string& name, int64_t* bytes,
+                            const std::string& help) {
   return app.add_option_function<std::string>(
       name,
       [bytes, name](const std::string& text) {
@@ -60,6 +70,8 @@ int Fail(const std::string& program, const Status& status) {
   return 1;
 }
 
-std::vector<std::string> Args(int argc, char** argv) { return std::vector<std::string>(argv, argv + argc); }
+std::vector<std::string> Args(int argc, char** argv) {
+  return std::vector<std::string>(argv, argv + argc);
+}
 
 }  // namespace dc::cli

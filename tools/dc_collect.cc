@@ -1,10 +1,10 @@
 // dc-collect: run training steps of a model under the backend's tracer (the host tracer on
 // cpu, the in-process CUPTI collector on cuda) and write one trace.
-#include <nlohmann/json.hpp>
+#include <unistd.h>
 
 #include <cstdio>
 #include <iostream>
-#include <unistd.h>
+#include <nlohmann/json.hpp>
 
 #ifdef DC_HAVE_CUPTI_ATTACH
 #include "collector/cupti/attach.h"
@@ -28,18 +28,27 @@ int main(int argc, char** argv) {
   std::string backend = "auto", out, rendezvous;
   int64_t device_memory = 0;
   bool json = false, quiet = false;
-  app.add_option("--nproc", nproc, "ranks to start on this machine")->check(CLI::Range(1, 256))->capture_default_str();
-  app.add_option("--backend", backend, "auto (cuda when a GPU is present, else cpu), cpu (host tracer) "
+  app.add_option("--nproc", nproc, "ranks to start on this machine")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  app.add_option("--backend", backend,
+                 "auto (cuda when a GPU is present, else cpu), cpu (host tracer) "
                  "or cuda (CUPTI)")
-      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
-  app.add_option("--steps", steps, "measured optimizer steps")->check(CLI::Range(1, 1000000))->capture_default_str();
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
+  app.add_option("--steps", steps, "measured optimizer steps")
+      ->check(CLI::Range(1, 1000000))
+      ->capture_default_str();
   app.add_option("--warmup", warmup, "warm-up steps run first and excluded from the profile")
-      ->check(CLI::Range(0, 1000000))->capture_default_str();
-  cli::AddBytesOption(app, "--device-memory", &device_memory,
-                      "device memory capacity per rank, e.g. 1GiB (default: unlimited; on cuda, the "
-                      "device's own memory)");
+      ->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
+  cli::AddBytesOption(
+      app, "--device-memory", &device_memory,
+      "device memory capacity per rank, e.g. 1GiB (default: unlimited; on cuda, the "
+      "device's own memory)");
   app.add_option("-o,--output", out, "trace file to write (SQLite)")->required();
-  app.add_option("--rendezvous", rendezvous, "shared directory for ranks started by an outside launcher");
+  app.add_option("--rendezvous", rendezvous,
+                 "shared directory for ranks started by an outside launcher");
   app.add_option("--timeout", timeout_s, "seconds to wait for other ranks")->capture_default_str();
   app.add_flag("--json", json, "print one JSON object instead of text");
   app.add_flag("--quiet", quiet, "no progress on stderr");
@@ -47,10 +56,13 @@ int main(int argc, char** argv) {
   std::string capture_range = "auto";
   std::vector<std::string> command;
   app.add_flag("--attach", attach,
-               "trace an unmodified CUDA program given after --, e.g. dc-collect --attach -o t.db -- python train.py");
-  app.add_option("--capture-range", capture_range, "with --attach: auto (cudaProfilerStart/Stop if used), "
+               "trace an unmodified CUDA program given after --, e.g. dc-collect --attach -o t.db "
+               "-- python train.py");
+  app.add_option("--capture-range", capture_range,
+                 "with --attach: auto (cudaProfilerStart/Stop if used), "
                  "cudaProfilerApi or all")
-      ->check(CLI::IsMember({"auto", "cudaProfilerApi", "all"}))->capture_default_str();
+      ->check(CLI::IsMember({"auto", "cudaProfilerApi", "all"}))
+      ->capture_default_str();
   app.add_option("command", command, "with --attach: the program and its arguments, after --");
   CLI11_PARSE(app, argc, argv);
   if (attach) {
@@ -62,7 +74,8 @@ int main(int argc, char** argv) {
     options.quiet = quiet;
     return RunAttached(options, command);
 #else
-    return cli::Fail("dc-collect", Status::Error("--attach needs dc built with the CUDA toolkit (CUPTI)"));
+    return cli::Fail("dc-collect",
+                     Status::Error("--attach needs dc built with the CUDA toolkit (CUPTI)"));
 #endif
   }
   if (!command.empty()) {
@@ -108,7 +121,8 @@ int main(int argc, char** argv) {
   const bool progress = !quiet && !json && ::isatty(STDERR_FILENO);
   if (progress) {
     session.run.on_step = [&](int step, double loss, double seconds) {
-      std::fprintf(stderr, "\rdc-collect: step %d/%d loss %.4f (%.3f s)", step + 1, steps + warmup, loss, seconds);
+      std::fprintf(stderr, "\rdc-collect: step %d/%d loss %.4f (%.3f s)", step + 1, steps + warmup,
+                   loss, seconds);
       if (step + 1 == steps + warmup) std::fprintf(stderr, "\n");
     };
   }
@@ -131,10 +145,11 @@ int main(int argc, char** argv) {
     j["backend"] = *chosen;
     std::cout << j.dump() << "\n";
   } else {
-    std::printf("wrote %s: %d rank(s), %d step(s) + %d warm-up, %lld activities, %lld memory events, "
-                "%lld dropped\n",
-                out.c_str(), trace.ranks, steps, warmup, static_cast<long long>(trace.activities),
-                static_cast<long long>(trace.memory_events), static_cast<long long>(trace.dropped_records));
+    std::printf(
+        "wrote %s: %d rank(s), %d step(s) + %d warm-up, %lld activities, %lld memory events, "
+        "%lld dropped\n",
+        out.c_str(), trace.ranks, steps, warmup, static_cast<long long>(trace.activities),
+        static_cast<long long>(trace.memory_events), static_cast<long long>(trace.dropped_records));
   }
   return 0;
 }

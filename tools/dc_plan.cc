@@ -1,12 +1,12 @@
 // dc-plan: read a trace, derive the profile, plan an optimized schedule (cached).
-#include <nlohmann/json.hpp>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
-#include <unistd.h>
 #include <filesystem>
 #include <iostream>
 #include <limits>
+#include <nlohmann/json.hpp>
 
 #include "analyzer/estimate.h"
 #include "analyzer/hardware.h"
@@ -40,8 +40,8 @@ nlohmann::json PredictionJson(const proto::Prediction& p) {
   return j;
 }
 
-Status SyntheticRequest(const cli::ModelFlags& model, const std::string& hardware, int world, int gpus_per_node,
-                        int64_t budget, PlanRequest* request) {
+Status SyntheticRequest(const cli::ModelFlags& model, const std::string& hardware, int world,
+                        int gpus_per_node, int64_t budget, PlanRequest* request) {
   DC_ASSIGN_OR_RETURN(proto::ModelConfig config, MakeConfig(model.preset, model.overrides));
   DC_ASSIGN_OR_RETURN(proto::Program program, BuildProgram(config));
   DC_ASSIGN_OR_RETURN(HardwareProfile hw, FindHardware(hardware));
@@ -49,8 +49,8 @@ Status SyntheticRequest(const cli::ModelFlags& model, const std::string& hardwar
   DC_RETURN_IF_ERROR(ValidateCluster(hw, cluster));
   request->world_size = world;
   request->backend = hw.serial_streams ? "cpu" : "cuda";
-  request->device = hw.name + " x" + std::to_string(world) + " (" + std::to_string(cluster.nodes) + " x " +
-                    std::to_string(cluster.gpus_per_node) + ")";
+  request->device = hw.name + " x" + std::to_string(world) + " (" + std::to_string(cluster.nodes) +
+                    " x " + std::to_string(cluster.gpus_per_node) + ")";
   request->costs = EstimateCostModel(program, hw, cluster);
   request->profile_digest = Sha256Hex(CostModelText(request->costs));
   request->budget_bytes = budget > 0 ? budget : hw.device_memory_bytes;
@@ -59,12 +59,14 @@ Status SyntheticRequest(const cli::ModelFlags& model, const std::string& hardwar
 }
 
 Status TraceRequest(const std::string& trace_path, const std::string& from_plan, int64_t budget,
-                    PlanRequest* request, std::optional<Profile>* measured, std::vector<std::string>* notes) {
+                    PlanRequest* request, std::optional<Profile>* measured,
+                    std::vector<std::string>* notes) {
   DC_ASSIGN_OR_RETURN(auto trace, Trace::Open(trace_path));
   if (!trace->program()) {
-    return Status::Error(trace_path + ": a foreign (" +
-                         std::string(trace->source() == TraceSource::kNsys ? "nsys" : "unknown") +
-                         ") trace has no program to plan; its analysis is report-only (dc-trace summary)");
+    return Status::Error(
+        trace_path + ": a foreign (" +
+        std::string(trace->source() == TraceSource::kNsys ? "nsys" : "unknown") +
+        ") trace has no program to plan; its analysis is report-only (dc-trace summary)");
   }
   DC_ASSIGN_OR_RETURN(Profile profile, BuildProfile(*trace));
   request->program = *trace->program();
@@ -77,8 +79,9 @@ Status TraceRequest(const std::string& trace_path, const std::string& from_plan,
   if (!from_plan.empty()) {
     DC_ASSIGN_OR_RETURN(proto::Schedule base, LoadPlan(from_plan));
     if (base.program_digest() != trace->program_digest()) {
-      return Status::Error(trace_path + ": recorded under another program than " + from_plan + " (digest " +
-                           trace->program_digest().substr(0, 12) + " vs " + base.program_digest().substr(0, 12) +
+      return Status::Error(trace_path + ": recorded under another program than " + from_plan +
+                           " (digest " + trace->program_digest().substr(0, 12) + " vs " +
+                           base.program_digest().substr(0, 12) +
                            "); record a trace of that plan with dc-run --trace");
     }
     request->world_size = base.world_size();
@@ -108,29 +111,33 @@ std::string DcRunPath() {
 
 struct RoundOptions {
   int rounds = 0;
-  int steps = 3;   // measured steps per round
-  int warmup = 1;  // warm-up steps per round, left out of the profile
+  int steps = 3;          // measured steps per round
+  int warmup = 1;         // warm-up steps per round, left out of the profile
   bool progress = false;  // a line per round on stderr
 };
 
 // Profile-guided rounds: run the plan with collection on its backend (dc-run --backend cpu or
 // cuda: a cuda plan needs a GPU here), re-plan from the new trace, and keep the plan with the
 // best measured step time. Appends one JSON object per round.
-StatusOr<proto::Schedule> RunRounds(PlanRequest request, proto::Schedule plan, const RoundOptions& options,
-                                    const std::string& out, nlohmann::json* report) {
+StatusOr<proto::Schedule> RunRounds(PlanRequest request, proto::Schedule plan,
+                                    const RoundOptions& options, const std::string& out,
+                                    nlohmann::json* report) {
   proto::Schedule best = plan;
   double best_seconds = std::numeric_limits<double>::infinity();
   for (int round = 1; round <= options.rounds; ++round) {
     const std::string base = out + ".round" + std::to_string(round);
     DC_RETURN_IF_ERROR(SavePlan(base + ".dcplan", plan));
-    const std::string command = ShellQuote(DcRunPath()) + " " + ShellQuote(base + ".dcplan") + " --steps " +
-                                std::to_string(options.steps) + " --warmup " + std::to_string(options.warmup) +
-                                " --backend " + ShellQuote(request.backend) + " --trace " + ShellQuote(base + ".db") +
-                                " --quiet >/dev/null";
+    const std::string command = ShellQuote(DcRunPath()) + " " + ShellQuote(base + ".dcplan") +
+                                " --steps " + std::to_string(options.steps) + " --warmup " +
+                                std::to_string(options.warmup) + " --backend " +
+                                ShellQuote(request.backend) + " --trace " +
+                                ShellQuote(base + ".db") + " --quiet >/dev/null";
     const int rc = std::system(command.c_str());
     std::error_code ec;
     std::filesystem::remove(base + ".dcplan", ec);
-    if (rc != 0) return Status::Error("round " + std::to_string(round) + ": dc-run failed (see its message above)");
+    if (rc != 0)
+      return Status::Error("round " + std::to_string(round) +
+                           ": dc-run failed (see its message above)");
     DC_ASSIGN_OR_RETURN(auto trace, Trace::Open(base + ".db"));
     DC_ASSIGN_OR_RETURN(Profile profile, BuildProfile(*trace));
     std::filesystem::remove(base + ".db", ec);
@@ -200,19 +207,22 @@ void PrintReport(const Profile& profile, const proto::Schedule& plan) {
     exposed += o.exposed_communication_seconds;
   }
   const double n = profile.overlap.empty() ? 1.0 : static_cast<double>(profile.overlap.size());
-  std::printf("per step and rank: compute %.4f s, communication %.4f s, overlapped %.4f s, exposed "
-              "communication %.4f s\n",
-              compute / n, comm / n, overlap / n, exposed / n);
-  std::printf("all-gather cost: %.1f us + bytes / %.2f GB/s; reduce-scatter: %.1f us + bytes / %.2f GB/s\n",
-              profile.costs.all_gather.latency_seconds * 1e6,
-              profile.costs.all_gather.bandwidth_bytes_per_second / 1e9,
-              profile.costs.reduce_scatter.latency_seconds * 1e6,
-              profile.costs.reduce_scatter.bandwidth_bytes_per_second / 1e9);
+  std::printf(
+      "per step and rank: compute %.4f s, communication %.4f s, overlapped %.4f s, exposed "
+      "communication %.4f s\n",
+      compute / n, comm / n, overlap / n, exposed / n);
+  std::printf(
+      "all-gather cost: %.1f us + bytes / %.2f GB/s; reduce-scatter: %.1f us + bytes / %.2f GB/s\n",
+      profile.costs.all_gather.latency_seconds * 1e6,
+      profile.costs.all_gather.bandwidth_bytes_per_second / 1e9,
+      profile.costs.reduce_scatter.latency_seconds * 1e6,
+      profile.costs.reduce_scatter.bandwidth_bytes_per_second / 1e9);
   const auto& mem = profile.memory;
-  std::printf("measured memory timeline (rank 0): peak %s at %.4f s\n", FormatBytes(mem.peak_bytes).c_str(),
-              mem.peak_ts_ns / 1e9);
+  std::printf("measured memory timeline (rank 0): peak %s at %.4f s\n",
+              FormatBytes(mem.peak_bytes).c_str(), mem.peak_ts_ns / 1e9);
   for (size_t k = 0; k < mem.kinds.size() && k < mem.peak_by_kind.size(); ++k) {
-    if (mem.peak_by_kind[k] > 0) std::printf("  %-16s %s\n", mem.kinds[k].c_str(), FormatBytes(mem.peak_by_kind[k]).c_str());
+    if (mem.peak_by_kind[k] > 0)
+      std::printf("  %-16s %s\n", mem.kinds[k].c_str(), FormatBytes(mem.peak_by_kind[k]).c_str());
   }
   // A coarse picture of live bytes over the step: 16 samples of the measured timeline.
   if (!mem.points.empty() && mem.peak_bytes > 0) {
@@ -228,9 +238,11 @@ void PrintReport(const Profile& profile, const proto::Schedule& plan) {
                   FormatBytes(live).c_str());
     }
   }
-  std::printf("plan (%s): predicted step %.4f s, peak %s; baseline %.4f s, peak %s\n", plan.policy().c_str(),
-              plan.prediction().step_seconds(), FormatBytes(plan.prediction().peak_device_bytes()).c_str(),
-              plan.baseline().step_seconds(), FormatBytes(plan.baseline().peak_device_bytes()).c_str());
+  std::printf("plan (%s): predicted step %.4f s, peak %s; baseline %.4f s, peak %s\n",
+              plan.policy().c_str(), plan.prediction().step_seconds(),
+              FormatBytes(plan.prediction().peak_device_bytes()).c_str(),
+              plan.baseline().step_seconds(),
+              FormatBytes(plan.baseline().peak_device_bytes()).c_str());
 }
 
 void PrintExplain(const proto::Schedule& plan) {
@@ -242,8 +254,8 @@ void PrintExplain(const proto::Schedule& plan) {
     const int64_t peak = p.predicted_peak_bytes();
     std::printf("  %-20s %-9s %8.3f ms  step %.6f s (%+.6f)  peak %s (%+lld B)  %d instructions\n",
                 p.name().c_str(), p.changed() ? "changed" : "unchanged", p.seconds() * 1e3, step,
-                step - previous_seconds, FormatBytes(peak).c_str(), static_cast<long long>(peak - previous_peak),
-                p.instructions());
+                step - previous_seconds, FormatBytes(peak).c_str(),
+                static_cast<long long>(peak - previous_peak), p.instructions());
     if (!p.summary().empty()) std::printf("  %-20s %s\n", "", p.summary().c_str());
     previous_seconds = step;
     previous_peak = peak;
@@ -263,63 +275,86 @@ int main(int argc, char** argv) {
   std::string trace_path, out = "plan.dcplan", cache_dir, policy = "dc", from_plan;
   int64_t budget = 0;
   bool no_cache = false, report = false, json = false;
-  app.add_option("trace", trace_path, "trace written by dc-collect or dc-run --trace (omit with --synthetic)");
+  app.add_option("trace", trace_path,
+                 "trace written by dc-collect or dc-run --trace (omit with --synthetic)");
   bool synthetic = false, explain = false;
   std::string hardware = "h100-sxm", dump_after;
   int world = 8, gpus_per_node = 8;
   cli::ModelFlags model;
-  app.add_flag("--synthetic", synthetic,
-               "plan a model on a hardware profile without a trace (roofline and NCCL-ring cost estimates), "
-               "e.g. --synthetic --model llama3-70b --world 32 --hardware h100-sxm --gpus-per-node 8");
+  app.add_flag(
+      "--synthetic", synthetic,
+      "plan a model on a hardware profile without a trace (roofline and NCCL-ring cost estimates), "
+      "e.g. --synthetic --model llama3-70b --world 32 --hardware h100-sxm --gpus-per-node 8");
   model.Add(app);
   app.add_option("--world", world, "ranks (--synthetic)")->capture_default_str();
-  app.add_option("--hardware", hardware, "hardware profile (--synthetic): " + [] {
-    std::string names;
-    for (const auto& n : HardwareNames()) names += (names.empty() ? "" : ", ") + n;
-    return names;
-  }())->capture_default_str();
-  app.add_option("--gpus-per-node", gpus_per_node, "GPUs per node (--synthetic)")->capture_default_str();
-  app.add_flag("--explain", explain, "say per pass what it changed and what it bought (predicted seconds and bytes)");
+  app.add_option(
+         "--hardware", hardware,
+         "hardware profile (--synthetic): " +
+             [] {
+               std::string names;
+               for (const auto& n : HardwareNames()) names += (names.empty() ? "" : ", ") + n;
+               return names;
+             }())
+      ->capture_default_str();
+  app.add_option("--gpus-per-node", gpus_per_node, "GPUs per node (--synthetic)")
+      ->capture_default_str();
+  app.add_flag("--explain", explain,
+               "say per pass what it changed and what it bought (predicted seconds and bytes)");
   RoundOptions rounds;
   app.add_option("--rounds", rounds.rounds,
-                 "profile-guided rounds: run the plan with collection, re-plan from the new trace, keep the "
+                 "profile-guided rounds: run the plan with collection, re-plan from the new trace, "
+                 "keep the "
                  "best measured plan")
       ->check(CLI::Range(0, 100));
   app.add_option("--round-steps", rounds.steps, "measured steps per round")->capture_default_str();
   std::string perfetto;
-  app.add_option("--perfetto", perfetto,
-                 "write the plan's simulated timeline as Chrome trace-event JSON (ui.perfetto.dev), to open "
-                 "beside `dc-trace perfetto` of a measured trace");
-  app.add_option("--dump-after", dump_after, "write the schedule after this pass as text to <plan>.<pass>.txt");
-  cli::AddBytesOption(app, "--budget", &budget, "device memory budget per rank, e.g. 1GiB (default: unlimited)");
+  app.add_option(
+      "--perfetto", perfetto,
+      "write the plan's simulated timeline as Chrome trace-event JSON (ui.perfetto.dev), to open "
+      "beside `dc-trace perfetto` of a measured trace");
+  app.add_option("--dump-after", dump_after,
+                 "write the schedule after this pass as text to <plan>.<pass>.txt");
+  cli::AddBytesOption(app, "--budget", &budget,
+                      "device memory budget per rank, e.g. 1GiB (default: unlimited)");
   std::vector<std::string> passes;
   app.add_option("--passes", passes,
-                 "run exactly these passes in order instead of the policy's, e.g. --passes zero3,prefetch,bucket")
+                 "run exactly these passes in order instead of the policy's, e.g. --passes "
+                 "zero3,prefetch,bucket")
       ->delimiter(',');
   std::vector<std::string> disable;
-  app.add_option("--disable", disable, "switch these passes of the policy off by name, e.g. --disable bucket")
+  app.add_option("--disable", disable,
+                 "switch these passes of the policy off by name, e.g. --disable bucket")
       ->delimiter(',');
-  app.add_option("--policy", policy, "pass pipeline: baseline (ZeRO-3), zero3-offload (ZeRO-3 offload: masters and Adam's state on the host, Adam run there), deepcompile (the paper's rules) or dc (ours)")
-      ->check(CLI::IsMember(PolicyNames()))->capture_default_str();
+  app.add_option(
+         "--policy", policy,
+         "pass pipeline: baseline (ZeRO-3), zero3-offload (ZeRO-3 offload: masters and Adam's "
+         "state on the host, Adam run there), deepcompile (the paper's rules) or dc (ours)")
+      ->check(CLI::IsMember(PolicyNames()))
+      ->capture_default_str();
   app.add_option("--from-plan", from_plan,
-                 "re-plan this plan's program with the trace's profile (the trace must be of the same program)");
-  app.add_option("--cache-dir", cache_dir, "plan cache directory (default: $XDG_CACHE_HOME/dc or ~/.cache/dc)");
+                 "re-plan this plan's program with the trace's profile (the trace must be of the "
+                 "same program)");
+  app.add_option("--cache-dir", cache_dir,
+                 "plan cache directory (default: $XDG_CACHE_HOME/dc or ~/.cache/dc)");
   app.add_flag("--no-cache", no_cache, "neither read nor write the plan cache");
   app.add_option("-o,--output", out, "plan file to write")->capture_default_str();
   app.add_flag("--report", report, "print the memory timeline and overlap summary");
   app.add_flag("--json", json, "print one JSON object");
   bool quiet = false;
-  app.add_flag("--quiet", quiet, "no progress on stderr (progress shows only on a terminal anyway)");
+  app.add_flag("--quiet", quiet,
+               "no progress on stderr (progress shows only on a terminal anyway)");
   CLI11_PARSE(app, argc, argv);
   if (synthetic == !trace_path.empty()) {
-    return cli::Fail("dc-plan", Status::Error("give a trace, or --synthetic with --model (see --help)"));
+    return cli::Fail("dc-plan",
+                     Status::Error("give a trace, or --synthetic with --model (see --help)"));
   }
 
   PlanRequest request;
   std::optional<Profile> measured;
   std::vector<std::string> notes;
-  Status prepared = synthetic ? SyntheticRequest(model, hardware, world, gpus_per_node, budget, &request)
-                              : TraceRequest(trace_path, from_plan, budget, &request, &measured, &notes);
+  Status prepared = synthetic
+                        ? SyntheticRequest(model, hardware, world, gpus_per_node, budget, &request)
+                        : TraceRequest(trace_path, from_plan, budget, &request, &measured, &notes);
   if (!prepared.ok()) return cli::Fail("dc-plan", prepared);
   request.policy = passes.empty() ? policy : "custom";
   request.passes = passes;
@@ -333,8 +368,8 @@ int main(int argc, char** argv) {
       const double elapsed =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - planning_start).count();
       if (elapsed > kQuietSeconds) {
-        std::fprintf(stderr, "dc-plan: %.1f s: %s done (%d instructions)\n", elapsed, record.name().c_str(),
-                     record.instructions());
+        std::fprintf(stderr, "dc-plan: %.1f s: %s done (%d instructions)\n", elapsed,
+                     record.name().c_str(), record.instructions());
       }
     };
   }
@@ -343,8 +378,8 @@ int main(int argc, char** argv) {
     request.dump = [&](std::string_view pass, const proto::Schedule& schedule) {
       const std::string path = out + "." + std::string(pass) + ".txt";
       if (Status written = WriteFileAtomic(path, ScheduleToText(schedule)); written.ok()) {
-        std::fprintf(stderr, "dc-plan: wrote the schedule after %s to %s\n", std::string(pass).c_str(),
-                     path.c_str());
+        std::fprintf(stderr, "dc-plan: wrote the schedule after %s to %s\n",
+                     std::string(pass).c_str(), path.c_str());
       } else {
         std::fprintf(stderr, "dc-plan: %s\n", written.message().c_str());
       }
@@ -370,18 +405,22 @@ int main(int argc, char** argv) {
     }
     plan = std::move(made).value();
     if (!no_cache) {
-      if (Status stored = cache.Store(*key, WithoutTimings(*plan)); !stored.ok()) return cli::Fail("dc-plan", stored);
+      if (Status stored = cache.Store(*key, WithoutTimings(*plan)); !stored.ok())
+        return cli::Fail("dc-plan", stored);
     }
   }
   nlohmann::json rounds_report = nlohmann::json::array();
   if (rounds.rounds > 0) {
-    if (synthetic) return cli::Fail("dc-plan", Status::Error("--rounds needs a trace to start from, not --synthetic"));
+    if (synthetic)
+      return cli::Fail("dc-plan",
+                       Status::Error("--rounds needs a trace to start from, not --synthetic"));
     rounds.progress = progress;
     auto best = RunRounds(request, *plan, rounds, out, &rounds_report);
     if (!best.ok()) return cli::Fail("dc-plan", best.status());
     plan = std::move(best).value();
   }
-  if (Status saved = SavePlan(out, WithoutTimings(*plan)); !saved.ok()) return cli::Fail("dc-plan", saved);
+  if (Status saved = SavePlan(out, WithoutTimings(*plan)); !saved.ok())
+    return cli::Fail("dc-plan", saved);
   if (!perfetto.empty()) {
     auto sim = Simulate(*plan, request.costs);
     if (!sim.ok()) return cli::Fail("dc-plan", sim.status());
@@ -404,7 +443,8 @@ int main(int argc, char** argv) {
     j["baseline"] = PredictionJson(plan->baseline());
     j["passes"] = nlohmann::json::array();
     for (const auto& p : plan->passes()) {
-      j["passes"].push_back({{"name", p.name()}, {"changed", p.changed()}, {"seconds", p.seconds()}});
+      j["passes"].push_back(
+          {{"name", p.name()}, {"changed", p.changed()}, {"seconds", p.seconds()}});
     }
     if (measured) j["measured_step_seconds"] = measured->step_seconds_median;
     if (rounds.rounds > 0) j["rounds"] = rounds_report;
@@ -419,13 +459,17 @@ int main(int argc, char** argv) {
     std::cout << j.dump() << "\n";
     return 0;
   }
-  std::printf("plan %s: cache %s, %d instructions for %d rank(s), predicted step %.4f s, peak %s (budget %s)\n",
-              out.c_str(), hit ? "hit" : "miss", plan->instructions_size(), plan->world_size(),
-              plan->prediction().step_seconds(), FormatBytes(plan->prediction().peak_device_bytes()).c_str(),
-              plan->budget_bytes() ? FormatBytes(plan->budget_bytes()).c_str() : "unlimited");
+  std::printf(
+      "plan %s: cache %s, %d instructions for %d rank(s), predicted step %.4f s, peak %s (budget "
+      "%s)\n",
+      out.c_str(), hit ? "hit" : "miss", plan->instructions_size(), plan->world_size(),
+      plan->prediction().step_seconds(),
+      FormatBytes(plan->prediction().peak_device_bytes()).c_str(),
+      plan->budget_bytes() ? FormatBytes(plan->budget_bytes()).c_str() : "unlimited");
   for (const auto& round : rounds_report) {
     std::printf("round %d: predicted %.6f s, measured %.6f s per step\n", round["round"].get<int>(),
-                round["predicted_step_seconds"].get<double>(), round["measured_step_seconds"].get<double>());
+                round["predicted_step_seconds"].get<double>(),
+                round["measured_step_seconds"].get<double>());
   }
   if (explain) PrintExplain(*plan);
   if (report && measured) PrintReport(*measured, *plan);

@@ -1,8 +1,7 @@
 // dc-run: train by a plan with the lean executor.
-#include <nlohmann/json.hpp>
-
 #include <cstdio>
 #include <iostream>
+#include <nlohmann/json.hpp>
 
 #include "executor/backends.h"
 #include "executor/launch.h"
@@ -23,21 +22,31 @@ int main(int argc, char** argv) {
   int64_t device_memory = 0;
   bool json = false, quiet = false;
   app.add_option("plan", plan_path, "plan file written by dc-plan")->required();
-  app.add_option("--steps", steps, "optimizer steps to train")->check(CLI::Range(1, 100000000))->capture_default_str();
-  app.add_option("--warmup", warmup, "steps run first and left out of the losses, timings and profile")
-      ->check(CLI::Range(0, 1000000))->capture_default_str();
-  app.add_option("--nproc", nproc, "ranks to start on this machine (default: the plan's world size)")
+  app.add_option("--steps", steps, "optimizer steps to train")
+      ->check(CLI::Range(1, 100000000))
+      ->capture_default_str();
+  app.add_option("--warmup", warmup,
+                 "steps run first and left out of the losses, timings and profile")
+      ->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
+  app.add_option("--nproc", nproc,
+                 "ranks to start on this machine (default: the plan's world size)")
       ->check(CLI::Range(1, 256));
-  app.add_option("--backend", backend, "auto (cuda when a GPU is present, else cpu), cpu or cuda; "
+  app.add_option("--backend", backend,
+                 "auto (cuda when a GPU is present, else cpu), cpu or cuda; "
                  "must match the plan's backend")
-      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))->capture_default_str();
-  cli::AddBytesOption(app, "--device-memory", &device_memory,
-                      "device memory capacity per rank, e.g. 1GiB (default: unlimited; on cuda, the "
-                      "device's own memory)");
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
+  cli::AddBytesOption(
+      app, "--device-memory", &device_memory,
+      "device memory capacity per rank, e.g. 1GiB (default: unlimited; on cuda, the "
+      "device's own memory)");
   app.add_option("--trace", trace_out, "also record a trace of the run to this file");
-  app.add_option("--rendezvous", rendezvous, "shared directory for ranks started by an outside launcher");
+  app.add_option("--rendezvous", rendezvous,
+                 "shared directory for ranks started by an outside launcher");
   app.add_option("--timeout", timeout_s, "seconds to wait for other ranks")->capture_default_str();
-  app.add_flag("--json", json, "print one JSON object (losses, step_seconds_median, tokens_per_second, ...)");
+  app.add_flag("--json", json,
+               "print one JSON object (losses, step_seconds_median, tokens_per_second, ...)");
   app.add_flag("--quiet", quiet, "no per-step lines, only the summary");
   CLI11_PARSE(app, argc, argv);
 
@@ -52,7 +61,8 @@ int main(int argc, char** argv) {
   if (!IsRankProcess()) {
     const int world = nproc > 0 ? nproc : plan->world_size();
     if (world != plan->world_size()) {
-      return cli::Fail("dc-run", Status::Error(plan_path + ": planned for " + std::to_string(plan->world_size()) +
+      return cli::Fail("dc-run", Status::Error(plan_path + ": planned for " +
+                                               std::to_string(plan->world_size()) +
                                                " rank(s), not --nproc " + std::to_string(world) +
                                                "; re-plan with dc-plan or drop --nproc"));
     }
@@ -101,11 +111,12 @@ int main(int argc, char** argv) {
     if (result->trace) j["trace"] = trace_out;
     std::cout << j.dump() << "\n";
   } else {
-    std::printf("%d step(s) on %d %s rank(s): median %.4f s/step, %.0f tokens/s, peak %s per rank "
-                "(predicted %.4f s, %s)\n",
-                steps, run.world_size, chosen->c_str(), run.step_seconds_median, run.tokens_per_second,
-                FormatBytes(run.peak_device_bytes).c_str(), plan->prediction().step_seconds(),
-                FormatBytes(plan->prediction().peak_device_bytes()).c_str());
+    std::printf(
+        "%d step(s) on %d %s rank(s): median %.4f s/step, %.0f tokens/s, peak %s per rank "
+        "(predicted %.4f s, %s)\n",
+        steps, run.world_size, chosen->c_str(), run.step_seconds_median, run.tokens_per_second,
+        FormatBytes(run.peak_device_bytes).c_str(), plan->prediction().step_seconds(),
+        FormatBytes(plan->prediction().peak_device_bytes()).c_str());
   }
   return 0;
 }

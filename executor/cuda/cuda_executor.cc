@@ -20,8 +20,8 @@
 #include "models/data.h"
 #include "models/model.h"
 #include "schemas/digest.h"
-#include "schemas/units.h"
 #include "schemas/effects.h"
+#include "schemas/units.h"
 
 namespace dc {
 namespace {
@@ -309,8 +309,7 @@ Status CudaRankRunner::InitPersistentShards() {
   for (const auto& t : program_.tensors()) {
     if (!compute_shard[t.id()]) continue;
     const int64_t elements = ShardShape(t, world_).elements;
-    const CudaBufferShape shape{compute_dtype_, elements,
-                                ComputeShardBytes(program_, t, world_)};
+    const CudaBufferShape shape{compute_dtype_, elements, ComputeShardBytes(program_, t, world_)};
     const std::string what =
         "start-up (compute-dtype shard of " + t.name() + ") on rank " + std::to_string(rank_);
     DC_RETURN_IF_ERROR(
@@ -321,8 +320,9 @@ Status CudaRankRunner::InitPersistentShards() {
       DC_RETURN_IF_ERROR(RefreshComputeShard(t.id(), stream, what));
     }
   }
-  return CudaStatus(cudaStreamSynchronize(stream),
-                    "rank " + std::to_string(rank_) + ": start-up casts of the compute-dtype shards");
+  return CudaStatus(
+      cudaStreamSynchronize(stream),
+      "rank " + std::to_string(rank_) + ": start-up casts of the compute-dtype shards");
 }
 
 Status CudaRankRunner::RefreshComputeShard(int param, cudaStream_t stream,

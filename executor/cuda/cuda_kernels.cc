@@ -271,8 +271,8 @@ struct CudaKernelResources::Impl {
 
   cublasLtHandle_t lt = nullptr;
   DeviceBuffer workspace;
-  DeviceBuffer device_error;    // int32 [kDeviceErrorInts]
-  PinnedHostBuffer host_error;  // its copy on the host
+  DeviceBuffer device_error;      // int32 [kDeviceErrorInts]
+  PinnedHostBuffer host_error;    // its copy on the host
   PinnedHostBuffer host_offsets;  // the grouped matmuls' segment offsets, grown on demand
   DeviceBuffer scratch;
   CudaDeviceInfo device;

@@ -1,13 +1,13 @@
 #include "executor/cuda/cuda_layout.h"
-#include "schemas/effects.h"
 
 #include <algorithm>
 #include <cstring>
 #include <string>
 
+#include "schemas/effects.h"
+
 namespace dc {
 namespace {
-
 
 int64_t AlignUp(int64_t bytes, int64_t alignment) {
   return (bytes + alignment - 1) / alignment * alignment;
