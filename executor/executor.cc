@@ -72,19 +72,6 @@ struct Buffer {
 // The memory plan's placements by (instruction, tensor, micro-step).
 using PlacementKey = std::tuple<int, int, int>;
 
-// The gathered copy of a param is keyed by micro-step kGatheredKey; everything else by its own
-// micro-step, so activations of different micro-steps never alias.
-constexpr int kGatheredKey = -2;
-constexpr int kPersistentKey = -3;
-constexpr int kComputeShardKey = -4;  // beside an offloaded master (ComputeShardParams)
-
-// The memory plan's micro-step of a buffer key.
-int PlacementMicroStep(int key) {
-  if (key == kPersistentKey) return -1;
-  if (key == kComputeShardKey) return kComputeShardMicroStep;
-  return key;
-}
-
 class RankRunner : public RankStepper {
  public:
   RankRunner(const proto::Schedule& schedule, const RunOptions& options, Communicator* comm,
@@ -120,21 +107,21 @@ class RankRunner : public RankStepper {
   std::string Describe(int index) const;
   int64_t Now() const { return tracer_ ? tracer_->NowNs() : 0; }
 
-  // Creates the buffer of (tensor, key) for instruction `index` (-1 at start-up).
-  Status Allocate(int index, int tensor, int key, BufferKind kind, int64_t bytes, int64_t elements,
+  // Creates the buffer `key` for instruction `index` (-1 at start-up).
+  Status Allocate(int index, const BufferKey& key, BufferKind kind, int64_t bytes, int64_t elements,
                   bool ints, const std::string& what);
-  Status Place(int index, int tensor, int key, Buffer* buffer, bool ints);
-  void Release(int tensor, int key);
-  Buffer* Find(int tensor, int key) {
-    auto it = live_.find({tensor, key});
+  Status Place(int index, const BufferKey& key, Buffer* buffer, bool ints);
+  void Release(const BufferKey& key);
+  Buffer* Find(const BufferKey& key) {
+    auto it = live_.find(key);
     return it == live_.end() ? nullptr : &it->second;
   }
   // The persistent shard of a param, grad or optimizer state; null while offloaded.
-  Buffer* Shard(int tensor) { return Find(tensor, kPersistentKey); }
+  Buffer* Shard(int tensor) { return Find(BufferKey::Persistent(tensor)); }
   // What a gather of `param` sends: its compute-dtype shard where the plan offloads its master,
   // else the master; null when neither is on the device.
   Buffer* GatherSource(int param) {
-    Buffer* compute = Find(param, kComputeShardKey);
+    Buffer* compute = Find(BufferKey::ComputeShard(param));
     return compute ? compute : Shard(param);
   }
   Status Execute(int index, int step, const InstructionRef& ref);
@@ -162,10 +149,8 @@ class RankRunner : public RankStepper {
   const int world_;
   const int rank_;
 
-  // Every device buffer by (tensor, key): persistent shards under kPersistentKey (compute-dtype
-  // shards under kComputeShardKey), gathered params under kGatheredKey, the rest under their
-  // micro-step.
-  std::map<std::pair<int, int>, Buffer> live_;
+  // Every device buffer, by the key schemas/effects.h names it with.
+  std::map<BufferKey, Buffer> live_;
   std::map<int, std::vector<float>> host_;  // offloaded shards, by tensor
   std::vector<bool> host_resident_;         // HostResidentTensors: in host_ for the whole run
   std::vector<std::byte> arena_;
@@ -174,14 +159,15 @@ class RankRunner : public RankStepper {
   double loss_sum_ = 0;
   std::vector<char> is_loss_term_;  // by tensor id: the cross-entropy and the MoE aux losses
   int64_t next_address_ = 1;
-  std::map<std::pair<int, int>, int64_t> addresses_;
+  std::map<BufferKey, int64_t> addresses_;
 };
 
 std::string RankRunner::Describe(int index) const {
   return DescribeInstruction(schedule_, index, rank_);
 }
 
-Status RankRunner::Place(int index, int tensor, int key, Buffer* buffer, bool ints) {
+Status RankRunner::Place(int index, const BufferKey& key, Buffer* buffer, bool ints) {
+  const int tensor = key.tensor;
   if (arena_.empty()) {
     if (ints) {
       buffer->owned_i32.assign(buffer->elements, 0);
@@ -192,7 +178,7 @@ Status RankRunner::Place(int index, int tensor, int key, Buffer* buffer, bool in
     }
     return Status::Ok();
   }
-  auto it = placements_.find({index, tensor, PlacementMicroStep(key)});
+  auto it = placements_.find({index, tensor, key.placement_micro_step()});
   if (it == placements_.end()) {
     return Status::Error("the memory plan has no place for " + program_.tensors(tensor).name() +
                          " at instruction " + std::to_string(index) + "; re-plan it");
@@ -212,26 +198,26 @@ Status RankRunner::Place(int index, int tensor, int key, Buffer* buffer, bool in
   return Status::Ok();
 }
 
-Status RankRunner::Allocate(int index, int tensor, int key, BufferKind kind, int64_t bytes,
+Status RankRunner::Allocate(int index, const BufferKey& key, BufferKind kind, int64_t bytes,
                             int64_t elements, bool ints, const std::string& what) {
   DC_RETURN_IF_ERROR(memory_.Allocate(kind, bytes, what));
-  Buffer& buffer = live_[{tensor, key}];
+  Buffer& buffer = live_[key];
   buffer.elements = elements;
   buffer.accounted_bytes = bytes;
   buffer.kind = kind;
-  DC_RETURN_IF_ERROR(Place(index, tensor, key, &buffer, ints));
+  DC_RETURN_IF_ERROR(Place(index, key, &buffer, ints));
   const int64_t address = next_address_++;
-  addresses_[{tensor, key}] = address;
-  pending_.push_back({Now(), address, bytes, true, tensor, kind});
+  addresses_[key] = address;
+  pending_.push_back({Now(), address, bytes, true, key.tensor, kind});
   return Status::Ok();
 }
 
-void RankRunner::Release(int tensor, int key) {
-  auto it = live_.find({tensor, key});
+void RankRunner::Release(const BufferKey& key) {
+  auto it = live_.find(key);
   memory_.Free(it->second.kind, it->second.accounted_bytes);
-  pending_.push_back({Now(), addresses_[{tensor, key}], it->second.accounted_bytes, false, tensor,
-                      it->second.kind});
-  addresses_.erase({tensor, key});
+  pending_.push_back(
+      {Now(), addresses_[key], it->second.accounted_bytes, false, key.tensor, it->second.kind});
+  addresses_.erase(key);
   live_.erase(it);
 }
 
@@ -280,8 +266,8 @@ Status RankRunner::Init() {
       }
       continue;
     }
-    DC_RETURN_IF_ERROR(Allocate(-1, t.id(), kPersistentKey, kind, shard * kShardElementBytes, shard,
-                                false, "start-up (persistent shard of " + t.name() + ")"));
+    DC_RETURN_IF_ERROR(Allocate(-1, BufferKey::Persistent(t.id()), kind, shard * kShardElementBytes,
+                                shard, false, "start-up (persistent shard of " + t.name() + ")"));
     if (t.role() == proto::ROLE_PARAM)
       InitParamSlice(config, t, rank_ * shard, shard, Shard(t.id())->f32);
   }
@@ -291,7 +277,7 @@ Status RankRunner::Init() {
   for (const auto& t : program_.tensors()) {
     if (!compute_shard[t.id()]) continue;
     const int64_t shard = ShardOf(t.id());
-    DC_RETURN_IF_ERROR(Allocate(-1, t.id(), kComputeShardKey, BufferKind::kShard,
+    DC_RETURN_IF_ERROR(Allocate(-1, BufferKey::ComputeShard(t.id()), BufferKind::kShard,
                                 ComputeShardBytes(program_, t, world_), shard, false,
                                 "start-up (compute-dtype shard of " + t.name() + ")"));
     RefreshComputeShard(t.id());
@@ -315,9 +301,9 @@ StatusOr<std::string> RankRunner::ParamsDigest() {
 Status RankRunner::LoadInput(int index, int tensor, int micro, int step, const std::string& what) {
   const proto::ModelConfig& config = program_.config();
   const proto::Tensor& t = program_.tensors(tensor);
-  DC_RETURN_IF_ERROR(Allocate(index, tensor, micro, BufferKind::kInput, TransientBytes(program_, t),
-                              NumElements(t), true, what));
-  Buffer* tokens = Find(tensor, micro);
+  DC_RETURN_IF_ERROR(Allocate(index, BufferKey::Transient(tensor, micro), BufferKind::kInput,
+                              TransientBytes(program_, t), NumElements(t), true, what));
+  Buffer* tokens = Find(BufferKey::Transient(tensor, micro));
   const int64_t seq = config.seq();
   std::vector<int32_t> inputs(seq), targets(seq);
   for (int64_t b = 0; b < config.micro_batch(); ++b) {
@@ -330,14 +316,14 @@ Status RankRunner::LoadInput(int index, int tensor, int micro, int step, const s
 }
 
 const float* RankRunner::Master(int param) const {
-  auto device = live_.find({param, kPersistentKey});
+  auto device = live_.find(BufferKey::Persistent(param));
   if (device != live_.end()) return device->second.f32;
   auto host = host_.find(param);
   return host == host_.end() ? nullptr : host->second.data();
 }
 
 void RankRunner::RefreshComputeShard(int param) {
-  Buffer* compute = Find(param, kComputeShardKey);
+  Buffer* compute = Find(BufferKey::ComputeShard(param));
   const float* master = Master(param);
   if (compute && master) std::copy(master, master + compute->elements, compute->f32);
 }
@@ -385,11 +371,11 @@ Status RankRunner::Compute(const proto::Instruction& instr, int index, int step)
       inputs.push_back(ref);
       continue;
     }
-    const int key = t.role() == proto::ROLE_PARAM ? kGatheredKey : micro;
-    if (t.role() == proto::ROLE_INPUT && !Find(tensor, micro)) {
+    const BufferKey key = BufferKey::OfOperand(tensor, t.role(), micro);
+    if (t.role() == proto::ROLE_INPUT && !Find(BufferKey::Transient(tensor, micro))) {
       DC_RETURN_IF_ERROR(LoadInput(index, tensor, micro, step, what));
     }
-    Buffer* buffer = Find(tensor, key);
+    Buffer* buffer = Find(key);
     if (!buffer) {
       return Status::Error(
           what + ": reads " + t.name() +
@@ -399,10 +385,12 @@ Status RankRunner::Compute(const proto::Instruction& instr, int index, int step)
   }
   for (int tensor : op.outputs()) {
     const proto::Tensor& t = program_.tensors(tensor);
-    if (Find(tensor, micro)) return Status::Error(what + ": " + t.name() + " is already live");
-    DC_RETURN_IF_ERROR(Allocate(index, tensor, micro, TransientKind(t), TransientBytes(program_, t),
-                                NumElements(t), t.dtype() == proto::DTYPE_I32, what));
-    outputs.push_back(view_of(*Find(tensor, micro), t));
+    if (Find(BufferKey::Transient(tensor, micro)))
+      return Status::Error(what + ": " + t.name() + " is already live");
+    DC_RETURN_IF_ERROR(Allocate(index, BufferKey::Transient(tensor, micro), TransientKind(t),
+                                TransientBytes(program_, t), NumElements(t),
+                                t.dtype() == proto::DTYPE_I32, what));
+    outputs.push_back(view_of(*Find(BufferKey::Transient(tensor, micro)), t));
   }
   KernelContext context;
   context.config = &program_.config();
@@ -430,7 +418,7 @@ Status RankRunner::Gather(const proto::Instruction& instr, int index) {
     if (t.role() != proto::ROLE_PARAM) {
       return Status::Error(Describe(index) + ": " + t.name() + " is not a param");
     }
-    if (Find(tensor, kGatheredKey)) {
+    if (Find(BufferKey::Gathered(tensor))) {
       return Status::Error(Describe(index) + ": " + t.name() + " is already gathered");
     }
     if (!GatherSource(tensor)) {
@@ -450,9 +438,9 @@ Status RankRunner::Gather(const proto::Instruction& instr, int index) {
   for (int tensor : instr.tensors()) {
     const proto::Tensor& t = program_.tensors(tensor);
     const int64_t shard = ShardOf(tensor), numel = NumElements(t);
-    DC_RETURN_IF_ERROR(Allocate(index, tensor, kGatheredKey, BufferKind::kGathered,
+    DC_RETURN_IF_ERROR(Allocate(index, BufferKey::Gathered(tensor), BufferKind::kGathered,
                                 TransientBytes(program_, t), numel, false, Describe(index)));
-    float* whole = Find(tensor, kGatheredKey)->f32;
+    float* whole = Find(BufferKey::Gathered(tensor))->f32;
     for (int r = 0; r < world_; ++r) {
       const int64_t begin = r * shard;
       const int64_t count = std::max<int64_t>(0, std::min(shard, numel - begin));
@@ -469,7 +457,7 @@ Status RankRunner::Gather(const proto::Instruction& instr, int index) {
 Status RankRunner::ReduceScatter(const proto::Instruction& instr) {
   int64_t packed_elements = 0;
   for (int tensor : instr.tensors()) {
-    if (!Find(tensor, instr.micro_step())) {
+    if (!Find(BufferKey::Transient(tensor, instr.micro_step()))) {
       return Status::Error("reduce-scatter of " + program_.tensors(tensor).name() +
                            ", which is not live");
     }
@@ -482,7 +470,7 @@ Status RankRunner::ReduceScatter(const proto::Instruction& instr) {
   std::vector<float> packed(packed_elements * world_, 0.0f), reduced(packed_elements);
   int64_t offset = 0;
   for (int tensor : instr.tensors()) {
-    const Buffer* grad = Find(tensor, instr.micro_step());
+    const Buffer* grad = Find(BufferKey::Transient(tensor, instr.micro_step()));
     const int64_t shard = ShardOf(tensor);
     for (int r = 0; r < world_; ++r) {
       const int64_t begin = r * shard;
@@ -513,7 +501,7 @@ Status RankRunner::Offload(const proto::Instruction& instr, int index) {
           " is not a persistent shard on the device (the cpu backend offloads shards only)");
     }
     host_[tensor].assign(shard->f32, shard->f32 + shard->elements);
-    Release(tensor, kPersistentKey);
+    Release(BufferKey::Persistent(tensor));
   }
   return Status::Ok();
 }
@@ -528,8 +516,8 @@ Status RankRunner::Reload(const proto::Instruction& instr, int index) {
     const proto::Tensor& t = program_.tensors(tensor);
     const BufferKind kind = PersistentKind(t.role());
     const int64_t elements = static_cast<int64_t>(it->second.size());
-    DC_RETURN_IF_ERROR(Allocate(index, tensor, kPersistentKey, kind, elements * kShardElementBytes,
-                                elements, false, Describe(index)));
+    DC_RETURN_IF_ERROR(Allocate(index, BufferKey::Persistent(tensor), kind,
+                                elements * kShardElementBytes, elements, false, Describe(index)));
     std::copy(it->second.begin(), it->second.end(), Shard(tensor)->f32);
     host_.erase(it);
   }
@@ -566,13 +554,13 @@ Status RankRunner::Execute(int index, int step, const InstructionRef& ref) {
       break;
     case proto::INSTR_RELEASE:
       for (int tensor : instr.tensors()) {
-        const int key = program_.tensors(tensor).role() == proto::ROLE_PARAM ? kGatheredKey
-                                                                             : instr.micro_step();
-        if (!Find(tensor, key)) {
+        const BufferKey key =
+            BufferKey::OfOperand(tensor, program_.tensors(tensor).role(), instr.micro_step());
+        if (!Find(key)) {
           return Status::Error(Describe(index) + ": releases " + program_.tensors(tensor).name() +
                                ", which is not live");
         }
-        Release(tensor, key);
+        Release(key);
       }
       break;
     default:
@@ -614,12 +602,12 @@ Status RankRunner::RunStep(int step, bool warmup, double* loss, double* seconds)
     DC_RETURN_IF_ERROR(Execute(i, step, ref));
   }
   for (auto& [key, buffer] : live_) {
-    if (key.second != kPersistentKey && key.second != kComputeShardKey) {
-      return Status::Error("the plan leaves " + program_.tensors(key.first).name() +
+    if (key.slot != BufferSlot::kPersistent && key.slot != BufferSlot::kComputeShard) {
+      return Status::Error("the plan leaves " + program_.tensors(key.tensor).name() +
                            " live at the end of the step; re-plan it");
     }
     // The grad accumulators start the next step empty.
-    if (program_.tensors(key.first).role() == proto::ROLE_GRAD) {
+    if (program_.tensors(key.tensor).role() == proto::ROLE_GRAD) {
       std::fill(buffer.f32, buffer.f32 + buffer.elements, 0.0f);
     }
   }

@@ -4,19 +4,19 @@
 
 #include <map>
 #include <string>
-#include <utility>
 
+#include "schemas/effects.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 
 namespace dc {
 
-// Re-keys `live` (buffers by (tensor, micro-step)) and, where given, `also` (anything else kept
-// by the same keys). `what` names the instruction in errors.
+// Re-keys `live` (buffers by BufferKey) and, where given, `also` (anything else kept by the same
+// keys). `what` names the instruction in errors.
 template <typename Buffer, typename Also = int>
 Status RenameLiveBuffers(const proto::Program& program, const proto::Instruction& instr,
-                         const std::string& what, std::map<std::pair<int, int>, Buffer>* live,
-                         std::map<std::pair<int, int>, Also>* also = nullptr) {
+                         const std::string& what, std::map<BufferKey, Buffer>* live,
+                         std::map<BufferKey, Also>* also = nullptr) {
   const proto::Op& op = program.ops(instr.op());
   const int micro = instr.micro_step();
   if (op.outputs_size() != instr.tensors_size()) {
@@ -25,13 +25,14 @@ Status RenameLiveBuffers(const proto::Program& program, const proto::Instruction
                          op.name());
   }
   for (int k = 0; k < instr.tensors_size(); ++k) {
-    const std::pair<int, int> from{instr.tensors(k), micro}, to{op.outputs(k), micro};
+    const BufferKey from = BufferKey::Transient(instr.tensors(k), micro);
+    const BufferKey to = BufferKey::Transient(op.outputs(k), micro);
     if (!live->count(from)) {
-      return Status::Error(what + ": renames " + program.tensors(from.first).name() +
+      return Status::Error(what + ": renames " + program.tensors(from.tensor).name() +
                            ", which is not live");
     }
     if (live->count(to)) {
-      return Status::Error(what + ": " + program.tensors(to.first).name() + " is already live");
+      return Status::Error(what + ": " + program.tensors(to.tensor).name() + " is already live");
     }
     auto node = live->extract(from);
     node.key() = to;

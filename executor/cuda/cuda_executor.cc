@@ -29,20 +29,6 @@ namespace {
 // The memory plan's placements by (instruction, tensor, micro-step).
 using PlacementKey = std::tuple<int, int, int>;
 
-// Buffer keys as the cpu executor's: a gathered param under kGatheredKey (the memory plan's
-// micro-step -2), persistent shards under kPersistentKey, the compute-dtype shard beside an
-// offloaded master under kComputeShardKey, the rest under their micro-step.
-constexpr int kGatheredKey = -2;
-constexpr int kPersistentKey = -3;
-constexpr int kComputeShardKey = -4;
-
-// The memory plan's micro-step of a buffer key.
-int PlacementMicroStep(int key) {
-  if (key == kPersistentKey) return -1;
-  if (key == kComputeShardKey) return kComputeShardMicroStep;
-  return key;
-}
-
 void* At(void* base, int64_t offset_bytes) { return static_cast<char*>(base) + offset_bytes; }
 
 DeviceTensor MakeTensor(void* data, proto::DType dtype, std::vector<int64_t> shape) {
@@ -110,16 +96,16 @@ class CudaRankRunner : public RankStepper {
   Status InitHostBuffers();
   void DescribeToTracer();
 
-  // Creates the buffer of (tensor, key) for instruction `index` (-1 at start-up) on `stream`.
-  StatusOr<Buffer*> Allocate(int index, int tensor, int key, BufferKind kind,
+  // Creates the buffer `key` for instruction `index` (-1 at start-up) on `stream`.
+  StatusOr<Buffer*> Allocate(int index, const BufferKey& key, BufferKind kind,
                              const CudaBufferShape& shape, cudaStream_t stream,
                              const std::string& what);
-  Status Release(int tensor, int key, cudaStream_t stream, const std::string& what);
-  Buffer* Find(int tensor, int key) {
-    auto it = live_.find({tensor, key});
+  Status Release(const BufferKey& key, cudaStream_t stream, const std::string& what);
+  Buffer* Find(const BufferKey& key) {
+    auto it = live_.find(key);
     return it == live_.end() ? nullptr : &it->second;
   }
-  Buffer* Shard(int tensor) { return Find(tensor, kPersistentKey); }
+  Buffer* Shard(int tensor) { return Find(BufferKey::Persistent(tensor)); }
   // Casts a param's fp32 master into its compute-dtype shard, if it has one, on `stream`.
   Status RefreshComputeShard(int param, cudaStream_t stream, const std::string& what);
   // The same from the master's host copy (a host-resident param): cast on the host, one
@@ -176,7 +162,7 @@ class CudaRankRunner : public RankStepper {
   // With an arena: where each persistent shard lives at the start of a step (the plan's
   // instruction -1 placement).
   std::map<int, void*> startup_place_;
-  std::map<std::pair<int, int>, Buffer> live_;
+  std::map<BufferKey, Buffer> live_;
   std::map<int, PinnedHostBuffer> host_shards_;  // offloaded shards' host copies, by tensor
   std::set<int> offloaded_;                      // tensors whose shard is on the host now
   PinnedHostBuffer input_staging_;               // token ids of every (micro-step, input)
@@ -290,8 +276,8 @@ Status CudaRankRunner::InitPersistentShards() {
     const CudaBufferShape shape = ShardShape(t, world_);
     const std::string what =
         "start-up (persistent shard of " + t.name() + ") on rank " + std::to_string(rank_);
-    DC_ASSIGN_OR_RETURN(Buffer * shard,
-                        Allocate(-1, t.id(), kPersistentKey, ShardKind(t), shape, nullptr, what));
+    DC_ASSIGN_OR_RETURN(Buffer * shard, Allocate(-1, BufferKey::Persistent(t.id()), ShardKind(t),
+                                                 shape, nullptr, what));
     if (arena_) startup_place_[t.id()] = shard->data;
     if (t.role() == proto::ROLE_PARAM) {
       host.assign(shape.elements, 0.0f);
@@ -313,7 +299,8 @@ Status CudaRankRunner::InitPersistentShards() {
     const std::string what =
         "start-up (compute-dtype shard of " + t.name() + ") on rank " + std::to_string(rank_);
     DC_RETURN_IF_ERROR(
-        Allocate(-1, t.id(), kComputeShardKey, BufferKind::kShard, shape, nullptr, what).status());
+        Allocate(-1, BufferKey::ComputeShard(t.id()), BufferKind::kShard, shape, nullptr, what)
+            .status());
     if (layout_.host_resident[t.id()]) {
       DC_RETURN_IF_ERROR(RefreshComputeShardFromHost(t.id(), what));
     } else {
@@ -327,7 +314,7 @@ Status CudaRankRunner::InitPersistentShards() {
 
 Status CudaRankRunner::RefreshComputeShard(int param, cudaStream_t stream,
                                            const std::string& what) {
-  Buffer* compute = Find(param, kComputeShardKey);
+  Buffer* compute = Find(BufferKey::ComputeShard(param));
   const Buffer* master = Shard(param);
   if (compute == nullptr || master == nullptr) return Status::Ok();
   const int64_t elements = master->shape.elements;
@@ -337,7 +324,7 @@ Status CudaRankRunner::RefreshComputeShard(int param, cudaStream_t stream,
 }
 
 Status CudaRankRunner::RefreshComputeShardFromHost(int param, const std::string& what) {
-  Buffer* compute = Find(param, kComputeShardKey);
+  Buffer* compute = Find(BufferKey::ComputeShard(param));
   auto master = host_shards_.find(param);
   if (compute == nullptr || master == host_shards_.end()) return Status::Ok();
   const int64_t elements = compute->shape.elements;
@@ -509,16 +496,16 @@ void CudaRankRunner::DescribeToTracer() {
 // ---------------------------------------------------------------------------------------------
 // Buffers
 
-StatusOr<Buffer*> CudaRankRunner::Allocate(int index, int tensor, int key, BufferKind kind,
+StatusOr<Buffer*> CudaRankRunner::Allocate(int index, const BufferKey& key, BufferKind kind,
                                            const CudaBufferShape& shape, cudaStream_t stream,
                                            const std::string& what) {
   DC_RETURN_IF_ERROR(memory_.Allocate(kind, shape.size_bytes, what));
   Buffer buffer;
   buffer.shape = shape;
   buffer.kind = kind;
-  const proto::Tensor& t = program_.tensors(tensor);
+  const proto::Tensor& t = program_.tensors(key.tensor);
   if (arena_) {
-    auto it = placements_.find({index, tensor, PlacementMicroStep(key)});
+    auto it = placements_.find({index, key.tensor, key.placement_micro_step()});
     if (it == placements_.end()) {
       return Status::Error(what + ": the memory plan has no place for " + t.name() +
                            " at instruction " + std::to_string(index) + "; re-plan it");
@@ -532,20 +519,20 @@ StatusOr<Buffer*> CudaRankRunner::Allocate(int index, int tensor, int key, Buffe
                        t.name() + " (plan with a lower --budget)"));
     buffer.pooled = true;
   }
-  auto [it, inserted] = live_.emplace(std::make_pair(tensor, key), buffer);
+  auto [it, inserted] = live_.emplace(key, buffer);
   if (!inserted) return Status::Error(what + ": " + t.name() + " is already live");
   return &it->second;
 }
 
-Status CudaRankRunner::Release(int tensor, int key, cudaStream_t stream, const std::string& what) {
-  auto it = live_.find({tensor, key});
+Status CudaRankRunner::Release(const BufferKey& key, cudaStream_t stream, const std::string& what) {
+  auto it = live_.find(key);
   memory_.Free(it->second.kind, it->second.shape.size_bytes);
   const Buffer buffer = it->second;
   live_.erase(it);
   // Arena bytes need nothing: the plan's reuse dependencies order their next user after this.
   if (!buffer.pooled) return Status::Ok();
   return CudaStatus(cudaFreeAsync(buffer.data, stream),
-                    what + ": cudaFreeAsync of " + program_.tensors(tensor).name());
+                    what + ": cudaFreeAsync of " + program_.tensors(key.tensor).name());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -604,8 +591,9 @@ Status CudaRankRunner::LoadInput(int index, int tensor, int micro, int step, cud
                                  const std::string& what) {
   const proto::ModelConfig& config = program_.config();
   const proto::Tensor& t = program_.tensors(tensor);
-  DC_ASSIGN_OR_RETURN(Buffer * tokens, Allocate(index, tensor, micro, BufferKind::kInput,
-                                                TransientShape(program_, t), stream, what));
+  DC_ASSIGN_OR_RETURN(Buffer * tokens,
+                      Allocate(index, BufferKey::Transient(tensor, micro), BufferKind::kInput,
+                               TransientShape(program_, t), stream, what));
   auto offset = input_offsets_.find({micro, tensor});
   if (offset == input_offsets_.end()) {
     return Status::Error(what + ": reads " + t.name() + " in micro-step " + std::to_string(micro) +
@@ -650,11 +638,11 @@ Status CudaRankRunner::Compute(const proto::Instruction& instr, int index, int s
       inputs.push_back(MakeTensor(shard->data, shard->shape.dtype, {shard->shape.elements}));
       continue;
     }
-    const int key = t.role() == proto::ROLE_PARAM ? kGatheredKey : micro;
-    if (t.role() == proto::ROLE_INPUT && !Find(tensor, micro)) {
+    const BufferKey key = BufferKey::OfOperand(tensor, t.role(), micro);
+    if (t.role() == proto::ROLE_INPUT && !Find(BufferKey::Transient(tensor, micro))) {
       DC_RETURN_IF_ERROR(LoadInput(index, tensor, micro, step, stream, what));
     }
-    Buffer* buffer = Find(tensor, key);
+    Buffer* buffer = Find(key);
     if (!buffer) {
       return Status::Error(
           what + ": reads " + t.name() +
@@ -664,9 +652,11 @@ Status CudaRankRunner::Compute(const proto::Instruction& instr, int index, int s
   }
   for (int tensor : op.outputs()) {
     const proto::Tensor& t = program_.tensors(tensor);
-    if (Find(tensor, micro)) return Status::Error(what + ": " + t.name() + " is already live");
-    DC_ASSIGN_OR_RETURN(Buffer * buffer, Allocate(index, tensor, micro, TransientKind(t),
-                                                  TransientShape(program_, t), stream, what));
+    if (Find(BufferKey::Transient(tensor, micro)))
+      return Status::Error(what + ": " + t.name() + " is already live");
+    DC_ASSIGN_OR_RETURN(Buffer * buffer,
+                        Allocate(index, BufferKey::Transient(tensor, micro), TransientKind(t),
+                                 TransientShape(program_, t), stream, what));
     outputs.push_back(view_of(*buffer, t));
   }
   CudaKernelContext context;
@@ -728,14 +718,15 @@ Status CudaRankRunner::Gather(const proto::Instruction& instr, int index, cudaSt
     if (t.role() != proto::ROLE_PARAM) {
       return Status::Error(what + ": " + t.name() + " is not a param");
     }
-    if (Find(tensor, kGatheredKey)) {
+    if (Find(BufferKey::Gathered(tensor))) {
       return Status::Error(what + ": " + t.name() + " is already gathered");
     }
     Buffer* shard = Shard(tensor);
-    const Buffer* compute = Find(tensor, kComputeShardKey);
+    const Buffer* compute = Find(BufferKey::ComputeShard(tensor));
     if (!shard && !compute) return Status::Error(what + ": " + t.name() + "'s shard is offloaded");
-    DC_ASSIGN_OR_RETURN(Buffer * whole, Allocate(index, tensor, kGatheredKey, BufferKind::kGathered,
-                                                 TransientShape(program_, t), stream, what));
+    DC_ASSIGN_OR_RETURN(Buffer * whole,
+                        Allocate(index, BufferKey::Gathered(tensor), BufferKind::kGathered,
+                                 TransientShape(program_, t), stream, what));
     const int64_t shard_elements = ShardShape(t, world_).elements;
     void* out = whole->data;
     if (NeedsStaging(t, world_)) {
@@ -771,7 +762,7 @@ Status CudaRankRunner::ReduceScatter(const proto::Instruction& instr, int index,
   int64_t staging_offset = 0;
   for (int tensor : instr.tensors()) {
     const proto::Tensor& t = program_.tensors(tensor);
-    Buffer* grad = Find(tensor, instr.micro_step());
+    Buffer* grad = Find(BufferKey::Transient(tensor, instr.micro_step()));
     if (!grad) {
       return Status::Error(what + ": reduce-scatter of " + t.name() + ", which is not live");
     }
@@ -818,7 +809,7 @@ Status CudaRankRunner::Offload(const proto::Instruction& instr, int index, cudaS
     }
     DC_RETURN_IF_ERROR(CopyAsync(host_shards_.at(tensor).data(), shard->data,
                                  shard->shape.size_bytes, stream, what + ": " + t.name()));
-    DC_RETURN_IF_ERROR(Release(tensor, kPersistentKey, stream, what));
+    DC_RETURN_IF_ERROR(Release(BufferKey::Persistent(tensor), stream, what));
     offloaded_.insert(tensor);
   }
   return Status::Ok();
@@ -831,7 +822,7 @@ Status CudaRankRunner::Reload(const proto::Instruction& instr, int index, cudaSt
     if (!offloaded_.count(tensor)) {
       return Status::Error(what + ": " + t.name() + " is not offloaded");
     }
-    DC_ASSIGN_OR_RETURN(Buffer * shard, Allocate(index, tensor, kPersistentKey, ShardKind(t),
+    DC_ASSIGN_OR_RETURN(Buffer * shard, Allocate(index, BufferKey::Persistent(tensor), ShardKind(t),
                                                  ShardShape(t, world_), stream, what));
     DC_RETURN_IF_ERROR(CopyAsync(shard->data, host_shards_.at(tensor).data(),
                                  shard->shape.size_bytes, stream, what + ": " + t.name()));
@@ -849,13 +840,13 @@ Status CudaRankRunner::Rename(const proto::Instruction& instr, int index) {
 Status CudaRankRunner::ReleaseInstruction(const proto::Instruction& instr, int index,
                                           cudaStream_t stream) {
   for (int tensor : instr.tensors()) {
-    const int key =
-        program_.tensors(tensor).role() == proto::ROLE_PARAM ? kGatheredKey : instr.micro_step();
-    if (!Find(tensor, key)) {
+    const BufferKey key =
+        BufferKey::OfOperand(tensor, program_.tensors(tensor).role(), instr.micro_step());
+    if (!Find(key)) {
       return Status::Error(Describe(index) + ": releases " + program_.tensors(tensor).name() +
                            ", which is not live");
     }
-    DC_RETURN_IF_ERROR(Release(tensor, key, stream, Describe(index)));
+    DC_RETURN_IF_ERROR(Release(key, stream, Describe(index)));
   }
   return Status::Ok();
 }
@@ -877,10 +868,10 @@ Status CudaRankRunner::FinishStep(int step, float* loss_sum) {
   // The grad accumulators start the next step empty; every stream's work is done before these
   // run, the optimizer's reads included.
   for (auto& [key, buffer] : live_) {
-    if (program_.tensors(key.first).role() != proto::ROLE_GRAD) continue;
+    if (program_.tensors(key.tensor).role() != proto::ROLE_GRAD) continue;
     DC_RETURN_IF_ERROR(
         CudaStatus(cudaMemsetAsync(buffer.data, 0, buffer.shape.size_bytes, compute),
-                   what + ": cudaMemsetAsync of " + program_.tensors(key.first).name()));
+                   what + ": cudaMemsetAsync of " + program_.tensors(key.tensor).name()));
   }
   DC_RETURN_IF_ERROR(CopyAsync(loss_host_.data(), loss_sum_.data(), sizeof(float), compute,
                                what + ": reading the loss"));
@@ -924,8 +915,8 @@ Status CudaRankRunner::RunStep(int step, bool warmup, double* loss, double* seco
   const int64_t start_ns = tracer_ ? tracer_->NowNs() : 0;
   for (int i = 0; i < schedule_.instructions_size(); ++i) DC_RETURN_IF_ERROR(Execute(i, step));
   for (const auto& [key, buffer] : live_) {
-    if (key.second != kPersistentKey && key.second != kComputeShardKey) {
-      return Status::Error("the plan leaves " + program_.tensors(key.first).name() +
+    if (key.slot != BufferSlot::kPersistent && key.slot != BufferSlot::kComputeShard) {
+      return Status::Error("the plan leaves " + program_.tensors(key.tensor).name() +
                            " live at the end of the step; re-plan it");
     }
   }
