@@ -134,7 +134,7 @@ StatusOr<Row> Measure(const Config& config, const dc::HardwareProfile& hw,
   // The model's flops (MFU): recomputed ops are work the step does twice, not model flops.
   for (const auto& op : program.ops()) {
     if (op.phase() == dc::proto::PHASE_OPTIMIZER) continue;
-    if (op.name().ends_with(dc::op_kind::kRecomputeSuffix)) continue;
+    if (dc::op_kind::IsRecompute(op.name())) continue;
     row.flops_per_rank_step += op.flops();
   }
   row.flops_per_rank_step *= config.gas;

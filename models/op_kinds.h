@@ -157,6 +157,10 @@ inline constexpr char kAuxLossSuffix[] = ".aux_loss";
 // recompute_layers): the forward's names with this suffix. A recomputed balancing loss is not a
 // loss term (it is counted once, in the forward).
 inline constexpr char kRecomputeSuffix[] = ".recompute";
+// Whether an op (or tensor) of this name is a layer's recompute: the one test of it.
+inline bool IsRecompute(const std::string& name) {
+  return name.size() > sizeof(kRecomputeSuffix) - 1 && name.ends_with(kRecomputeSuffix);
+}
 inline constexpr char kLossName[] = "loss";
 inline bool IsLossTerm(const std::string& tensor_name) {
   return tensor_name == kLossName || tensor_name.ends_with(kAuxLossSuffix);

@@ -27,7 +27,7 @@ std::vector<int> TwinsOf(const proto::Program& program) {
   std::vector<int> twin(program.ops_size(), -1);
   for (const proto::Op& op : program.ops()) {
     const std::string& name = op.name();
-    if (name.size() <= suffix.size() || !name.ends_with(suffix)) continue;
+    if (!op_kind::IsRecompute(name)) continue;
     auto it = by_name.find(name.substr(0, name.size() - suffix.size()));
     if (it == by_name.end()) continue;
     const proto::Op& forward = program.ops(it->second);
@@ -141,7 +141,7 @@ StatusOr<bool> KeepActivationsPass::Run(proto::Schedule* schedule, const PassCon
   std::map<std::pair<int, int>, bool> viable;
   const int gas = static_cast<int>(std::max<int64_t>(1, program.config().gas()));
   for (const proto::Op& op : program.ops()) {
-    if (!op.name().ends_with(op_kind::kRecomputeSuffix)) continue;
+    if (!op_kind::IsRecompute(op.name())) continue;
     for (int micro = 0; micro < gas; ++micro) {
       const std::pair<int, int> key{op.layer(), micro};
       auto ok = viable.emplace(key, true).first;

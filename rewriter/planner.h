@@ -1,6 +1,6 @@
-// Planning in one call: build the pipeline for a policy, run it over a program, simulate the
-// result and the zero3 baseline on the same cost model, and fill the plan's prediction, pass
-// log and cache key. The one place that lists the optimization sequence.
+// Planning in one call: run what a policy (rewriter/policy.h) lists over a program, keep the
+// best plan, simulate it and the zero3 baseline on the same cost model, and fill the plan's
+// prediction, pass log and cache key.
 #pragma once
 
 #include <string>
@@ -8,6 +8,7 @@
 
 #include "analyzer/cost_model.h"
 #include "rewriter/pass.h"
+#include "rewriter/policy.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 
@@ -29,18 +30,6 @@ struct PlanRequest {
   Pipeline::DumpFn dump;
   Pipeline::ProgressFn on_pass;  // after every pass of the plan (not of the baseline)
 };
-
-// The policies: baseline (zero3), deepcompile (zero3, then DeepCompile's prefetch and selective
-// unsharding rules) and dc (zero3, bucket, prefetch, unshard, prefetch).
-std::vector<std::string> PolicyNames();
-// Every pass a pipeline can be built from, by name.
-std::vector<std::string> PassNames();
-
-// The pipeline of `policy` (error for an unknown one).
-StatusOr<std::unique_ptr<Pipeline>> MakePipeline(const std::string& policy);
-// A pipeline of the named passes in order, each with its default options (--passes
-// zero3,prefetch,...). An unknown name is an error that lists the known ones.
-StatusOr<std::unique_ptr<Pipeline>> MakePipelineFromNames(const std::vector<std::string>& names);
 
 // The cache key of the plan `request` would produce.
 StatusOr<std::string> PlanKey(const PlanRequest& request);

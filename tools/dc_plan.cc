@@ -325,10 +325,10 @@ int main(int argc, char** argv) {
   app.add_option("--disable", disable,
                  "switch these passes of the policy off by name, e.g. --disable bucket")
       ->delimiter(',');
-  app.add_option(
-         "--policy", policy,
-         "pass pipeline: baseline (ZeRO-3), zero3-offload (ZeRO-3 offload: masters and Adam's "
-         "state on the host, Adam run there), deepcompile (the paper's rules) or dc (ours)")
+  std::string policies_help = "pass pipeline:";
+  for (const Policy& p : Policies()) policies_help += " " + p.name + " (" + p.summary + "),";
+  policies_help.back() = '.';
+  app.add_option("--policy", policy, policies_help)
       ->check(CLI::IsMember(PolicyNames()))
       ->capture_default_str();
   app.add_option("--from-plan", from_plan,

@@ -1,0 +1,72 @@
+// Policies as data: every pass by name, and each policy as its pipeline, the fallback pipelines
+// it tries where that one fails or loses to the baseline, and how far it searches. MakePlan
+// (rewriter/planner.h) runs what a policy lists and keeps the best plan; no other code knows a
+// policy by name.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "rewriter/pass.h"
+#include "schemas/status.h"
+
+namespace dc {
+
+// Every pass a pipeline can be built from, by name, in the order `--passes` lists them.
+std::vector<std::string> PassNames();
+// A pipeline of the named passes in order, each with its default options (--passes
+// zero3,prefetch,...). An unknown name is an error that lists the known ones.
+StatusOr<std::unique_ptr<Pipeline>> MakePipelineFromNames(const std::vector<std::string>& names);
+
+// The constants of dc's search, each with its reason.
+struct SearchOptions {
+  // Passes before offloading may spend 1 / relaxed_state_share_divisor of the optimizer-state
+  // bytes that offloading can give back; offload then frees what must go.
+  int64_t relaxed_state_share_divisor = 2;
+  // The alternative split that lets those passes spend all of the state bytes is planned only
+  // where the zero3 stream has at most this many instructions, so planning stays under a second
+  // (Mixtral 8x7B at GAS 16 has 105k instructions and is planned once).
+  int64_t max_instructions_to_explore = 50000;
+  // A plan is slower than the baseline when its step is longer by more than this relative
+  // margin (float noise of the simulator's sums, not a real difference).
+  double slower_than_baseline_tolerance = 1e-9;
+};
+
+// A pipeline a policy falls back to: its passes, whether the passes before offload may spend
+// the relaxed budget, and whether it runs the optimizer step on the host (then it can plan where
+// the persistent shards alone exceed the budget, and only then is it the only kind tried).
+struct FallbackPipeline {
+  std::vector<std::string> passes;
+  bool relaxed = false;
+  bool optimizer_on_host = false;
+};
+
+struct Policy {
+  std::string name;
+  std::string summary;  // what it is, a few words for --help
+  std::vector<std::string> passes;
+  // The passes before offload plan against a budget relaxed by the optimizer-state bytes
+  // offloading can give back (SearchOptions::relaxed_state_share_divisor).
+  bool relaxes_budget = false;
+  // Also plans the other splits of memory between the passes (with and without kept
+  // activations; half or all of the offloadable state bytes before offload) and keeps the
+  // fastest.
+  bool explores_splits = false;
+  // Tried, in order, where the pipeline fails at the budget or predicts a slower step than the
+  // baseline; the fastest plan wins (ties: the first). Where the persistent shards alone exceed
+  // the budget, only those with the optimizer step on the host are tried.
+  std::vector<FallbackPipeline> fallbacks;
+  SearchOptions search;
+};
+
+// Every policy, in the order --policy lists them: baseline, zero3-offload, deepcompile, dc.
+const std::vector<Policy>& Policies();
+std::vector<std::string> PolicyNames();
+// The policy of this name; an error that lists the known ones.
+StatusOr<const Policy*> FindPolicy(const std::string& name);
+// The pipeline of `policy` (error for an unknown one).
+StatusOr<std::unique_ptr<Pipeline>> MakePipeline(const std::string& policy);
+
+}  // namespace dc
