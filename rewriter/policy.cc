@@ -31,8 +31,7 @@ std::unique_ptr<Pass> Make() {
 }
 
 std::unique_ptr<Pass> MakePartialHostOptimizer() {
-  return std::make_unique<HostOptimizerPass>(
-      HostOptimizerOptions{kPartialHostDeviceShareOfBudget});
+  return std::make_unique<HostOptimizerPass>(HostOptimizerOptions{kPartialHostDeviceShareOfBudget});
 }
 
 constexpr PassFactory kPasses[] = {
@@ -128,8 +127,7 @@ StatusOr<std::unique_ptr<Pipeline>> MakePipelineFromNames(const std::vector<std:
 const std::vector<Policy>& Policies() {
   static const auto* policies = new std::vector<Policy>{
       Plain("baseline", "ZeRO-3", {"zero3"}),
-      Plain("zero3-offload",
-            "ZeRO-3 offload: masters and Adam's state on the host, Adam run there",
+      Plain("zero3-offload", "ZeRO-3 offload: masters and Adam's state on the host, Adam run there",
             {"zero3", "host-optimizer", "memory-plan"}),
       Plain("deepcompile", "the paper's rules",
             {"zero3", "dc-prefetch", "dc-selective-gather", "dc-offload", "memory-plan"}),

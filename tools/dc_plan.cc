@@ -17,6 +17,7 @@
 #include "rewriter/plan_cache.h"
 #include "rewriter/planner.h"
 #include "rewriter/schedule_text.h"
+#include "rewriter/search.h"
 #include "schemas/digest.h"
 #include "schemas/files.h"
 #include "schemas/plan_file.h"
@@ -111,55 +112,35 @@ std::string DcRunPath() {
 
 struct RoundOptions {
   int rounds = 0;
-  int steps = 3;          // measured steps per round
-  int warmup = 1;         // warm-up steps per round, left out of the profile
-  bool progress = false;  // a line per round on stderr
+  int steps = 3;   // measured steps per round
+  int warmup = 1;  // warm-up steps per round, left out of the profile
 };
 
-// Profile-guided rounds: run the plan with collection on its backend (dc-run --backend cpu or
-// cuda: a cuda plan needs a GPU here), re-plan from the new trace, and keep the plan with the
-// best measured step time. Appends one JSON object per round.
-StatusOr<proto::Schedule> RunRounds(PlanRequest request, proto::Schedule plan,
-                                    const RoundOptions& options, const std::string& out,
-                                    nlohmann::json* report) {
-  proto::Schedule best = plan;
-  double best_seconds = std::numeric_limits<double>::infinity();
-  for (int round = 1; round <= options.rounds; ++round) {
+// One round's measurement for PlanInRounds: run the plan with collection on its backend (dc-run
+// --backend cpu or cuda: a cuda plan needs a GPU here) and profile the trace.
+MeasureFn MeasureByRunning(const RoundOptions& options, const std::string& backend,
+                           const std::string& out) {
+  return [options, backend, out](int round,
+                                 const proto::Schedule& plan) -> StatusOr<RoundMeasurement> {
     const std::string base = out + ".round" + std::to_string(round);
     DC_RETURN_IF_ERROR(SavePlan(base + ".dcplan", plan));
     const std::string command = ShellQuote(DcRunPath()) + " " + ShellQuote(base + ".dcplan") +
                                 " --steps " + std::to_string(options.steps) + " --warmup " +
                                 std::to_string(options.warmup) + " --backend " +
-                                ShellQuote(request.backend) + " --trace " +
-                                ShellQuote(base + ".db") + " --quiet >/dev/null";
+                                ShellQuote(backend) + " --trace " + ShellQuote(base + ".db") +
+                                " --quiet >/dev/null";
     const int rc = std::system(command.c_str());
     std::error_code ec;
     std::filesystem::remove(base + ".dcplan", ec);
-    if (rc != 0)
+    if (rc != 0) {
       return Status::Error("round " + std::to_string(round) +
                            ": dc-run failed (see its message above)");
+    }
     DC_ASSIGN_OR_RETURN(auto trace, Trace::Open(base + ".db"));
     DC_ASSIGN_OR_RETURN(Profile profile, BuildProfile(*trace));
     std::filesystem::remove(base + ".db", ec);
-    const double measured = profile.step_seconds_median;
-    report->push_back({{"round", round},
-                       {"predicted_step_seconds", plan.prediction().step_seconds()},
-                       {"measured_step_seconds", measured},
-                       {"instructions", plan.instructions_size()}});
-    if (options.progress) {
-      std::fprintf(stderr, "dc-plan: round %d: predicted %.6f s, measured %.6f s per step\n", round,
-                   plan.prediction().step_seconds(), measured);
-    }
-    if (measured < best_seconds) {
-      best_seconds = measured;
-      best = plan;
-    }
-    if (round == options.rounds) break;
-    request.costs = profile.costs;
-    request.profile_digest = profile.digest;
-    DC_ASSIGN_OR_RETURN(plan, MakePlan(request));
-  }
-  return best;
+    return RoundMeasurement{profile.step_seconds_median, profile.costs, profile.digest};
+  };
 }
 
 // The plan as stored: planning times vary run to run, so they stay out of the file and the same
@@ -167,32 +148,6 @@ StatusOr<proto::Schedule> RunRounds(PlanRequest request, proto::Schedule plan,
 proto::Schedule WithoutTimings(proto::Schedule plan) {
   for (auto& pass : *plan.mutable_passes()) pass.clear_seconds();
   return plan;
-}
-
-// When a plan fails at its budget but plans without one: the smallest budget that plans. Budgets
-// grow by kGrowth until one plans (feasibility need not be monotonic near the unconstrained peak,
-// where the passes spend all they are given), then bisection narrows it to kBudgetPrecision.
-std::optional<int64_t> SmallestBudget(PlanRequest request) {
-  constexpr double kBudgetPrecision = 0.005;
-  constexpr double kGrowth = 1.25;
-  constexpr int kMaxGrowthSteps = 16;
-  if (request.budget_bytes <= 0) return std::nullopt;
-  auto plans_at = [&](int64_t budget) {
-    request.budget_bytes = budget;
-    return MakePlan(request).ok();
-  };
-  int64_t lo = request.budget_bytes, hi = lo;
-  for (int step = 0;; ++step) {
-    if (step == kMaxGrowthSteps) return std::nullopt;
-    hi = static_cast<int64_t>(static_cast<double>(hi) * kGrowth);
-    if (plans_at(hi)) break;
-    lo = hi;
-  }
-  while (hi - lo > std::max<int64_t>(4096, static_cast<int64_t>(kBudgetPrecision * hi))) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    (plans_at(mid) ? hi : lo) = mid;
-  }
-  return hi;
 }
 
 void PrintReport(const Profile& profile, const proto::Schedule& plan) {
@@ -414,8 +369,18 @@ int main(int argc, char** argv) {
     if (synthetic)
       return cli::Fail("dc-plan",
                        Status::Error("--rounds needs a trace to start from, not --synthetic"));
-    rounds.progress = progress;
-    auto best = RunRounds(request, *plan, rounds, out, &rounds_report);
+    auto best = PlanInRounds(
+        request, *plan, rounds.rounds, MeasureByRunning(rounds, request.backend, out),
+        [&](const RoundRecord& r) {
+          rounds_report.push_back({{"round", r.round},
+                                   {"predicted_step_seconds", r.predicted_step_seconds},
+                                   {"measured_step_seconds", r.measured_step_seconds},
+                                   {"instructions", r.instructions}});
+          if (progress) {
+            std::fprintf(stderr, "dc-plan: round %d: predicted %.6f s, measured %.6f s per step\n",
+                         r.round, r.predicted_step_seconds, r.measured_step_seconds);
+          }
+        });
     if (!best.ok()) return cli::Fail("dc-plan", best.status());
     plan = std::move(best).value();
   }

@@ -1,0 +1,58 @@
+// Searches over whole plans, on top of MakePlan: the smallest budget a policy meets, and
+// profile-guided rounds (plan, measure, re-plan from the measurement, keep the fastest). The
+// measuring is the caller's (dc-plan runs dc-run with collection); the search is here.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "analyzer/cost_model.h"
+#include "rewriter/planner.h"
+#include "schemas/program.h"
+#include "schemas/status.h"
+
+namespace dc {
+
+struct BudgetSearchOptions {
+  // Budgets grow by this factor from the one that failed until one plans (feasibility need not
+  // be monotonic near the unconstrained peak, where the passes spend all they are given) ...
+  double growth = 1.25;
+  int max_growth_steps = 16;
+  // ... then bisection narrows the bracket to this share of the budget, or min_step_bytes.
+  double precision = 0.005;
+  int64_t min_step_bytes = 4096;
+};
+
+// Where MakePlan(request) fails at request.budget_bytes: the smallest budget at which it plans,
+// or nothing (no budget given, or none found within max_growth_steps).
+std::optional<int64_t> SmallestBudget(PlanRequest request, const BudgetSearchOptions& options = {});
+
+// What one round measured of running a plan: its median step, and the costs and profile digest
+// to plan the next round with.
+struct RoundMeasurement {
+  double step_seconds = 0;
+  CostModel costs;
+  std::string profile_digest;
+};
+// Runs `plan` (round counts from 1) and measures it.
+using MeasureFn =
+    std::function<StatusOr<RoundMeasurement>(int round, const proto::Schedule& plan)>;
+
+struct RoundRecord {
+  int round = 0;
+  double predicted_step_seconds = 0;
+  double measured_step_seconds = 0;
+  int instructions = 0;
+};
+
+// Profile-guided rounds: measures `plan`, re-plans `request` with the measured costs, and so on
+// for `rounds` rounds; returns the plan whose measured step was fastest (ties: the earliest).
+// `on_round` (optional) hears each round as it ends.
+StatusOr<proto::Schedule> PlanInRounds(PlanRequest request, proto::Schedule plan, int rounds,
+                                       const MeasureFn& measure,
+                                       const std::function<void(const RoundRecord&)>& on_round);
+
+}  // namespace dc
