@@ -5,7 +5,7 @@
 #include <set>
 #include <unordered_map>
 
-#include "analyzer/intervals.h"
+#include "machine/intervals.h"
 #include "schemas/digest.h"
 
 namespace dc {

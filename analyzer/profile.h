@@ -5,8 +5,8 @@
 #include <string>
 #include <vector>
 
-#include "analyzer/cost_model.h"
 #include "analyzer/trace.h"
+#include "machine/cost_model.h"
 #include "schemas/status.h"
 
 namespace dc {

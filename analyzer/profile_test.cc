@@ -4,8 +4,8 @@
 
 #include <filesystem>
 
-#include "analyzer/test_traces.h"
 #include "schemas/digest.h"
+#include "tests/support/test_traces.h"
 
 namespace dc {
 namespace {

@@ -7,9 +7,9 @@
 #include <fstream>
 #include <map>
 
-#include "analyzer/intervals.h"
-#include "analyzer/test_traces.h"
+#include "machine/intervals.h"
 #include "schemas/digest.h"
+#include "tests/support/test_traces.h"
 
 namespace dc {
 namespace {

@@ -3,8 +3,8 @@
 // Llama-3 70B on 16 H100s with the optimizer states offloaded), the predicted step time, tokens/s
 // and MFU, and the peak device memory per GPU of `baseline` (ZeRO-3), `deepcompile` (the paper's
 // rules inside our pipeline) and `dc`, the speed-ups over the baseline beside the paper's, and
-// the time each plan took. Costs are the roofline and NCCL-ring estimates of analyzer/estimate.h
-// on the h100-sxm profile (constants and sources: bench/CALIBRATION.md, analyzer/HARDWARE.md).
+// the time each plan took. Costs are the roofline and NCCL-ring estimates of machine/estimate.h
+// on the h100-sxm profile (constants and sources: bench/CALIBRATION.md, machine/HARDWARE.md).
 //
 //   paper_bench           the table (markdown on stdout; progress on stderr), then how dc's
 //                         speed-up moves when the least certain constants of the profile move
@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "analyzer/estimate.h"
-#include "analyzer/hardware.h"
+#include "machine/estimate.h"
+#include "machine/hardware.h"
 #include "models/model.h"
 #include "models/op_kinds.h"
 #include "rewriter/planner.h"

@@ -1,5 +1,5 @@
 // plan_bench: what the baseline, zero3-offload, deepcompile and dc policies predict (step time,
-// peak device bytes) for Llama 3 models on simulated H100 clusters (analyzer/estimate.h costs),
+// peak device bytes) for Llama 3 models on simulated H100 clusters (machine/estimate.h costs),
 // and how long dc takes to plan, pass by pass. Sequence 1024, micro-batch 1, 8 GPUs per node.
 //
 //   plan_bench            the standard table: llama3-8b and llama3-70b at 8, 32 and 64 ranks,
@@ -25,8 +25,8 @@
 #include <string>
 #include <vector>
 
-#include "analyzer/estimate.h"
-#include "analyzer/simulator.h"
+#include "machine/estimate.h"
+#include "machine/simulator.h"
 #include "models/model.h"
 #include "rewriter/planner.h"
 

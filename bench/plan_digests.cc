@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "analyzer/estimate.h"
-#include "analyzer/simulator.h"
+#include "machine/estimate.h"
+#include "machine/simulator.h"
 #include "models/model.h"
 #include "rewriter/planner.h"
 #include "schemas/digest.h"

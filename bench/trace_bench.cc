@@ -21,9 +21,9 @@
 #include <vector>
 
 #include "analyzer/profile.h"
-#include "analyzer/report.h"
 #include "analyzer/trace.h"
 #include "collector/host_tracer.h"
+#include "tracetools/report.h"
 
 extern char** environ;
 

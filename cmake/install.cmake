@@ -4,7 +4,7 @@
 include(CMakePackageConfigHelpers)
 include(GNUInstallDirs)
 
-set(DC_EXPORTED_LIBRARIES dc_proto dc_schemas dc_models dc_collector dc_analyzer dc_hardware
+set(DC_EXPORTED_LIBRARIES dc_proto dc_schemas dc_models dc_collector dc_analyzer dc_machine
     dc_rewriter dc_cpu_kernels dc_executor)
 if(TARGET dc_trace_tools)
   list(APPEND DC_EXPORTED_LIBRARIES dc_trace_tools)
@@ -18,7 +18,7 @@ set_target_properties(dc_warnings PROPERTIES EXPORT_NAME warnings)
 
 install(TARGETS ${DC_EXPORTED_LIBRARIES} dc_warnings EXPORT dcTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}/dc)
-install(DIRECTORY schemas models collector analyzer rewriter executor
+install(DIRECTORY schemas models collector machine analyzer tracetools rewriter executor
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/dc
         FILES_MATCHING PATTERN "*.h" PATTERN "*_test*" EXCLUDE PATTERN "test_*" EXCLUDE)
 install(FILES ${CMAKE_BINARY_DIR}/schemas/program.pb.h ${CMAKE_BINARY_DIR}/schemas/schedule.pb.h

@@ -5,7 +5,7 @@
 #include <deque>
 #include <limits>
 
-#include "analyzer/simulator.h"
+#include "machine/simulator.h"
 #include "rewriter/prefetch_timeline.h"
 #include "schemas/effects.h"
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "analyzer/cost_model.h"
+#include "machine/cost_model.h"
 #include "rewriter/prefetch_timeline.h"
 #include "schemas/effects.h"
 #include "schemas/units.h"

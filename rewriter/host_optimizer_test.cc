@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <limits>
 
-#include "analyzer/estimate.h"
-#include "analyzer/simulator.h"
+#include "machine/estimate.h"
+#include "machine/simulator.h"
 #include "models/model.h"
 #include "rewriter/memory_plan.h"
 #include "rewriter/offload.h"

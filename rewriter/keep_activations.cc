@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "analyzer/simulator.h"
+#include "machine/simulator.h"
 #include "models/op_kinds.h"
 #include "rewriter/prefetch_timeline.h"
 #include "schemas/effects.h"

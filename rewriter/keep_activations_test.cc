@@ -4,8 +4,8 @@
 
 #include <algorithm>
 
-#include "analyzer/estimate.h"
-#include "analyzer/simulator.h"
+#include "machine/estimate.h"
+#include "machine/simulator.h"
 #include "models/model.h"
 #include "models/op_kinds.h"
 #include "rewriter/memory_plan.h"

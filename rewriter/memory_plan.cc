@@ -12,7 +12,7 @@
 #include <tuple>
 #include <utility>
 
-#include "analyzer/simulator.h"
+#include "machine/simulator.h"
 #include "rewriter/arena_occupancy.h"
 #include "schemas/digest.h"
 #include "schemas/effects.h"

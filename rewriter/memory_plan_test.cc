@@ -7,8 +7,8 @@
 #include <map>
 #include <tuple>
 
-#include "analyzer/estimate.h"
-#include "analyzer/simulator.h"
+#include "machine/estimate.h"
+#include "machine/simulator.h"
 #include "models/model.h"
 #include "rewriter/offload.h"
 #include "rewriter/schedule_text.h"

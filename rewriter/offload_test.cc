@@ -6,8 +6,8 @@
 #include <map>
 #include <set>
 
-#include "analyzer/estimate.h"
-#include "analyzer/simulator.h"
+#include "machine/estimate.h"
+#include "machine/simulator.h"
 #include "models/model.h"
 #include "rewriter/verifier.h"
 #include "rewriter/zero3.h"

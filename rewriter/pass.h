@@ -11,8 +11,8 @@
 #include <string_view>
 #include <vector>
 
-#include "analyzer/cost_model.h"
-#include "analyzer/simulator.h"
+#include "machine/cost_model.h"
+#include "machine/simulator.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 

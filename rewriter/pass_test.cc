@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "analyzer/simulator.h"
+#include "machine/simulator.h"
 #include "models/model.h"
 #include "rewriter/planner.h"
 #include "rewriter/verifier.h"

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <optional>
 
-#include "analyzer/simulator.h"
+#include "machine/simulator.h"
 #include "models/op_kinds.h"
 #include "rewriter/memory_plan.h"
 #include "rewriter/plan_cache.h"

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "analyzer/cost_model.h"
+#include "machine/cost_model.h"
 #include "rewriter/pass.h"
 #include "rewriter/policy.h"
 #include "schemas/program.h"

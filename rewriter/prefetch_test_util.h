@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "analyzer/estimate.h"
-#include "analyzer/simulator.h"
+#include "machine/estimate.h"
+#include "machine/simulator.h"
 #include "models/model.h"
 #include "rewriter/pass.h"
 #include "rewriter/prefetch_timeline.h"

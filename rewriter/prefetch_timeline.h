@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "analyzer/simulator.h"
+#include "machine/simulator.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 

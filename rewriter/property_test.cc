@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "analyzer/estimate.h"
-#include "analyzer/hardware.h"
-#include "analyzer/simulator.h"
+#include "machine/estimate.h"
+#include "machine/hardware.h"
+#include "machine/simulator.h"
 #include "models/model.h"
 #include "rewriter/planner.h"
 #include "rewriter/verifier.h"

@@ -18,8 +18,8 @@ std::optional<int64_t> SmallestBudget(PlanRequest request, const BudgetSearchOpt
     if (plans_at(hi)) break;
     lo = hi;
   }
-  while (hi - lo > std::max<int64_t>(options.min_step_bytes,
-                                     static_cast<int64_t>(options.precision * hi))) {
+  while (hi - lo >
+         std::max<int64_t>(options.min_step_bytes, static_cast<int64_t>(options.precision * hi))) {
     const int64_t mid = lo + (hi - lo) / 2;
     (plans_at(mid) ? hi : lo) = mid;
   }

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "analyzer/cost_model.h"
+#include "machine/cost_model.h"
 #include "rewriter/planner.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
@@ -38,8 +38,7 @@ struct RoundMeasurement {
   std::string profile_digest;
 };
 // Runs `plan` (round counts from 1) and measures it.
-using MeasureFn =
-    std::function<StatusOr<RoundMeasurement>(int round, const proto::Schedule& plan)>;
+using MeasureFn = std::function<StatusOr<RoundMeasurement>(int round, const proto::Schedule& plan)>;
 
 struct RoundRecord {
   int round = 0;

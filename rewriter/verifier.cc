@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "analyzer/simulator.h"
+#include "machine/simulator.h"
 #include "schemas/units.h"
 
 namespace dc {

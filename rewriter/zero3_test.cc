@@ -4,7 +4,7 @@
 
 #include <map>
 
-#include "analyzer/simulator.h"
+#include "machine/simulator.h"
 #include "models/model.h"
 #include "rewriter/planner.h"
 #include "rewriter/verifier.h"

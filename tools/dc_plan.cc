@@ -8,12 +8,11 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
-#include "analyzer/estimate.h"
-#include "analyzer/hardware.h"
-#include "analyzer/perfetto.h"
 #include "analyzer/profile.h"
-#include "analyzer/simulator.h"
 #include "analyzer/trace.h"
+#include "machine/estimate.h"
+#include "machine/hardware.h"
+#include "machine/simulator.h"
 #include "rewriter/plan_cache.h"
 #include "rewriter/planner.h"
 #include "rewriter/schedule_text.h"
@@ -23,6 +22,7 @@
 #include "schemas/plan_file.h"
 #include "schemas/units.h"
 #include "tools/cli.h"
+#include "tracetools/perfetto.h"
 
 namespace {
 

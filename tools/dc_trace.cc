@@ -7,12 +7,12 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "analyzer/perfetto.h"
-#include "analyzer/report.h"
-#include "analyzer/svg.h"
 #include "schemas/files.h"
 #include "schemas/units.h"
 #include "tools/cli.h"
+#include "tracetools/perfetto.h"
+#include "tracetools/report.h"
+#include "tracetools/svg.h"
 
 namespace {
 

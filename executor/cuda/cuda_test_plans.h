@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "analyzer/estimate.h"
-#include "analyzer/hardware.h"
+#include "machine/estimate.h"
+#include "machine/hardware.h"
 #include "models/model.h"
 #include "rewriter/planner.h"
 

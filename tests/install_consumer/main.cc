@@ -1,8 +1,8 @@
 // Plans the tiny model on two simulated cpu ranks through the installed dc libraries.
 #include <cstdio>
 
-#include "analyzer/estimate.h"
-#include "analyzer/hardware.h"
+#include "machine/estimate.h"
+#include "machine/hardware.h"
 #include "models/model.h"
 #include "rewriter/planner.h"
 

@@ -1,4 +1,4 @@
-#include "analyzer/estimate.h"
+#include "machine/estimate.h"
 
 #include <algorithm>
 

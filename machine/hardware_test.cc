@@ -1,4 +1,4 @@
-#include "analyzer/hardware.h"
+#include "machine/hardware.h"
 
 #include <gtest/gtest.h>
 

@@ -36,7 +36,7 @@ struct CostModel {
   // overlap and the simulator serializes them.
   bool serial_streams = false;
   // Compute runs this much slower (1 = no slowdown) over the part of it that overlaps an
-  // all-gather or reduce-scatter in flight (analyzer/simulator.h).
+  // all-gather or reduce-scatter in flight (machine/simulator.h).
   double overlap_compute_slowdown = 1.0;
 
   // Measured seconds of `op_id` if op_seconds has them (>= 0), else its roofline estimate.

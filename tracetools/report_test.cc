@@ -1,14 +1,14 @@
-#include "analyzer/report.h"
+#include "tracetools/report.h"
 
 #include <gtest/gtest.h>
 #include <sqlite3.h>
 
 #include <random>
 
-#include "analyzer/intervals.h"
 #include "analyzer/profile.h"
-#include "analyzer/test_traces.h"
 #include "analyzer/trace.h"
+#include "machine/intervals.h"
+#include "tests/support/test_traces.h"
 
 namespace dc {
 namespace {

@@ -1,5 +1,5 @@
 // dc-trace's library: one timeline view over every source it reads (dc traces and nsys exports
-// through analyzer/trace.h, PyTorch profiler traces through analyzer/kineto.h, a plan's
+// through analyzer/trace.h, PyTorch profiler traces through tracetools/kineto.h, a plan's
 // simulated step), and the reports made from it: the per-rank, per-step summary with HTA's
 // overlap definitions, and the diff of two timelines.
 //
@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "analyzer/cost_model.h"
-#include "analyzer/simulator.h"
+#include "machine/cost_model.h"
+#include "machine/simulator.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 

@@ -1,4 +1,4 @@
-#include "analyzer/test_traces.h"
+#include "tests/support/test_traces.h"
 
 #include <stdlib.h>
 

@@ -11,10 +11,10 @@
 #include <ostream>
 #include <string>
 
-#include "analyzer/report.h"
-#include "analyzer/simulator.h"
+#include "machine/simulator.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
+#include "tracetools/report.h"
 
 namespace dc {
 

@@ -1,4 +1,4 @@
-#include "analyzer/perfetto.h"
+#include "tracetools/perfetto.h"
 
 #include <gtest/gtest.h>
 
@@ -7,7 +7,7 @@
 #include <set>
 #include <sstream>
 
-#include "analyzer/test_traces.h"
+#include "tests/support/test_traces.h"
 
 namespace dc {
 namespace {

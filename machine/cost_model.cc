@@ -1,9 +1,9 @@
-#include "analyzer/cost_model.h"
+#include "machine/cost_model.h"
 
 #include <algorithm>
 #include <cstdio>
 
-#include "analyzer/intervals.h"
+#include "machine/intervals.h"
 #include "schemas/effects.h"
 
 namespace dc {

@@ -1,4 +1,4 @@
-#include "analyzer/kineto.h"
+#include "tracetools/kineto.h"
 
 #include <gtest/gtest.h>
 #include <zlib.h>
@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "analyzer/test_traces.h"
+#include "tests/support/test_traces.h"
 
 namespace dc {
 namespace {

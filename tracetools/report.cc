@@ -1,4 +1,4 @@
-#include "analyzer/report.h"
+#include "tracetools/report.h"
 
 #include <sqlite3.h>
 #include <sys/stat.h>
@@ -17,14 +17,14 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "analyzer/intervals.h"
-#include "analyzer/kineto.h"
 #include "analyzer/profile.h"
 #include "analyzer/sqlite_reader.h"
 #include "analyzer/trace.h"
+#include "machine/intervals.h"
 #include "schemas/digest.h"
 #include "schemas/plan_file.h"
 #include "schemas/units.h"
+#include "tracetools/kineto.h"
 
 namespace dc {
 

@@ -10,7 +10,7 @@
 // before or after it). A collective pays its latency term at full speed; past it, collectives
 // in flight together (an all-gather and a reduce-scatter on one rank's links) share the
 // bandwidth equally, each progressing at 1/k of its rate while k transfer. Host copies never
-// share: PCIe is full duplex, h2d and d2h each have a direction (analyzer/HARDWARE.md). An
+// share: PCIe is full duplex, h2d and d2h each have a direction (machine/HARDWARE.md). An
 // instruction that met no contention lasts exactly its cost model duration.
 //
 // Memory: the persistent shards from time 0 (with the compute-dtype shards of the params whose
@@ -27,7 +27,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "analyzer/cost_model.h"
+#include "machine/cost_model.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 

@@ -1,4 +1,4 @@
-#include "analyzer/simulator.h"
+#include "machine/simulator.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "analyzer/perfetto.h"
+#include "tracetools/perfetto.h"
 
 #include <algorithm>
 #include <cerrno>

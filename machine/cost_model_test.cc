@@ -1,4 +1,4 @@
-#include "analyzer/cost_model.h"
+#include "machine/cost_model.h"
 
 #include <gtest/gtest.h>
 

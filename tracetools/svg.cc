@@ -1,4 +1,4 @@
-#include "analyzer/svg.h"
+#include "tracetools/svg.h"
 
 #include <algorithm>
 #include <cmath>

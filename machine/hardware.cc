@@ -1,4 +1,4 @@
-#include "analyzer/hardware.h"
+#include "machine/hardware.h"
 
 #include <algorithm>
 #include <cctype>
@@ -209,7 +209,7 @@ StatusOr<HardwareProfile> ParseProfile(const Json& object) {
 
 const StatusOr<std::vector<HardwareProfile>>& EmbeddedProfiles() {
   static const StatusOr<std::vector<HardwareProfile>> profiles = ParseHardwareProfiles(
-      hardware_internal::EmbeddedHardwareProfilesJson(), "analyzer/hardware_profiles.json");
+      hardware_internal::EmbeddedHardwareProfilesJson(), "machine/hardware_profiles.json");
   return profiles;
 }
 
@@ -270,7 +270,7 @@ StatusOr<HardwareProfile> FindHardware(const std::string& name) {
     known += (known.empty() ? "" : ", ") + p.name;
   }
   return Status::Error("--hardware: unknown hardware '" + name + "'; known: " + known +
-                       " (analyzer/hardware_profiles.json)");
+                       " (machine/hardware_profiles.json)");
 }
 
 StatusOr<ClusterShape> MakeCluster(int world, int gpus_per_node) {

@@ -1,11 +1,11 @@
-#include "analyzer/simulator.h"
+#include "machine/simulator.h"
 
 #include <algorithm>
 #include <array>
 #include <limits>
 #include <string>
 
-#include "analyzer/intervals.h"
+#include "machine/intervals.h"
 #include "schemas/effects.h"
 
 namespace dc {
@@ -102,7 +102,7 @@ struct Facts {
 //   flight together share the rank's links by processor sharing, each getting an equal share of
 //   the time;
 // - copies and releases: 1. PCIe is full duplex, so h2d and d2h each have a direction of their
-//   own and never share (analyzer/HARDWARE.md).
+//   own and never share (machine/HARDWARE.md).
 // Events are starts, ends and the end of a collective's latency term while another collective is
 // in flight (the only time it can change a rate). An instruction whose rate never changed ends at
 // exactly start + duration, as a plain list schedule would say. O(n * streams).

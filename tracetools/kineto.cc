@@ -1,4 +1,4 @@
-#include "analyzer/kineto.h"
+#include "tracetools/kineto.h"
 
 #include <zlib.h>
 

@@ -1,7 +1,7 @@
 // Hardware profiles: what one GPU (or one cpu-backend rank) of a known machine can do, for cost
-// estimates of programs that were never run here (analyzer/estimate.h). The numbers are
-// checked-in data (analyzer/hardware_profiles.json, embedded at build time), each with its
-// source; analyzer/HARDWARE.md says which are datasheet facts and which are assumptions to be
+// estimates of programs that were never run here (machine/estimate.h). The numbers are
+// checked-in data (machine/hardware_profiles.json, embedded at build time), each with its
+// source; machine/HARDWARE.md says which are datasheet facts and which are assumptions to be
 // replaced by measurements. Thread-safe: profiles are parsed once and never change.
 #pragma once
 

@@ -1,13 +1,13 @@
 // Cost estimates for a program on hardware it never ran on: a roofline per op and NCCL's ring
-// model per collective, from a HardwareProfile (analyzer/hardware.h), as the CostModel the
+// model per collective, from a HardwareProfile (machine/hardware.h), as the CostModel the
 // simulator consumes. A profile built from a trace (analyzer/profile.h) supersedes these numbers
 // wherever it measured something. Thread-safe (pure functions).
 #pragma once
 
 #include <cstdint>
 
-#include "analyzer/cost_model.h"
-#include "analyzer/hardware.h"
+#include "machine/cost_model.h"
+#include "machine/hardware.h"
 #include "schemas/program.h"
 
 namespace dc {
