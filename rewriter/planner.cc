@@ -95,6 +95,96 @@ std::string Join(const std::vector<std::string>& names) {
   return text;
 }
 
+// The passes are greedy and decide in order: what an earlier one spends is not offered to a
+// later one. Where another split may do better, an exploring policy plans that way too and
+// keeps the fastest plan (ties: the first):
+// - kept activations take memory before prefetch and unsharding: on a compute-bound step that
+//   pays most, on a communication-bound one the memory may buy more as communication. Planned
+//   without keep-activations too where the program recomputes.
+// - before offload, passes may spend part of the bytes of Adam's m and v that offload can give
+//   back, or all of them: more unsharding and kept activations against more reloads. Planned
+//   with all of them too where the zero3 stream has at most
+//   SearchOptions::max_instructions_to_explore instructions.
+// Replaces *planned with the fastest of the other splits' plans where one is faster.
+Status ExploreSplits(const PlanRequest& request, const std::string& program_digest,
+                     const PassContext& context, int64_t states, int64_t baseline_instructions,
+                     int64_t max_instructions_to_explore, StatusOr<proto::Schedule>* planned) {
+  const bool recomputes =
+      std::any_of(request.program.ops().begin(), request.program.ops().end(),
+                  [](const proto::Op& op) { return op_kind::IsRecompute(op.name()); });
+  const bool keeps =
+      recomputes && std::count(request.disabled_passes.begin(), request.disabled_passes.end(),
+                               "keep-activations") == 0;
+  struct Alternative {
+    bool keep_activations;
+    int64_t relaxed_budget_bytes;
+  };
+  std::vector<Alternative> alternatives;
+  if (keeps) alternatives.push_back({false, context.relaxed_budget_bytes});
+  if (context.relaxed_budget_bytes > 0 && baseline_instructions <= max_instructions_to_explore) {
+    alternatives.push_back({true, request.budget_bytes + states});
+    if (keeps) alternatives.push_back({false, request.budget_bytes + states});
+  }
+  for (const Alternative& alternative : alternatives) {
+    DC_ASSIGN_OR_RETURN(auto other_pipeline, PipelineFor(request));
+    if (!alternative.keep_activations) {
+      DC_RETURN_IF_ERROR(other_pipeline->Disable("keep-activations"));
+    }
+    PassContext other_context = context;
+    other_context.relaxed_budget_bytes = alternative.relaxed_budget_bytes;
+    StatusOr<proto::Schedule> other =
+        RunPipeline(request, program_digest, *other_pipeline, other_context);
+    if (other.ok() && (!planned->ok() || other->prediction().step_seconds() <
+                                             (*planned)->prediction().step_seconds())) {
+      *planned = std::move(other);
+    }
+  }
+  return Status::Ok();
+}
+
+// A policy never settles for less than a simpler pipeline of its own passes achieves: replaces
+// *planned (failed, or slower than the baseline) with the fastest of the policy's fallbacks,
+// noting which.
+Status TryFallbacks(const PlanRequest& request, const std::string& program_digest,
+                    const PassContext& context, const Policy& policy,
+                    StatusOr<proto::Schedule>* planned) {
+  std::optional<proto::Schedule> best;
+  std::string chosen;
+  if (planned->ok()) best = **planned;
+  // Where the persistent shards alone exceed the budget, no optimizer step on the device fits:
+  // only the fallbacks that run it on the host can plan.
+  int64_t persistent = 0;
+  for (int64_t b : PersistentBytesByKind(request.program, request.world_size)) persistent += b;
+  const bool device_step_cannot_fit = request.budget_bytes > 0 && persistent > request.budget_bytes;
+  for (const FallbackPipeline& fallback : policy.fallbacks) {
+    if (device_step_cannot_fit && !fallback.optimizer_on_host) continue;
+    DC_ASSIGN_OR_RETURN(auto simpler, MakePipelineFromNames(fallback.passes));
+    for (const auto& name : request.disabled_passes) {
+      if (simpler->Has(name)) DC_RETURN_IF_ERROR(simpler->Disable(name));
+    }
+    PassContext fallback_context = context;
+    if (!fallback.relaxed) fallback_context.relaxed_budget_bytes = 0;
+    StatusOr<proto::Schedule> candidate =
+        RunPipeline(request, program_digest, *simpler, fallback_context);
+    if (!candidate.ok()) continue;
+    if (!best || candidate->prediction().step_seconds() < best->prediction().step_seconds()) {
+      best = *candidate;
+      chosen = Join(fallback.passes);
+    }
+  }
+  if (best) {
+    if (!chosen.empty()) {
+      best->add_notes(policy.name + "'s full pipeline " +
+                      (planned->ok()
+                           ? "predicted a slower step than the baseline"
+                           : "did not fit the budget (" + planned->status().message() + ")") +
+                      "; planned with " + chosen);
+    }
+    *planned = std::move(*best);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
@@ -141,91 +231,17 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
     DC_RETURN_IF_ERROR(zero3.Run(&baseline, context).status());
     DC_ASSIGN_OR_RETURN(baseline_sim, Simulate(baseline, request.costs));
   }
-  // The passes are greedy and decide in order: what an earlier one spends is not offered to a
-  // later one. Where another split may do better, an exploring policy plans that way too and
-  // keeps the fastest plan (ties: the first):
-  // - kept activations take memory before prefetch and unsharding: on a compute-bound step that
-  //   pays most, on a communication-bound one the memory may buy more as communication. Planned
-  //   without keep-activations too where the program recomputes.
-  // - before offload, passes may spend part of the bytes of Adam's m and v that offload can give
-  //   back, or all of them: more unsharding and kept activations against more reloads. Planned
-  //   with all of them too where the zero3 stream has at most
-  //   SearchOptions::max_instructions_to_explore instructions.
   if (policy && policy->explores_splits) {
-    const bool recomputes =
-        std::any_of(request.program.ops().begin(), request.program.ops().end(),
-                    [](const proto::Op& op) { return op_kind::IsRecompute(op.name()); });
-    const bool keeps =
-        recomputes && std::count(request.disabled_passes.begin(), request.disabled_passes.end(),
-                                 "keep-activations") == 0;
-    struct Alternative {
-      bool keep_activations;
-      int64_t relaxed_budget_bytes;
-    };
-    std::vector<Alternative> alternatives;
-    if (keeps) alternatives.push_back({false, context.relaxed_budget_bytes});
-    if (context.relaxed_budget_bytes > 0 &&
-        static_cast<int64_t>(baseline_sim->start_seconds.size()) <=
-            search.max_instructions_to_explore) {
-      alternatives.push_back({true, request.budget_bytes + states});
-      if (keeps) alternatives.push_back({false, request.budget_bytes + states});
-    }
-    for (const Alternative& alternative : alternatives) {
-      DC_ASSIGN_OR_RETURN(auto other_pipeline, PipelineFor(request));
-      if (!alternative.keep_activations) {
-        DC_RETURN_IF_ERROR(other_pipeline->Disable("keep-activations"));
-      }
-      PassContext other_context = context;
-      other_context.relaxed_budget_bytes = alternative.relaxed_budget_bytes;
-      StatusOr<proto::Schedule> other =
-          RunPipeline(request, program_digest, *other_pipeline, other_context);
-      if (other.ok() && (!planned.ok() || other->prediction().step_seconds() <
-                                              planned->prediction().step_seconds())) {
-        planned = std::move(other);
-      }
-    }
+    DC_RETURN_IF_ERROR(ExploreSplits(request, program_digest, context, states,
+                                     static_cast<int64_t>(baseline_sim->start_seconds.size()),
+                                     search.max_instructions_to_explore, &planned));
   }
   auto slower_than_baseline = [&](const proto::Schedule& s) {
     return s.prediction().step_seconds() >
            baseline_sim->step_seconds * (1 + search.slower_than_baseline_tolerance);
   };
   if (policy && !policy->fallbacks.empty() && (!planned.ok() || slower_than_baseline(*planned))) {
-    // A policy never settles for less than a simpler pipeline of its own passes achieves.
-    std::optional<proto::Schedule> best;
-    std::string chosen;
-    if (planned.ok()) best = *planned;
-    // Where the persistent shards alone exceed the budget, no optimizer step on the device fits:
-    // only the fallbacks that run it on the host can plan.
-    int64_t persistent = 0;
-    for (int64_t b : PersistentBytesByKind(request.program, request.world_size)) persistent += b;
-    const bool device_step_cannot_fit =
-        request.budget_bytes > 0 && persistent > request.budget_bytes;
-    for (const FallbackPipeline& fallback : policy->fallbacks) {
-      if (device_step_cannot_fit && !fallback.optimizer_on_host) continue;
-      DC_ASSIGN_OR_RETURN(auto simpler, MakePipelineFromNames(fallback.passes));
-      for (const auto& name : request.disabled_passes) {
-        if (simpler->Has(name)) DC_RETURN_IF_ERROR(simpler->Disable(name));
-      }
-      PassContext fallback_context = context;
-      if (!fallback.relaxed) fallback_context.relaxed_budget_bytes = 0;
-      StatusOr<proto::Schedule> candidate =
-          RunPipeline(request, program_digest, *simpler, fallback_context);
-      if (!candidate.ok()) continue;
-      if (!best || candidate->prediction().step_seconds() < best->prediction().step_seconds()) {
-        best = *candidate;
-        chosen = Join(fallback.passes);
-      }
-    }
-    if (best) {
-      if (!chosen.empty()) {
-        best->add_notes(policy->name + "'s full pipeline " +
-                        (planned.ok()
-                             ? "predicted a slower step than the baseline"
-                             : "did not fit the budget (" + planned.status().message() + ")") +
-                        "; planned with " + chosen);
-      }
-      planned = std::move(*best);
-    }
+    DC_RETURN_IF_ERROR(TryFallbacks(request, program_digest, context, *policy, &planned));
   }
   if (!planned.ok()) return planned.status();
   proto::Schedule schedule = std::move(planned).value();

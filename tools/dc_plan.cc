@@ -143,6 +143,20 @@ MeasureFn MeasureByRunning(const RoundOptions& options, const std::string& backe
   };
 }
 
+// Each round into the --json report, and a line on stderr with `progress`.
+std::function<void(const RoundRecord&)> ReportRounds(nlohmann::json* report, bool progress) {
+  return [report, progress](const RoundRecord& r) {
+    report->push_back({{"round", r.round},
+                       {"predicted_step_seconds", r.predicted_step_seconds},
+                       {"measured_step_seconds", r.measured_step_seconds},
+                       {"instructions", r.instructions}});
+    if (progress) {
+      std::fprintf(stderr, "dc-plan: round %d: predicted %.6f s, measured %.6f s per step\n",
+                   r.round, r.predicted_step_seconds, r.measured_step_seconds);
+    }
+  };
+}
+
 // The plan as stored: planning times vary run to run, so they stay out of the file and the same
 // inputs give a byte-identical plan. They are reported on stdout.
 proto::Schedule WithoutTimings(proto::Schedule plan) {
@@ -369,18 +383,9 @@ int main(int argc, char** argv) {
     if (synthetic)
       return cli::Fail("dc-plan",
                        Status::Error("--rounds needs a trace to start from, not --synthetic"));
-    auto best = PlanInRounds(
-        request, *plan, rounds.rounds, MeasureByRunning(rounds, request.backend, out),
-        [&](const RoundRecord& r) {
-          rounds_report.push_back({{"round", r.round},
-                                   {"predicted_step_seconds", r.predicted_step_seconds},
-                                   {"measured_step_seconds", r.measured_step_seconds},
-                                   {"instructions", r.instructions}});
-          if (progress) {
-            std::fprintf(stderr, "dc-plan: round %d: predicted %.6f s, measured %.6f s per step\n",
-                         r.round, r.predicted_step_seconds, r.measured_step_seconds);
-          }
-        });
+    auto best =
+        PlanInRounds(request, *plan, rounds.rounds, MeasureByRunning(rounds, request.backend, out),
+                     ReportRounds(&rounds_report, progress));
     if (!best.ok()) return cli::Fail("dc-plan", best.status());
     plan = std::move(best).value();
   }
