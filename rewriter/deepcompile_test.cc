@@ -5,7 +5,7 @@
 #include <chrono>
 
 #include "rewriter/planner.h"
-#include "rewriter/prefetch_test_util.h"
+#include "tests/support/prefetch_test_util.h"
 
 namespace dc {
 namespace {

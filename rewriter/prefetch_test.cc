@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "rewriter/prefetch_test_util.h"
+#include "tests/support/prefetch_test_util.h"
 
 namespace dc {
 namespace {

@@ -4,7 +4,7 @@
 
 #include <utility>
 
-#include "rewriter/prefetch_test_util.h"
+#include "tests/support/prefetch_test_util.h"
 
 namespace dc {
 namespace {

@@ -17,9 +17,9 @@
 #include "analyzer/trace.h"
 #include "executor/cuda/cuda_backend.h"
 #include "executor/cuda/cuda_device.h"
-#include "executor/cuda/cuda_test_plans.h"
 #include "executor/session.h"
 #include "schemas/plan_file.h"
+#include "tests/support/cuda_test_plans.h"
 
 namespace dc {
 namespace {

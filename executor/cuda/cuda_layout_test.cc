@@ -8,7 +8,7 @@
 #include <limits>
 #include <set>
 
-#include "executor/cuda/cuda_test_plans.h"
+#include "tests/support/cuda_test_plans.h"
 
 namespace dc {
 namespace {
