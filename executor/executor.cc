@@ -51,7 +51,17 @@ Status CheckRunnable(const proto::Schedule& schedule, int world_size, const std:
                          " rank(s) and this run has " + std::to_string(world_size) +
                          "; pass --nproc " + std::to_string(schedule.world_size()) + " or re-plan");
   }
-  return ValidateProgram(schedule.program()).Prefixed("the plan's program is invalid: ");
+  DC_RETURN_IF_ERROR(
+      ValidateProgram(schedule.program()).Prefixed("the plan's program is invalid: "));
+  // Every buffer effect (schemas/effects.h) holds before a backend touches a device: a plan
+  // edited by hand fails here with the planner's own message, not halfway through a step.
+  Status effects = CheckReferences(schedule);
+  if (effects.ok()) effects = BufferReplay(schedule, nullptr).Run();
+  if (!effects.ok()) {
+    return Status::Error("the plan's schedule is inconsistent: " + effects.message() +
+                         "; re-plan it");
+  }
+  return Status::Ok();
 }
 
 namespace {

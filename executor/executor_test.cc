@@ -189,5 +189,25 @@ TEST(Executor, RefusesAPlanForAnotherWorldOrBackend) {
   EXPECT_NE(CheckRunnable(s, 1).message().find("cuda"), std::string::npos);
 }
 
+// A plan whose buffer effects do not hold (edited by hand, say) is refused before the first
+// step, with the planner's own message, rather than halfway through one.
+TEST(Executor, RefusesAnInconsistentScheduleBeforeTheFirstStep) {
+  proto::Schedule s = TinyBaseline();
+  EXPECT_TRUE(CheckRunnable(s, 1).ok());
+  ASSERT_EQ(s.instructions(0).kind(), proto::INSTR_ALL_GATHER);
+  s.mutable_instructions(0)->clear_tensors();  // the first compute reads an ungathered param
+  const Status refused = CheckRunnable(s, 1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.message().rfind("the plan's schedule is inconsistent: instruction ", 0), 0u)
+      << refused.message();
+  EXPECT_NE(refused.message().find(", which is not gathered; re-plan it"), std::string::npos)
+      << refused.message();
+  auto comm = Connect(RendezvousOptions{});
+  ASSERT_TRUE(comm.ok());
+  auto run = RunSchedule(s, RunOptions{}, comm->get(), nullptr);
+  ASSERT_FALSE(run.ok());
+  EXPECT_EQ(run.status().message(), refused.message());
+}
+
 }  // namespace
 }  // namespace dc
