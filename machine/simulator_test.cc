@@ -6,6 +6,8 @@
 #include <initializer_list>
 #include <string>
 
+#include "tests/support/program_builder.h"
+
 namespace dc {
 namespace {
 
@@ -20,26 +22,8 @@ enum TensorId { kW0, kW1, kX, kA0, kA1, kG0, kM0, kV0 };
 enum OpId { kFwd0, kFwd1, kBwd, kAdam };
 constexpr int64_t kPersistentBytes = 48;
 
-void AddTensor(proto::Program* program, const std::string& name, int64_t elements, proto::Role role,
-               proto::DType dtype = proto::DTYPE_F32, int param = -1) {
-  proto::Tensor* t = program->add_tensors();
-  t->set_id(program->tensors_size() - 1);
-  t->set_name(name);
-  t->add_shape(elements);
-  t->set_dtype(dtype);
-  t->set_role(role);
-  t->set_param(param);
-}
-
-void AddOp(proto::Program* program, const std::string& name, proto::Phase phase,
-           std::initializer_list<int> inputs, std::initializer_list<int> outputs) {
-  proto::Op* op = program->add_ops();
-  op->set_id(program->ops_size() - 1);
-  op->set_name(name);
-  op->set_phase(phase);
-  for (int t : inputs) op->add_inputs(t);
-  for (int t : outputs) op->add_outputs(t);
-}
+using test::AddOp;
+using test::AddTensor;
 
 proto::Program SmallProgram() {
   proto::Program program;

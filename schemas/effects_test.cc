@@ -5,6 +5,8 @@
 #include <initializer_list>
 #include <string>
 
+#include "tests/support/program_builder.h"
+
 namespace dc {
 namespace {
 
@@ -16,25 +18,13 @@ namespace {
 enum TensorId { kW, kX, kA, kB, kB2, kG, kM };
 enum OpId { kFwd, kHead, kHeadRecompute, kBwd, kAdam };
 
+using test::AddOp;
+
+// x holds 2 token ids, the rest 4 elements; grads and states belong to w.
 void AddTensor(proto::Program* program, const std::string& name, proto::Role role,
                proto::DType dtype = proto::DTYPE_F32) {
-  proto::Tensor* t = program->add_tensors();
-  t->set_id(program->tensors_size() - 1);
-  t->set_name(name);
-  t->add_shape(name == "x" ? 2 : 4);
-  t->set_dtype(dtype);
-  t->set_role(role);
-  t->set_param(role == proto::ROLE_GRAD || role == proto::ROLE_OPTIMIZER_STATE ? kW : -1);
-}
-
-void AddOp(proto::Program* program, const std::string& name, proto::Phase phase,
-           std::initializer_list<int> inputs, std::initializer_list<int> outputs) {
-  proto::Op* op = program->add_ops();
-  op->set_id(program->ops_size() - 1);
-  op->set_name(name);
-  op->set_phase(phase);
-  for (int t : inputs) op->add_inputs(t);
-  for (int t : outputs) op->add_outputs(t);
+  const bool of_w = role == proto::ROLE_GRAD || role == proto::ROLE_OPTIMIZER_STATE;
+  test::AddTensor(program, name, name == "x" ? 2 : 4, role, dtype, of_w ? kW : -1);
 }
 
 proto::Schedule Empty() {
