@@ -4,6 +4,8 @@
 #include <optional>
 #include <utility>
 
+#include "rewriter/verifier.h"
+
 namespace dc {
 
 std::vector<std::string> Pipeline::PassNames() const {
@@ -70,7 +72,11 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
   enforced.final_budget_bytes = context.budget_bytes;
   PassContext relaxed = enforced;
   if (context.relaxed_budget_bytes > 0) relaxed.budget_bytes = context.relaxed_budget_bytes;
-  PassContext structural = context;
+  // The verifier's memory of its own last simulation, for this run.
+  VerifierMemo memo;
+  PassContext checked = context;
+  checked.verifier_memo = &memo;
+  PassContext structural = checked;
   structural.budget_bytes = 0;
   // The verifier's last simulation: of the schedule the next pass receives.
   std::optional<SimResult> verified_sim;
@@ -113,7 +119,7 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!changed.ok()) return changed.status().Prefixed("pass " + name + ": ");
-    PassContext verify_context = before_freeing ? structural : context;
+    PassContext verify_context = before_freeing ? structural : checked;
     verify_context.input_simulation = nullptr;
     SimResult sim;
     if (Status verified = verifier_(*schedule, verify_context, &sim); !verified.ok()) {

@@ -20,6 +20,7 @@ namespace dc {
 
 // What a pass may consult besides the schedule itself.
 class PackingMemo;
+struct VerifierMemo;
 
 struct PassContext {
   const CostModel* costs = nullptr;
@@ -38,6 +39,8 @@ struct PassContext {
   // timeline off), when there is one; a pass that would simulate its input takes it instead.
   // The verifier never takes one: it checks what it simulates itself. Null otherwise.
   const SimResult* input_simulation = nullptr;
+  // The verifier's own memory across one pipeline run (rewriter/verifier.h); passes ignore it.
+  VerifierMemo* verifier_memo = nullptr;
 };
 
 class Pass {

@@ -199,5 +199,32 @@ TEST(Verifier, RecomputesWhatItChecks) {
   EXPECT_EQ(simulated.peak_device_bytes, real->peak_device_bytes);
 }
 
+// The memo holds the verifier's own last simulation: taken for identical instructions only.
+TEST(Verifier, TakesOnlyItsOwnSimulationOfIdenticalInstructions) {
+  proto::Schedule s = EmptySchedule();
+  Zero3Pass zero3;
+  ASSERT_TRUE(zero3.Run(&s, {}).ok());
+  VerifierMemo memo;
+  PassContext context{&kCosts};
+  context.verifier_memo = &memo;
+  SimResult first;
+  ASSERT_TRUE(VerifySchedule(s, context, &first).ok());
+  ASSERT_TRUE(memo.simulation.has_value());
+  EXPECT_EQ(memo.fingerprint, InstructionsFingerprint(s));
+  // Doctor the memo: an identical schedule takes it (so a flattering peak passes the budget) ...
+  memo.simulation->peak_device_bytes = 1;
+  context.budget_bytes = first.peak_device_bytes - 1;
+  SimResult taken;
+  ASSERT_TRUE(VerifySchedule(s, context, &taken).ok());
+  EXPECT_EQ(taken.peak_device_bytes, 1);
+  // ... a changed one is simulated afresh, and fails the budget.
+  proto::Schedule changed = s;
+  changed.mutable_instructions(1)->set_bucket(7);
+  EXPECT_NE(InstructionsFingerprint(changed), InstructionsFingerprint(s));
+  Status status = VerifySchedule(changed, context);
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("over the budget"), std::string::npos) << status.message();
+}
+
 }  // namespace
 }  // namespace dc

@@ -51,6 +51,30 @@ Status CheckOpCounts(const proto::Schedule& schedule) {
 
 }  // namespace
 
+uint64_t InstructionsFingerprint(const proto::Schedule& schedule) {
+  constexpr uint64_t kOffset = 14695981039346656037ull, kPrime = 1099511628211ull;
+  uint64_t hash = kOffset;
+  auto mix = [&hash](int64_t value) {
+    for (int byte = 0; byte < 8; ++byte) {
+      hash ^= static_cast<uint64_t>(value >> (8 * byte)) & 0xff;
+      hash *= kPrime;
+    }
+  };
+  mix(schedule.instructions_size());
+  for (const proto::Instruction& instr : schedule.instructions()) {
+    mix(instr.kind());
+    mix(instr.stream());
+    mix(instr.micro_step());
+    mix(instr.op());
+    mix(instr.bucket());
+    mix(instr.tensors_size());
+    for (int t : instr.tensors()) mix(t);
+    mix(instr.deps_size());
+    for (int d : instr.deps()) mix(d);
+  }
+  return hash;
+}
+
 Status VerifySchedule(const proto::Schedule& schedule, const PassContext& context,
                       SimResult* simulated) {
   if (schedule.instructions_size() == 0) {
@@ -59,12 +83,26 @@ Status VerifySchedule(const proto::Schedule& schedule, const PassContext& contex
         "with zero3");
   }
   DC_RETURN_IF_ERROR(CheckOpCounts(schedule));
-  // Simulate checks every reference and buffer effect (schemas/effects.h) before it times.
-  CostModel fallback;
-  SimOptions options;
-  options.memory_timeline = false;  // the peak is all a check needs
-  DC_ASSIGN_OR_RETURN(SimResult sim,
-                      Simulate(schedule, context.costs ? *context.costs : fallback, options));
+  // Simulate checks every reference and buffer effect (schemas/effects.h) before it times; the
+  // memo holds the verifier's own simulation of identical instructions, if there is one.
+  VerifierMemo* memo = context.verifier_memo;
+  const uint64_t fingerprint = memo ? InstructionsFingerprint(schedule) : 0;
+  SimResult sim;
+  if (memo && memo->simulation && memo->costs == context.costs &&
+      memo->fingerprint == fingerprint) {
+    sim = *memo->simulation;
+  } else {
+    CostModel fallback;
+    SimOptions options;
+    options.memory_timeline = false;  // the peak is all a check needs
+    DC_ASSIGN_OR_RETURN(sim,
+                        Simulate(schedule, context.costs ? *context.costs : fallback, options));
+    if (memo) {
+      memo->fingerprint = fingerprint;
+      memo->costs = context.costs;
+      memo->simulation = sim;
+    }
+  }
   if (context.budget_bytes > 0 && sim.peak_device_bytes > context.budget_bytes) {
     return Status::Error("the schedule needs " + FormatBytes(sim.peak_device_bytes) +
                          " of device memory at its peak (instruction " +
