@@ -52,13 +52,11 @@ Status CheckOpCounts(const proto::Schedule& schedule) {
 }  // namespace
 
 uint64_t InstructionsFingerprint(const proto::Schedule& schedule) {
-  constexpr uint64_t kOffset = 14695981039346656037ull, kPrime = 1099511628211ull;
-  uint64_t hash = kOffset;
+  // One multiply per field (a 64-bit hash combine), not one per byte: this runs on every check.
+  constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ull, kPrime = 0x100000001b3ull;
+  uint64_t hash = kGolden;
   auto mix = [&hash](int64_t value) {
-    for (int byte = 0; byte < 8; ++byte) {
-      hash ^= static_cast<uint64_t>(value >> (8 * byte)) & 0xff;
-      hash *= kPrime;
-    }
+    hash = (hash ^ (static_cast<uint64_t>(value) + kGolden + (hash << 6) + (hash >> 2))) * kPrime;
   };
   mix(schedule.instructions_size());
   for (const proto::Instruction& instr : schedule.instructions()) {

@@ -22,7 +22,7 @@ struct VerifierMemo {
   std::optional<SimResult> simulation;
 };
 
-// A 64-bit fingerprint (FNV-1a) of every field of every instruction of `schedule`.
+// A 64-bit fingerprint of every field of every instruction of `schedule`.
 uint64_t InstructionsFingerprint(const proto::Schedule& schedule);
 
 // `simulated`, when given, receives the simulation the check made or took from the memo (no
