@@ -1,6 +1,7 @@
 #include "schemas/effects.h"
 
 #include <algorithm>
+#include <utility>
 
 namespace dc {
 
@@ -114,8 +115,9 @@ BufferReplay::BufferReplay(const proto::Schedule& schedule, BufferListener* list
     shard_bytes_.push_back(ShardBytes(t, world_));
     transient_kind_.push_back(TransientKind(t));
   }
-  host_resident_ = HostResidentTensors(schedule);
-  compute_shard_ = ComputeShardParams(schedule);
+  ScheduleResidency residency = ResidencyOf(schedule);
+  host_resident_ = std::move(residency.host_resident);
+  compute_shard_ = std::move(residency.compute_shard);
   persistent_.assign(n, -1);
   gathered_.assign(n, -1);
   transient_.assign(static_cast<size_t>(n) * stride_, -1);

@@ -125,10 +125,6 @@ class BufferReplay {
   // Start, then every instruction.
   Status Run();
 
-  // Bytes and kind of a tensor's buffer as the accounting counts them.
-  int64_t TransientSize(int tensor) const { return transient_bytes_[tensor]; }
-  int64_t ShardSize(int tensor) const { return shard_bytes_[tensor]; }
-
  private:
   int& TransientHandle(int tensor, int micro_step) {
     return transient_[static_cast<size_t>(tensor) * stride_ + (micro_step + 1)];

@@ -1,6 +1,7 @@
 #include "schemas/program.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "schemas/effects.h"
 
@@ -277,14 +278,8 @@ int64_t TransientBytes(const proto::Program& program, const proto::Tensor& tenso
 std::vector<int64_t> PersistentBytesByKind(const proto::Program& program, int world_size) {
   std::vector<int64_t> bytes(kNumBufferKinds, 0);
   for (const auto& t : program.tensors()) {
-    const int64_t shard_bytes = ShardBytes(t, world_size);
-    if (t.role() == proto::ROLE_PARAM) {
-      bytes[static_cast<int>(BufferKind::kShard)] += shard_bytes;
-    } else if (t.role() == proto::ROLE_GRAD) {
-      bytes[static_cast<int>(BufferKind::kGradShard)] += shard_bytes;
-    } else if (t.role() == proto::ROLE_OPTIMIZER_STATE) {
-      bytes[static_cast<int>(BufferKind::kOptimizerState)] += shard_bytes;
-    }
+    if (!IsPersistentRole(t.role())) continue;
+    bytes[static_cast<int>(PersistentKind(t.role()))] += ShardBytes(t, world_size);
   }
   return bytes;
 }
@@ -334,6 +329,12 @@ std::vector<bool> ComputeShardParamsOf(const proto::Program& program, const Resi
 
 }  // namespace
 
+ScheduleResidency ResidencyOf(const proto::Schedule& schedule) {
+  Residency r = ScanResidency(schedule);
+  std::vector<bool> compute_shard = ComputeShardParamsOf(schedule.program(), r);
+  return {std::move(r.host), std::move(compute_shard)};
+}
+
 std::vector<bool> HostResidentTensors(const proto::Schedule& schedule) {
   return ScanResidency(schedule).host;
 }
@@ -352,18 +353,14 @@ std::vector<int64_t> PersistentBytesByKind(const proto::Schedule& schedule) {
   const proto::Program& program = schedule.program();
   const int world_size = std::max(1, schedule.world_size());
   std::vector<int64_t> bytes = PersistentBytesByKind(program, world_size);
-  const Residency residency = ScanResidency(schedule);
-  const std::vector<bool> compute_shard = ComputeShardParamsOf(program, residency);
-  const std::vector<bool>& host = residency.host;
+  const ScheduleResidency residency = ResidencyOf(schedule);
   for (int t = 0; t < program.tensors_size(); ++t) {
     const proto::Tensor& tensor = program.tensors(t);
-    if (compute_shard[t]) {
+    if (residency.compute_shard[t]) {
       bytes[static_cast<int>(BufferKind::kShard)] += ComputeShardBytes(program, tensor, world_size);
     }
-    if (host[t]) {
-      const BufferKind kind =
-          tensor.role() == proto::ROLE_PARAM ? BufferKind::kShard : BufferKind::kOptimizerState;
-      bytes[static_cast<int>(kind)] -= ShardBytes(tensor, world_size);
+    if (residency.host_resident[t]) {  // host-resident tensors are params and optimizer states
+      bytes[static_cast<int>(PersistentKind(tensor.role()))] -= ShardBytes(tensor, world_size);
     }
   }
   return bytes;

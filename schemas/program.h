@@ -78,6 +78,12 @@ std::vector<bool> HostResidentTensors(const proto::Schedule& schedule);
 // tensor's master (a ROLE_PARAM tensor named by an OFFLOAD instruction) or keeps it on the host
 // (HostResidentTensors); a host optimizer op writes the copy from the host.
 std::vector<bool> ComputeShardParams(const proto::Schedule& schedule);
+// Both of the above from one scan of the instructions, by tensor id.
+struct ScheduleResidency {
+  std::vector<bool> host_resident;  // HostResidentTensors
+  std::vector<bool> compute_shard;  // ComputeShardParams
+};
+ScheduleResidency ResidencyOf(const proto::Schedule& schedule);
 inline constexpr int kComputeShardMicroStep = -3;
 // Bytes of one rank's compute-dtype shard of `param`.
 int64_t ComputeShardBytes(const proto::Program& program, const proto::Tensor& param,
