@@ -137,6 +137,36 @@ HostTracer& HostTracer::operator=(HostTracer&&) noexcept = default;
 
 int64_t HostTracer::NowNs() const { return ClockNs(CLOCK_REALTIME) - session_start_utc_ns_; }
 
+void HostTracer::DescribeInstruction(int index, const TracedInstruction& instruction) {
+  if (index < 0) return;
+  if (static_cast<size_t>(index) >= described_.size()) described_.resize(index + 1);
+  described_[index] = instruction;
+}
+
+Status HostTracer::BeginInstruction(const InstructionRef& /*ref*/) { return Status::Ok(); }
+
+StatusOr<int64_t> HostTracer::EndInstruction(const InstructionRef& ref, int64_t start_ns,
+                                             int64_t end_ns) {
+  if (ref.instruction < 0 || static_cast<size_t>(ref.instruction) >= described_.size()) {
+    return Status::Error("the host tracer was not told of instruction " +
+                         std::to_string(ref.instruction) + " (an executor bug; please report it)");
+  }
+  const TracedInstruction& traced = described_[ref.instruction];
+  switch (traced.kind) {
+    case proto::INSTR_COMPUTE:
+      return Kernel(traced.op_name, traced.stream, start_ns, end_ns, ref);
+    case proto::INSTR_OFFLOAD:
+    case proto::INSTR_RELOAD:
+      return Copy(traced.kind, traced.stream, start_ns, end_ns, traced.bytes, ref);
+    case proto::INSTR_ALL_GATHER:
+    case proto::INSTR_REDUCE_SCATTER:
+      return Collective(traced.kind, traced.stream, start_ns, end_ns, traced.bytes, traced.tensors,
+                        traced.bucket, ref);
+    default:
+      return 0;  // releases and renames only change memory
+  }
+}
+
 int64_t HostTracer::Kernel(const std::string& name, proto::Stream stream, int64_t start_ns,
                            int64_t end_ns, const InstructionRef& ref) {
   const int64_t id = records_->next_correlation_id++;

@@ -10,39 +10,30 @@
 #include <string>
 #include <vector>
 
+#include "executor/tracer.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 
 namespace dc {
 
-struct RankIdentity {
-  int rank = 0;
-  int local_rank = 0;
-  int world_size = 1;
-  std::string hostname;
-  std::string backend = "cpu";
-  std::string device = "cpu";
-  int64_t device_memory_bytes = 0;  // capacity given to the backend; 0 = unlimited
-};
-
-// Where an activity belongs in the schedule.
-struct InstructionRef {
-  int step = 0;          // optimizer step, 0-based, counting warm-up steps
-  int micro_step = -1;   // -1 in the optimizer phase
-  int instruction = -1;  // index into Schedule.instructions
-};
-
-class HostTracer {
+class HostTracer : public ExecutionTracer {
  public:
   // `session_start_utc_ns`: the run's common time origin (rank 0's CLOCK_REALTIME at start,
   // shared with every rank), so all ranks' timestamps are on one clock.
   HostTracer(RankIdentity identity, int64_t session_start_utc_ns);
-  ~HostTracer();
+  ~HostTracer() override;
   HostTracer(HostTracer&&) noexcept;
   HostTracer& operator=(HostTracer&&) noexcept;
 
   // Nanoseconds since the session start on CLOCK_REALTIME.
-  int64_t NowNs() const;
+  int64_t NowNs() const override;
+
+  // The interpreter's face (executor/tracer.h): each ended instruction is recorded as the
+  // activity its kind makes (a kernel, a collective or a copy, below) from start_ns to end_ns.
+  void DescribeInstruction(int index, const TracedInstruction& instruction) override;
+  Status BeginInstruction(const InstructionRef& ref) override;
+  StatusOr<int64_t> EndInstruction(const InstructionRef& ref, int64_t start_ns,
+                                   int64_t end_ns) override;
 
   // Each returns the activity's correlation id (unique within the rank).
   int64_t Kernel(const std::string& name, proto::Stream stream, int64_t start_ns, int64_t end_ns,
@@ -61,8 +52,8 @@ class HostTracer {
   // `name` the tensor, `kind` a BufferKindName; `correlation_id` the activity that caused it
   // (0 when none, e.g. persistent buffers made at start-up).
   void Memory(int64_t ts_ns, int64_t address, int64_t bytes, bool alloc, const std::string& name,
-              BufferKind kind, int64_t correlation_id);
-  void Step(int step, int64_t start_ns, int64_t end_ns, double loss, bool warmup);
+              BufferKind kind, int64_t correlation_id) override;
+  void Step(int step, int64_t start_ns, int64_t end_ns, double loss, bool warmup) override;
 
   int64_t global_pid() const { return global_pid_; }
   int64_t activities() const;  // kernels + collectives + copies
@@ -78,6 +69,7 @@ class HostTracer {
   int64_t session_start_utc_ns_;
   int64_t global_pid_;  // (rank << 48) | (pid << 24), nsys's packing
   std::unique_ptr<Records> records_;
+  std::vector<TracedInstruction> described_;  // by instruction index
 };
 
 struct MergeSummary {

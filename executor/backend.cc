@@ -1,5 +1,7 @@
 #include "executor/backend.h"
 
+#include "collector/host_tracer.h"
+
 namespace dc {
 namespace {
 
@@ -75,7 +77,7 @@ class HostRankTracer : public RankTracer {
   explicit HostRankTracer(const RankTraceOptions& options)
       : tracer_(options.identity, options.session_start_ns), path_(options.part_path) {}
   Status WriteRankFile() override { return tracer_.WriteRankFile(path_); }
-  HostTracer* tracer() { return &tracer_; }
+  ExecutionTracer* execution_tracer() override { return &tracer_; }
 
  private:
   HostTracer tracer_;
@@ -95,21 +97,22 @@ class CpuBackend : public RankBackend {
     RankTraceOptions cpu = options;
     cpu.identity.backend = kCpuBackend;
     cpu.identity.device = "cpu";
-    return std::unique_ptr<RankTracer>(new HostRankTracer(cpu));
+    auto tracer = std::make_unique<HostRankTracer>(cpu);
+    made_ = tracer.get();
+    return std::unique_ptr<RankTracer>(std::move(tracer));
   }
 
   StatusOr<RunResult> Run(const proto::Schedule& schedule, const RunOptions& options,
                           Communicator* comm, RankTracer* tracer) override {
-    HostTracer* host = nullptr;
-    if (tracer != nullptr) {
-      auto* ours = dynamic_cast<HostRankTracer*>(tracer);
-      if (ours == nullptr) {
-        return Status::Error("the cpu backend was given another backend's tracer");
-      }
-      host = ours->tracer();
+    if (tracer != nullptr && tracer != made_) {
+      return Status::Error("the cpu backend was given another backend's tracer");
     }
-    return RunSchedule(schedule, options, comm, host);
+    return RunSchedule(schedule, options, comm,
+                       tracer != nullptr ? tracer->execution_tracer() : nullptr);
   }
+
+ private:
+  const RankTracer* made_ = nullptr;  // the tracer MakeTracer made
 };
 
 }  // namespace

@@ -8,10 +8,10 @@
 #include <memory>
 #include <string>
 
-#include "collector/host_tracer.h"
 #include "executor/comm.h"
 #include "executor/executor.h"
 #include "executor/launch.h"
+#include "executor/tracer.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 
@@ -46,6 +46,8 @@ Status CheckPlanBackend(const std::string& plan_path, const proto::Schedule& pla
 class RankTracer {
  public:
   virtual ~RankTracer() = default;
+  // What the interpreter records into.
+  virtual ExecutionTracer* execution_tracer() = 0;
   // Writes this rank's file (the path given when the tracer was made) for MergeRankTraces.
   virtual Status WriteRankFile() = 0;
 };
@@ -66,7 +68,8 @@ class RankBackend {
   virtual StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& rendezvous,
                                                           const RankEnv& env) = 0;
   virtual StatusOr<std::unique_ptr<RankTracer>> MakeTracer(const RankTraceOptions& options) = 0;
-  // Runs the plan; `comm` is the one Connect returned, `tracer` the one MakeTracer made or null.
+  // Runs the plan; `comm` is the one Connect returned, `tracer` the one MakeTracer made or null
+  // (another backend's tracer is refused).
   virtual StatusOr<RunResult> Run(const proto::Schedule& schedule, const RunOptions& options,
                                   Communicator* comm, RankTracer* tracer) = 0;
 };

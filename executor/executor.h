@@ -1,10 +1,8 @@
-// The schedule interpreter. It runs a plan's instruction stream step after step on one rank:
-// compute instructions through the backend's kernels, all-gathers and reduce-scatters through
-// the communicator, every buffer through DeviceMemory, every instruction into the tracer when
-// one is given. The `cpu` backend does real fp32 math; instructions run in stream order on one
-// thread (the dependency edges are honoured by that order). The `cuda` backend
-// (executor/cuda/cuda_executor.h) shares the step loop (RunSteps) and the way instructions are
-// named in errors (DescribeInstruction); executor/backend.h is how a session picks one.
+// What every backend's run of a plan shares: the options and figures of a run, the checks a plan
+// passes before a backend touches a device (CheckRunnable), how instructions are named in errors
+// (DescribeInstruction), and the cpu backend's entry point. The schedule itself is run by the
+// one interpreter (executor/interpreter.h) over a backend's device (executor/device.h);
+// executor/backend.h is how a session picks a backend.
 #pragma once
 
 #include <cstdint>
@@ -12,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "collector/host_tracer.h"
 #include "executor/comm.h"
+#include "executor/tracer.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 
@@ -55,27 +53,10 @@ Status CheckRunnable(const proto::Schedule& schedule, int world_size,
 // "instruction 37 (all_gather layers.0.wq +2) on rank 1".
 std::string DescribeInstruction(const proto::Schedule& schedule, int index, int rank);
 
-// One rank's runner of a backend, as the shared step loop (RunSteps) drives it.
-class RankStepper {
- public:
-  virtual ~RankStepper() = default;
-  // Runs optimizer step `step` (0-based, counting warm-up); `loss` is the mean over the global
-  // batch (every rank gets it), `seconds` the step's wall time on this rank.
-  virtual Status RunStep(int step, bool warmup, double* loss, double* seconds) = 0;
-  virtual int64_t peak_live_bytes() const = 0;
-  virtual int64_t arena_bytes() const = 0;  // 0 without a memory plan
-  virtual std::vector<int64_t> peak_by_kind() const = 0;
-  // SHA-256 (hex) of this rank's fp32 param shards in tensor order.
-  virtual StatusOr<std::string> ParamsDigest() = 0;
-};
-
-// The step loop every backend shares: warm-up and measured steps, the loss checks, progress,
-// then the run's figures agreed over the ranks (peaks, the joined params digest).
-StatusOr<RunResult> RunSteps(RankStepper* runner, const proto::Schedule& schedule,
-                             const RunOptions& options, Communicator* comm);
-
+// Runs `schedule` on the cpu backend (executor/cpu_device.h) through the interpreter, tracing
+// into `tracer` when given.
 StatusOr<RunResult> RunSchedule(const proto::Schedule& schedule, const RunOptions& options,
-                                Communicator* comm, HostTracer* tracer);
+                                Communicator* comm, ExecutionTracer* tracer);
 
 double Median(std::vector<double> values);
 

@@ -1,6 +1,10 @@
-# The schedule interpreter, communicators and launcher (included from executor/CMakeLists.txt).
-add_library(dc_executor STATIC backend.cc comm.cc device_memory.cc executor.cc launch.cc session.cc)
+# The schedule interpreter and the cpu backend's device, communicators and launcher (included
+# from executor/CMakeLists.txt).
+add_library(dc_executor STATIC backend.cc comm.cc cpu_device.cc device_memory.cc executor.cc
+                               interpreter.cc launch.cc layout.cc session.cc tracer.cc)
 target_link_libraries(dc_executor PUBLIC dc_schemas dc_cpu_kernels dc_models dc_collector gloo
                       Threads::Threads PRIVATE dc_warnings)
 
 dc_add_test(executor_test SOURCES executor_test.cc LIBS dc_executor dc_rewriter)
+# Anywhere: what the interpreter derives from a plan (waits, staging, host memory) and refuses.
+dc_add_test(layout_test SOURCES layout_test.cc LIBS dc_executor dc_rewriter dc_models dc_machine)

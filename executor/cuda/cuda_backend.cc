@@ -3,6 +3,7 @@
 #include <string>
 
 #include "collector/cupti/cupti_collector.h"
+#include "collector/cupti/execution_tracer.h"
 #include "executor/cuda/cuda_device.h"
 #include "executor/cuda/nccl_comm.h"
 
@@ -12,7 +13,8 @@ namespace {
 class CuptiRankTracer : public RankTracer {
  public:
   explicit CuptiRankTracer(std::unique_ptr<CuptiCollector> collector)
-      : collector_(std::move(collector)) {}
+      : collector_(std::move(collector)), tracer_(collector_.get()) {}
+  ExecutionTracer* execution_tracer() override { return &tracer_; }
   Status WriteRankFile() override {
     DC_ASSIGN_OR_RETURN(CuptiTraceCounts counts, collector_->Finish());
     (void)counts;
@@ -22,6 +24,7 @@ class CuptiRankTracer : public RankTracer {
 
  private:
   std::unique_ptr<CuptiCollector> collector_;
+  CuptiExecutionTracer tracer_;
 };
 
 class CudaBackend : public RankBackend {
@@ -65,7 +68,9 @@ class CudaBackend : public RankBackend {
     cupti.device_id = device_;
     DC_ASSIGN_OR_RETURN(std::unique_ptr<CuptiCollector> collector, CuptiCollector::Create(cupti));
     DC_RETURN_IF_ERROR(collector->Start());
-    return std::unique_ptr<RankTracer>(new CuptiRankTracer(std::move(collector)));
+    auto tracer = std::make_unique<CuptiRankTracer>(std::move(collector));
+    made_ = tracer.get();
+    return std::unique_ptr<RankTracer>(std::move(tracer));
   }
 
   StatusOr<RunResult> Run(const proto::Schedule& schedule, const RunOptions& options,
@@ -73,14 +78,10 @@ class CudaBackend : public RankBackend {
     if (comm == nullptr || comm != static_cast<Communicator*>(nccl_)) {
       return Status::Error("the cuda backend runs with the NCCL communicator it connected");
     }
-    CuptiCollector* collector = nullptr;
-    if (tracer != nullptr) {
-      auto* ours = dynamic_cast<CuptiRankTracer*>(tracer);
-      if (ours == nullptr) {
-        return Status::Error("the cuda backend was given another backend's tracer");
-      }
-      collector = ours->collector();
+    if (tracer != nullptr && tracer != made_) {
+      return Status::Error("the cuda backend was given another backend's tracer");
     }
+    CuptiCollector* collector = tracer != nullptr ? made_->collector() : nullptr;
     // Aborts the communicator itself when it fails.
     return RunScheduleOnCuda(schedule, options, options_, nccl_, collector);
   }
@@ -90,6 +91,7 @@ class CudaBackend : public RankBackend {
   int device_ = 0;
   CudaStream comm_stream_;  // outlives the communicator, which the session destroys first
   NcclCommunicator* nccl_ = nullptr;
+  CuptiRankTracer* made_ = nullptr;  // the tracer MakeTracer made
 };
 
 }  // namespace

@@ -1,18 +1,15 @@
-// The cuda backend's schedule interpreter: one rank's run of a plan on its GPU.
+// The cuda backend's run of a plan: the one interpreter (executor/interpreter.h) over this rank's
+// GPU as a RankDevice (executor/device.h).
 //
-// Each instruction is enqueued on the CUDA stream its plan names (instr.stream()), after waiting
-// for the CUDA events of its dependencies on other streams (same-stream ones are kept by stream
-// order); the host never waits inside a step, only at its end. Buffers live in one DeviceArena
-// at the memory plan's offsets, or, without a memory plan, come from the stream-ordered pool
-// (cudaMallocAsync on the allocating instruction's stream, cudaFreeAsync on the releasing one).
-//
-// Mixed precision as DeepSpeed's ZeRO-3 with bf16: params, grads and Adam states are fp32
-// shards; an all-gather casts the shard to the compute dtype and gathers it (NCCL, in place);
-// a reduce-scatter sums the compute-dtype grad over ranks (NCCL, in place) and accumulates this
-// rank's chunk into the fp32 grad shard; AdamW runs on the fp32 shards. Offload and reload are
-// asynchronous copies between a shard and its pinned host buffer on the d2h / h2d streams. The
-// loss is summed on the device and read once per step. Tokens come from the same TokenSource and
-// SampleIndex as the cpu backend, so the two backends' losses are comparable.
+// Each instruction is enqueued on the CUDA stream its plan names, after waiting for the CUDA
+// events of its dependencies on other streams (same-stream ones are kept by stream order); the
+// host never waits inside a step except for the host optimizer's inputs, and at its end. Buffers
+// live in one DeviceArena at the memory plan's offsets, or, without a memory plan, come from the
+// stream-ordered pool (cudaMallocAsync on the allocating instruction's stream, cudaFreeAsync on
+// the releasing one). Gathers and reduce-scatters are grouped NCCL calls, in place (through a
+// per-stream staging buffer where a tensor's elements do not divide by the world size); offload
+// and reload are asynchronous copies to pinned host memory on the d2h / h2d streams. The loss is
+// summed on the device and read once per step.
 //
 // Errors name the call, the instruction (DescribeInstruction) and the rank. A device failure
 // that surfaces only at the step's end is reported there; with CudaRunOptions::synchronous

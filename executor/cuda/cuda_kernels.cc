@@ -17,14 +17,6 @@ namespace dc {
 
 namespace ck = cuda_kernels;
 
-int64_t DeviceTensor::NumElements() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
-int64_t DeviceTensor::SizeBytes() const { return NumElements() * DTypeSizeBytes(dtype); }
-
 namespace {
 
 using Shape = std::vector<int64_t>;

@@ -25,20 +25,11 @@
 #include <string>
 #include <vector>
 
+#include "executor/device_tensor.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 
 namespace dc {
-
-// A tensor in device memory as a kernel sees it: row-major, `data` a device pointer.
-struct DeviceTensor {
-  void* data = nullptr;
-  proto::DType dtype = proto::DTYPE_F32;  // F32, BF16, F16 or I32
-  std::vector<int64_t> shape;
-
-  int64_t NumElements() const;
-  int64_t SizeBytes() const;
-};
 
 struct CudaKernelOptions {
   // cuBLASLt workspace; NVIDIA suggests 32 MiB on Hopper.

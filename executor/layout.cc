@@ -1,4 +1,4 @@
-#include "executor/cuda/cuda_layout.h"
+#include "executor/layout.h"
 
 #include <algorithm>
 #include <cstring>
@@ -35,21 +35,20 @@ Status CheckPlacements(const proto::Schedule& schedule) {
                        !compute_shard &&
                        (p.instruction() < 0 ||
                         schedule.instructions(p.instruction()).kind() == proto::INSTR_RELOAD);
-    CudaBufferShape shape =
-        shard ? ShardShape(t, schedule.world_size()) : TransientShape(program, t);
+    BufferShape shape = shard ? ShardShape(t, schedule.world_size()) : TransientShape(program, t);
     if (compute_shard) {
       shape = {program.config().compute_dtype(),
                ShardElements(NumElements(t), schedule.world_size()),
                ComputeShardBytes(program, t, schedule.world_size())};
     }
-    if (p.offset_bytes() < 0 || p.offset_bytes() % kCudaStagingAlignmentBytes != 0 ||
+    if (p.offset_bytes() < 0 || p.offset_bytes() % kStagingAlignmentBytes != 0 ||
         p.size_bytes() < shape.size_bytes ||
         p.offset_bytes() + shape.size_bytes > plan.arena_bytes()) {
       return Status::Error(
           "the memory plan's place for " + t.name() + " (offset " +
           std::to_string(p.offset_bytes()) + ", " + std::to_string(p.size_bytes()) +
           " bytes) does not hold its " + std::to_string(shape.size_bytes) + " bytes " +
-          std::to_string(kCudaStagingAlignmentBytes) + "-byte aligned inside the arena of " +
+          std::to_string(kStagingAlignmentBytes) + "-byte aligned inside the arena of " +
           std::to_string(plan.arena_bytes()) + " bytes; re-plan it");
     }
   }
@@ -84,12 +83,12 @@ void CastOnHost(const float* in, int64_t elements, proto::DType dtype, void* out
   }
 }
 
-CudaBufferShape ShardShape(const proto::Tensor& tensor, int world_size) {
+BufferShape ShardShape(const proto::Tensor& tensor, int world_size) {
   const int64_t elements = ShardElements(NumElements(tensor), world_size);
   return {proto::DTYPE_F32, elements, elements * kShardElementBytes};
 }
 
-CudaBufferShape TransientShape(const proto::Program& program, const proto::Tensor& tensor) {
+BufferShape TransientShape(const proto::Program& program, const proto::Tensor& tensor) {
   const proto::DType dtype =
       tensor.role() == proto::ROLE_PARAM ? program.config().compute_dtype() : tensor.dtype();
   // TransientBytes is the accounting the planner uses; the buffer is exactly that large.
@@ -102,15 +101,15 @@ bool NeedsStaging(const proto::Tensor& tensor, int world_size) {
 
 int64_t StagingBytes(const proto::Tensor& tensor, int world_size, proto::DType dtype) {
   const int64_t padded = ShardElements(NumElements(tensor), world_size) * world_size;
-  return AlignUp(padded * DTypeSizeBytes(dtype), kCudaStagingAlignmentBytes);
+  return AlignUp(padded * DTypeSizeBytes(dtype), kStagingAlignmentBytes);
 }
 
-StatusOr<CudaLayout> MakeCudaLayout(const proto::Schedule& schedule) {
+StatusOr<ScheduleLayout> MakeScheduleLayout(const proto::Schedule& schedule) {
   const proto::Program& program = schedule.program();
   const int world = schedule.world_size();
   if (world < 1) return Status::Error("the plan has world size " + std::to_string(world));
   const int n = schedule.instructions_size();
-  CudaLayout layout;
+  ScheduleLayout layout;
   layout.world_size = world;
   layout.gas = static_cast<int>(std::max<int64_t>(1, program.config().gas()));
   layout.waits.resize(n);
@@ -121,7 +120,7 @@ StatusOr<CudaLayout> MakeCudaLayout(const proto::Schedule& schedule) {
 
   for (int i = 0; i < n; ++i) {
     const proto::Instruction& instr = schedule.instructions(i);
-    const int stream = CudaStreamIndex(instr.stream());
+    const int stream = DeviceStreamIndex(instr.stream());
     const bool on_host = instr.stream() == proto::STREAM_HOST;
     if (on_host) {
       if (instr.kind() != proto::INSTR_COMPUTE || instr.op() < 0 ||
@@ -134,20 +133,20 @@ StatusOr<CudaLayout> MakeCudaLayout(const proto::Schedule& schedule) {
       for (int t : program.ops(instr.op()).inputs()) {
         const proto::Tensor& tensor = program.tensors(t);
         if (tensor.role() == proto::ROLE_GRAD) {
-          staging += AlignUp(ShardShape(tensor, world).size_bytes, kCudaStagingAlignmentBytes);
+          staging += AlignUp(ShardShape(tensor, world).size_bytes, kStagingAlignmentBytes);
         } else if (tensor.role() == proto::ROLE_PARAM) {
-          staging += AlignUp(ComputeShardBytes(program, tensor, world), kCudaStagingAlignmentBytes);
+          staging += AlignUp(ComputeShardBytes(program, tensor, world), kStagingAlignmentBytes);
         }
       }
       layout.host_optimizer_staging_bytes = std::max(layout.host_optimizer_staging_bytes, staging);
-    } else if (stream < 0 || stream >= kNumCudaStreams) {
-      return Status::Error(Where(schedule, i) + " has no stream the cuda backend knows (" +
+    } else if (stream < 0 || stream >= kNumDeviceStreams) {
+      return Status::Error(Where(schedule, i) + " has no stream dc knows (" +
                            std::to_string(static_cast<int>(instr.stream())) + "); re-plan it");
     }
     if (instr.kind() == proto::INSTR_COMPUTE && instr.stream() != proto::STREAM_COMPUTE &&
         !on_host) {
       return Status::Error(Where(schedule, i) + " computes on the " + StreamName(instr.stream()) +
-                           " stream; the cuda backend runs compute on the compute stream only; "
+                           " stream; dc runs compute on the compute stream only; "
                            "re-plan it");
     }
     for (int t : instr.tensors()) {
@@ -183,10 +182,10 @@ StatusOr<CudaLayout> MakeCudaLayout(const proto::Schedule& schedule) {
           const proto::Tensor& tensor = program.tensors(t);
           if (!IsPersistentRole(tensor.role())) {
             return Status::Error(Where(schedule, i) + " offloads " + tensor.name() +
-                                 ", which is not a persistent shard (the cuda backend offloads "
+                                 ", which is not a persistent shard (dc offloads "
                                  "shards only); re-plan it");
           }
-          layout.pinned_shard_bytes[t] = ShardShape(tensor, world).size_bytes;
+          layout.host_shard_bytes[t] = ShardShape(tensor, world).size_bytes;
           last_offload[t] = i;
         }
         break;
@@ -231,7 +230,7 @@ StatusOr<CudaLayout> MakeCudaLayout(const proto::Schedule& schedule) {
   layout.host_resident = HostResidentTensors(schedule);
   for (int t = 0; t < program.tensors_size(); ++t) {
     if (layout.host_resident[t]) {
-      layout.pinned_shard_bytes[t] = ShardShape(program.tensors(t), world).size_bytes;
+      layout.host_shard_bytes[t] = ShardShape(program.tensors(t), world).size_bytes;
     }
   }
   if (schedule.memory_plan().arena_bytes() > 0) DC_RETURN_IF_ERROR(CheckPlacements(schedule));

@@ -1,16 +1,17 @@
-// What the cuda executor derives from a plan before it touches the device: the streams'
-// cross-stream waits (CUDA events), the size and dtype of every device buffer, the collective
-// staging each stream needs, and the pinned host memory for offloaded shards and token inputs.
-// Plain host code (no CUDA runtime calls), so it is checked and tested on any machine.
+// What the schedule interpreter (executor/interpreter.h) derives from a plan before it touches a
+// device: the streams' cross-stream waits, the size and dtype of every device buffer, the
+// collective staging each stream needs, and the host memory for offloaded shards, the host
+// optimizer and token inputs. Plain host code, checked and tested on any machine.
 //
 // Buffers as schemas/program.h accounts them, so sizes agree with the planner's memory plan:
 // persistent fp32 shards of params, grads and optimizer state; a gathered param whole in the
 // compute dtype; activations, grads and inputs in their own dtype.
 //
-// Sharding pads every tensor to world_size * shard elements. NCCL's in-place all-gather and
-// reduce-scatter use the whole tensor as the padded buffer when the element count divides by
-// the world size (every real model's params); otherwise the collective goes through a staging
-// buffer of the padded size, one per stream, sized here for the largest instruction.
+// Sharding pads every tensor to world_size * shard elements. A backend that gathers and
+// reduce-scatters in place (the cuda backend's NCCL calls) uses the whole tensor as the padded
+// buffer when the element count divides by the world size (every real model's params);
+// otherwise the collective goes through a staging buffer of the padded size, one per stream,
+// sized here for the largest instruction.
 #pragma once
 
 #include <array>
@@ -23,35 +24,36 @@
 
 namespace dc {
 
-inline constexpr int kNumCudaStreams = 5;  // proto::Stream values 1..5
-// Index of a schedule stream into per-stream arrays.
-inline int CudaStreamIndex(proto::Stream stream) { return static_cast<int>(stream) - 1; }
+inline constexpr int kNumDeviceStreams = 5;  // proto::Stream values 1..5 (STREAM_HOST is 6)
+// Index of a device stream (not STREAM_HOST) into per-stream arrays.
+inline int DeviceStreamIndex(proto::Stream stream) { return static_cast<int>(stream) - 1; }
 
-// Every staging region starts at a multiple of this (NCCL and the vector kernels want aligned
-// buffers; cuBLASLt's fastest kernels want 256 bytes, as the memory plan's offsets).
-inline constexpr int64_t kCudaStagingAlignmentBytes = 256;
+// Every staging region starts at a multiple of this (NCCL and the cuda vector kernels want
+// aligned buffers; cuBLASLt's fastest kernels want 256 bytes, as the memory plan's offsets).
+inline constexpr int64_t kStagingAlignmentBytes = 256;
 
-struct CudaBufferShape {
+struct BufferShape {
   proto::DType dtype = proto::DTYPE_F32;
   int64_t elements = 0;
   int64_t size_bytes = 0;
 };
 
-struct CudaLayout {
+struct ScheduleLayout {
   int world_size = 1;
   // Per instruction: the earlier instructions on other streams it must wait for (its deps, plus
   // a reload's wait for the offload that filled its host copy). Same-stream deps are kept by
   // stream order and left out.
   std::vector<std::vector<int>> waits;
-  // Per instruction: whether another stream waits for it (it records a CUDA event).
+  // Per instruction: whether another stream waits for it (it records an event).
   std::vector<bool> records_event;
   // Per stream: bytes of collective staging (0 for most plans).
-  std::array<int64_t, kNumCudaStreams> staging_bytes{};
-  // Offloaded and host-resident shards by tensor: bytes of pinned host memory each needs.
-  std::map<int, int64_t> pinned_shard_bytes;
-  // By tensor: HostResidentTensors, kept in pinned host memory for the whole run.
+  std::array<int64_t, kNumDeviceStreams> staging_bytes{};
+  // Offloaded and host-resident shards by tensor: bytes of host memory (pinned on cuda) each
+  // needs.
+  std::map<int, int64_t> host_shard_bytes;
+  // By tensor: HostResidentTensors, kept in host memory for the whole run.
   std::vector<bool> host_resident;
-  // Pinned bytes the largest host optimizer op needs for its grad shards (fp32) and, beside
+  // Host bytes the largest host optimizer op needs for its grad shards (fp32) and, beside
   // them, its params' compute-dtype shards on their way back to the device.
   int64_t host_optimizer_staging_bytes = 0;
   // Input tensors (token ids) by tensor: bytes of one micro-batch.
@@ -59,7 +61,7 @@ struct CudaLayout {
   int gas = 1;  // micro-steps per step
 };
 
-// fp32 to bf16 and to fp16 on the host, rounding to nearest even as the device's
+// fp32 to bf16 and to fp16 on the host, rounding to nearest even as the cuda device's
 // __float2bfloat16_rn and __float2half_rn do (a NaN stays a quiet NaN): the host optimizer's
 // compute-dtype shards must hold what the device's cast would.
 uint16_t FloatToBf16(float value);
@@ -68,21 +70,21 @@ uint16_t FloatToF16(float value);
 void CastOnHost(const float* in, int64_t elements, proto::DType dtype, void* out);
 
 // The fp32 shard of `tensor` (param, grad or optimizer state).
-CudaBufferShape ShardShape(const proto::Tensor& tensor, int world_size);
+BufferShape ShardShape(const proto::Tensor& tensor, int world_size);
 // A transient buffer of `tensor`: a gathered param in the compute dtype, else its own dtype.
-CudaBufferShape TransientShape(const proto::Program& program, const proto::Tensor& tensor);
+BufferShape TransientShape(const proto::Program& program, const proto::Tensor& tensor);
 // True when `tensor`'s collectives need staging (elements not a multiple of the world size).
 bool NeedsStaging(const proto::Tensor& tensor, int world_size);
 // Bytes of the staging region of one tensor in a collective: world * shard elements in `dtype`,
 // aligned.
 int64_t StagingBytes(const proto::Tensor& tensor, int world_size, proto::DType dtype);
 
-// Derives the layout and checks what the cuda executor relies on: every instruction on a known
+// Derives the layout and checks what the interpreter relies on: every instruction on a known
 // stream and compute instructions on the compute stream (the kernels of one step share one
-// cuBLASLt workspace and scratch) or, for an optimizer op, on the host, deps pointing to earlier
+// workspace and scratch) or, for an optimizer op, on the host, deps pointing to earlier
 // instructions, every reload preceded by an offload of the same tensor, and (with a memory plan)
 // every placement inside the arena, aligned, and as large as the buffer it holds. Messages name the
 // instruction and say re-plan.
-StatusOr<CudaLayout> MakeCudaLayout(const proto::Schedule& schedule);
+StatusOr<ScheduleLayout> MakeScheduleLayout(const proto::Schedule& schedule);
 
 }  // namespace dc

@@ -1,5 +1,5 @@
-// What the cuda executor derives from a plan, and the plans it refuses, on any machine.
-#include "executor/cuda/cuda_layout.h"
+// What the interpreter derives from a plan, and the plans it refuses, on any machine.
+#include "executor/layout.h"
 
 #include <gtest/gtest.h>
 
@@ -22,25 +22,25 @@ proto::Schedule Plan(const TinyPlanOptions& options) {
   return plan.ok() ? *plan : proto::Schedule();
 }
 
-CudaLayout Layout(const proto::Schedule& plan) {
-  auto layout = MakeCudaLayout(plan);
+ScheduleLayout Layout(const proto::Schedule& plan) {
+  auto layout = MakeScheduleLayout(plan);
   EXPECT_TRUE(layout.ok()) << layout.status().message();
-  return layout.ok() ? *layout : CudaLayout();
+  return layout.ok() ? *layout : ScheduleLayout();
 }
 
 void ExpectRefused(const proto::Schedule& plan, const std::string& expect) {
-  auto layout = MakeCudaLayout(plan);
+  auto layout = MakeScheduleLayout(plan);
   ASSERT_FALSE(layout.ok());
   EXPECT_NE(layout.status().message().find(expect), std::string::npos) << layout.status().message();
   EXPECT_NE(layout.status().message().find("re-plan"), std::string::npos)
       << layout.status().message();
 }
 
-TEST(CudaLayout, WaitsOnlyForDependenciesOnOtherStreams) {
+TEST(ScheduleLayout, WaitsOnlyForDependenciesOnOtherStreams) {
   TinyPlanOptions options;
   options.world_size = 2;
   const proto::Schedule plan = Plan(options);
-  const CudaLayout layout = Layout(plan);
+  const ScheduleLayout layout = Layout(plan);
   ASSERT_EQ(layout.waits.size(), static_cast<size_t>(plan.instructions_size()));
   int cross = 0;
   for (int i = 0; i < plan.instructions_size(); ++i) {
@@ -61,21 +61,21 @@ TEST(CudaLayout, WaitsOnlyForDependenciesOnOtherStreams) {
   EXPECT_LT(recording, plan.instructions_size());
 }
 
-TEST(CudaLayout, StagingOnlyWhereElementsDoNotDivideByTheWorld) {
+TEST(ScheduleLayout, StagingOnlyWhereElementsDoNotDivideByTheWorld) {
   TinyPlanOptions options;
   options.world_size = 2;  // every tiny param divides by 2
-  const CudaLayout two = Layout(Plan(options));
+  const ScheduleLayout two = Layout(Plan(options));
   for (int64_t bytes : two.staging_bytes) EXPECT_EQ(bytes, 0);
 
   options.world_size = 3;  // hidden 64: the norm gains and most matrices do not divide by 3
   const proto::Schedule plan = Plan(options);
-  const CudaLayout three = Layout(plan);
-  const int gather = CudaStreamIndex(proto::STREAM_GATHER);
-  const int reduce = CudaStreamIndex(proto::STREAM_REDUCE);
+  const ScheduleLayout three = Layout(plan);
+  const int gather = DeviceStreamIndex(proto::STREAM_GATHER);
+  const int reduce = DeviceStreamIndex(proto::STREAM_REDUCE);
   EXPECT_GT(three.staging_bytes[gather], 0);
   EXPECT_GT(three.staging_bytes[reduce], 0);
-  EXPECT_EQ(three.staging_bytes[CudaStreamIndex(proto::STREAM_COMPUTE)], 0);
-  for (int64_t bytes : three.staging_bytes) EXPECT_EQ(bytes % kCudaStagingAlignmentBytes, 0);
+  EXPECT_EQ(three.staging_bytes[DeviceStreamIndex(proto::STREAM_COMPUTE)], 0);
+  for (int64_t bytes : three.staging_bytes) EXPECT_EQ(bytes % kStagingAlignmentBytes, 0);
   // A norm gain of 64 elements pads to 66 over 3 ranks.
   for (const proto::Tensor& t : plan.program().tensors()) {
     if (t.role() != proto::ROLE_PARAM || NumElements(t) != 64) continue;
@@ -86,7 +86,7 @@ TEST(CudaLayout, StagingOnlyWhereElementsDoNotDivideByTheWorld) {
   }
 }
 
-TEST(CudaLayout, BufferShapesAgreeWithThePlannersAccounting) {
+TEST(ScheduleLayout, BufferShapesAgreeWithThePlannersAccounting) {
   TinyPlanOptions options;
   options.world_size = 2;
   options.compute_dtype = proto::DTYPE_BF16;
@@ -96,11 +96,11 @@ TEST(CudaLayout, BufferShapesAgreeWithThePlannersAccounting) {
   int64_t shard_bytes = 0;
   for (const proto::Tensor& t : program.tensors()) {
     if (t.role() == proto::ROLE_PARAM) {
-      const CudaBufferShape gathered = TransientShape(program, t);
+      const BufferShape gathered = TransientShape(program, t);
       EXPECT_EQ(gathered.dtype, proto::DTYPE_BF16) << t.name();
       EXPECT_EQ(gathered.size_bytes, TransientBytes(program, t)) << t.name();
       EXPECT_EQ(gathered.size_bytes, NumElements(t) * 2) << t.name();
-      const CudaBufferShape shard = ShardShape(t, 2);
+      const BufferShape shard = ShardShape(t, 2);
       EXPECT_EQ(shard.dtype, proto::DTYPE_F32);
       shard_bytes += shard.size_bytes;
     } else if (t.role() == proto::ROLE_ACTIVATION || t.role() == proto::ROLE_INPUT) {
@@ -111,14 +111,14 @@ TEST(CudaLayout, BufferShapesAgreeWithThePlannersAccounting) {
   EXPECT_EQ(shard_bytes, persistent[static_cast<int>(BufferKind::kShard)]);
 }
 
-TEST(CudaLayout, AcceptsTheMemoryPlanOfADcPlan) {
+TEST(ScheduleLayout, AcceptsTheMemoryPlanOfADcPlan) {
   TinyPlanOptions options;
   options.world_size = 2;
   options.policy = "dc";
   options.compute_dtype = proto::DTYPE_BF16;
   const proto::Schedule plan = Plan(options);
   ASSERT_GT(plan.memory_plan().arena_bytes(), 0);
-  const CudaLayout layout = Layout(plan);
+  const ScheduleLayout layout = Layout(plan);
   // tokens and targets, one micro-batch each: micro_batch * seq int32.
   const proto::ModelConfig& config = plan.program().config();
   ASSERT_EQ(layout.input_bytes.size(), 2u);
@@ -128,21 +128,20 @@ TEST(CudaLayout, AcceptsTheMemoryPlanOfADcPlan) {
   EXPECT_EQ(layout.gas, 2);
 }
 
-TEST(CudaLayout, ReloadsWaitForTheirOffloadsCopy) {
+TEST(ScheduleLayout, ReloadsWaitForTheirOffloadsCopy) {
   TinyPlanOptions options;
   options.world_size = 2;
   options.passes = {"zero3", "offload-all", "memory-plan"};
   const proto::Schedule plan = Plan(options);
-  const CudaLayout layout = Layout(plan);
-  ASSERT_FALSE(layout.pinned_shard_bytes.empty());
+  const ScheduleLayout layout = Layout(plan);
+  ASSERT_FALSE(layout.host_shard_bytes.empty());
   int reloads = 0;
   for (int i = 0; i < plan.instructions_size(); ++i) {
     const proto::Instruction& instr = plan.instructions(i);
     if (instr.kind() != proto::INSTR_RELOAD) continue;
     ++reloads;
     for (int t : instr.tensors()) {
-      EXPECT_EQ(layout.pinned_shard_bytes.at(t),
-                ShardShape(plan.program().tensors(t), 2).size_bytes);
+      EXPECT_EQ(layout.host_shard_bytes.at(t), ShardShape(plan.program().tensors(t), 2).size_bytes);
       bool waits_for_offload = false;
       for (int w : layout.waits[i]) {
         const proto::Instruction& before = plan.instructions(w);
@@ -158,13 +157,13 @@ TEST(CudaLayout, ReloadsWaitForTheirOffloadsCopy) {
 // ZeRO-3 offload's Adam on the host: every param's master and states in pinned host memory for
 // the whole run, staging for the largest op's grad shards and compute-dtype shards, and every
 // host op waiting (on the host) for the end of the backward.
-TEST(CudaLayout, HostOptimizerKeepsMastersAndStatesInPinnedMemory) {
+TEST(ScheduleLayout, HostOptimizerKeepsMastersAndStatesInPinnedMemory) {
   TinyPlanOptions options;
   options.world_size = 2;
   options.compute_dtype = proto::DTYPE_BF16;
   options.policy = "zero3-offload";
   const proto::Schedule plan = Plan(options);
-  const CudaLayout layout = Layout(plan);
+  const ScheduleLayout layout = Layout(plan);
   const proto::Program& program = plan.program();
   int host_resident = 0;
   for (const proto::Tensor& t : program.tensors()) {
@@ -172,7 +171,7 @@ TEST(CudaLayout, HostOptimizerKeepsMastersAndStatesInPinnedMemory) {
     EXPECT_EQ(layout.host_resident[t.id()], host) << t.name();
     if (!host) continue;
     ++host_resident;
-    EXPECT_EQ(layout.pinned_shard_bytes.at(t.id()), ShardShape(t, 2).size_bytes) << t.name();
+    EXPECT_EQ(layout.host_shard_bytes.at(t.id()), ShardShape(t, 2).size_bytes) << t.name();
   }
   EXPECT_GT(host_resident, 0);
   int64_t largest = 0;
@@ -190,7 +189,7 @@ TEST(CudaLayout, HostOptimizerKeepsMastersAndStatesInPinnedMemory) {
     largest = std::max(largest, staging);
   }
   EXPECT_GE(layout.host_optimizer_staging_bytes, largest);
-  EXPECT_LT(layout.host_optimizer_staging_bytes, largest + 2 * kCudaStagingAlignmentBytes);
+  EXPECT_LT(layout.host_optimizer_staging_bytes, largest + 2 * kStagingAlignmentBytes);
   // The memory plan places the bf16 shards (micro-step -3) and no master or state.
   ASSERT_GT(plan.memory_plan().arena_bytes(), 0);
   int compute_shards = 0;
@@ -207,7 +206,7 @@ TEST(CudaLayout, HostOptimizerKeepsMastersAndStatesInPinnedMemory) {
 }
 
 // A bf16 shard beside an offloaded master is placed at its own size, not its master's.
-TEST(CudaLayout, AcceptsTheBf16ShardsBesideOffloadedMasters) {
+TEST(ScheduleLayout, AcceptsTheBf16ShardsBesideOffloadedMasters) {
   TinyPlanOptions options;
   options.world_size = 2;
   options.compute_dtype = proto::DTYPE_BF16;
@@ -220,7 +219,7 @@ TEST(CudaLayout, AcceptsTheBf16ShardsBesideOffloadedMasters) {
 }
 
 // A dc plan of a recomputing program keeps activations: its renames pass the layout's checks.
-TEST(CudaLayout, AcceptsTheRenamesOfKeptActivations) {
+TEST(ScheduleLayout, AcceptsTheRenamesOfKeptActivations) {
   TinyPlanOptions options;
   options.world_size = 2;
   options.recompute = true;
@@ -253,7 +252,7 @@ float FromBits(uint32_t u) {
 }
 
 // The host's casts round as the device's do: to nearest, ties to the even neighbour.
-TEST(CudaLayout, HostCastsRoundToNearestEven) {
+TEST(ScheduleLayout, HostCastsRoundToNearestEven) {
   EXPECT_EQ(FloatToBf16(1.0f), 0x3f80);
   EXPECT_EQ(FloatToBf16(-2.5f), Bits(-2.5f));             // exact
   EXPECT_EQ(FloatToBf16(FromBits(0x3f808000u)), 0x3f80);  // tie, even below
@@ -277,7 +276,7 @@ TEST(CudaLayout, HostCastsRoundToNearestEven) {
   EXPECT_EQ(std::memcmp(copy, values, sizeof(copy)), 0);
 }
 
-TEST(CudaLayout, RefusesWhatTheExecutorCannotRun) {
+TEST(ScheduleLayout, RefusesWhatTheExecutorCannotRun) {
   TinyPlanOptions options;
   options.world_size = 2;
   const proto::Schedule good = Plan(options);
@@ -318,7 +317,7 @@ TEST(CudaLayout, RefusesWhatTheExecutorCannotRun) {
   ExpectRefused(reload, "no earlier instruction offloads");
 }
 
-TEST(CudaLayout, RefusesAMemoryPlanThatDoesNotHoldItsBuffers) {
+TEST(ScheduleLayout, RefusesAMemoryPlanThatDoesNotHoldItsBuffers) {
   TinyPlanOptions options;
   options.world_size = 2;
   options.policy = "dc";

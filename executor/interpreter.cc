@@ -1,0 +1,855 @@
+#include "executor/interpreter.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <set>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "executor/cpu_kernels.h"
+#include "executor/device_memory.h"
+#include "executor/layout.h"
+#include "executor/rename.h"
+#include "models/data.h"
+#include "models/model.h"
+#include "schemas/digest.h"
+#include "schemas/effects.h"
+#include "schemas/units.h"
+
+namespace dc {
+namespace {
+
+constexpr int64_t kNoArenaOffset = -1;
+
+int64_t AlignUp(int64_t bytes, int64_t alignment) {
+  return (bytes + alignment - 1) / alignment * alignment;
+}
+
+// A device buffer of the run: at its memory-plan place in the arena, or from the device's
+// allocator (pooled).
+struct Buffer {
+  void* data = nullptr;
+  proto::DType dtype = proto::DTYPE_F32;  // as stored on the device
+  int64_t elements = 0;
+  int64_t accounted_bytes = 0;  // as the planner counts it (the logical dtype's bytes)
+  BufferKind kind = BufferKind::kActivation;
+  bool pooled = false;
+  int64_t storage_bytes() const { return elements * DTypeSizeBytes(dtype); }
+  DeviceTensor View(std::vector<int64_t> shape) const { return {data, dtype, std::move(shape)}; }
+  DeviceTensor Flat() const { return View({elements}); }
+};
+
+// The memory plan's placements by (instruction, tensor, micro-step).
+using PlacementKey = std::tuple<int, int, int>;
+
+class Interpreter {
+ public:
+  Interpreter(const proto::Schedule& schedule, const RunOptions& options, RankDevice* device,
+              Communicator* comm, ExecutionTracer* tracer, std::unique_ptr<TokenSource> data,
+              ScheduleLayout layout)
+      : schedule_(schedule),
+        program_(schedule.program()),
+        options_(options),
+        device_(device),
+        comm_(comm),
+        tracer_(tracer),
+        data_(std::move(data)),
+        layout_(std::move(layout)),
+        memory_(options.device_memory_bytes),
+        world_(comm->world_size()),
+        rank_(comm->rank()),
+        compute_dtype_(program_.config().compute_dtype()) {}
+  ~Interpreter();
+
+  Status Init();
+  // Runs optimizer step `step` (0-based, counting warm-up); `loss` is the mean over the global
+  // batch (every rank gets it), `seconds` the step's wall time on this rank.
+  Status RunStep(int step, bool warmup, double* loss, double* seconds);
+  int64_t peak_live_bytes() const { return memory_.peak_bytes(); }
+  int64_t arena_bytes() const { return arena_bytes_; }
+  std::vector<int64_t> peak_by_kind() const { return memory_.peak_by_kind(); }
+  // SHA-256 (hex) of this rank's fp32 param shards in tensor order.
+  StatusOr<std::string> ParamsDigest();
+
+ private:
+  struct PendingMemoryEvent {  // of the instruction being issued
+    int64_t ts_ns, address, bytes;
+    bool alloc;
+    int tensor;
+    BufferKind kind;
+  };
+
+  std::string Describe(int index) const { return DescribeInstruction(schedule_, index, rank_); }
+  std::string Who() const { return "rank " + std::to_string(rank_); }
+  int64_t Now() const { return tracer_ ? tracer_->NowNs() : 0; }
+  int64_t ShardOf(int tensor) const {
+    return ShardElements(NumElements(program_.tensors(tensor)), world_);
+  }
+  OpArgs ArgsFor(int step) const {
+    OpArgs args;
+    args.config = &program_.config();
+    args.grad_scale = 1.0 / static_cast<double>(TokensPerStep(program_.config(), world_));
+    args.adam_step = step + 1;
+    return args;
+  }
+
+  Status InitArena();
+  Status InitHostBuffers();
+  Status InitPersistentShards();
+
+  // Creates the buffer `key` (of `dtype` as the program declares it) for instruction `index`
+  // (-1 at start-up), on `stream`.
+  StatusOr<Buffer*> Allocate(int index, const BufferKey& key, BufferKind kind,
+                             int64_t accounted_bytes, proto::DType dtype, int64_t elements,
+                             proto::Stream stream, const std::string& what);
+  Status Release(const BufferKey& key, proto::Stream stream, const std::string& what);
+  Buffer* Find(const BufferKey& key) {
+    auto it = live_.find(key);
+    return it == live_.end() ? nullptr : &it->second;
+  }
+  // The persistent shard of a param, grad or optimizer state; null while offloaded.
+  Buffer* Shard(int tensor) { return Find(BufferKey::Persistent(tensor)); }
+  // Casts a param's fp32 master on the device into its compute-dtype shard, if it has both.
+  Status RefreshComputeShard(int param, proto::Stream stream, const std::string& what);
+  // The same from the master's host copy (a host-resident param): cast on the host, one
+  // synchronous copy to the device.
+  Status RefreshComputeShardFromHost(int param, const std::string& what);
+
+  Status Execute(int index, int step);
+  Status Dispatch(const proto::Instruction& instr, int index, int step);
+  Status Compute(const proto::Instruction& instr, int index, int step);
+  // An optimizer op on the host (STREAM_HOST): copies its grad shards to the host, runs the cpu
+  // kernel on the host-resident master and states, and writes the params' compute-dtype shards
+  // back. Done when it returns.
+  Status HostOptimizerStep(const proto::Instruction& instr, int index, int step);
+  Status LoadInput(int index, int tensor, int micro, int step, proto::Stream stream,
+                   const std::string& what);
+  Status Gather(const proto::Instruction& instr, int index);
+  Status ReduceScatter(const proto::Instruction& instr, int index);
+  Status Offload(const proto::Instruction& instr, int index);
+  Status Reload(const proto::Instruction& instr, int index);
+  Status ReleaseInstruction(const proto::Instruction& instr, int index);
+  // With an arena, moves every reloaded shard from its reload's place back to its start-up
+  // place, where the memory plan expects it at the start of the next step.
+  Status ReturnReloadedShards(const std::string& what);
+  void FlushMemoryEvents(int64_t correlation_id);
+
+  const proto::Schedule& schedule_;
+  const proto::Program& program_;
+  const RunOptions& options_;
+  RankDevice* device_;
+  Communicator* comm_;
+  ExecutionTracer* tracer_;
+  std::unique_ptr<TokenSource> data_;
+  const ScheduleLayout layout_;
+  DeviceMemory memory_;
+  const int world_;
+  const int rank_;
+  const proto::DType compute_dtype_;
+
+  int64_t arena_bytes_ = 0;  // 0 without an arena
+  std::map<PlacementKey, int64_t> placements_;
+  // With an arena: where each persistent shard lives at the start of a step (the plan's
+  // instruction -1 placement).
+  std::map<int, void*> startup_place_;
+  // Every device buffer, by the key schemas/effects.h names it with, and its trace address.
+  std::map<BufferKey, Buffer> live_;
+  std::map<BufferKey, int64_t> addresses_;
+  int64_t next_address_ = 1;
+  std::vector<PendingMemoryEvent> pending_;
+  // Host copies of offloaded and host-resident shards, by tensor.
+  std::map<int, std::unique_ptr<HostBuffer>> host_shards_;
+  std::set<int> offloaded_;  // tensors whose shard is on the host now
+  std::unique_ptr<HostBuffer> input_staging_;  // token ids of every (micro-step, input)
+  std::map<std::pair<int, int>, int64_t> input_offsets_;
+  std::unique_ptr<HostBuffer> host_optimizer_staging_;  // a host optimizer op's grads and casts
+  std::vector<char> is_loss_term_;  // by tensor id: the cross-entropy and the MoE aux losses
+};
+
+Interpreter::~Interpreter() {
+  // After a failure enqueued work may still use the buffers: wait, then return the pooled ones.
+  (void)device_->Synchronize("shutting down");
+  for (auto& [key, buffer] : live_) {
+    if (buffer.pooled) (void)device_->Free(buffer.data, proto::STREAM_HOST, "shutting down");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Start-up
+
+Status Interpreter::Init() {
+  DC_ASSIGN_OR_RETURN(is_loss_term_, LossTerms(program_));
+  DC_RETURN_IF_ERROR(device_->Prepare(schedule_, layout_).Prefixed(Who() + ": "));
+  DC_RETURN_IF_ERROR(InitArena());
+  DC_RETURN_IF_ERROR(InitHostBuffers());  // first: the compute shards of host masters read them
+  DC_RETURN_IF_ERROR(InitPersistentShards());
+  DC_RETURN_IF_ERROR(device_->Synchronize(Who() + ": start-up"));
+  FlushMemoryEvents(0);
+  if (tracer_ != nullptr) {
+    for (int i = 0; i < schedule_.instructions_size(); ++i) {
+      tracer_->DescribeInstruction(i, TraceOf(schedule_, i));
+    }
+  }
+  return Status::Ok();
+}
+
+Status Interpreter::InitArena() {
+  const proto::MemoryPlan& plan = schedule_.memory_plan();
+  // The arena holds the buffers at the planner's sizes: a device that stores the compute dtype
+  // wider (the cpu backend's fp32) keeps one allocation per buffer instead.
+  if (plan.arena_bytes() <= 0 || device_->StorageDType(compute_dtype_) != compute_dtype_) {
+    return Status::Ok();
+  }
+  // The arena is the one device allocation: it must fit the capacity, and then every buffer
+  // placed inside it does too.
+  const int64_t capacity = memory_.capacity_bytes();
+  if (capacity > 0 && plan.arena_bytes() > capacity) {
+    return Status::Error("out of device memory at start-up on " + Who() +
+                         ": the memory plan's arena of " + FormatBytes(plan.arena_bytes()) +
+                         " is over the capacity of " + FormatBytes(capacity) +
+                         "; raise --device-memory or plan with a lower --budget");
+  }
+  DC_RETURN_IF_ERROR(device_->CreateArena(plan.arena_bytes())
+                         .Prefixed("out of device memory at start-up on " + Who() +
+                                   " (plan with a lower --budget): "));
+  arena_bytes_ = plan.arena_bytes();
+  memory_ = DeviceMemory(0);
+  for (const auto& p : plan.placements()) {
+    placements_[{p.instruction(), p.tensor(), p.micro_step()}] = p.offset_bytes();
+  }
+  return Status::Ok();
+}
+
+// Host memory is made once (pinned memory is slow to make and may synchronize the device).
+Status Interpreter::InitHostBuffers() {
+  const std::string who = Who() + ": ";
+  for (const auto& [tensor, bytes] : layout_.host_shard_bytes) {
+    DC_ASSIGN_OR_RETURN(host_shards_[tensor],
+                        device_->AllocateHost(
+                            bytes, who + "host copy of " + program_.tensors(tensor).name()));
+  }
+  int64_t offset = 0;
+  for (int micro = 0; micro < layout_.gas; ++micro) {
+    for (const auto& [tensor, bytes] : layout_.input_bytes) {
+      input_offsets_[{micro, tensor}] = offset;
+      offset += bytes;
+    }
+  }
+  DC_ASSIGN_OR_RETURN(input_staging_, device_->AllocateHost(offset, who + "token staging"));
+  DC_ASSIGN_OR_RETURN(host_optimizer_staging_,
+                      device_->AllocateHost(layout_.host_optimizer_staging_bytes,
+                                            who + "host optimizer staging"));
+  // The host optimizer's masters and states start in host memory, as the device's would.
+  const proto::ModelConfig& config = program_.config();
+  for (const auto& t : program_.tensors()) {
+    if (!layout_.host_resident[t.id()]) continue;
+    const int64_t elements = ShardOf(t.id());
+    auto* values = static_cast<float*>(host_shards_.at(t.id())->data());
+    std::fill(values, values + elements, 0.0f);
+    if (t.role() == proto::ROLE_PARAM) {
+      InitParamSlice(config, t, rank_ * elements, elements, values);
+    }
+  }
+  return Status::Ok();
+}
+
+Status Interpreter::InitPersistentShards() {
+  const proto::ModelConfig& config = program_.config();
+  std::vector<float> values;
+  for (const auto& t : program_.tensors()) {
+    if (!IsPersistentRole(t.role()) || layout_.host_resident[t.id()]) continue;
+    const int64_t elements = ShardOf(t.id());
+    const std::string what = "start-up (persistent shard of " + t.name() + ") on " + Who();
+    DC_ASSIGN_OR_RETURN(Buffer * shard,
+                        Allocate(-1, BufferKey::Persistent(t.id()), PersistentKind(t.role()),
+                                 elements * kShardElementBytes, proto::DTYPE_F32, elements,
+                                 proto::STREAM_HOST, what));
+    if (arena_bytes_ > 0) startup_place_[t.id()] = shard->data;
+    if (t.role() == proto::ROLE_PARAM) {
+      values.assign(elements, 0.0f);
+      InitParamSlice(config, t, rank_ * elements, elements, values.data());
+      DC_RETURN_IF_ERROR(device_->CopyToDevice(shard->data, values.data(), shard->storage_bytes(),
+                                               proto::STREAM_HOST, what));
+    } else {
+      DC_RETURN_IF_ERROR(
+          device_->Zero(shard->data, shard->storage_bytes(), proto::STREAM_HOST, what));
+    }
+  }
+  const std::vector<bool> compute_shard = ComputeShardParams(schedule_);
+  for (const auto& t : program_.tensors()) {
+    if (!compute_shard[t.id()]) continue;
+    const std::string what = "start-up (compute-dtype shard of " + t.name() + ") on " + Who();
+    DC_RETURN_IF_ERROR(Allocate(-1, BufferKey::ComputeShard(t.id()), BufferKind::kShard,
+                                ComputeShardBytes(program_, t, world_), compute_dtype_,
+                                ShardOf(t.id()), proto::STREAM_HOST, what)
+                           .status());
+    if (layout_.host_resident[t.id()]) {
+      DC_RETURN_IF_ERROR(RefreshComputeShardFromHost(t.id(), what));
+    } else {
+      DC_RETURN_IF_ERROR(RefreshComputeShard(t.id(), proto::STREAM_COMPUTE, what));
+    }
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Buffers
+
+StatusOr<Buffer*> Interpreter::Allocate(int index, const BufferKey& key, BufferKind kind,
+                                        int64_t accounted_bytes, proto::DType dtype,
+                                        int64_t elements, proto::Stream stream,
+                                        const std::string& what) {
+  const proto::Tensor& t = program_.tensors(key.tensor);
+  if (live_.count(key)) return Status::Error(what + ": " + t.name() + " is already live");
+  DC_RETURN_IF_ERROR(memory_.Allocate(kind, accounted_bytes, what));
+  Buffer buffer;
+  buffer.dtype = device_->StorageDType(dtype);
+  buffer.elements = elements;
+  buffer.accounted_bytes = accounted_bytes;
+  buffer.kind = kind;
+  int64_t offset = kNoArenaOffset;
+  if (arena_bytes_ > 0) {
+    auto it = placements_.find({index, key.tensor, key.placement_micro_step()});
+    if (it == placements_.end()) {
+      return Status::Error(what + ": the memory plan has no place for " + t.name() +
+                           " at instruction " + std::to_string(index) + "; re-plan it");
+    }
+    offset = it->second;
+    if (offset < 0 || offset + buffer.storage_bytes() > arena_bytes_) {
+      return Status::Error(what + ": the memory plan places " + t.name() +
+                           " past the end of the arena; re-plan it");
+    }
+  }
+  DC_ASSIGN_OR_RETURN(buffer.data, device_->Allocate(offset, buffer.storage_bytes(), stream,
+                                                     what + ": " + t.name()));
+  buffer.pooled = offset == kNoArenaOffset;
+  Buffer* placed = &live_.emplace(key, buffer).first->second;
+  const int64_t address = next_address_++;
+  addresses_[key] = address;
+  pending_.push_back({Now(), address, accounted_bytes, true, key.tensor, kind});
+  return placed;
+}
+
+Status Interpreter::Release(const BufferKey& key, proto::Stream stream, const std::string& what) {
+  auto it = live_.find(key);
+  const Buffer buffer = it->second;
+  memory_.Free(buffer.kind, buffer.accounted_bytes);
+  pending_.push_back(
+      {Now(), addresses_[key], buffer.accounted_bytes, false, key.tensor, buffer.kind});
+  addresses_.erase(key);
+  live_.erase(it);
+  // Arena bytes need nothing: the plan's reuse dependencies order their next user after this.
+  if (!buffer.pooled) return Status::Ok();
+  return device_->Free(buffer.data, stream, what + ": " + program_.tensors(key.tensor).name());
+}
+
+void Interpreter::FlushMemoryEvents(int64_t correlation_id) {
+  if (tracer_ != nullptr) {
+    for (const PendingMemoryEvent& e : pending_) {
+      tracer_->Memory(e.ts_ns, e.address, e.bytes, e.alloc, program_.tensors(e.tensor).name(),
+                      e.kind, correlation_id);
+    }
+  }
+  pending_.clear();
+}
+
+Status Interpreter::RefreshComputeShard(int param, proto::Stream stream, const std::string& what) {
+  const Buffer* compute = Find(BufferKey::ComputeShard(param));
+  const Buffer* master = Shard(param);
+  if (compute == nullptr || master == nullptr) return Status::Ok();
+  return device_->Cast(master->Flat(), compute->Flat(), stream,
+                       what + ": " + program_.tensors(param).name() + "'s compute-dtype shard");
+}
+
+Status Interpreter::RefreshComputeShardFromHost(int param, const std::string& what) {
+  const Buffer* compute = Find(BufferKey::ComputeShard(param));
+  auto master = host_shards_.find(param);
+  if (compute == nullptr || master == host_shards_.end()) return Status::Ok();
+  if (host_optimizer_staging_->size_bytes() < compute->storage_bytes()) {
+    return Status::Error(what + ": the host optimizer's staging of " +
+                         FormatBytes(host_optimizer_staging_->size_bytes()) + " cannot hold " +
+                         program_.tensors(param).name() +
+                         "'s compute-dtype shard (an executor bug; please report it)");
+  }
+  CastOnHost(static_cast<const float*>(master->second->data()), compute->elements, compute->dtype,
+             host_optimizer_staging_->data());
+  return device_->CopyToDevice(
+      compute->data, host_optimizer_staging_->data(), compute->storage_bytes(), proto::STREAM_HOST,
+      what + ": " + program_.tensors(param).name() + "'s compute-dtype shard from the host");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Instructions
+
+Status Interpreter::Execute(int index, int step) {
+  const proto::Instruction& instr = schedule_.instructions(index);
+  for (int d : layout_.waits[index]) {
+    DC_RETURN_IF_ERROR(device_->Wait(d, instr.stream(),
+                                     Describe(index) + ": waiting for instruction " +
+                                         std::to_string(d)));
+  }
+  const InstructionRef ref{step, instr.micro_step(), index};
+  const int64_t start_ns = Now();
+  if (tracer_ != nullptr) DC_RETURN_IF_ERROR(tracer_->BeginInstruction(ref));
+  const Status status = Dispatch(instr, index, step);
+  int64_t correlation = 0;
+  if (tracer_ != nullptr) {
+    StatusOr<int64_t> ended = tracer_->EndInstruction(ref, start_ns, Now());
+    DC_RETURN_IF_ERROR(status);
+    if (!ended.ok()) return ended.status();
+    correlation = *ended;
+  }
+  DC_RETURN_IF_ERROR(status);
+  FlushMemoryEvents(correlation);
+  // A host instruction is done when it returns: its waiters wait for the compute stream, which
+  // is never behind it.
+  const proto::Stream stream =
+      instr.stream() == proto::STREAM_HOST ? proto::STREAM_COMPUTE : instr.stream();
+  if (layout_.records_event[index]) {
+    DC_RETURN_IF_ERROR(device_->Record(index, stream, Describe(index)));
+  }
+  return device_->AfterInstruction(instr.stream(), Describe(index));
+}
+
+// The one switch on the instruction kind of the run (the effects themselves are
+// schemas/effects.h's).
+Status Interpreter::Dispatch(const proto::Instruction& instr, int index, int step) {
+  switch (instr.kind()) {
+    case proto::INSTR_COMPUTE:
+      if (instr.stream() == proto::STREAM_HOST) return HostOptimizerStep(instr, index, step);
+      return Compute(instr, index, step);
+    case proto::INSTR_ALL_GATHER:
+      return Gather(instr, index);
+    case proto::INSTR_REDUCE_SCATTER:
+      return ReduceScatter(instr, index);
+    case proto::INSTR_OFFLOAD:
+      return Offload(instr, index);
+    case proto::INSTR_RELOAD:
+      return Reload(instr, index);
+    case proto::INSTR_RELEASE:
+      return ReleaseInstruction(instr, index);
+    case proto::INSTR_RENAME:
+      // The kept buffers go on under the op's output names: no copy, no allocation.
+      return RenameLiveBuffers(program_, instr, Describe(index), &live_, &addresses_);
+    default:
+      return Status::Error(Describe(index) + ": dc does not run " + InstrKindName(instr.kind()) +
+                           " instructions");
+  }
+}
+
+Status Interpreter::LoadInput(int index, int tensor, int micro, int step, proto::Stream stream,
+                              const std::string& what) {
+  const proto::ModelConfig& config = program_.config();
+  const proto::Tensor& t = program_.tensors(tensor);
+  auto offset = input_offsets_.find({micro, tensor});
+  if (offset == input_offsets_.end()) {
+    return Status::Error(what + ": reads " + t.name() + " in micro-step " + std::to_string(micro) +
+                         ", outside the plan's " + std::to_string(layout_.gas) +
+                         " micro-step(s); re-plan it");
+  }
+  DC_ASSIGN_OR_RETURN(Buffer * tokens,
+                      Allocate(index, BufferKey::Transient(tensor, micro), BufferKind::kInput,
+                               TransientBytes(program_, t), t.dtype(), NumElements(t), stream,
+                               what));
+  // Each (micro-step, input) has its own host region, written once per step: the copy of the
+  // previous step has finished (the step's end waits for the device). A plan that loads the same
+  // input twice in a micro-step rewrites the region with the same sample.
+  auto* staged = reinterpret_cast<int32_t*>(static_cast<char*>(input_staging_->data()) +
+                                            offset->second);
+  const int64_t seq = config.seq();
+  std::vector<int32_t> inputs(seq), targets(seq);
+  for (int64_t b = 0; b < config.micro_batch(); ++b) {
+    data_->Sample(SampleIndex(config, world_, step, micro, rank_, b), inputs.data(),
+                  targets.data());
+    const auto& source = t.name() == "targets" ? targets : inputs;
+    std::copy(source.begin(), source.end(), staged + b * seq);
+  }
+  return device_->CopyToDevice(tokens->data, staged, tokens->storage_bytes(), stream,
+                               what + ": " + t.name());
+}
+
+Status Interpreter::Compute(const proto::Instruction& instr, int index, int step) {
+  const proto::Op& op = program_.ops(instr.op());
+  const bool optimizer = op.phase() == proto::PHASE_OPTIMIZER;
+  const int micro = instr.micro_step();
+  const proto::Stream stream = instr.stream();
+  const std::string what = Describe(index);
+  std::vector<DeviceTensor> inputs, outputs;
+  for (int tensor : op.inputs()) {
+    const proto::Tensor& t = program_.tensors(tensor);
+    if (optimizer) {
+      const Buffer* shard = Shard(tensor);
+      if (shard == nullptr) {
+        return Status::Error(what + ": " + t.name() +
+                             (offloaded_.count(tensor)
+                                  ? "'s shard is offloaded; the plan must reload it first"
+                                  : " has no shard"));
+      }
+      inputs.push_back(shard->Flat());
+      continue;
+    }
+    const BufferKey key = BufferKey::OfOperand(tensor, t.role(), micro);
+    if (t.role() == proto::ROLE_INPUT && !Find(key)) {
+      DC_RETURN_IF_ERROR(LoadInput(index, tensor, micro, step, stream, what));
+    }
+    const Buffer* buffer = Find(key);
+    if (buffer == nullptr) {
+      return Status::Error(
+          what + ": reads " + t.name() +
+          (t.role() == proto::ROLE_PARAM ? ", which is not gathered" : ", which is not live"));
+    }
+    inputs.push_back(buffer->View({t.shape().begin(), t.shape().end()}));
+  }
+  for (int tensor : op.outputs()) {
+    const proto::Tensor& t = program_.tensors(tensor);
+    const BufferShape shape = TransientShape(program_, t);
+    DC_ASSIGN_OR_RETURN(Buffer * buffer,
+                        Allocate(index, BufferKey::Transient(tensor, micro), TransientKind(t),
+                                 shape.size_bytes, shape.dtype, shape.elements, stream, what));
+    outputs.push_back(buffer->View({t.shape().begin(), t.shape().end()}));
+  }
+  DC_RETURN_IF_ERROR(device_->RunOp(op, inputs, outputs, ArgsFor(step)).Prefixed(what + ": "));
+  if (optimizer) {
+    for (int tensor : op.inputs()) {
+      if (program_.tensors(tensor).role() != proto::ROLE_PARAM) continue;
+      DC_RETURN_IF_ERROR(RefreshComputeShard(tensor, stream, what));
+    }
+  }
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (!is_loss_term_[op.outputs(i)]) continue;
+    DC_RETURN_IF_ERROR(device_->AddLoss(outputs[i]).Prefixed(what + ": summing the loss: "));
+  }
+  return Status::Ok();
+}
+
+Status Interpreter::HostOptimizerStep(const proto::Instruction& instr, int index, int step) {
+  const proto::Op& op = program_.ops(instr.op());
+  const std::string what = Describe(index) + " on the host";
+  if (op.phase() != proto::PHASE_OPTIMIZER || op.outputs_size() > 0) {
+    return Status::Error(what + ": " + op.name() +
+                         " is not an in-place optimizer op; the host runs those only");
+  }
+  // Grad shards first, side by side in the staging; the casts reuse it afterwards.
+  std::vector<TensorRef> inputs;
+  int64_t offset = 0;
+  for (int tensor : op.inputs()) {
+    const proto::Tensor& t = program_.tensors(tensor);
+    TensorRef ref;
+    if (t.role() == proto::ROLE_GRAD) {
+      const Buffer* grad = Shard(tensor);
+      if (grad == nullptr) return Status::Error(what + ": " + t.name() + " has no shard");
+      if (offset + grad->storage_bytes() > host_optimizer_staging_->size_bytes()) {
+        return Status::Error(what + ": the host optimizer's staging cannot hold " + t.name() +
+                             " (an executor bug; please report it)");
+      }
+      void* host = static_cast<char*>(host_optimizer_staging_->data()) + offset;
+      DC_RETURN_IF_ERROR(device_->CopyToHost(host, grad->data, grad->storage_bytes(),
+                                             proto::STREAM_HOST,
+                                             what + ": copying " + t.name() + " to the host"));
+      offset += AlignUp(grad->storage_bytes(), kStagingAlignmentBytes);
+      ref.f32 = static_cast<float*>(host);
+      ref.shape = {grad->elements};
+    } else {
+      auto host = host_shards_.find(tensor);
+      if (host == host_shards_.end() || !layout_.host_resident[tensor]) {
+        return Status::Error(what + ": " + t.name() + " is not in host memory; re-plan it");
+      }
+      ref.f32 = static_cast<float*>(host->second->data());
+      ref.shape = {ShardOf(tensor)};
+    }
+    inputs.push_back(ref);
+  }
+  KernelContext context;
+  context.config = &program_.config();
+  context.grad_scale = ArgsFor(step).grad_scale;
+  context.adam_step = step + 1;
+  context.num_threads = options_.num_threads;
+  DC_RETURN_IF_ERROR(RunCpuOp(op, inputs, {}, context).Prefixed(what + ": "));
+  for (int tensor : op.inputs()) {
+    if (program_.tensors(tensor).role() != proto::ROLE_PARAM) continue;
+    DC_RETURN_IF_ERROR(RefreshComputeShardFromHost(tensor, what));
+  }
+  return Status::Ok();
+}
+
+// One grouped all-gather for all the instruction's params.
+Status Interpreter::Gather(const proto::Instruction& instr, int index) {
+  const std::string what = Describe(index);
+  std::vector<GatherItem> items;
+  for (int tensor : instr.tensors()) {
+    const proto::Tensor& t = program_.tensors(tensor);
+    if (t.role() != proto::ROLE_PARAM) {
+      return Status::Error(what + ": " + t.name() + " is not a param");
+    }
+    if (Find(BufferKey::Gathered(tensor))) {
+      return Status::Error(what + ": " + t.name() + " is already gathered");
+    }
+    // What the gather sends: the compute-dtype shard where the plan keeps one (the master may be
+    // on the host), else the master.
+    const Buffer* compute = Find(BufferKey::ComputeShard(tensor));
+    const Buffer* source = compute != nullptr ? compute : Shard(tensor);
+    if (source == nullptr) return Status::Error(what + ": " + t.name() + "'s shard is offloaded");
+    const BufferShape shape = TransientShape(program_, t);
+    DC_ASSIGN_OR_RETURN(Buffer * whole,
+                        Allocate(index, BufferKey::Gathered(tensor), BufferKind::kGathered,
+                                 shape.size_bytes, shape.dtype, shape.elements, instr.stream(),
+                                 what));
+    items.push_back({&t, source->Flat(), whole->View({t.shape().begin(), t.shape().end()}),
+                     ShardOf(tensor)});
+  }
+  return device_->AllGather(items, instr.stream(), what).Prefixed(what + ": ");
+}
+
+// One grouped reduce-scatter for all the instruction's grads.
+Status Interpreter::ReduceScatter(const proto::Instruction& instr, int index) {
+  const std::string what = Describe(index);
+  std::vector<ReduceScatterItem> items;
+  for (int tensor : instr.tensors()) {
+    const proto::Tensor& t = program_.tensors(tensor);
+    const Buffer* grad = Find(BufferKey::Transient(tensor, instr.micro_step()));
+    if (grad == nullptr) {
+      return Status::Error(what + ": reduce-scatter of " + t.name() + ", which is not live");
+    }
+    const Buffer* shard = Shard(tensor);
+    if (shard == nullptr) {
+      return Status::Error(what + ": reduce-scatter into " + t.name() + "'s offloaded shard");
+    }
+    items.push_back({&t, grad->View({t.shape().begin(), t.shape().end()}), shard->Flat(),
+                     shard->elements});
+  }
+  return device_->ReduceScatterAdd(items, instr.stream(), what).Prefixed(what + ": ");
+}
+
+// Offload copies a persistent shard to its host copy and frees it on the device; reload
+// allocates it again and copies it back (after the offload's copy: ScheduleLayout's wait).
+Status Interpreter::Offload(const proto::Instruction& instr, int index) {
+  const std::string what = Describe(index);
+  for (int tensor : instr.tensors()) {
+    const proto::Tensor& t = program_.tensors(tensor);
+    const Buffer* shard = Shard(tensor);
+    auto host = host_shards_.find(tensor);
+    if (shard == nullptr || host == host_shards_.end()) {
+      return Status::Error(what + ": " + t.name() +
+                           " is not a persistent shard on the device (dc offloads shards only)");
+    }
+    DC_RETURN_IF_ERROR(device_->CopyToHost(host->second->data(), shard->data,
+                                           shard->storage_bytes(), instr.stream(),
+                                           what + ": " + t.name()));
+    DC_RETURN_IF_ERROR(Release(BufferKey::Persistent(tensor), instr.stream(), what));
+    offloaded_.insert(tensor);
+  }
+  return Status::Ok();
+}
+
+Status Interpreter::Reload(const proto::Instruction& instr, int index) {
+  const std::string what = Describe(index);
+  for (int tensor : instr.tensors()) {
+    const proto::Tensor& t = program_.tensors(tensor);
+    if (!offloaded_.count(tensor)) return Status::Error(what + ": " + t.name() + " is not offloaded");
+    const int64_t elements = ShardOf(tensor);
+    DC_ASSIGN_OR_RETURN(Buffer * shard,
+                        Allocate(index, BufferKey::Persistent(tensor), PersistentKind(t.role()),
+                                 elements * kShardElementBytes, proto::DTYPE_F32, elements,
+                                 instr.stream(), what));
+    DC_RETURN_IF_ERROR(device_->CopyToDevice(shard->data, host_shards_.at(tensor)->data(),
+                                             shard->storage_bytes(), instr.stream(),
+                                             what + ": " + t.name()));
+    offloaded_.erase(tensor);
+  }
+  return Status::Ok();
+}
+
+Status Interpreter::ReleaseInstruction(const proto::Instruction& instr, int index) {
+  for (int tensor : instr.tensors()) {
+    const BufferKey key =
+        BufferKey::OfOperand(tensor, program_.tensors(tensor).role(), instr.micro_step());
+    if (!Find(key)) {
+      return Status::Error(Describe(index) + ": releases " + program_.tensors(tensor).name() +
+                           ", which is not live");
+    }
+    DC_RETURN_IF_ERROR(Release(key, instr.stream(), Describe(index)));
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Steps
+
+// The plan's next step may offload the shard from its start-up place at once, on another
+// stream, while the other streams already reuse the reload's bytes: so the shard must be back
+// first. The start-up places are free here (every transient buffer is released at the step's
+// end), but one shard's start-up place may hold another shard still at its reload's place: such
+// moves go through the shards' host copies, after every other move has read its source.
+Status Interpreter::ReturnReloadedShards(const std::string& what) {
+  struct Move {
+    int tensor;
+    Buffer* shard;
+    void* place;
+    bool through_host;
+  };
+  std::vector<Move> moves;
+  for (auto& [tensor, place] : startup_place_) {
+    Buffer* shard = Shard(tensor);
+    if (shard != nullptr && shard->data != place) moves.push_back({tensor, shard, place, false});
+  }
+  auto overlaps = [](const void* a, const void* b, int64_t a_bytes, int64_t b_bytes) {
+    const auto* x = static_cast<const char*>(a);
+    const auto* y = static_cast<const char*>(b);
+    return x < y + b_bytes && y < x + a_bytes;
+  };
+  for (Move& m : moves) {
+    for (const Move& other : moves) {
+      m.through_host = m.through_host || overlaps(m.place, other.shard->data,
+                                                  m.shard->storage_bytes(),
+                                                  other.shard->storage_bytes());
+    }
+  }
+  auto copy_what = [&](const Move& m) {
+    return what + ": returning " + program_.tensors(m.tensor).name() + " to its place";
+  };
+  for (const Move& m : moves) {
+    const int64_t bytes = m.shard->storage_bytes();
+    if (m.through_host) {
+      DC_RETURN_IF_ERROR(device_->CopyToHost(host_shards_.at(m.tensor)->data(), m.shard->data,
+                                             bytes, proto::STREAM_COMPUTE, copy_what(m)));
+    } else {
+      DC_RETURN_IF_ERROR(device_->CopyOnDevice(m.place, m.shard->data, bytes,
+                                               proto::STREAM_COMPUTE, copy_what(m)));
+    }
+  }
+  for (const Move& m : moves) {
+    if (m.through_host) {
+      DC_RETURN_IF_ERROR(device_->CopyToDevice(m.place, host_shards_.at(m.tensor)->data(),
+                                               m.shard->storage_bytes(), proto::STREAM_COMPUTE,
+                                               copy_what(m)));
+    }
+    m.shard->data = m.place;
+  }
+  return Status::Ok();
+}
+
+Status Interpreter::RunStep(int step, bool warmup, double* loss, double* seconds) {
+  const auto wall_start = std::chrono::steady_clock::now();
+  const int64_t start_ns = Now();
+  for (int i = 0; i < schedule_.instructions_size(); ++i) DC_RETURN_IF_ERROR(Execute(i, step));
+  for (const auto& [key, buffer] : live_) {
+    if (key.slot != BufferSlot::kPersistent && key.slot != BufferSlot::kComputeShard) {
+      return Status::Error("the plan leaves " + program_.tensors(key.tensor).name() +
+                           " live at the end of the step; re-plan it");
+    }
+  }
+  if (!offloaded_.empty()) {
+    return Status::Error("the plan leaves " + program_.tensors(*offloaded_.begin()).name() +
+                         " offloaded at the end of the step; re-plan it");
+  }
+  const std::string what = "the end of step " + std::to_string(step) + " on " + Who();
+  DC_RETURN_IF_ERROR(device_->JoinStreams(what));
+  DC_RETURN_IF_ERROR(ReturnReloadedShards(what));
+  // The grad accumulators start the next step empty; every stream's work is done before these
+  // run, the optimizer's reads included.
+  for (const auto& [key, buffer] : live_) {
+    if (program_.tensors(key.tensor).role() != proto::ROLE_GRAD) continue;
+    DC_RETURN_IF_ERROR(device_->Zero(buffer.data, buffer.storage_bytes(), proto::STREAM_COMPUTE,
+                                     what + ": zeroing " + program_.tensors(key.tensor).name()));
+  }
+  DC_ASSIGN_OR_RETURN(double sum, device_->FinishStep(step));
+  DC_RETURN_IF_ERROR(comm_->AllReduceSum(&sum, 1));
+  *loss = sum / static_cast<double>(TokensPerStep(program_.config(), world_));
+  *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
+  if (tracer_ != nullptr) tracer_->Step(step, start_ns, Now(), *loss, warmup);
+  return Status::Ok();
+}
+
+StatusOr<std::string> Interpreter::ParamsDigest() {
+  std::string bytes;
+  for (const auto& t : program_.tensors()) {
+    if (t.role() != proto::ROLE_PARAM) continue;
+    const size_t offset = bytes.size();
+    if (layout_.host_resident[t.id()]) {
+      const auto* master = static_cast<const char*>(host_shards_.at(t.id())->data());
+      bytes.append(master, static_cast<size_t>(ShardOf(t.id())) * sizeof(float));
+      continue;
+    }
+    const Buffer* shard = Shard(t.id());
+    if (shard == nullptr) continue;
+    bytes.resize(offset + shard->storage_bytes());
+    DC_RETURN_IF_ERROR(device_->CopyToHost(bytes.data() + offset, shard->data,
+                                           shard->storage_bytes(), proto::STREAM_HOST,
+                                           Who() + ": reading the param shard of " + t.name()));
+  }
+  return Sha256Hex(bytes);
+}
+
+// The step loop: warm-up and measured steps, the loss checks, progress, then the run's figures
+// agreed over the ranks (peaks, the joined params digest).
+StatusOr<RunResult> RunSteps(Interpreter* runner, const proto::Schedule& schedule,
+                             const RunOptions& options, Communicator* comm) {
+  RunResult result;
+  result.world_size = comm->world_size();
+  result.tokens_per_step = TokensPerStep(schedule.program().config(), comm->world_size());
+  const int total = options.warmup_steps + options.steps;
+  for (int step = 0; step < total; ++step) {
+    const bool warmup = step < options.warmup_steps;
+    double loss = 0, seconds = 0;
+    DC_RETURN_IF_ERROR(runner->RunStep(step, warmup, &loss, &seconds));
+    if (!std::isfinite(loss)) {
+      return Status::Error("the loss is " + std::to_string(loss) + " at step " +
+                           std::to_string(step) + "; lower the learning rate or check the data");
+    }
+    if (!warmup) {
+      result.losses.push_back(loss);
+      result.step_seconds.push_back(seconds);
+    }
+    if (options.on_step && comm->rank() == 0) options.on_step(step, loss, seconds);
+  }
+  double peaks[2] = {static_cast<double>(runner->peak_live_bytes()),
+                     static_cast<double>(runner->arena_bytes())};
+  DC_RETURN_IF_ERROR(comm->AllReduceMax(peaks, 2));
+  result.peak_live_bytes = static_cast<int64_t>(peaks[0]);
+  result.arena_bytes = static_cast<int64_t>(peaks[1]);
+  result.peak_device_bytes = std::max(result.peak_live_bytes, result.arena_bytes);
+  // Every rank's shard digest, 48 bits each (exact in a double), joined into one digest.
+  constexpr int kDigestHexDigits = 12;
+  DC_ASSIGN_OR_RETURN(const std::string rank_digest, runner->ParamsDigest());
+  std::vector<double> rank_digests(comm->world_size(), 0.0);
+  rank_digests[comm->rank()] =
+      static_cast<double>(std::stoull(rank_digest.substr(0, kDigestHexDigits), nullptr, 16));
+  DC_RETURN_IF_ERROR(comm->AllReduceSum(rank_digests.data(), comm->world_size()));
+  std::string joined;
+  for (double d : rank_digests) joined += std::to_string(static_cast<uint64_t>(d)) + ";";
+  result.params_digest = Sha256Hex(joined);
+  result.peak_by_kind = runner->peak_by_kind();
+  result.step_seconds_median = Median(result.step_seconds);
+  if (result.step_seconds_median > 0) {
+    result.tokens_per_second =
+        static_cast<double>(result.tokens_per_step) / result.step_seconds_median;
+  }
+  return result;
+}
+
+}  // namespace
+
+StatusOr<RunResult> Interpret(const proto::Schedule& schedule, const RunOptions& options,
+                              RankDevice* device, Communicator* comm, ExecutionTracer* tracer) {
+  StatusOr<ScheduleLayout> layout = MakeScheduleLayout(schedule);
+  StatusOr<std::unique_ptr<TokenSource>> data =
+      layout.ok() ? TokenSource::Open(schedule.program().config())
+                  : StatusOr<std::unique_ptr<TokenSource>>(layout.status());
+  if (!data.ok()) {
+    device->Abort();
+    return data.status();
+  }
+  Interpreter runner(schedule, options, device, comm, tracer, std::move(*data),
+                     std::move(*layout));
+  const Status started = runner.Init();
+  StatusOr<RunResult> result =
+      started.ok() ? RunSteps(&runner, schedule, options, comm) : StatusOr<RunResult>(started);
+  // Before the runner's destructor waits for the device.
+  if (!result.ok()) device->Abort();
+  return result;
+}
+
+}  // namespace dc

@@ -1,0 +1,31 @@
+#include "executor/tracer.h"
+
+#include <algorithm>
+
+#include "schemas/effects.h"
+
+namespace dc {
+
+TracedInstruction TraceOf(const proto::Schedule& schedule, int index) {
+  const proto::Program& program = schedule.program();
+  const proto::Instruction& instr = schedule.instructions(index);
+  TracedInstruction traced;
+  traced.kind = instr.kind();
+  traced.stream = instr.stream();
+  traced.micro_step = instr.micro_step();
+  traced.tensors = instr.tensors_size();
+  traced.bucket = instr.bucket();
+  if (instr.kind() == proto::INSTR_COMPUTE) traced.op_name = program.ops(instr.op()).name();
+  const int world = std::max(1, schedule.world_size());
+  for (int t : instr.tensors()) {
+    const proto::Tensor& tensor = program.tensors(t);
+    if (instr.kind() == proto::INSTR_ALL_GATHER || instr.kind() == proto::INSTR_REDUCE_SCATTER) {
+      traced.bytes += TransientBytes(program, tensor);
+    } else if (instr.kind() == proto::INSTR_OFFLOAD || instr.kind() == proto::INSTR_RELOAD) {
+      traced.bytes += ShardBytes(tensor, world);
+    }
+  }
+  return traced;
+}
+
+}  // namespace dc
