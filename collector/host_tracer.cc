@@ -8,13 +8,19 @@
 #include <utility>
 
 #include "collector/sqlite_writer.h"
+#include "collector/trace_rows.h"
 #include "schemas/files.h"
 #include "schemas/trace_schema.h"
 
 namespace dc {
 
 using collector_internal::Database;
-using collector_internal::Statement;
+using collector_internal::GpuInfoRow;
+using collector_internal::KernelRow;
+using collector_internal::MemcpyRow;
+using collector_internal::MemoryEventRow;
+using collector_internal::RecordStatsRow;
+using collector_internal::TraceRowWriter;
 
 namespace {
 
@@ -214,212 +220,6 @@ int64_t HostTracer::memory_events() const { return static_cast<int64_t>(records_
 
 namespace {
 
-// Writes one rank's records; each method fills one table.
-class RankFileWriter {
- public:
-  RankFileWriter(Database* db, const RankIdentity& identity, int64_t global_pid,
-                 const TracerRecords& records)
-      : db_(db), identity_(identity), global_pid_(global_pid), records_(records) {}
-
-  Status WriteStrings();
-  Status WriteKernels();
-  Status WriteCollectives();
-  Status WriteCopies();
-  Status WriteInstructionMap();
-  Status WriteMemory();
-  Status WriteSteps();
-  Status WriteRank();
-  Status WriteClockAnchors(const ClockAnchor& start, const ClockAnchor& end);
-  Status WriteRecordStats();
-  Status WriteStreams();
-  Status WriteTargetInfo(int64_t session_start_utc_ns);
-
- private:
-  int64_t device_id() const { return identity_.local_rank; }
-
-  Database* db_;
-  const RankIdentity& identity_;
-  int64_t global_pid_;
-  const TracerRecords& records_;
-};
-
-Status RankFileWriter::WriteStrings() {
-  DC_ASSIGN_OR_RETURN(Statement insert,
-                      db_->Prepare("INSERT INTO StringIds(id, value) VALUES (?, ?)"));
-  for (size_t i = 0; i < records_.strings.size(); ++i) {
-    insert.Bind(1, static_cast<int64_t>(i) + 1);
-    insert.Bind(2, records_.strings[i]);
-    DC_RETURN_IF_ERROR(insert.Run());
-  }
-  return Status::Ok();
-}
-
-Status RankFileWriter::WriteKernels() {
-  // Launch geometry is meaningless on the host: grid and block are 1, other required columns 0.
-  DC_ASSIGN_OR_RETURN(
-      Statement insert,
-      db_->Prepare("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL(start, end, deviceId, contextId, "
-                   "streamId, correlationId, globalPid, demangledName, shortName, launchType, "
-                   "cacheConfig, registersPerThread, gridX, gridY, gridZ, blockX, blockY, blockZ, "
-                   "staticSharedMemory, dynamicSharedMemory, localMemoryPerThread, "
-                   "localMemoryTotal, gridId) "
-                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0)"));
-  for (const auto& k : records_.kernels) {
-    insert.Bind(1, k.start_ns);
-    insert.Bind(2, k.end_ns);
-    insert.Bind(3, device_id());
-    insert.Bind(4, kContextId);
-    insert.Bind(5, int64_t{k.stream});
-    insert.Bind(6, k.correlation_id);
-    insert.Bind(7, global_pid_);
-    insert.Bind(8, k.name_id);
-    insert.Bind(9, k.name_id);
-    DC_RETURN_IF_ERROR(insert.Run());
-  }
-  return Status::Ok();
-}
-
-Status RankFileWriter::WriteCollectives() {
-  DC_ASSIGN_OR_RETURN(
-      Statement insert,
-      db_->Prepare("INSERT INTO TC_COLLECTIVE(start, end, globalPid, deviceId, streamId, "
-                   "correlationId, kind, bytes, tensors, bucket) "
-                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
-  for (const auto& c : records_.collectives) {
-    insert.Bind(1, c.start_ns);
-    insert.Bind(2, c.end_ns);
-    insert.Bind(3, global_pid_);
-    insert.Bind(4, device_id());
-    insert.Bind(5, int64_t{c.stream});
-    insert.Bind(6, c.correlation_id);
-    insert.Bind(7, std::string_view(InstrKindName(c.kind)));
-    insert.Bind(8, c.bytes);
-    insert.Bind(9, int64_t{c.num_tensors});
-    insert.Bind(10, int64_t{c.bucket});
-    DC_RETURN_IF_ERROR(insert.Run());
-  }
-  return Status::Ok();
-}
-
-Status RankFileWriter::WriteCopies() {
-  DC_ASSIGN_OR_RETURN(
-      Statement insert,
-      db_->Prepare("INSERT INTO CUPTI_ACTIVITY_KIND_MEMCPY(start, end, deviceId, contextId, "
-                   "streamId, correlationId, globalPid, bytes, copyKind, srcKind, dstKind, "
-                   "srcDeviceId, srcContextId, dstDeviceId, dstContextId) "
-                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
-  for (const auto& c : records_.copies) {
-    const bool to_device = c.kind == proto::INSTR_RELOAD;
-    insert.Bind(1, c.start_ns);
-    insert.Bind(2, c.end_ns);
-    insert.Bind(3, device_id());
-    insert.Bind(4, kContextId);
-    insert.Bind(5, int64_t{c.stream});
-    insert.Bind(6, c.correlation_id);
-    insert.Bind(7, global_pid_);
-    insert.Bind(8, c.bytes);
-    insert.Bind(9, to_device ? kCopyKindHtoD : kCopyKindDtoH);
-    insert.Bind(10, to_device ? kMemKindPinned : kMemKindDevice);
-    insert.Bind(11, to_device ? kMemKindDevice : kMemKindPinned);
-    insert.Bind(12, device_id());
-    insert.Bind(13, kContextId);
-    insert.Bind(14, device_id());
-    insert.Bind(15, kContextId);
-    DC_RETURN_IF_ERROR(insert.Run());
-  }
-  return Status::Ok();
-}
-
-Status RankFileWriter::WriteInstructionMap() {
-  DC_ASSIGN_OR_RETURN(
-      Statement insert,
-      db_->Prepare("INSERT INTO TC_INSTRUCTION_MAP(globalPid, correlationId, step, microStep, "
-                   "instruction, kind) VALUES (?, ?, ?, ?, ?, ?)"));
-  for (const auto& m : records_.mappings) {
-    insert.Bind(1, global_pid_);
-    insert.Bind(2, m.correlation_id);
-    insert.Bind(3, int64_t{m.ref.step});
-    insert.Bind(4, int64_t{m.ref.micro_step});
-    insert.Bind(5, int64_t{m.ref.instruction});
-    insert.Bind(6, std::string_view(InstrKindName(m.kind)));
-    DC_RETURN_IF_ERROR(insert.Run());
-  }
-  return Status::Ok();
-}
-
-Status RankFileWriter::WriteMemory() {
-  DC_ASSIGN_OR_RETURN(
-      Statement insert,
-      db_->Prepare("INSERT INTO CUDA_GPU_MEMORY_USAGE_EVENTS(start, globalPid, deviceId, "
-                   "contextId, address, pc, bytes, memKind, memoryOperationType, name, "
-                   "correlationId, tcKind) VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?)"));
-  for (const auto& m : records_.memory) {
-    insert.Bind(1, m.ts_ns);
-    insert.Bind(2, global_pid_);
-    insert.Bind(3, device_id());
-    insert.Bind(4, kContextId);
-    insert.Bind(5, m.address);
-    insert.Bind(6, m.bytes);
-    insert.Bind(7, kMemKindDevice);
-    insert.Bind(8, m.alloc ? kMemOperAllocation : kMemOperDeallocation);
-    insert.Bind(9, records_.strings[m.name_id - 1]);
-    insert.Bind(10, m.correlation_id);
-    insert.Bind(11, std::string_view(BufferKindName(m.kind)));
-    DC_RETURN_IF_ERROR(insert.Run());
-  }
-  return Status::Ok();
-}
-
-Status RankFileWriter::WriteSteps() {
-  DC_ASSIGN_OR_RETURN(Statement insert,
-                      db_->Prepare("INSERT INTO TC_STEP(globalPid, step, start, end, loss, "
-                                   "warmup) VALUES (?, ?, ?, ?, ?, ?)"));
-  for (const auto& s : records_.steps) {
-    insert.Bind(1, global_pid_);
-    insert.Bind(2, int64_t{s.step});
-    insert.Bind(3, s.start_ns);
-    insert.Bind(4, s.end_ns);
-    insert.Bind(5, s.loss);
-    insert.Bind(6, int64_t{s.warmup ? 1 : 0});
-    DC_RETURN_IF_ERROR(insert.Run());
-  }
-  return Status::Ok();
-}
-
-Status RankFileWriter::WriteRank() {
-  DC_ASSIGN_OR_RETURN(
-      Statement insert,
-      db_->Prepare("INSERT INTO TC_RANK(globalPid, hostname, rank, localRank, worldSize, "
-                   "deviceId, backend, device, deviceMemoryBytes) "
-                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"));
-  insert.Bind(1, global_pid_);
-  insert.Bind(2, identity_.hostname);
-  insert.Bind(3, int64_t{identity_.rank});
-  insert.Bind(4, int64_t{identity_.local_rank});
-  insert.Bind(5, int64_t{identity_.world_size});
-  insert.Bind(6, device_id());
-  insert.Bind(7, identity_.backend);
-  insert.Bind(8, identity_.device);
-  insert.Bind(9, identity_.device_memory_bytes);
-  return insert.Run();
-}
-
-Status RankFileWriter::WriteClockAnchors(const ClockAnchor& start, const ClockAnchor& end) {
-  DC_ASSIGN_OR_RETURN(
-      Statement insert,
-      db_->Prepare("INSERT INTO TC_CLOCK_ANCHOR(globalPid, tag, realtimeNs, monotonicNs, "
-                   "sessionNs) VALUES (?, ?, ?, ?, ?)"));
-  for (const auto& [tag, anchor] : {std::pair{"start", start}, std::pair{"end", end}}) {
-    insert.Bind(1, global_pid_);
-    insert.Bind(2, std::string_view(tag));
-    insert.Bind(3, anchor.realtime_ns);
-    insert.Bind(4, anchor.monotonic_ns);
-    insert.Bind(5, anchor.session_ns);
-    DC_RETURN_IF_ERROR(insert.Run());
-  }
-  return Status::Ok();
-}
-
 // A record whose start could not be taken (0) or that ends before it starts.
 bool BadTimestamp(int64_t start_ns, int64_t end_ns) { return start_ns == 0 || end_ns < start_ns; }
 
@@ -430,91 +230,115 @@ int64_t CountBadTimestamps(const std::vector<Record>& records) {
   return n;
 }
 
-Status RankFileWriter::WriteRecordStats() {
+std::vector<RecordStatsRow> RecordStats(const TracerRecords& records) {
   int64_t compute_kernels = 0, compute_bad = 0;
-  for (const auto& k : records_.kernels) {
+  for (const auto& k : records.kernels) {
     // Collectives' kernel rows are counted with the collectives.
     if (k.collective) continue;
     ++compute_kernels;
     compute_bad += BadTimestamp(k.start_ns, k.end_ns) ? 1 : 0;
   }
   int64_t memory_bad = 0;
-  for (const auto& m : records_.memory) memory_bad += BadTimestamp(m.ts_ns, m.ts_ns) ? 1 : 0;
-  struct Row {
-    const char* kind;
-    int64_t records, zero_timestamp;
+  for (const auto& m : records.memory) memory_bad += BadTimestamp(m.ts_ns, m.ts_ns) ? 1 : 0;
+  return {
+      {"kernel", compute_kernels, 0, compute_bad},
+      {"collective", static_cast<int64_t>(records.collectives.size()), 0,
+       CountBadTimestamps(records.collectives)},
+      {"memcpy", static_cast<int64_t>(records.copies.size()), 0,
+       CountBadTimestamps(records.copies)},
+      {"memory", static_cast<int64_t>(records.memory.size()), 0, memory_bad},
   };
-  const Row rows[] = {
-      {"kernel", compute_kernels, compute_bad},
-      {"collective", static_cast<int64_t>(records_.collectives.size()),
-       CountBadTimestamps(records_.collectives)},
-      {"memcpy", static_cast<int64_t>(records_.copies.size()), CountBadTimestamps(records_.copies)},
-      {"memory", static_cast<int64_t>(records_.memory.size()), memory_bad},
-  };
-  DC_ASSIGN_OR_RETURN(Statement insert,
-                      db_->Prepare("INSERT INTO TC_RECORD_STATS(globalPid, kind, records, "
-                                   "dropped, zeroTimestamp) VALUES (?, ?, ?, 0, ?)"));
-  for (const Row& row : rows) {
-    insert.Bind(1, global_pid_);
-    insert.Bind(2, std::string_view(row.kind));
-    insert.Bind(3, row.records);
-    insert.Bind(4, row.zero_timestamp);
-    DC_RETURN_IF_ERROR(insert.Run());
-  }
-  return Status::Ok();
 }
 
-Status RankFileWriter::WriteStreams() {
-  DC_ASSIGN_OR_RETURN(Statement insert,
-                      db_->Prepare("INSERT INTO TC_STREAM(streamId, name) VALUES (?, ?)"));
+// Writes one rank's records, every row through the shared TraceRowWriter.
+Status WriteRecords(Database* db, const RankIdentity& identity, int64_t global_pid,
+                    const TracerRecords& records, const ClockAnchor& end,
+                    int64_t session_start_utc_ns) {
+  DC_ASSIGN_OR_RETURN(TraceRowWriter rows, TraceRowWriter::Create(db, global_pid));
+  const int64_t device_id = identity.local_rank;
+  for (size_t i = 0; i < records.strings.size(); ++i) {
+    DC_RETURN_IF_ERROR(rows.String(static_cast<int64_t>(i) + 1, records.strings[i]));
+  }
+  // Launch geometry is meaningless on the host: KernelRow's defaults (grid and block 1).
+  for (const auto& k : records.kernels) {
+    KernelRow row;
+    row.start_ns = k.start_ns;
+    row.end_ns = k.end_ns;
+    row.device_id = device_id;
+    row.context_id = kContextId;
+    row.stream_id = k.stream;
+    row.correlation_id = k.correlation_id;
+    row.demangled_name_id = k.name_id;
+    row.short_name_id = k.name_id;
+    DC_RETURN_IF_ERROR(rows.Kernel(row));
+  }
+  for (const auto& c : records.collectives) {
+    DC_RETURN_IF_ERROR(rows.Collective({c.start_ns, c.end_ns, device_id, c.stream, c.correlation_id,
+                                        InstrKindName(c.kind), c.bytes, c.num_tensors, c.bucket}));
+  }
+  for (const auto& c : records.copies) {
+    const bool to_device = c.kind == proto::INSTR_RELOAD;
+    MemcpyRow row;
+    row.start_ns = c.start_ns;
+    row.end_ns = c.end_ns;
+    row.device_id = device_id;
+    row.context_id = kContextId;
+    row.stream_id = c.stream;
+    row.correlation_id = c.correlation_id;
+    row.bytes = c.bytes;
+    row.copy_kind = to_device ? kCopyKindHtoD : kCopyKindDtoH;
+    row.src_kind = to_device ? kMemKindPinned : kMemKindDevice;
+    row.dst_kind = to_device ? kMemKindDevice : kMemKindPinned;
+    row.src_device_id = row.dst_device_id = device_id;
+    row.src_context_id = row.dst_context_id = kContextId;
+    DC_RETURN_IF_ERROR(rows.Memcpy(row));
+  }
+  for (const auto& m : records.mappings) {
+    DC_RETURN_IF_ERROR(rows.InstructionMap({m.correlation_id, m.ref.step, m.ref.micro_step,
+                                            m.ref.instruction, InstrKindName(m.kind)}));
+  }
+  for (const auto& m : records.memory) {
+    MemoryEventRow row;
+    row.ts_ns = m.ts_ns;
+    row.device_id = device_id;
+    row.context_id = kContextId;
+    row.address = m.address;
+    row.bytes = m.bytes;
+    row.mem_kind = kMemKindDevice;
+    row.operation = m.alloc ? kMemOperAllocation : kMemOperDeallocation;
+    row.name = records.strings[m.name_id - 1];
+    row.correlation_id = m.correlation_id;
+    row.tc_kind = BufferKindName(m.kind);
+    DC_RETURN_IF_ERROR(rows.MemoryEvent(row));
+  }
+  for (const auto& s : records.steps) {
+    DC_RETURN_IF_ERROR(rows.Step({s.step, s.start_ns, s.end_ns, s.loss, s.warmup}));
+  }
+  DC_RETURN_IF_ERROR(
+      rows.Rank({identity.hostname, identity.rank, identity.local_rank, identity.world_size,
+                 device_id, identity.backend, identity.device, identity.device_memory_bytes}));
+  const ClockAnchor& start = records.start_anchor;
+  for (const auto& [tag, anchor] : {std::pair{"start", start}, std::pair{"end", end}}) {
+    DC_RETURN_IF_ERROR(
+        rows.ClockAnchor({tag, anchor.realtime_ns, anchor.monotonic_ns, anchor.session_ns}));
+  }
+  for (const RecordStatsRow& row : RecordStats(records)) {
+    DC_RETURN_IF_ERROR(rows.RecordStats(row));
+  }
   for (int s = proto::Stream_MIN; s <= proto::Stream_MAX; ++s) {
     if (s == proto::STREAM_UNSPECIFIED || !proto::Stream_IsValid(s)) continue;
-    insert.Bind(1, int64_t{s});
-    insert.Bind(2, std::string_view(StreamName(static_cast<proto::Stream>(s))));
-    DC_RETURN_IF_ERROR(insert.Run());
+    DC_RETURN_IF_ERROR(rows.Stream(s, StreamName(static_cast<proto::Stream>(s))));
   }
+  GpuInfoRow gpu;
+  gpu.vm_id = static_cast<int64_t>(identity.rank) << kRankShift;
+  gpu.id = device_id;
+  gpu.name = identity.device;
+  gpu.total_memory = identity.device_memory_bytes;
+  gpu.cu_device = device_id;
+  DC_RETURN_IF_ERROR(rows.GpuInfo(gpu));
+  DC_RETURN_IF_ERROR(rows.SessionStart(session_start_utc_ns));
+  rows.Close();
   return Status::Ok();
-}
-
-Status RankFileWriter::WriteTargetInfo(int64_t session_start_utc_ns) {
-  DC_ASSIGN_OR_RETURN(Statement gpu,
-                      db_->Prepare("INSERT INTO TARGET_INFO_GPU(vmId, id, name, totalMemory, "
-                                   "cuDevice) VALUES (?, ?, ?, ?, ?)"));
-  gpu.Bind(1, static_cast<int64_t>(identity_.rank) << kRankShift);
-  gpu.Bind(2, device_id());
-  gpu.Bind(3, identity_.device);
-  gpu.Bind(4, identity_.device_memory_bytes);
-  gpu.Bind(5, device_id());
-  DC_RETURN_IF_ERROR(gpu.Run());
-
-  const time_t seconds = static_cast<time_t>(session_start_utc_ns / 1'000'000'000);
-  char utc[32] = "", local[32] = "";
-  tm parts{};
-  if (gmtime_r(&seconds, &parts)) strftime(utc, sizeof(utc), "%Y-%m-%dT%H:%M:%S", &parts);
-  if (localtime_r(&seconds, &parts)) strftime(local, sizeof(local), "%Y-%m-%dT%H:%M:%S", &parts);
-  DC_ASSIGN_OR_RETURN(Statement start,
-                      db_->Prepare("INSERT INTO TARGET_INFO_SESSION_START_TIME(utcEpochNs, "
-                                   "utcTime, localTime) VALUES (?, ?, ?)"));
-  start.Bind(1, session_start_utc_ns);
-  start.Bind(2, std::string_view(utc));
-  start.Bind(3, std::string_view(local));
-  return start.Run();
-}
-
-Status WriteAll(RankFileWriter& writer, const ClockAnchor& start, const ClockAnchor& end,
-                int64_t session_start_utc_ns) {
-  DC_RETURN_IF_ERROR(writer.WriteStrings());
-  DC_RETURN_IF_ERROR(writer.WriteKernels());
-  DC_RETURN_IF_ERROR(writer.WriteCollectives());
-  DC_RETURN_IF_ERROR(writer.WriteCopies());
-  DC_RETURN_IF_ERROR(writer.WriteInstructionMap());
-  DC_RETURN_IF_ERROR(writer.WriteMemory());
-  DC_RETURN_IF_ERROR(writer.WriteSteps());
-  DC_RETURN_IF_ERROR(writer.WriteRank());
-  DC_RETURN_IF_ERROR(writer.WriteClockAnchors(start, end));
-  DC_RETURN_IF_ERROR(writer.WriteRecordStats());
-  DC_RETURN_IF_ERROR(writer.WriteStreams());
-  return writer.WriteTargetInfo(session_start_utc_ns);
 }
 
 }  // namespace
@@ -528,10 +352,8 @@ Status HostTracer::WriteRankFile(const std::string& path) const {
     DC_RETURN_IF_ERROR(db.Exec("PRAGMA journal_mode=OFF; PRAGMA synchronous=OFF;"));
     DC_RETURN_IF_ERROR(db.Exec(TraceSchemaSql()));
     DC_RETURN_IF_ERROR(db.Exec("BEGIN"));
-    {
-      RankFileWriter writer(&db, identity_, global_pid_, *records_);
-      DC_RETURN_IF_ERROR(WriteAll(writer, records_->start_anchor, end, session_start_utc_ns_));
-    }
+    DC_RETURN_IF_ERROR(
+        WriteRecords(&db, identity_, global_pid_, *records_, end, session_start_utc_ns_));
     DC_RETURN_IF_ERROR(db.Exec("COMMIT"));
     DC_RETURN_IF_ERROR(db.Close());
     if (std::rename(tmp.c_str(), path.c_str()) != 0) {

@@ -35,12 +35,10 @@ int64_t I(T value) {
   return static_cast<int64_t>(value);
 }
 
-void BindOptional(Statement& stmt, int index, uint64_t value) {
-  if (value == 0) {
-    stmt.BindNull(index);
-  } else {
-    stmt.Bind(index, I(value));
-  }
+// CUPTI's "none" is 0.
+std::optional<int64_t> Optional(uint64_t value) {
+  if (value == 0) return std::nullopt;
+  return I(value);
 }
 
 // Index of the bracket `open` that matches the `close` bracket at s[end], or npos.
@@ -206,12 +204,7 @@ ActivityWriter::ActivityWriter(Database db, std::string path, std::string tmp_pa
 ActivityWriter::~ActivityWriter() {
   if (finished_) return;
   // Statements must go before the connection closes.
-  insert_string_ = Statement();
-  insert_kernel_ = Statement();
-  insert_collective_ = Statement();
-  insert_memcpy_ = Statement();
-  insert_memset_ = Statement();
-  insert_memory_ = Statement();
+  rows_.Close();
   insert_api_ = Statement();
   insert_external_ = Statement();
   (void)db_.Close();
@@ -219,41 +212,7 @@ ActivityWriter::~ActivityWriter() {
 }
 
 Status ActivityWriter::PrepareStatements() {
-  DC_ASSIGN_OR_RETURN(insert_string_,
-                      db_.Prepare("INSERT INTO StringIds(id, value) VALUES (?, ?)"));
-  DC_ASSIGN_OR_RETURN(
-      insert_kernel_,
-      db_.Prepare("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL(start, end, deviceId, contextId, "
-                  "streamId, correlationId, globalPid, demangledName, shortName, mangledName, "
-                  "launchType, cacheConfig, registersPerThread, gridX, gridY, gridZ, blockX, "
-                  "blockY, blockZ, staticSharedMemory, dynamicSharedMemory, "
-                  "localMemoryPerThread, localMemoryTotal, gridId, sharedMemoryExecuted, "
-                  "graphNodeId, sharedMemoryLimitConfig) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
-                  "?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
-  DC_ASSIGN_OR_RETURN(
-      insert_collective_,
-      db_.Prepare("INSERT INTO TC_COLLECTIVE(start, end, globalPid, deviceId, streamId, "
-                  "correlationId, kind, bytes) VALUES (?, ?, ?, ?, ?, ?, ?, 0)"));
-  DC_ASSIGN_OR_RETURN(
-      insert_memcpy_,
-      db_.Prepare("INSERT INTO CUPTI_ACTIVITY_KIND_MEMCPY(start, end, deviceId, contextId, "
-                  "streamId, correlationId, globalPid, bytes, copyKind, srcKind, dstKind, "
-                  "srcDeviceId, srcContextId, dstDeviceId, dstContextId, graphNodeId) "
-                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
-  DC_ASSIGN_OR_RETURN(
-      insert_memset_,
-      db_.Prepare("INSERT INTO CUPTI_ACTIVITY_KIND_MEMSET(start, end, deviceId, contextId, "
-                  "streamId, correlationId, globalPid, value, bytes, graphNodeId, memKind) "
-                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
-  DC_ASSIGN_OR_RETURN(
-      insert_memory_,
-      db_.Prepare("INSERT INTO CUDA_GPU_MEMORY_USAGE_EVENTS(start, globalPid, deviceId, "
-                  "contextId, address, pc, bytes, memKind, memoryOperationType, name, "
-                  "correlationId, streamId, localMemoryPoolAddress, "
-                  "localMemoryPoolReleaseThreshold, localMemoryPoolSize, "
-                  "localMemoryPoolUtilizedSize, importedMemoryPoolAddress, "
-                  "importedMemoryPoolProcessId) "
-                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
+  DC_ASSIGN_OR_RETURN(rows_, collector_internal::TraceRowWriter::Create(&db_, global_pid_));
   DC_ASSIGN_OR_RETURN(
       insert_api_,
       db_.Prepare("INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME(start, end, eventClass, globalTid, "
@@ -272,9 +231,7 @@ int64_t ActivityWriter::Intern(std::string_view value) {
   auto [it, inserted] =
       string_ids_.try_emplace(std::string(value), static_cast<int64_t>(string_ids_.size()) + 1);
   if (inserted && error_.ok()) {
-    insert_string_.Bind(1, it->second);
-    insert_string_.Bind(2, value);
-    Keep(insert_string_.Run());
+    Keep(rows_.String(it->second, value));
   }
   return it->second;
 }
@@ -371,81 +328,69 @@ bool ActivityWriter::Admit(const char* kind, uint64_t start, uint64_t end) {
 void ActivityWriter::AddKernel(const CUpti_ActivityKernel10& r) {
   const KernelNames& names = NamesOf(r.name);
   if (!Admit(names.collective ? "collective" : "kernel", r.start, r.end)) return;
-  const int64_t start_ns = clock_.ToSessionNs(r.start);
-  const int64_t end_ns = clock_.ToSessionNs(r.end);
-  Statement& k = insert_kernel_;
-  BindDeviceActivity(k, r);
-  k.Bind(8, names.demangled_id);
-  k.Bind(9, names.short_id);
-  k.Bind(10, names.mangled_id);
-  k.Bind(11, I(r.launchType));
-  k.Bind(12, I(r.cacheConfig.config.executed));
-  k.Bind(13, I(r.registersPerThread));
-  k.Bind(14, I(r.gridX));
-  k.Bind(15, I(r.gridY));
-  k.Bind(16, I(r.gridZ));
-  k.Bind(17, I(r.blockX));
-  k.Bind(18, I(r.blockY));
-  k.Bind(19, I(r.blockZ));
-  k.Bind(20, I(r.staticSharedMemory));
-  k.Bind(21, I(r.dynamicSharedMemory));
-  k.Bind(22, I(r.localMemoryPerThread));
-  k.Bind(23, r.localMemoryTotal_v2 != 0 ? I(r.localMemoryTotal_v2) : I(r.localMemoryTotal));
-  k.Bind(24, I(r.gridId));
-  k.Bind(25, I(r.sharedMemoryExecuted));
-  BindOptional(k, 26, r.graphNodeId);
-  k.Bind(27, I(r.shmemLimitConfig));
-  Keep(k.Run());
+  auto k = DeviceActivity<collector_internal::KernelRow>(r);
+  k.demangled_name_id = names.demangled_id;
+  k.short_name_id = names.short_id;
+  k.mangled_name_id = names.mangled_id;
+  k.launch_type = I(r.launchType);
+  k.cache_config = I(r.cacheConfig.config.executed);
+  k.registers_per_thread = I(r.registersPerThread);
+  k.grid_x = I(r.gridX);
+  k.grid_y = I(r.gridY);
+  k.grid_z = I(r.gridZ);
+  k.block_x = I(r.blockX);
+  k.block_y = I(r.blockY);
+  k.block_z = I(r.blockZ);
+  k.static_shared_memory = I(r.staticSharedMemory);
+  k.dynamic_shared_memory = I(r.dynamicSharedMemory);
+  k.local_memory_per_thread = I(r.localMemoryPerThread);
+  k.local_memory_total =
+      r.localMemoryTotal_v2 != 0 ? I(r.localMemoryTotal_v2) : I(r.localMemoryTotal);
+  k.grid_id = I(r.gridId);
+  k.shared_memory_executed = I(r.sharedMemoryExecuted);
+  k.graph_node_id = Optional(r.graphNodeId);
+  k.shared_memory_limit_config = I(r.shmemLimitConfig);
+  Keep(rows_.Kernel(k));
   if (!names.collective) return;
-  Statement& c = insert_collective_;
-  c.Bind(1, start_ns);
-  c.Bind(2, end_ns);
-  c.Bind(3, global_pid_);
-  c.Bind(4, I(r.deviceId));
-  c.Bind(5, I(r.streamId));
-  c.Bind(6, I(r.correlationId));
-  c.Bind(7, std::string_view(*names.collective));
-  Keep(c.Run());
+  // Its payload, tensors and bucket come from the instruction at Finish.
+  Keep(rows_.Collective({k.start_ns, k.end_ns, k.device_id, k.stream_id, k.correlation_id,
+                         *names.collective, 0, std::nullopt, std::nullopt}));
 }
 
 void ActivityWriter::AddMemcpy(const CUpti_ActivityMemcpy6& r) {
   if (!Admit("memcpy", r.start, r.end)) return;
-  Statement& m = insert_memcpy_;
-  BindDeviceActivity(m, r);
-  m.Bind(8, I(r.bytes));
-  m.Bind(9, I(r.copyKind));  // ENUM_CUDA_MEMCPY_OPER numbers CUPTI's copy kinds as they are
-  m.Bind(10, NsysMemKind(r.srcKind));
-  m.Bind(11, NsysMemKind(r.dstKind));
-  for (int index = 12; index <= 15; ++index) m.BindNull(index);  // peer copies only
-  BindOptional(m, 16, r.graphNodeId);
-  Keep(m.Run());
+  auto m = DeviceActivity<collector_internal::MemcpyRow>(r);
+  m.bytes = I(r.bytes);
+  m.copy_kind = I(r.copyKind);  // ENUM_CUDA_MEMCPY_OPER numbers CUPTI's copy kinds as they are
+  m.src_kind = NsysMemKind(r.srcKind);
+  m.dst_kind = NsysMemKind(r.dstKind);
+  m.graph_node_id = Optional(r.graphNodeId);
+  Keep(rows_.Memcpy(m));
 }
 
 void ActivityWriter::AddPeerMemcpy(const CUpti_ActivityMemcpyPtoP4& r) {
   if (!Admit("memcpy", r.start, r.end)) return;
-  Statement& m = insert_memcpy_;
-  BindDeviceActivity(m, r);
-  m.Bind(8, I(r.bytes));
-  m.Bind(9, I(r.copyKind));
-  m.Bind(10, NsysMemKind(r.srcKind));
-  m.Bind(11, NsysMemKind(r.dstKind));
-  m.Bind(12, I(r.srcDeviceId));
-  m.Bind(13, I(r.srcContextId));
-  m.Bind(14, I(r.dstDeviceId));
-  m.Bind(15, I(r.dstContextId));
-  BindOptional(m, 16, r.graphNodeId);
-  Keep(m.Run());
+  auto m = DeviceActivity<collector_internal::MemcpyRow>(r);
+  m.bytes = I(r.bytes);
+  m.copy_kind = I(r.copyKind);
+  m.src_kind = NsysMemKind(r.srcKind);
+  m.dst_kind = NsysMemKind(r.dstKind);
+  m.src_device_id = I(r.srcDeviceId);
+  m.src_context_id = I(r.srcContextId);
+  m.dst_device_id = I(r.dstDeviceId);
+  m.dst_context_id = I(r.dstContextId);
+  m.graph_node_id = Optional(r.graphNodeId);
+  Keep(rows_.Memcpy(m));
 }
 
 void ActivityWriter::AddMemset(const CUpti_ActivityMemset4& r) {
   if (!Admit("memset", r.start, r.end)) return;
-  Statement& m = insert_memset_;
-  BindDeviceActivity(m, r);
-  m.Bind(8, I(r.value));
-  m.Bind(9, I(r.bytes));
-  BindOptional(m, 10, r.graphNodeId);
-  m.Bind(11, NsysMemKind(r.memoryKind));
-  Keep(m.Run());
+  auto m = DeviceActivity<collector_internal::MemsetRow>(r);
+  m.value = I(r.value);
+  m.bytes = I(r.bytes);
+  m.graph_node_id = Optional(r.graphNodeId);
+  m.mem_kind = NsysMemKind(r.memoryKind);
+  Keep(rows_.Memset(m));
 }
 
 void ActivityWriter::AddMemory(const CUpti_ActivityMemory4& r) {
@@ -461,39 +406,29 @@ void ActivityWriter::AddMemory(const CUpti_ActivityMemory4& r) {
     return;
   }
   if (!error_.ok()) return;
-  Statement& m = insert_memory_;
-  m.Bind(1, clock_.ToSessionNs(r.timestamp));
-  m.Bind(2, global_pid_);
-  m.Bind(3, I(r.deviceId));
-  m.Bind(4, I(r.contextId));
-  m.Bind(5, I(r.address));
-  m.Bind(6, I(r.PC));
-  m.Bind(7, I(r.bytes));
-  m.Bind(8, NsysMemKind(r.memoryKind));
-  m.Bind(9, *operation);
-  if (r.name != nullptr) {
-    m.Bind(10, std::string_view(r.name));
-  } else {
-    m.BindNull(10);
-  }
-  m.Bind(11, I(r.correlationId));
-  if (r.isAsync) {
-    m.Bind(12, I(r.streamId));
-  } else {
-    m.BindNull(12);
-  }
-  for (int index = 13; index <= 18; ++index) m.BindNull(index);
+  collector_internal::MemoryEventRow m;
+  m.ts_ns = clock_.ToSessionNs(r.timestamp);
+  m.device_id = I(r.deviceId);
+  m.context_id = I(r.contextId);
+  m.address = I(r.address);
+  m.pc = I(r.PC);
+  m.bytes = I(r.bytes);
+  m.mem_kind = NsysMemKind(r.memoryKind);
+  m.operation = *operation;
+  if (r.name != nullptr) m.name = std::string(r.name);
+  m.correlation_id = I(r.correlationId);
+  if (r.isAsync) m.stream_id = I(r.streamId);
   const auto& pool = r.memoryPoolConfig;
   if (pool.memoryPoolType == CUPTI_ACTIVITY_MEMORY_POOL_TYPE_LOCAL) {
-    m.Bind(13, I(pool.address));
-    m.Bind(14, I(pool.releaseThreshold));
-    m.Bind(15, I(pool.pool.size));
-    m.Bind(16, I(pool.utilizedSize));
+    m.local_pool_address = I(pool.address);
+    m.local_pool_release_threshold = I(pool.releaseThreshold);
+    m.local_pool_size = I(pool.pool.size);
+    m.local_pool_utilized_size = I(pool.utilizedSize);
   } else if (pool.memoryPoolType == CUPTI_ACTIVITY_MEMORY_POOL_TYPE_IMPORTED) {
-    m.Bind(17, I(pool.address));
-    m.Bind(18, I(pool.pool.processId));
+    m.imported_pool_address = I(pool.address);
+    m.imported_pool_process_id = I(pool.pool.processId);
   }
-  Keep(m.Run());
+  Keep(rows_.MemoryEvent(m));
 }
 
 void ActivityWriter::AddApi(const CUpti_ActivityAPI& r, bool driver) {
@@ -635,38 +570,15 @@ StatusOr<int64_t> ActivityWriter::RankDevice(const RankRow& rank) {
 }
 
 Status ActivityWriter::WriteRank(const RankRow& rank, int64_t device_id) {
-  DC_ASSIGN_OR_RETURN(
-      Statement insert,
-      db_.Prepare("INSERT INTO TC_RANK(globalPid, hostname, rank, localRank, worldSize, "
-                  "deviceId, backend, device, deviceMemoryBytes) "
-                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"));
   auto device = devices_.find(static_cast<uint32_t>(device_id));
-  insert.Bind(1, global_pid_);
-  insert.Bind(2, rank.hostname);
-  insert.Bind(3, I(rank.rank));
-  insert.Bind(4, I(rank.local_rank));
-  insert.Bind(5, I(rank.world_size));
-  insert.Bind(6, device_id);
-  insert.Bind(7, std::string_view(kBackend));
-  insert.Bind(8,
-              device != devices_.end() ? device->second.name : "cuda:" + std::to_string(device_id));
-  insert.Bind(9, device != devices_.end() ? device->second.memory_bytes : int64_t{0});
-  return insert.Run();
+  return rows_.Rank(
+      {rank.hostname, I(rank.rank), I(rank.local_rank), I(rank.world_size), device_id, kBackend,
+       device != devices_.end() ? device->second.name : "cuda:" + std::to_string(device_id),
+       device != devices_.end() ? device->second.memory_bytes : int64_t{0}});
 }
 
 Status ActivityWriter::WriteAnchors(const std::vector<ClockAnchorRow>& anchors) {
-  DC_ASSIGN_OR_RETURN(
-      Statement insert,
-      db_.Prepare("INSERT INTO TC_CLOCK_ANCHOR(globalPid, tag, realtimeNs, monotonicNs, "
-                  "sessionNs) VALUES (?, ?, ?, ?, ?)"));
-  for (const ClockAnchorRow& anchor : anchors) {
-    insert.Bind(1, global_pid_);
-    insert.Bind(2, anchor.tag);
-    insert.Bind(3, anchor.realtime_ns);
-    insert.Bind(4, anchor.monotonic_ns);
-    insert.Bind(5, anchor.session_ns);
-    DC_RETURN_IF_ERROR(insert.Run());
-  }
+  for (const ClockAnchorRow& anchor : anchors) DC_RETURN_IF_ERROR(rows_.ClockAnchor(anchor));
   return Status::Ok();
 }
 
@@ -708,54 +620,23 @@ Status ActivityWriter::WriteRecordStats(TraceCounts* counts) {
     entry.second = stats.zero_timestamp;
     counts->zero_timestamp_records += stats.zero_timestamp;
   }
-  DC_ASSIGN_OR_RETURN(Statement insert,
-                      db_.Prepare("INSERT INTO TC_RECORD_STATS(globalPid, kind, records, "
-                                  "dropped, zeroTimestamp) VALUES (?, ?, ?, ?, ?)"));
   for (const auto& [kind, entry] : table) {
-    insert.Bind(1, global_pid_);
-    insert.Bind(2, kind);
-    insert.Bind(3, entry.first);
-    insert.Bind(4, int64_t{0});
-    insert.Bind(5, entry.second);
-    DC_RETURN_IF_ERROR(insert.Run());
+    DC_RETURN_IF_ERROR(rows_.RecordStats({kind, entry.first, 0, entry.second}));
   }
   // CUPTI counts dropped records per buffer (context and stream), not per kind.
-  insert.Bind(1, global_pid_);
-  insert.Bind(2, std::string_view("buffers"));
-  insert.Bind(3, buffers_);
-  insert.Bind(4, dropped_records_);
-  insert.Bind(5, int64_t{0});
-  DC_RETURN_IF_ERROR(insert.Run());
+  DC_RETURN_IF_ERROR(rows_.RecordStats({"buffers", buffers_, dropped_records_, 0}));
   counts->dropped_records = dropped_records_;
   counts->overhead_ns = overhead_ns_;
   return Status::Ok();
 }
 
 Status ActivityWriter::WriteSteps(const std::vector<StepRow>& steps) {
-  DC_ASSIGN_OR_RETURN(Statement insert,
-                      db_.Prepare("INSERT INTO TC_STEP(globalPid, step, start, end, loss, "
-                                  "warmup) VALUES (?, ?, ?, ?, ?, ?)"));
-  for (const StepRow& s : steps) {
-    insert.Bind(1, global_pid_);
-    insert.Bind(2, I(s.step));
-    insert.Bind(3, s.start_ns);
-    insert.Bind(4, s.end_ns);
-    insert.Bind(5, s.loss);
-    insert.Bind(6, I(s.warmup ? 1 : 0));
-    DC_RETURN_IF_ERROR(insert.Run());
-  }
+  for (const StepRow& step : steps) DC_RETURN_IF_ERROR(rows_.Step(step));
   return Status::Ok();
 }
 
 Status ActivityWriter::WriteStreams(const std::vector<std::pair<int64_t, std::string>>& streams) {
-  DC_ASSIGN_OR_RETURN(Statement insert,
-                      db_.Prepare("INSERT OR REPLACE INTO TC_STREAM(streamId, name) "
-                                  "VALUES (?, ?)"));
-  for (const auto& [id, name] : streams) {
-    insert.Bind(1, id);
-    insert.Bind(2, name);
-    DC_RETURN_IF_ERROR(insert.Run());
-  }
+  for (const auto& [id, name] : streams) DC_RETURN_IF_ERROR(rows_.Stream(id, name));
   return Status::Ok();
 }
 
@@ -771,47 +652,28 @@ Status ActivityWriter::WriteTargetInfo(int64_t rank_device_id, int64_t vm_id) {
     if (!row) break;
     ids.insert(used.ColumnInt(0));
   }
-  DC_ASSIGN_OR_RETURN(
-      Statement gpu,
-      db_.Prepare("INSERT INTO TARGET_INFO_GPU(vmId, id, name, uuid, totalMemory, "
-                  "memoryBandwidth, clockRate, smCount, l2CacheSize, computeMajor, "
-                  "computeMinor, cuDevice) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
   for (int64_t id : ids) {
-    gpu.Bind(1, vm_id);
-    gpu.Bind(2, id);
-    gpu.Bind(12, id);
+    collector_internal::GpuInfoRow gpu;
+    gpu.vm_id = vm_id;
+    gpu.id = id;
+    gpu.cu_device = id;
+    // Without a CUPTI device record (collection began after CUDA initialized): the id only.
     auto it = devices_.find(static_cast<uint32_t>(id));
-    if (it == devices_.end()) {
-      // No CUPTI device record (collection began after CUDA initialized): the id only.
-      for (int index = 3; index <= 11; ++index) gpu.BindNull(index);
-    } else {
+    if (it != devices_.end()) {
       const DeviceInfo& d = it->second;
-      gpu.Bind(3, d.name);
-      gpu.Bind(4, d.uuid);
-      gpu.Bind(5, d.memory_bytes);
-      gpu.Bind(6, d.bandwidth_bytes_per_s);
-      gpu.Bind(7, d.clock_hz);
-      gpu.Bind(8, d.sm_count);
-      gpu.Bind(9, d.l2_bytes);
-      gpu.Bind(10, d.compute_major);
-      gpu.Bind(11, d.compute_minor);
+      gpu.name = d.name;
+      gpu.uuid = d.uuid;
+      gpu.total_memory = d.memory_bytes;
+      gpu.memory_bandwidth = d.bandwidth_bytes_per_s;
+      gpu.clock_rate = d.clock_hz;
+      gpu.sm_count = d.sm_count;
+      gpu.l2_cache_size = d.l2_bytes;
+      gpu.compute_major = d.compute_major;
+      gpu.compute_minor = d.compute_minor;
     }
-    DC_RETURN_IF_ERROR(gpu.Run());
+    DC_RETURN_IF_ERROR(rows_.GpuInfo(gpu));
   }
-
-  const int64_t start_utc_ns = clock_.session_start_utc_ns;
-  const time_t seconds = static_cast<time_t>(start_utc_ns / 1'000'000'000);
-  char utc[32] = "", local[32] = "";
-  tm parts{};
-  if (gmtime_r(&seconds, &parts)) strftime(utc, sizeof(utc), "%Y-%m-%dT%H:%M:%S", &parts);
-  if (localtime_r(&seconds, &parts)) strftime(local, sizeof(local), "%Y-%m-%dT%H:%M:%S", &parts);
-  DC_ASSIGN_OR_RETURN(Statement start,
-                      db_.Prepare("INSERT INTO TARGET_INFO_SESSION_START_TIME(utcEpochNs, "
-                                  "utcTime, localTime) VALUES (?, ?, ?)"));
-  start.Bind(1, start_utc_ns);
-  start.Bind(2, std::string_view(utc));
-  start.Bind(3, std::string_view(local));
-  return start.Run();
+  return rows_.SessionStart(clock_.session_start_utc_ns);
 }
 
 Status ActivityWriter::WriteMetadata(
@@ -853,12 +715,7 @@ StatusOr<TraceCounts> ActivityWriter::Finish(const FinishInput& input) {
     return db_.Exec("COMMIT");
   }();
   if (!status.ok()) return status;  // the destructor removes the temp file
-  insert_string_ = Statement();
-  insert_kernel_ = Statement();
-  insert_collective_ = Statement();
-  insert_memcpy_ = Statement();
-  insert_memset_ = Statement();
-  insert_memory_ = Statement();
+  rows_.Close();
   insert_api_ = Statement();
   insert_external_ = Statement();
   DC_RETURN_IF_ERROR(db_.Close());

@@ -21,6 +21,7 @@
 
 #include "collector/cupti/cupti_collector.h"
 #include "collector/sqlite_writer.h"
+#include "collector/trace_rows.h"
 #include "schemas/status.h"
 
 namespace dc::cupti_internal {
@@ -59,10 +60,8 @@ struct SessionClock {
   }
 };
 
-struct ClockAnchorRow {
-  std::string tag;  // start, end (CLOCK_REALTIME), cupti_start, cupti_end (CUPTI's clock)
-  int64_t realtime_ns = 0, monotonic_ns = 0, session_ns = 0;
-};
+using ClockAnchorRow = collector_internal::ClockAnchorRow;
+using StepRow = collector_internal::StepRow;
 
 struct RankRow {
   int64_t global_pid = 0;
@@ -81,13 +80,6 @@ struct InstructionRow {
   int64_t bytes = 0;
   int tensors = 0;
   int bucket = -1;
-};
-
-struct StepRow {
-  int step = 0;
-  int64_t start_ns = 0, end_ns = 0;
-  double loss = 0;
-  bool warmup = false;
 };
 
 // A capture window in session nanoseconds, both ends inclusive.
@@ -162,17 +154,18 @@ class ActivityWriter {
   // Counts an interval record of `kind`; false when it is dropped for its timestamps (counted
   // as zero_timestamp) or writing has already failed.
   bool Admit(const char* kind, uint64_t start, uint64_t end);
-  // Binds the columns every device activity table starts with: start, end, deviceId,
-  // contextId, streamId, correlationId, globalPid.
-  template <typename Record>
-  void BindDeviceActivity(collector_internal::Statement& stmt, const Record& r) {
-    stmt.Bind(1, clock_.ToSessionNs(r.start));
-    stmt.Bind(2, clock_.ToSessionNs(r.end));
-    stmt.Bind(3, static_cast<int64_t>(r.deviceId));
-    stmt.Bind(4, static_cast<int64_t>(r.contextId));
-    stmt.Bind(5, static_cast<int64_t>(r.streamId));
-    stmt.Bind(6, static_cast<int64_t>(r.correlationId));
-    stmt.Bind(7, global_pid_);
+  // The columns every device activity row starts with: start, end, deviceId, contextId,
+  // streamId, correlationId.
+  template <typename Row, typename Record>
+  Row DeviceActivity(const Record& r) const {
+    Row row;
+    row.start_ns = clock_.ToSessionNs(r.start);
+    row.end_ns = clock_.ToSessionNs(r.end);
+    row.device_id = static_cast<int64_t>(r.deviceId);
+    row.context_id = static_cast<int64_t>(r.contextId);
+    row.stream_id = static_cast<int64_t>(r.streamId);
+    row.correlation_id = static_cast<int64_t>(r.correlationId);
+    return row;
   }
   void Keep(Status status);
 
@@ -207,8 +200,9 @@ class ActivityWriter {
   bool in_batch_ = false;
   bool finished_ = false;
 
-  collector_internal::Statement insert_string_, insert_kernel_, insert_collective_, insert_memcpy_,
-      insert_memset_, insert_memory_, insert_api_, insert_external_;
+  collector_internal::TraceRowWriter rows_;
+  // CUPTI's own: API calls and external correlations.
+  collector_internal::Statement insert_api_, insert_external_;
   std::unordered_map<std::string, int64_t> string_ids_;
   std::unordered_map<std::string, KernelNames> kernel_names_;
   std::map<std::pair<bool, uint32_t>, int64_t> api_name_ids_;
