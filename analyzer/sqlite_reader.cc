@@ -24,6 +24,8 @@ Query::~Query() { sqlite3_finalize(stmt_); }
 
 void Query::Bind(int index, int64_t value) { sqlite3_bind_int64(stmt_, index, value); }
 
+void Query::Reset() { sqlite3_reset(stmt_); }
+
 StatusOr<bool> Query::Next() {
   if (!status_.ok()) return status_;
   const int rc = sqlite3_step(stmt_);

@@ -28,6 +28,8 @@ class Query {
 
   const Status& status() const { return status_; }
   void Bind(int index, int64_t value);
+  // Rewinds the query to run again with new bindings.
+  void Reset();
   // True while a row is available; an error (also left in status()) ends the loop.
   StatusOr<bool> Next();
 

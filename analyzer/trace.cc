@@ -305,7 +305,50 @@ Status Trace::LoadDc(const std::set<std::string>& tables) {
   if (row) dropped_records_ = dropped.Int(0);
   if (!tables.contains(kMemoryTable))
     notes_.push_back(std::string("no ") + kMemoryTable + " table: no memory timeline");
+  if (tables.contains("TC_STREAM")) {
+    Query names(db_, path_, "SELECT streamId, name FROM TC_STREAM");
+    while (true) {
+      DC_ASSIGN_OR_RETURN(bool name_row, names.Next());
+      if (!name_row) break;
+      stream_names_[names.Int(0)] = names.Text(1);
+    }
+  }
   return Status::Ok();
+}
+
+namespace {
+
+class MapLookup : public Trace::InstructionLookup {
+ public:
+  MapLookup(sqlite3* db, const std::string& path)
+      : query_(db, path,
+               "SELECT step, instruction FROM TC_INSTRUCTION_MAP WHERE globalPid = ? AND "
+               "correlationId = ? LIMIT 1") {}
+  const Status& status() const { return query_.status(); }
+  StatusOr<std::optional<std::pair<int, int>>> Find(int64_t global_pid,
+                                                    int64_t correlation_id) override {
+    query_.Reset();
+    query_.Bind(1, global_pid);
+    query_.Bind(2, correlation_id);
+    DC_ASSIGN_OR_RETURN(bool row, query_.Next());
+    if (!row) return std::optional<std::pair<int, int>>();
+    return std::optional<std::pair<int, int>>(
+        std::pair{static_cast<int>(query_.Int(0)), static_cast<int>(query_.Int(1))});
+  }
+
+ private:
+  Query query_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Trace::InstructionLookup>> Trace::LookupInstructions() const {
+  if (source_ != TraceSource::kDc) {
+    return Status::Error(path_ + ": an nsys export maps no activity to a dc instruction");
+  }
+  auto lookup = std::make_unique<MapLookup>(db_, path_);
+  DC_RETURN_IF_ERROR(lookup->status());
+  return std::unique_ptr<InstructionLookup>(std::move(lookup));
 }
 
 bool Trace::IsAttachCapture() const {

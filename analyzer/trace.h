@@ -6,10 +6,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "schemas/program.h"
@@ -87,6 +89,19 @@ class Trace {
   // dc traces only: every activity joined with its schedule instruction (TC_INSTRUCTION_MAP).
   Status ForEachInstructionSample(const std::function<void(const InstructionSample&)>& fn) const;
 
+  // dc traces: an activity's (step, instruction) by (global_pid, correlation id), from
+  // TC_INSTRUCTION_MAP, one lookup at a time on the trace's own connection (usable while
+  // ForEachActivity streams).
+  class InstructionLookup {
+   public:
+    virtual ~InstructionLookup() = default;
+    virtual StatusOr<std::optional<std::pair<int, int>>> Find(int64_t global_pid,
+                                                              int64_t correlation_id) = 0;
+  };
+  StatusOr<std::unique_ptr<InstructionLookup>> LookupInstructions() const;
+  // Stream names by stream id (TC_STREAM; empty for nsys exports).
+  const std::map<int64_t, std::string>& stream_names() const { return stream_names_; }
+
   struct StepRow {
     int64_t global_pid = 0;
     int step = 0;
@@ -118,6 +133,7 @@ class Trace {
   std::vector<std::string> notes_;
   std::vector<StepRow> steps_;
   int64_t dropped_records_ = 0;
+  std::map<int64_t, std::string> stream_names_;
   // Built at Open from the columns the file has.
   std::string activity_sql_, memory_sql_;
 };

@@ -1,4 +1,4 @@
-#include "tracetools/kineto.h"
+#include "analyzer/kineto.h"
 
 #include <gtest/gtest.h>
 #include <zlib.h>
@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "tests/support/test_traces.h"
+#include "tracetools/report.h"
 
 namespace dc {
 namespace {

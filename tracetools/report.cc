@@ -1,6 +1,5 @@
 #include "tracetools/report.h"
 
-#include <sqlite3.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -17,14 +16,13 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "analyzer/kineto.h"
 #include "analyzer/profile.h"
-#include "analyzer/sqlite_reader.h"
 #include "analyzer/trace.h"
 #include "machine/intervals.h"
 #include "schemas/digest.h"
 #include "schemas/plan_file.h"
 #include "schemas/units.h"
-#include "tracetools/kineto.h"
 
 namespace dc {
 
@@ -53,225 +51,9 @@ std::string Format(const char* format, double value) {
 
 }  // namespace
 
-const char* ActivityClassName(ActivityClass kind) {
-  switch (kind) {
-    case ActivityClass::kCompute:
-      return "compute";
-    case ActivityClass::kCommunication:
-      return "communication";
-    case ActivityClass::kCopy:
-      return "copy";
-  }
-  return "?";
-}
-
-const char* TimelineFormatName(TimelineFormat format) {
-  switch (format) {
-    case TimelineFormat::kDc:
-      return "dc";
-    case TimelineFormat::kNsys:
-      return "nsys";
-    case TimelineFormat::kKineto:
-      return "kineto";
-    case TimelineFormat::kPlan:
-      return "plan";
-  }
-  return "?";
-}
-
 // ===== timelines =====
 
 namespace {
-
-std::string DefaultStreamName(int64_t stream_id) { return "stream " + std::to_string(stream_id); }
-
-class InMemoryTimeline : public Timeline {
- public:
-  explicit InMemoryTimeline(TimelineData data) : data_(std::move(data)) {
-    auto by_time = [](const auto& a, const auto& b) {
-      return std::tie(a.rank_index, a.start_ns) < std::tie(b.rank_index, b.start_ns);
-    };
-    std::stable_sort(data_.activities.begin(), data_.activities.end(), by_time);
-    std::stable_sort(data_.steps.begin(), data_.steps.end(), by_time);
-    std::stable_sort(data_.memory_events.begin(), data_.memory_events.end(),
-                     [](const TimelineMemoryEvent& a, const TimelineMemoryEvent& b) {
-                       return std::tie(a.rank_index, a.ts_ns) < std::tie(b.rank_index, b.ts_ns);
-                     });
-  }
-  const std::string& path() const override { return data_.path; }
-  TimelineFormat format() const override { return data_.format; }
-  const std::vector<TimelineRank>& ranks() const override { return data_.ranks; }
-  const std::vector<TimelineStep>& steps() const override { return data_.steps; }
-  const proto::Schedule* schedule() const override {
-    return data_.schedule ? &*data_.schedule : nullptr;
-  }
-  const std::vector<std::string>& notes() const override { return data_.notes; }
-  int64_t dropped_records() const override { return data_.dropped_records; }
-  std::string StreamName(int rank_index, int64_t stream_id) const override {
-    for (const TimelineData::StreamLabel& label : data_.stream_names) {
-      if (label.rank_index == rank_index && label.stream_id == stream_id) return label.name;
-    }
-    return DefaultStreamName(stream_id);
-  }
-  Status ForEachActivity(const ActivityOptions& options,
-                         const std::function<void(const TimelineActivity&)>& fn) const override {
-    int64_t n = 0;
-    for (const TimelineActivity& a : data_.activities) {
-      fn(a);
-      if (options.progress && ++n % kProgressEvery == 0) options.progress(data_.path, n);
-    }
-    return Status::Ok();
-  }
-  Status ForEachMemoryEvent(
-      const std::function<void(const TimelineMemoryEvent&)>& fn) const override {
-    for (const TimelineMemoryEvent& e : data_.memory_events) fn(e);
-    return Status::Ok();
-  }
-
- private:
-  TimelineData data_;
-};
-
-// One prepared statement stepped many times (Query prepares once per object).
-class Lookup {
- public:
-  Lookup(sqlite3* db, const std::string& sql) {
-    if (sqlite3_prepare_v2(db, sql.c_str(), -1, &stmt_, nullptr) != SQLITE_OK) stmt_ = nullptr;
-  }
-  ~Lookup() { sqlite3_finalize(stmt_); }
-  Lookup(const Lookup&) = delete;
-  Lookup& operator=(const Lookup&) = delete;
-  bool ok() const { return stmt_ != nullptr; }
-  // The first row's two integer columns for (a, b), or nullopt.
-  std::optional<std::pair<int64_t, int64_t>> Find(int64_t a, int64_t b) {
-    sqlite3_reset(stmt_);
-    sqlite3_bind_int64(stmt_, 1, a);
-    sqlite3_bind_int64(stmt_, 2, b);
-    if (sqlite3_step(stmt_) != SQLITE_ROW) return std::nullopt;
-    return std::make_pair(sqlite3_column_int64(stmt_, 0), sqlite3_column_int64(stmt_, 1));
-  }
-
- private:
-  sqlite3_stmt* stmt_ = nullptr;
-};
-
-// A dc trace or nsys export, streamed through Trace. A second read-only connection serves what
-// Trace does not expose: stream names and activity -> instruction lookups.
-class TraceTimeline : public Timeline {
- public:
-  static StatusOr<std::unique_ptr<Timeline>> Open(const std::string& path) {
-    DC_ASSIGN_OR_RETURN(std::unique_ptr<Trace> trace, Trace::Open(path));
-    std::unique_ptr<TraceTimeline> timeline(new TraceTimeline());
-    timeline->trace_ = std::move(trace);
-    DC_RETURN_IF_ERROR(timeline->Load());
-    return std::unique_ptr<Timeline>(std::move(timeline));
-  }
-  ~TraceTimeline() override { sqlite3_close(db_); }
-
-  const std::string& path() const override { return trace_->path(); }
-  TimelineFormat format() const override {
-    return trace_->source() == TraceSource::kDc ? TimelineFormat::kDc : TimelineFormat::kNsys;
-  }
-  const std::vector<TimelineRank>& ranks() const override { return ranks_; }
-  const std::vector<TimelineStep>& steps() const override { return steps_; }
-  const proto::Schedule* schedule() const override {
-    return trace_->schedule() ? &*trace_->schedule() : nullptr;
-  }
-  const std::vector<std::string>& notes() const override { return trace_->notes(); }
-  int64_t dropped_records() const override { return trace_->DroppedRecords(); }
-  std::string StreamName(int, int64_t stream_id) const override {
-    auto it = stream_names_.find(stream_id);
-    return it == stream_names_.end() ? DefaultStreamName(stream_id) : it->second;
-  }
-
-  Status ForEachActivity(const ActivityOptions& options,
-                         const std::function<void(const TimelineActivity&)>& fn) const override {
-    std::optional<Lookup> lookup;
-    if (options.with_instructions && format() == TimelineFormat::kDc) {
-      lookup.emplace(db_,
-                     "SELECT step, instruction FROM TC_INSTRUCTION_MAP WHERE globalPid = ? AND "
-                     "correlationId = ?");
-      if (!lookup->ok()) return Status::Error(path() + ": cannot read TC_INSTRUCTION_MAP");
-    }
-    int64_t n = 0;
-    return trace_->ForEachActivity([&](const Activity& a) {
-      if (options.progress && ++n % kProgressEvery == 0) options.progress(path(), n);
-      auto rank = rank_of_pid_.find(a.global_pid);
-      if (rank == rank_of_pid_.end()) return;
-      TimelineActivity t;
-      t.rank_index = rank->second;
-      t.stream_id = a.stream_id;
-      t.kind = a.type == Activity::Type::kMemcpy || a.type == Activity::Type::kMemset
-                   ? ActivityClass::kCopy
-               : a.communication ? ActivityClass::kCommunication
-                                 : ActivityClass::kCompute;
-      t.name = a.name;
-      t.start_ns = a.start_ns;
-      t.end_ns = a.end_ns;
-      t.bytes = a.bytes;
-      if (lookup) {
-        if (auto found = lookup->Find(a.global_pid, a.correlation_id)) {
-          t.step = static_cast<int>(found->first);
-          t.instruction = static_cast<int>(found->second);
-        }
-      }
-      fn(t);
-    });
-  }
-
-  Status ForEachMemoryEvent(
-      const std::function<void(const TimelineMemoryEvent&)>& fn) const override {
-    return trace_->ForEachMemoryEvent([&](const MemoryEvent& e) {
-      auto rank = rank_of_pid_.find(e.global_pid);
-      if (rank == rank_of_pid_.end()) return;
-      TimelineMemoryEvent t;
-      t.rank_index = rank->second;
-      t.ts_ns = e.ts_ns;
-      t.address = e.address;
-      t.bytes = e.bytes;
-      t.alloc = e.alloc;
-      t.kind = e.kind;
-      fn(t);
-    });
-  }
-
- private:
-  TraceTimeline() = default;
-
-  Status Load() {
-    for (const TraceRank& r : trace_->ranks()) {
-      rank_of_pid_[r.global_pid] = static_cast<int>(ranks_.size());
-      ranks_.push_back({r.rank, r.global_pid, r.device, r.device_memory_bytes});
-    }
-    for (const Trace::StepRow& s : trace_->Steps()) {
-      auto rank = rank_of_pid_.find(s.global_pid);
-      if (rank == rank_of_pid_.end()) continue;
-      steps_.push_back({rank->second, s.step, s.start_ns, s.end_ns, s.warmup});
-    }
-    std::stable_sort(
-        steps_.begin(), steps_.end(), [](const TimelineStep& a, const TimelineStep& b) {
-          return std::tie(a.rank_index, a.start_ns) < std::tie(b.rank_index, b.start_ns);
-        });
-    const int rc = sqlite3_open_v2(path().c_str(), &db_, SQLITE_OPEN_READONLY, nullptr);
-    if (rc != SQLITE_OK) return analyzer_internal::SqliteError(path(), db_, rc, "cannot open");
-    DC_ASSIGN_OR_RETURN(std::set<std::string> tables, analyzer_internal::TableNames(db_, path()));
-    if (!tables.contains("TC_STREAM")) return Status::Ok();
-    analyzer_internal::Query names(db_, path(), "SELECT streamId, name FROM TC_STREAM");
-    while (true) {
-      DC_ASSIGN_OR_RETURN(bool row, names.Next());
-      if (!row) break;
-      stream_names_[names.Int(0)] = names.Text(1);
-    }
-    return Status::Ok();
-  }
-
-  std::unique_ptr<Trace> trace_;
-  sqlite3* db_ = nullptr;
-  std::vector<TimelineRank> ranks_;
-  std::map<int64_t, int> rank_of_pid_;
-  std::vector<TimelineStep> steps_;
-  std::map<int64_t, std::string> stream_names_;
-};
 
 ActivityClass InstructionClass(proto::InstrKind kind) {
   switch (kind) {
@@ -326,14 +108,6 @@ void AddPlanMemory(const SimResult& sim, TimelineData* data) {
 }
 
 }  // namespace
-
-std::unique_ptr<Timeline> MakeTimeline(TimelineData data) {
-  return std::make_unique<InMemoryTimeline>(std::move(data));
-}
-
-StatusOr<std::unique_ptr<Timeline>> OpenTraceTimeline(const std::string& path) {
-  return TraceTimeline::Open(path);
-}
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "tracetools/kineto.h"
+#include "analyzer/kineto.h"
 
 #include <zlib.h>
 

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "analyzer/timeline.h"
 #include "schemas/status.h"
-#include "tracetools/report.h"
 
 namespace dc {
 
