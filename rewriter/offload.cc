@@ -9,12 +9,15 @@
 #include <vector>
 
 #include "machine/simulator.h"
-#include "rewriter/prefetch_timeline.h"
+#include "rewriter/live_curve.h"
+#include "rewriter/schedule_editor.h"
 #include "schemas/effects.h"
 #include "schemas/units.h"
 
 namespace dc {
 namespace {
+
+using rewriter_internal::SimulatedTimeline;
 
 // One fragment that may move: the rank's fp32 shard of one optimizer-state tensor (Adam m or
 // v), or of one param (its master weight). A master on the host leaves a compute-dtype shard on
@@ -219,50 +222,6 @@ Built Build(const proto::Schedule& input, const Layout& layout, const Plan& plan
   }
   return built;
 }
-
-// A simulated memory timeline up to a horizon, for "the most the device holds from t on".
-class Timeline {
- public:
-  // Points at or after `horizon_seconds` are left out; `base_bytes` is the level before the
-  // first point.
-  static constexpr double kNoHorizon = std::numeric_limits<double>::infinity();
-  Timeline(const std::vector<MemoryPoint>& points, double horizon_seconds, int64_t base_bytes)
-      : base_bytes_(base_bytes) {
-    for (const MemoryPoint& p : points) {
-      if (p.time_seconds >= horizon_seconds) break;  // points come in time order
-      times_.push_back(p.time_seconds);
-      totals_.push_back(p.total_bytes);
-    }
-    suffix_max_.assign(totals_.size() + 1, std::numeric_limits<int64_t>::min());
-    for (int i = static_cast<int>(totals_.size()) - 1; i >= 0; --i) {
-      suffix_max_[i] = std::max(suffix_max_[i + 1], totals_[i]);
-    }
-  }
-  // The most held at any instant in [from, horizon): the level entering `from` and every
-  // change after it.
-  int64_t MaxFrom(double from) const {
-    const size_t i = FirstAtOrAfter(from);
-    return std::max(LevelBefore(i), suffix_max_[i]);
-  }
-  // The most held at any instant in [from, to].
-  int64_t MaxIn(double from, double to) const {
-    size_t i = FirstAtOrAfter(from);
-    int64_t best = LevelBefore(i);
-    for (; i < times_.size() && times_[i] <= to; ++i) best = std::max(best, totals_[i]);
-    return best;
-  }
-
- private:
-  size_t FirstAtOrAfter(double t) const {
-    return std::lower_bound(times_.begin(), times_.end(), t) - times_.begin();
-  }
-  int64_t LevelBefore(size_t i) const { return i == 0 ? base_bytes_ : totals_[i - 1]; }
-
-  int64_t base_bytes_;
-  std::vector<double> times_;
-  std::vector<int64_t> totals_;
-  std::vector<int64_t> suffix_max_;
-};
 
 // The end of the forward and backward: when the last instruction before the optimizer phase
 // ends.
@@ -530,8 +489,9 @@ class OffloadPlanner {
     bool waited = false;
     int64_t missing_bytes = 0;
     if (sim.peak_at_seconds < window_end) {
-      const Timeline timeline(sim.memory_timeline, Timeline::kNoHorizon,
-                              sim.memory_timeline.empty() ? 0 : sim.memory_timeline[0].total_bytes);
+      const SimulatedTimeline timeline(
+          sim.memory_timeline, SimulatedTimeline::kNoHorizon,
+          sim.memory_timeline.empty() ? 0 : sim.memory_timeline[0].total_bytes);
       for (int j = 0; j < late.schedule.instructions_size(); ++j) {
         const int old = late.old_of_new[j];
         const double start = sim.start_seconds[j];
@@ -571,8 +531,9 @@ class OffloadPlanner {
                     Plan* plan) const {
     if (plan->reloads.empty()) return;
     const double horizon = sim.start_seconds[late.reload_at[0]];
-    const Timeline timeline(sim.memory_timeline, horizon,
-                            sim.memory_timeline.empty() ? 0 : sim.memory_timeline[0].total_bytes);
+    const SimulatedTimeline timeline(
+        sim.memory_timeline, horizon,
+        sim.memory_timeline.empty() ? 0 : sim.memory_timeline[0].total_bytes);
     double h2d_free = 0;
     for (int i = 0; i < layout_.first_optimizer; ++i) {
       if (input_.instructions(i).stream() == proto::STREAM_H2D) {
@@ -818,8 +779,9 @@ StatusOr<bool> DcOffloadPass::Run(proto::Schedule* schedule, const PassContext& 
 
   // DeepCompile profiles with every optimizer state evicted: the floor.
   const int64_t states_bytes = stats_.fragment_bytes;
-  const Timeline timeline(base.memory_timeline, Timeline::kNoHorizon,
-                          base.memory_timeline.empty() ? 0 : base.memory_timeline[0].total_bytes);
+  const SimulatedTimeline timeline(
+      base.memory_timeline, SimulatedTimeline::kNoHorizon,
+      base.memory_timeline.empty() ? 0 : base.memory_timeline[0].total_bytes);
   auto node_peak = [&](int i) {
     return timeline.MaxIn(base.start_seconds[i], base.end_seconds[i]) - states_bytes;
   };
