@@ -640,7 +640,7 @@ std::string OffloadPass::OptionsText() const {
          ",fit_memory_plan=" + (options_.fit_memory_plan ? "1" : "0") +
          ",max_arena_rounds=" + std::to_string(options_.max_arena_rounds) +
          ",arena_overshoot_factor=" + std::to_string(options_.arena_overshoot_factor) +
-         ",memory_plan={" + MemoryPlanPass(options_.memory_plan).OptionsText() + "}";
+         ",memory_plan={" + MemoryPlanOptionsText(options_.memory_plan) + "}";
 }
 
 StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& context) {
@@ -652,25 +652,17 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
   DC_ASSIGN_OR_RETURN(Layout layout, AnalyzeLayout(*schedule));
   DC_ASSIGN_OR_RETURN(SimResult base, SimulateInput(*schedule, costs, layout, &stats_));
   const int64_t budget = context.budget_bytes;
-  // The arena this schedule gets without slowing down: the first packing order, no reuse that
-  // waits (spills or the instruction-order fall-back are the memory-plan pass's last resorts).
-  MemoryPlanOptions arena_check = options_.memory_plan;
-  arena_check.orders.resize(1);
-  arena_check.spill_to_instruction_order = false;
-  arena_check.fall_back_to_instruction_order = false;
   int64_t planning_budget = budget;
   const bool peak_fits = base.peak_device_bytes <= budget;
   if (peak_fits) {
     if (!options_.fit_memory_plan) return false;
     // A peak a few MiB under the budget (passes before this one fill it) may still leave no
     // room for the arena's fragmentation; the memory-plan pass would then make reuse wait.
-    MemoryPlanStats packed;
-    DC_ASSIGN_OR_RETURN(proto::MemoryPlan plan,
-                        PlanMemory(*schedule, arena_check, budget, context.costs, &packed, &base));
-    if (context.packings)
-      context.packings->Store(*schedule, arena_check, budget, std::move(plan), packed);
-    if (packed.arena_bytes <= budget) return false;
-    planning_budget -= static_cast<int64_t>(static_cast<double>(packed.arena_bytes - budget) *
+    DC_ASSIGN_OR_RETURN(const int64_t arena_bytes,
+                        ArenaBytesWithoutWaits(*schedule, options_.memory_plan, budget,
+                                               context.costs, &base, context.packings));
+    if (arena_bytes <= budget) return false;
+    planning_budget -= static_cast<int64_t>(static_cast<double>(arena_bytes - budget) *
                                             options_.arena_overshoot_factor);
   }
   OffloadPlanner::Mode mode;
@@ -702,13 +694,9 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
     out = std::move(planned).value();
     out_simulation = planner.output_simulation();
     if (options_.fit_memory_plan) {
-      MemoryPlanStats packed;
-      DC_ASSIGN_OR_RETURN(
-          proto::MemoryPlan plan,
-          PlanMemory(out, arena_check, budget, context.costs, &packed, &out_simulation));
-      if (context.packings)
-        context.packings->Store(out, arena_check, budget, std::move(plan), packed);
-      stats_.arena_bytes = packed.arena_bytes;
+      DC_ASSIGN_OR_RETURN(stats_.arena_bytes,
+                          ArenaBytesWithoutWaits(out, options_.memory_plan, budget, context.costs,
+                                                 &out_simulation, context.packings));
       stats_.arena_rounds = round + 1;
     }
     out_stats = stats_;

@@ -39,7 +39,7 @@
 #include <optional>
 #include <string>
 
-#include "rewriter/memory_plan.h"
+#include "rewriter/memory_packer.h"
 #include "rewriter/pass.h"
 
 namespace dc {

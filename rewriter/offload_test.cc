@@ -9,6 +9,7 @@
 #include "machine/estimate.h"
 #include "machine/simulator.h"
 #include "models/model.h"
+#include "rewriter/memory_plan.h"
 #include "rewriter/verifier.h"
 #include "rewriter/zero3.h"
 
