@@ -3,11 +3,13 @@
 #include <utility>
 
 #include "rewriter/bucket.h"
+#include "rewriter/dc_offload.h"
 #include "rewriter/deepcompile.h"
 #include "rewriter/host_optimizer.h"
 #include "rewriter/keep_activations.h"
 #include "rewriter/memory_plan.h"
 #include "rewriter/offload.h"
+#include "rewriter/offload_all.h"
 #include "rewriter/prefetch.h"
 #include "rewriter/unshard.h"
 #include "rewriter/verifier.h"
