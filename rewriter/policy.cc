@@ -4,7 +4,8 @@
 
 #include "rewriter/bucket.h"
 #include "rewriter/dc_offload.h"
-#include "rewriter/deepcompile.h"
+#include "rewriter/dc_prefetch.h"
+#include "rewriter/dc_selective_gather.h"
 #include "rewriter/host_optimizer.h"
 #include "rewriter/keep_activations.h"
 #include "rewriter/memory_plan.h"
