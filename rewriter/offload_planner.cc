@@ -79,8 +79,6 @@ Status OptimizerPhaseError(const Layout& layout, int64_t held_bytes, int64_t bud
       FormatBytes(held_bytes) + " or use more ranks");
 }
 
-// The plan-simulate-repair loop shared by `offload` and `offload-all`.
-
 }  // namespace
 
 OffloadPlanner::OffloadPlanner(const proto::Schedule& input, const Layout& layout,
