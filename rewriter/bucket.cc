@@ -5,7 +5,9 @@
 #include <limits>
 
 #include "machine/simulator.h"
-#include "rewriter/prefetch_timeline.h"
+#include "rewriter/gather_index.h"
+#include "rewriter/live_curve.h"
+#include "rewriter/schedule_editor.h"
 #include "schemas/effects.h"
 
 namespace dc {

@@ -1,9 +1,9 @@
-#include "rewriter/deepcompile.h"
-
 #include <gtest/gtest.h>
 
 #include <chrono>
 
+#include "rewriter/dc_prefetch.h"
+#include "rewriter/dc_selective_gather.h"
 #include "rewriter/planner.h"
 #include "tests/support/prefetch_test_util.h"
 

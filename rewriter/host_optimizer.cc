@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "machine/cost_model.h"
-#include "rewriter/prefetch_timeline.h"
+#include "rewriter/schedule_editor.h"
 #include "schemas/effects.h"
 #include "schemas/units.h"
 

@@ -9,7 +9,7 @@
 #include "machine/simulator.h"
 #include "models/model.h"
 #include "rewriter/memory_plan.h"
-#include "rewriter/offload.h"
+#include "rewriter/offload_all.h"
 #include "rewriter/planner.h"
 #include "rewriter/verifier.h"
 #include "rewriter/zero3.h"

@@ -10,7 +10,8 @@
 
 #include "machine/simulator.h"
 #include "models/op_kinds.h"
-#include "rewriter/prefetch_timeline.h"
+#include "rewriter/live_curve.h"
+#include "rewriter/schedule_editor.h"
 #include "schemas/effects.h"
 
 namespace dc {

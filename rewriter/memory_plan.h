@@ -1,155 +1,20 @@
-// The static memory plan: one device arena for the whole step, and an offset in it for every
-// device buffer, so the executor makes one allocation and never fragments.
-//
-// Buffers, as schemas/program.h accounts them (size = the accounted bytes):
-// - persistent fp32 shards of params, grads and optimizer state: instruction -1, micro-step -1,
-//   alive the whole step; an offloaded shard from the start to its OFFLOAD, a reloaded one from
-//   its RELOAD (instruction = the RELOAD, micro-step -1) to the end or its next OFFLOAD;
-// - a gathered param from its ALL_GATHER (micro-step -2) to its RELEASE;
-// - an activation, grad or input from the COMPUTE that first writes it (an input: the first
-//   compute that reads it in the micro-step) to its RELEASE or OFFLOAD; a reloaded one from its
-//   RELOAD. Anything never freed lives to the end of the step.
-//
-// Lifetimes are in instruction-index order (the executor issues instructions in index order): a
-// buffer is held from the instruction that allocates it to the one that frees it, both
-// inclusive, and two buffers share bytes only if one is freed at a smaller index than the other
-// is allocated (no instruction both frees and allocates). On asynchronous streams issue order is
-// not enough: bytes freed by instruction k and reused by a later instruction j are safe only if
-// j's work starts after k's has ended. By default (MemoryPlanOptions::Lifetimes) lifetimes are
-// therefore also ordered in the schedule's simulated time, and every reuse across streams
-// becomes a dependency of j on k (AddReuseDependencies), which then costs the simulated step
-// nothing; the executor only has to honour deps. Where that arena would go over the budget, a
-// buffer may instead reuse bytes freed earlier in instruction order only; its dependency then
-// delays it (the summary says by how much).
-//
-// Packing is best-fit decreasing over lifetimes, as XLA's heap simulator
-// (GlobalDecreasingSizeBestFitHeap) does: buffers that live the whole step overlap every other
-// buffer, so they are stacked at the bottom first (no packing does better); the rest are taken
-// in the order's sequence and each goes into the smallest free gap (lowest offset on ties),
-// among the buffers already placed that overlap it in time, that holds it, or on top of them.
-// The ranges taken during a lifetime come from a segment tree over time holding coalesced
-// unions, so a placement costs O(log² n) plus the number of runs, not the number of buffers
-// that overlap it. Thread-safe (pure functions); the pass is not.
+// The memory-plan pass: packs the schedule's static memory plan (rewriter/memory_packer.h) into
+// schedule->memory_plan and, since reuse across asynchronous streams is safe only in order,
+// makes every instruction that allocates a buffer wait for the instructions on other streams
+// that freed the bytes it reuses (ReuseDependencies), so the executor only has to honour deps.
+// It takes the packing the offload pass's arena check left in PassContext::packings when that
+// is for the same instructions and budget. The pass is not thread-safe.
 #pragma once
 
-#include <cstdint>
 #include <memory>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "rewriter/memory_packer.h"
 #include "rewriter/pass.h"
 
 namespace dc {
-
-// One device buffer and its lifetime in instruction-index order.
-struct BufferLifetime {
-  int instruction = -1;  // the instruction that allocates it; -1: persistent from start-up
-  int tensor = -1;
-  int micro_step = -1;   // -2 gathered param, -1 persistent / optimizer phase, -3 compute shard
-  int alloc_index = -1;  // -1: before the first instruction
-  int free_index = 0;    // the instruction count: after the last instruction
-  int64_t size_bytes = 0;
-};
-
-// Every device buffer of `schedule`, in the order their allocations are replayed. Errors name
-// the instruction and tensor when the stream is inconsistent (a release of something not live,
-// a read of an activation that was never written, ...).
-StatusOr<std::vector<BufferLifetime>> BufferLifetimes(const proto::Schedule& schedule);
-
-struct MemoryPlanOptions {
-  enum class Lifetimes {
-    // As instructions are issued: a buffer is held from its allocating instruction to its
-    // freeing one. Enough when instructions run one at a time (the cpu backend).
-    kInstructionOrder,
-    // Issue order and simulated time: freed when the freeing instruction ends; allocated when
-    // the allocating instruction starts or, if sooner, when an instruction issued after it ends
-    // a free (so a reuse never needs a dependency that points forwards). Equal to
-    // kInstructionOrder when streams are serial.
-    kInstructionAndSimulatedTime,
-  };
-  Lifetimes lifetimes = Lifetimes::kInstructionAndSimulatedTime;
-  // With kInstructionAndSimulatedTime and a budget: a buffer whose best place would end above
-  // the budget may instead reuse bytes freed before it in instruction order but not yet in
-  // simulated time, if that place ends lower. Its reuse dependency then delays it (the summary
-  // says by how much); the rest of the plan still costs nothing.
-  bool spill_to_instruction_order = true;
-  // If spilling at the budget is not enough, spill from these fractions below it (each a
-  // further attempt with the first order).
-  std::vector<double> spill_headroom_fractions = {0.02, 0.05};
-  // Last resort when the arena is still over the budget: plan every buffer in instruction order
-  // (all reuse waits for its free: the step may get much slower; the summary says how much).
-  bool fall_back_to_instruction_order = true;
-  // Every offset (and every buffer's reserved size) is a multiple of this; a power of two.
-  int64_t alignment_bytes = 256;
-  enum class Order {
-    kSizeDescending,  // XLA's order: size descending, earlier allocation first on ties
-    kAreaDescending,  // size × lifetime descending: long-lived large buffers first
-  };
-  // Tried in turn until the arena fits the budget; the first always runs.
-  std::vector<Order> orders = {Order::kSizeDescending, Order::kAreaDescending};
-  // Make every instruction that allocates a buffer wait for the instructions on other streams
-  // that freed the bytes it reuses (AddReuseDependencies), so the plan is safe on asynchronous
-  // streams for an executor that honours deps, and the simulator predicts that step. Off: the
-  // executor must order reuse itself. Always on with kInstructionOrder lifetimes or spills
-  // (there the waits are what makes reuse safe).
-  bool add_reuse_dependencies = true;
-};
-
-struct MemoryPlanStats {
-  int buffers = 0;
-  int64_t arena_bytes = 0;
-  // Most bytes held at once over the lifetimes packed: no packing can be smaller.
-  int64_t live_peak_bytes = 0;
-  int live_peak_instruction = -1;
-  std::string order;     // the order that produced the plan
-  int orders_tried = 0;  // packings tried (orders, spill marks, fall-back)
-  MemoryPlanOptions::Lifetimes lifetimes = MemoryPlanOptions::Lifetimes::kInstructionOrder;
-  int spilled_buffers = 0;  // placed by spill_to_instruction_order
-  // Most bytes held at once in instruction order: no arena can be smaller.
-  int64_t instruction_order_peak_bytes = 0;
-  int instruction_order_peak_instruction = -1;
-};
-
-// The plan of `schedule` under `options`: placements sorted by (instruction, tensor,
-// micro_step). With budget_bytes > 0, later orders are tried while the arena is over it; the
-// smallest arena found is returned either way (the caller judges the budget). `costs` times
-// the simulation for kInstructionAndSimulatedTime; without them (null) lifetimes are in
-// instruction order. `stats` is optional; so is `simulation`, Simulate(schedule, *costs) when
-// the caller has it (the memory timeline is not needed), which spares simulating again.
-StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
-                                       const MemoryPlanOptions& options, int64_t budget_bytes,
-                                       const CostModel* costs, MemoryPlanStats* stats,
-                                       const SimResult* simulation = nullptr);
-
-// The last packing of one plan, keyed by the schedule's instructions, the budget and the options
-// that decide PlanMemory's first attempt (lifetimes, alignment, first order). A packing that
-// fits the budget is what PlanMemory's first attempt returns whatever the later attempts and
-// spill settings (they act only above the budget), so the memory-plan pass takes it instead of
-// packing the same schedule again after the offload pass checked its arena. Not thread-safe.
-class PackingMemo {
- public:
-  struct Entry {
-    proto::MemoryPlan plan;
-    MemoryPlanStats stats;
-  };
-  void Store(const proto::Schedule& schedule, const MemoryPlanOptions& options,
-             int64_t budget_bytes, proto::MemoryPlan plan, const MemoryPlanStats& stats);
-  // The stored packing for this schedule, budget and first attempt if it fits the budget;
-  // null otherwise.
-  const Entry* FindFitting(const proto::Schedule& schedule, const MemoryPlanOptions& options,
-                           int64_t budget_bytes) const;
-  // FindFitting's packing moved out (the memo then holds nothing), or nothing.
-  std::optional<Entry> TakeFitting(const proto::Schedule& schedule,
-                                   const MemoryPlanOptions& options, int64_t budget_bytes);
-
- private:
-  static std::string Key(const proto::Schedule& schedule, const MemoryPlanOptions& options,
-                         int64_t budget_bytes);
-  std::string key_;
-  Entry entry_;
-};
 
 // The orderings a static arena needs on asynchronous streams: (allocating instruction, freeing
 // instruction) for each allocation that reuses bytes a buffer freed by an instruction on another
@@ -183,5 +48,4 @@ class MemoryPlanPass : public Pass {
 };
 
 std::unique_ptr<Pass> MakeMemoryPlanPass(MemoryPlanOptions options = {});
-
 }  // namespace dc

@@ -10,6 +10,7 @@
 #include "machine/estimate.h"
 #include "machine/simulator.h"
 #include "models/model.h"
+#include "rewriter/memory_lifetimes.h"
 #include "rewriter/offload.h"
 #include "rewriter/schedule_text.h"
 #include "rewriter/zero3.h"

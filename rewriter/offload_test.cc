@@ -9,6 +9,9 @@
 #include "machine/estimate.h"
 #include "machine/simulator.h"
 #include "models/model.h"
+#include "rewriter/dc_offload.h"
+#include "rewriter/memory_plan.h"
+#include "rewriter/offload_all.h"
 #include "rewriter/verifier.h"
 #include "rewriter/zero3.h"
 

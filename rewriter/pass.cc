@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "rewriter/verifier.h"
+#include "schemas/units.h"
 
 namespace dc {
 
@@ -21,18 +22,10 @@ bool Pipeline::Has(const std::string& name) const {
   return false;
 }
 
-namespace {
-std::string Listed(const std::vector<std::string>& names) {
-  std::string text;
-  for (const auto& name : names) text += (text.empty() ? "" : ", ") + name;
-  return text;
-}
-}  // namespace
-
 Status Pipeline::Disable(const std::string& name) {
   if (!Has(name)) {
     return Status::Error("no pass '" + name + "' to disable; this pipeline runs " +
-                         Listed(PassNames()));
+                         Join(PassNames(), ", "));
   }
   disabled_.insert(name);
   return Status::Ok();
@@ -41,7 +34,7 @@ Status Pipeline::Disable(const std::string& name) {
 Status Pipeline::DumpAfter(const std::string& name, DumpFn fn) {
   if (!Has(name)) {
     return Status::Error("no pass '" + name + "' to dump after; this pipeline runs " +
-                         Listed(PassNames()));
+                         Join(PassNames(), ", "));
   }
   dump_after_ = name;
   dump_ = std::move(fn);

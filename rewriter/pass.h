@@ -31,7 +31,7 @@ struct PassContext {
   // The budget the plan must meet in the end: budget_bytes, also where a pass before the first
   // memory-freeing pass sees the relaxed one there. 0 = unlimited.
   int64_t final_budget_bytes = 0;
-  // The last arena packing of this plan (rewriter/memory_plan.h), shared so that the
+  // The last arena packing of this plan (rewriter/memory_packer.h), shared so that the
   // memory-plan pass does not pack again what the offload pass's arena check just packed.
   // Optional; one per plan (the costs and program must not change while it lives).
   PackingMemo* packings = nullptr;

@@ -9,6 +9,7 @@
 #include "rewriter/plan_cache.h"
 #include "rewriter/zero3.h"
 #include "schemas/digest.h"
+#include "schemas/units.h"
 
 namespace dc {
 
@@ -89,12 +90,6 @@ StatusOr<proto::Schedule> RunPipeline(const PlanRequest& request, const std::str
   return schedule;
 }
 
-std::string Join(const std::vector<std::string>& names) {
-  std::string text;
-  for (const auto& n : names) text += (text.empty() ? "" : ",") + n;
-  return text;
-}
-
 // The passes are greedy and decide in order: what an earlier one spends is not offered to a
 // later one. Where another split may do better, an exploring policy plans that way too and
 // keeps the fastest plan (ties: the first):
@@ -169,7 +164,7 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
     if (!candidate.ok()) continue;
     if (!best || candidate->prediction().step_seconds() < best->prediction().step_seconds()) {
       best = *candidate;
-      chosen = Join(fallback.passes);
+      chosen = Join(fallback.passes, ",");
     }
   }
   if (best) {

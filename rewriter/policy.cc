@@ -3,15 +3,19 @@
 #include <utility>
 
 #include "rewriter/bucket.h"
-#include "rewriter/deepcompile.h"
+#include "rewriter/dc_offload.h"
+#include "rewriter/dc_prefetch.h"
+#include "rewriter/dc_selective_gather.h"
 #include "rewriter/host_optimizer.h"
 #include "rewriter/keep_activations.h"
 #include "rewriter/memory_plan.h"
 #include "rewriter/offload.h"
+#include "rewriter/offload_all.h"
 #include "rewriter/prefetch.h"
 #include "rewriter/unshard.h"
 #include "rewriter/verifier.h"
 #include "rewriter/zero3.h"
+#include "schemas/units.h"
 
 namespace dc {
 namespace {
@@ -49,12 +53,6 @@ constexpr PassFactory kPasses[] = {
     {"keep-activations", Make<KeepActivationsPass>},
     {"memory-plan", Make<MemoryPlanPass>},
 };
-
-std::string JoinNames(const std::vector<std::string>& names) {
-  std::string text;
-  for (size_t i = 0; i < names.size(); ++i) text += (i ? ", " : "") + names[i];
-  return text;
-}
 
 // dc: bucket first, on the zero3 stream whose gathers run as early as the gather stream allows,
 // so fusion is judged where communication is hidden as well as it can be; prefetch then bounds
@@ -117,7 +115,7 @@ StatusOr<std::unique_ptr<Pipeline>> MakePipelineFromNames(const std::vector<std:
       if (name == factory.name) found = &factory;
     }
     if (!found) {
-      return Status::Error("unknown pass '" + name + "'; known passes: " + JoinNames(PassNames()));
+      return Status::Error("unknown pass '" + name + "'; known passes: " + Join(PassNames(), ", "));
     }
     pipeline->Add(found->make());
   }
@@ -146,7 +144,7 @@ StatusOr<const Policy*> FindPolicy(const std::string& name) {
   for (const Policy& policy : Policies()) {
     if (policy.name == name) return &policy;
   }
-  return Status::Error("unknown policy '" + name + "'; choose one of " + JoinNames(PolicyNames()));
+  return Status::Error("unknown policy '" + name + "'; choose one of " + Join(PolicyNames(), ", "));
 }
 
 StatusOr<std::unique_ptr<Pipeline>> MakePipeline(const std::string& policy) {

@@ -6,7 +6,9 @@
 #include <optional>
 
 #include "machine/simulator.h"
-#include "rewriter/prefetch_timeline.h"
+#include "rewriter/gather_index.h"
+#include "rewriter/live_curve.h"
+#include "rewriter/schedule_editor.h"
 #include "schemas/effects.h"
 
 namespace dc {

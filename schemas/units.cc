@@ -60,4 +60,13 @@ std::string FormatBytes(int64_t bytes) {
   return text;
 }
 
+std::string Join(const std::vector<std::string>& parts, std::string_view separator) {
+  std::string text;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (i > 0) text += separator;
+    text += parts[i];
+  }
+  return text;
+}
+
 }  // namespace dc

@@ -27,5 +27,12 @@ TEST(Units, Formats) {
   EXPECT_EQ(FormatBytes(3LL << 30), "3.00 GiB");
 }
 
+TEST(Units, JoinsNames) {
+  EXPECT_EQ(Join({}, ", "), "");
+  EXPECT_EQ(Join({"zero3"}, ", "), "zero3");
+  EXPECT_EQ(Join({"zero3", "prefetch", "memory-plan"}, ", "), "zero3, prefetch, memory-plan");
+  EXPECT_EQ(Join({"a", "b"}, ","), "a,b");
+}
+
 }  // namespace
 }  // namespace dc

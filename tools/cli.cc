@@ -16,14 +16,7 @@ void AddOptional(CLI::App& app, const std::string& name, std::optional<T>* targe
 }  // namespace
 
 void ModelFlags::Add(CLI::App& app) {
-  app.add_option(
-         "--model", preset,
-         "model preset: " +
-             [] {
-               std::string names;
-               for (const auto& n : PresetNames()) names += (names.empty() ? "" : ", ") + n;
-               return names;
-             }())
+  app.add_option("--model", preset, "model preset: " + Join(PresetNames(), ", "))
       ->capture_default_str();
   AddOptional(app, "--layers", &overrides.layers, "override the number of decoder layers");
   AddOptional(app, "--hidden", &overrides.hidden, "override the hidden size");

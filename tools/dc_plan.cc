@@ -256,14 +256,8 @@ int main(int argc, char** argv) {
       "e.g. --synthetic --model llama3-70b --world 32 --hardware h100-sxm --gpus-per-node 8");
   model.Add(app);
   app.add_option("--world", world, "ranks (--synthetic)")->capture_default_str();
-  app.add_option(
-         "--hardware", hardware,
-         "hardware profile (--synthetic): " +
-             [] {
-               std::string names;
-               for (const auto& n : HardwareNames()) names += (names.empty() ? "" : ", ") + n;
-               return names;
-             }())
+  app.add_option("--hardware", hardware,
+                 "hardware profile (--synthetic): " + Join(HardwareNames(), ", "))
       ->capture_default_str();
   app.add_option("--gpus-per-node", gpus_per_node, "GPUs per node (--synthetic)")
       ->capture_default_str();

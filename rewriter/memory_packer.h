@@ -1,0 +1,141 @@
+// The static memory plan's packer: one device arena for the whole step, and an offset in it
+// for every device buffer (rewriter/memory_lifetimes.h), so the executor makes one allocation
+// and never fragments.
+//
+// On asynchronous streams issue order is not enough: bytes freed by instruction k and reused by
+// a later instruction j are safe only if j's work starts after k's has ended. By default
+// (MemoryPlanOptions::Lifetimes) lifetimes are therefore also ordered in the schedule's
+// simulated time, and every reuse across streams becomes a dependency of j on k (the
+// memory-plan pass adds them: rewriter/memory_plan.h), which then costs the simulated step
+// nothing. Where that arena would go over the budget, a buffer may instead reuse bytes freed
+// earlier in instruction order only; its dependency then delays it.
+//
+// Packing is best-fit decreasing over lifetimes, as XLA's heap simulator
+// (GlobalDecreasingSizeBestFitHeap) does: buffers that live the whole step overlap every other
+// buffer, so they are stacked at the bottom first (no packing does better); the rest are taken
+// in the order's sequence and each goes into the smallest free gap (lowest offset on ties),
+// among the buffers already placed that overlap it in time, that holds it, or on top of them.
+// The ranges taken during a lifetime come from a segment tree over time holding coalesced
+// unions (rewriter/arena_occupancy.h), so a placement costs O(log² n) plus the number of runs,
+// not the number of buffers that overlap it. Thread-safe (pure functions); PackingMemo is not.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "machine/cost_model.h"
+#include "machine/simulator.h"
+#include "schemas/program.h"
+#include "schemas/status.h"
+
+namespace dc {
+
+struct MemoryPlanOptions {
+  enum class Lifetimes {
+    // As instructions are issued: a buffer is held from its allocating instruction to its
+    // freeing one. Enough when instructions run one at a time (the cpu backend).
+    kInstructionOrder,
+    // Issue order and simulated time: freed when the freeing instruction ends; allocated when
+    // the allocating instruction starts or, if sooner, when an instruction issued after it ends
+    // a free (so a reuse never needs a dependency that points forwards). Equal to
+    // kInstructionOrder when streams are serial.
+    kInstructionAndSimulatedTime,
+  };
+  Lifetimes lifetimes = Lifetimes::kInstructionAndSimulatedTime;
+  // With kInstructionAndSimulatedTime and a budget: a buffer whose best place would end above
+  // the budget may instead reuse bytes freed before it in instruction order but not yet in
+  // simulated time, if that place ends lower. Its reuse dependency then delays it (the summary
+  // says by how much); the rest of the plan still costs nothing.
+  bool spill_to_instruction_order = true;
+  // If spilling at the budget is not enough, spill from these fractions below it (each a
+  // further attempt with the first order).
+  std::vector<double> spill_headroom_fractions = {0.02, 0.05};
+  // Last resort when the arena is still over the budget: plan every buffer in instruction order
+  // (all reuse waits for its free: the step may get much slower; the summary says how much).
+  bool fall_back_to_instruction_order = true;
+  // Every offset (and every buffer's reserved size) is a multiple of this; a power of two.
+  int64_t alignment_bytes = 256;
+  enum class Order {
+    kSizeDescending,  // XLA's order: size descending, earlier allocation first on ties
+    kAreaDescending,  // size × lifetime descending: long-lived large buffers first
+  };
+  // Tried in turn until the arena fits the budget; the first always runs.
+  std::vector<Order> orders = {Order::kSizeDescending, Order::kAreaDescending};
+  // Make every instruction that allocates a buffer wait for the instructions on other streams
+  // that freed the bytes it reuses (AddReuseDependencies), so the plan is safe on asynchronous
+  // streams for an executor that honours deps, and the simulator predicts that step. Off: the
+  // executor must order reuse itself. Always on with kInstructionOrder lifetimes or spills
+  // (there the waits are what makes reuse safe).
+  bool add_reuse_dependencies = true;
+};
+
+struct MemoryPlanStats {
+  int buffers = 0;
+  int64_t arena_bytes = 0;
+  // Most bytes held at once over the lifetimes packed: no packing can be smaller.
+  int64_t live_peak_bytes = 0;
+  int live_peak_instruction = -1;
+  std::string order;     // the order that produced the plan
+  int orders_tried = 0;  // packings tried (orders, spill marks, fall-back)
+  MemoryPlanOptions::Lifetimes lifetimes = MemoryPlanOptions::Lifetimes::kInstructionOrder;
+  int spilled_buffers = 0;  // placed by spill_to_instruction_order
+  // Most bytes held at once in instruction order: no arena can be smaller.
+  int64_t instruction_order_peak_bytes = 0;
+  int instruction_order_peak_instruction = -1;
+};
+
+// The plan of `schedule` under `options`: placements sorted by (instruction, tensor,
+// micro_step). With budget_bytes > 0, later orders are tried while the arena is over it; the
+// smallest arena found is returned either way (the caller judges the budget). `costs` times
+// the simulation for kInstructionAndSimulatedTime; without them (null) lifetimes are in
+// instruction order. `stats` is optional; so is `simulation`, Simulate(schedule, *costs) when
+// the caller has it (the memory timeline is not needed), which spares simulating again.
+StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
+                                       const MemoryPlanOptions& options, int64_t budget_bytes,
+                                       const CostModel* costs, MemoryPlanStats* stats,
+                                       const SimResult* simulation = nullptr);
+
+// The last packing of one plan, keyed by the schedule's instructions, the budget and the options
+// that decide PlanMemory's first attempt (lifetimes, alignment, first order). A packing that
+// fits the budget is what PlanMemory's first attempt returns whatever the later attempts and
+// spill settings (they act only above the budget), so the memory-plan pass takes it instead of
+// packing the same schedule again after the offload pass checked its arena. Not thread-safe.
+class PackingMemo {
+ public:
+  struct Entry {
+    proto::MemoryPlan plan;
+    MemoryPlanStats stats;
+  };
+  void Store(const proto::Schedule& schedule, const MemoryPlanOptions& options,
+             int64_t budget_bytes, proto::MemoryPlan plan, const MemoryPlanStats& stats);
+  // The stored packing for this schedule, budget and first attempt if it fits the budget;
+  // null otherwise.
+  const Entry* FindFitting(const proto::Schedule& schedule, const MemoryPlanOptions& options,
+                           int64_t budget_bytes) const;
+  // FindFitting's packing moved out (the memo then holds nothing), or nothing.
+  std::optional<Entry> TakeFitting(const proto::Schedule& schedule,
+                                   const MemoryPlanOptions& options, int64_t budget_bytes);
+
+ private:
+  static std::string Key(const proto::Schedule& schedule, const MemoryPlanOptions& options,
+                         int64_t budget_bytes);
+  std::string key_;
+  Entry entry_;
+};
+
+// The arena `schedule` gets without slowing down: packed with `options`' lifetimes, alignment
+// and first order, and no reuse that waits (no spills, no fall-back to instruction order: those
+// are the memory-plan pass's last resorts). What the offload pass asks of a candidate plan.
+// `costs` and `simulation` as for PlanMemory; the packing is stored in `memo` (optional) for
+// the memory-plan pass to take.
+StatusOr<int64_t> ArenaBytesWithoutWaits(const proto::Schedule& schedule,
+                                         const MemoryPlanOptions& options, int64_t budget_bytes,
+                                         const CostModel* costs, const SimResult* simulation,
+                                         PackingMemo* memo);
+
+// `options` as text, for a pass's OptionsText (part of the plan cache's key).
+std::string MemoryPlanOptionsText(const MemoryPlanOptions& options);
+
+}  // namespace dc
