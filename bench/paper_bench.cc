@@ -23,8 +23,8 @@
 #include "machine/estimate.h"
 #include "machine/hardware.h"
 #include "models/model.h"
-#include "models/op_kinds.h"
 #include "rewriter/planner.h"
+#include "schemas/op_kinds.h"
 
 namespace {
 

@@ -10,7 +10,7 @@
 #include <unordered_map>
 
 #include "models/moe_layout.h"
-#include "models/op_kinds.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 namespace {

@@ -11,7 +11,7 @@
 
 #include "models/data.h"
 #include "models/model.h"
-#include "models/op_kinds.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 namespace {

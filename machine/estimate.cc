@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "models/op_kinds.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "models/model.h"
-#include "models/op_kinds.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 namespace {

@@ -5,8 +5,8 @@
 #include <unordered_map>
 #include <utility>
 
-#include "models/op_kinds.h"
 #include "models/param_names.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 namespace {

@@ -7,7 +7,7 @@
 #include <map>
 #include <set>
 
-#include "models/op_kinds.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 namespace {

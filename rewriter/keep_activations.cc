@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "machine/simulator.h"
-#include "models/op_kinds.h"
 #include "rewriter/prefetch_timeline.h"
 #include "schemas/effects.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 namespace {

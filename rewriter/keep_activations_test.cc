@@ -7,11 +7,11 @@
 #include "machine/estimate.h"
 #include "machine/simulator.h"
 #include "models/model.h"
-#include "models/op_kinds.h"
 #include "rewriter/memory_plan.h"
 #include "rewriter/planner.h"
 #include "rewriter/verifier.h"
 #include "rewriter/zero3.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 namespace {

@@ -4,11 +4,11 @@
 #include <optional>
 
 #include "machine/simulator.h"
-#include "models/op_kinds.h"
 #include "rewriter/memory_plan.h"
 #include "rewriter/plan_cache.h"
 #include "rewriter/zero3.h"
 #include "schemas/digest.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 

@@ -11,7 +11,7 @@
 
 #include "executor/cuda/cuda_device.h"
 #include "executor/cuda/kernel_launch.h"
-#include "models/op_kinds.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 

@@ -23,7 +23,7 @@
 #include "executor/cuda/cuda_device.h"
 #include "models/data.h"
 #include "models/model.h"
-#include "models/op_kinds.h"
+#include "schemas/op_kinds.h"
 #if defined(DC_HAVE_NCCL)
 #include "executor/cuda/nccl_comm.h"
 #endif
