@@ -512,6 +512,18 @@ TEST(AdamW, FallsBackToTheConfig) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Every kind of the table (schemas/op_kinds.h) has a kernel: without operands each answers with
+// its own operand check, never that the backend lacks the kind.
+
+TEST(Kinds, EveryKindOfTheTableHasAKernel) {
+  for (const OpKindInfo& info : kOpKinds) {
+    const Status status = RunOp(MakeOp(info.name), {}, {});
+    EXPECT_FALSE(status.ok()) << info.name;
+    EXPECT_EQ(status.message().find("has no kernel"), std::string::npos) << status.message();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Errors name the op.
 
 TEST(Errors, ArityShapeKindAndValues) {

@@ -1,5 +1,11 @@
-// The op kinds a Program may hold, their operand order and attributes. Every backend
-// implements exactly these (executor/cpu_kernels.cc is the reference math).
+// The op kinds a Program may hold: ONE table of them (DC_OP_KINDS), their operand order and
+// attributes. Every backend implements exactly these (executor/cpu_kernels.cc is the reference
+// math); each backend's kernel table and the roofline estimate's classification
+// (machine/estimate.cc) are generated from DC_OP_KINDS, so a kind that one of them lacks does not
+// compile.
+//
+// Adding a kind: its row in DC_OP_KINDS, its operands below, and a kernel function named as the
+// row's id in each backend (executor/cpu_kernels.cc, executor/cuda/cuda_kernels.cc).
 //
 // Conventions shared by all kinds:
 // - Tensors are row-major. "[..., H]" means any leading dims, flattened to rows of H.
@@ -12,88 +18,81 @@
 // - Storage may be fp32 whatever the compute dtype; softmax and norms always reduce in fp32.
 #pragma once
 
+#include <cstddef>
+#include <optional>
 #include <string>
+#include <string_view>
 
-namespace dc::op_kind {
-
-// Gathers rows of the embedding table.
+// ---------------------------------------------------------------------------------------------
+// The kinds, in the order of DC_OP_KINDS.
+//
+// embedding: gathers rows of the embedding table.
 //   inputs  [tokens i32 [B, S], table [V, H]]   outputs [y [B, S, H]]
 //   flops   0 (a gather)
-inline constexpr char kEmbedding[] = "embedding";
+// embedding_backward
 //   inputs  [dy [B, S, H], tokens i32 [B, S]]   outputs [dtable [V, H]]
 //   flops   M * H (scatter-add)
-inline constexpr char kEmbeddingBackward[] = "embedding_backward";
 
-// y = x / sqrt(mean(x^2) + eps) * w, per row.
+// rmsnorm: y = x / sqrt(mean(x^2) + eps) * w, per row.
 //   inputs  [x [..., H], w [H]]   outputs [y [..., H]]   attrs  eps (f)
 //   flops   4 * M * H
-inline constexpr char kRmsNorm[] = "rmsnorm";
+// rmsnorm_backward
 //   inputs  [dy, x, w]   outputs [dx, dw]   attrs  eps (f)
 //   flops   8 * M * H
-inline constexpr char kRmsNormBackward[] = "rmsnorm_backward";
 
-// y = x W^T.
+// matmul: y = x W^T.
 //   inputs  [x [..., K], w [N, K]]   outputs [y [..., N]]
 //   flops   2 * M * N * K
-inline constexpr char kMatmul[] = "matmul";
+// matmul_backward
 //   inputs  [dy [..., N], x [..., K], w [N, K]]   outputs [dx [..., K], dw [N, K]]
 //   flops   4 * M * N * K
-inline constexpr char kMatmulBackward[] = "matmul_backward";
 
-// Rotary position embedding, "rotate half" pairing (element i with i + head_dim / 2 inside each
-// head, as Hugging Face Llama), position = index along S, frequency
-// theta^(-2i / head_dim).
+// rope: rotary position embedding, "rotate half" pairing (element i with i + head_dim / 2 inside
+// each head, as Hugging Face Llama), position = index along S, frequency theta^(-2i / head_dim).
 //   inputs  [x [B, S, heads * head_dim]]   outputs [y, same shape]
 //   attrs   heads (i), head_dim (i, even), theta (f)
 //   flops   3 * M * heads * head_dim
-inline constexpr char kRope[] = "rope";
+// rope_backward
 //   inputs  [dy]   outputs [dx]   attrs as rope (rotation by the opposite angle)
-inline constexpr char kRopeBackward[] = "rope_backward";
 
-// Causal grouped-query attention: query head h reads kv head h / (heads / kv_heads); scores
-// scaled by 1 / sqrt(head_dim); softmax in fp32.
+// attention: causal grouped-query attention: query head h reads kv head h / (heads / kv_heads);
+// scores scaled by 1 / sqrt(head_dim); softmax in fp32.
 //   inputs  [q [B, S, heads * head_dim], k [B, S, kv_heads * head_dim], v (as k)]
 //   outputs [o [B, S, heads * head_dim]]
 //   attrs   heads (i), kv_heads (i), head_dim (i)
 //   flops   2 * B * heads * S * S * head_dim (two matmuls, half of each masked away)
-inline constexpr char kAttention[] = "attention";
-// Recomputes the softmax from q and k (as flash-attention does); nothing else is saved.
+// attention_backward: recomputes the softmax from q and k (as flash-attention does); nothing else
+// is saved.
 //   inputs  [do, q, k, v]   outputs [dq, dk, dv]   attrs as attention
 //   flops   5 * B * heads * S * S * head_dim (recompute scores, dP, dV, dQ, dK)
-inline constexpr char kAttentionBackward[] = "attention_backward";
 
-// y = silu(gate) * up.
+// swiglu: y = silu(gate) * up.
 //   inputs  [gate [..., F], up [..., F]]   outputs [y [..., F]]
 //   flops   5 * M * F
-inline constexpr char kSwiglu[] = "swiglu";
+// swiglu_backward
 //   inputs  [dy, gate, up]   outputs [dgate, dup]
 //   flops   10 * M * F
-inline constexpr char kSwigluBackward[] = "swiglu_backward";
 
-// Elementwise sum of two or more same-shaped tensors: residual joins in forward, and in
+// add: elementwise sum of two or more same-shaped tensors: residual joins in forward, and in
 // backward wherever gradients of one activation from several consumers join.
 //   inputs  [a, b, ...]   outputs [sum]
 //   flops   (inputs - 1) * elements
-inline constexpr char kAdd[] = "add";
 
-// Cross-entropy of logits against target ids: the SUM over tokens of
+// cross_entropy: cross-entropy of logits against target ids: the SUM over tokens of
 // logsumexp(logits) - logits[target] (the mean is taken by the gradient scale).
 //   inputs  [logits [..., V], targets i32 [...]]   outputs [loss f32 [1]]
 //   flops   4 * M * V
-inline constexpr char kCrossEntropy[] = "cross_entropy";
-// The loss is the root: there is no incoming gradient tensor. Writes
+// cross_entropy_backward: the loss is the root: there is no incoming gradient tensor. Writes
 // (softmax(logits) - onehot(target)) * grad_scale, grad_scale from the executor
 // (1 / tokens of the whole optimizer step over all ranks).
 //   inputs  [logits, targets]   outputs [dlogits]
 //   flops   4 * M * V
-inline constexpr char kCrossEntropyBackward[] = "cross_entropy_backward";
 
-// AdamW with bias correction (PyTorch semantics: p -= lr * wd * p, then the Adam update).
+// adamw: AdamW with bias correction (PyTorch semantics: p -= lr * wd * p, then the Adam update).
 // In place on the rank's equal-length shards; no outputs. Step count from the executor.
 //   inputs  [param, grad, m, v]   outputs []
 //   attrs   lr, beta1, beta2, eps, weight_decay (f; weight_decay is 0 for 1-D params)
 //   flops   12 * elements
-inline constexpr char kAdamW[] = "adamw";
 
 // ---------------------------------------------------------------------------------------------
 // Mixture of experts (the Mixtral block). Tokens are routed to `top_k` of `experts` experts and
@@ -103,52 +102,132 @@ inline constexpr char kAdamW[] = "adamw";
 // whose bounds every op recomputes from the i32 `experts` tensor (a counting pass over M * k
 // ids). Expert e's params are ordinary params, inputs of the grouped ops that use them.
 
-// Top-k routing with renormalized gates and the load-balancing loss. p = softmax(logits) in
-// fp32; per token the top_k experts by p (ties: the lower index), gates = their p over the sum of
-// their p (Mixtral), experts = their ids in descending p. The auxiliary loss of this layer is
-// aux_coef * E * sum_e f_e * P_e with f_e = tokens choosing e / M and P_e = mean_t p[t, e]
-// over the micro-batch's M tokens (Switch Transformer / Mixtral; one term per MoE layer, as
-// each rank computes it on its own micro-batch); it is written in the cross-entropy's
-// sum scale, times M, so it joins the loss like another cross-entropy (see kAuxLossSuffix).
-//   inputs  [logits [..., E]]   outputs [gates f32 [..., k], experts i32 [..., k], aux_loss f32
-//   [1]] attrs   top_k (i), aux_coef (f) flops   6 * M * E
-inline constexpr char kMoeRouter[] = "moe_router";
-// The gradient through the gates (the expert choice is not differentiable) plus the load
-// balancing term: dp[t, e] += grad_scale * aux_coef * E * f_e; softmax recomputed from logits.
+// moe_router: top-k routing with renormalized gates and the load-balancing loss. p =
+// softmax(logits) in fp32; per token the top_k experts by p (ties: the lower index), gates = their
+// p over the sum of their p (Mixtral), experts = their ids in descending p. The auxiliary loss of
+// this layer is aux_coef * E * sum_e f_e * P_e with f_e = tokens choosing e / M and P_e = mean_t
+// p[t, e] over the micro-batch's M tokens (Switch Transformer / Mixtral; one term per MoE layer, as
+// each rank computes it on its own micro-batch); it is written in the cross-entropy's sum scale,
+// times M, so it joins the loss like another cross-entropy (see kAuxLossSuffix).
+//   inputs  [logits [..., E]]
+//   outputs [gates f32 [..., k], experts i32 [..., k], aux_loss f32 [1]]
+//   attrs   top_k (i), aux_coef (f)
+//   flops   6 * M * E
+// moe_router_backward: the gradient through the gates (the expert choice is not differentiable)
+// plus the load balancing term: dp[t, e] += grad_scale * aux_coef * E * f_e; softmax recomputed
+// from logits.
 //   inputs  [dgates [..., k], logits [..., E], experts i32 [..., k]]   outputs [dlogits [..., E]]
 //   attrs   as moe_router
 //   flops   8 * M * E
-inline constexpr char kMoeRouterBackward[] = "moe_router_backward";
 
-// Copies each token's row once per chosen expert into the expert-major layout.
+// moe_dispatch: copies each token's row once per chosen expert into the expert-major layout.
 //   inputs  [x [..., H], experts i32 [..., k]]   outputs [xs [M * k, H]]   attrs  experts (i)
 //   flops   0 (a gather)
-inline constexpr char kMoeDispatch[] = "moe_dispatch";
+// moe_dispatch_backward
 //   inputs  [dxs [M * k, H], experts i32 [..., k]]   outputs [dx [..., H]] (sum of a token's rows)
 //   attrs   experts (i)
 //   flops   M * k * H
-inline constexpr char kMoeDispatchBackward[] = "moe_dispatch_backward";
 
-// One matrix product per expert over its segment of rows: y[r] = x[r] w_e^T for r in expert
-// e's segment. An expert with no tokens costs nothing (and gets a zero dW).
+// grouped_matmul: one matrix product per expert over its segment of rows: y[r] = x[r] w_e^T for r
+// in expert e's segment. An expert with no tokens costs nothing (and gets a zero dW).
 //   inputs  [x [M * k, K], experts i32 [..., k], w_0 [N, K], ..., w_{E-1} [N, K]]
 //   outputs [y [M * k, N]]
 //   flops   2 * M * k * N * K (exact whatever the balance: the segments sum to M * k rows)
-inline constexpr char kGroupedMatmul[] = "grouped_matmul";
+// grouped_matmul_backward
 //   inputs  [dy [M * k, N], x, experts, w_0, ..., w_{E-1}]   outputs [dx, dw_0, ..., dw_{E-1}]
 //   flops   4 * M * k * N * K
-inline constexpr char kGroupedMatmulBackward[] = "grouped_matmul_backward";
 
-// y[t] = sum_j gates[t, j] * ys[row of (t, j)]: the experts' outputs, weighted and summed back
-// per token.
+// moe_combine: y[t] = sum_j gates[t, j] * ys[row of (t, j)]: the experts' outputs, weighted and
+// summed back per token.
 //   inputs  [ys [M * k, H], gates f32 [..., k], experts i32 [..., k]]   outputs [y [..., H]]
 //   attrs   experts (i)
 //   flops   2 * M * k * H
-inline constexpr char kMoeCombine[] = "moe_combine";
+// moe_combine_backward
 //   inputs  [dy [..., H], ys, gates, experts]   outputs [dys [M * k, H], dgates f32 [..., k]]
 //   attrs   experts (i)
 //   flops   4 * M * k * H
-inline constexpr char kMoeCombineBackward[] = "moe_combine_backward";
+
+// ---------------------------------------------------------------------------------------------
+// The table. One row per kind: X(Id, name, math)
+// - Id:   the C++ name: op_kind::kId (the name as a string constant), OpKind::kId, and the kernel
+//         function each backend must define.
+// - name: proto::Op.kind.
+// - math: what the op computes, as OpMath says; the roofline estimate's classification.
+#define DC_OP_KINDS(X)                                         \
+  X(Embedding, "embedding", kRowGather)                        \
+  X(EmbeddingBackward, "embedding_backward", kVector)          \
+  X(RmsNorm, "rmsnorm", kVector)                               \
+  X(RmsNormBackward, "rmsnorm_backward", kVector)              \
+  X(Matmul, "matmul", kMatrix)                                 \
+  X(MatmulBackward, "matmul_backward", kMatrix)                \
+  X(Rope, "rope", kVector)                                     \
+  X(RopeBackward, "rope_backward", kVector)                    \
+  X(Attention, "attention", kMatrix)                           \
+  X(AttentionBackward, "attention_backward", kMatrix)          \
+  X(Swiglu, "swiglu", kVector)                                 \
+  X(SwigluBackward, "swiglu_backward", kVector)                \
+  X(Add, "add", kVector)                                       \
+  X(CrossEntropy, "cross_entropy", kVector)                    \
+  X(CrossEntropyBackward, "cross_entropy_backward", kVector)   \
+  X(AdamW, "adamw", kVector)                                   \
+  X(MoeRouter, "moe_router", kVector)                          \
+  X(MoeRouterBackward, "moe_router_backward", kVector)         \
+  X(MoeDispatch, "moe_dispatch", kVector)                      \
+  X(MoeDispatchBackward, "moe_dispatch_backward", kVector)     \
+  X(GroupedMatmul, "grouped_matmul", kMatrix)                  \
+  X(GroupedMatmulBackward, "grouped_matmul_backward", kMatrix) \
+  X(MoeCombine, "moe_combine", kVector)                        \
+  X(MoeCombineBackward, "moe_combine_backward", kVector)
+
+namespace dc {
+
+// How an op kind computes, which decides how its time is estimated (machine/estimate.h).
+enum class OpMath {
+  kMatrix,     // matrix products (matmuls, attention): tensor cores at the compute dtype's rate
+  kVector,     // elementwise ops, reductions, norms, softmax: vector units at the fp32 rate
+  kRowGather,  // reads input 1 (a table) only at the rows input 0 (i32 ids) names; vector units
+};
+
+enum class OpKind {
+#define DC_OP_KIND_ENUMERATOR(id, name, math) k##id,
+  DC_OP_KINDS(DC_OP_KIND_ENUMERATOR)
+#undef DC_OP_KIND_ENUMERATOR
+};
+
+struct OpKindInfo {
+  OpKind kind;
+  const char* name;  // proto::Op.kind
+  OpMath math;
+};
+
+// Every kind, indexed by OpKind.
+inline constexpr OpKindInfo kOpKinds[] = {
+#define DC_OP_KIND_INFO(id, name, math) {OpKind::k##id, name, OpMath::math},
+    DC_OP_KINDS(DC_OP_KIND_INFO)
+#undef DC_OP_KIND_INFO
+};
+inline constexpr size_t kNumOpKinds = sizeof(kOpKinds) / sizeof(kOpKinds[0]);
+
+inline constexpr const OpKindInfo& InfoOf(OpKind kind) {
+  return kOpKinds[static_cast<size_t>(kind)];
+}
+
+// The kind named `name` (proto::Op.kind); nullopt when no row has that name.
+inline std::optional<OpKind> FindOpKind(std::string_view name) {
+  for (const OpKindInfo& info : kOpKinds) {
+    if (name == info.name) return info.kind;
+  }
+  return std::nullopt;
+}
+
+}  // namespace dc
+
+namespace dc::op_kind {
+
+// The names as constants: op_kind::kMatmul is "matmul".
+#define DC_OP_KIND_NAME(id, name, math) inline constexpr char k##id[] = name;
+DC_OP_KINDS(DC_OP_KIND_NAME)
+#undef DC_OP_KIND_NAME
 
 // A tensor whose name ends so is a term of the loss, in the cross-entropy's sum scale (the
 // executor adds it to the tensor named "loss" before dividing by the step's tokens).

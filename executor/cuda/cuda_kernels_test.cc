@@ -637,6 +637,25 @@ TEST(GpuScratch, ContextScratchMustBeLargeEnough) {
   EXPECT_NEAR(DownloadFloats(out[0])[0], 16 * std::log(100.0), 1e-3);
 }
 
+// No device needed: every kind of the table (schemas/op_kinds.h) has an entry (its kernel and
+// scratch size), so without operands each answers 0 bytes or its own operand check, never that
+// the backend lacks the kind.
+TEST(CudaKinds, EveryKindOfTheTableHasAKernel) {
+  for (const OpKindInfo& info : kOpKinds) {
+    const auto bytes = CudaScratchBytes(MakeOp(info.name), {}, {});
+    if (bytes.ok()) {
+      EXPECT_EQ(*bytes, 0) << info.name;
+    } else {
+      EXPECT_EQ(bytes.status().message().find("has no kernel"), std::string::npos)
+          << bytes.status().message();
+    }
+  }
+  const auto unknown = CudaScratchBytes(MakeOp("conv2d"), {}, {});
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().message(),
+            "op test.conv2d (conv2d): the CUDA backend has no kernel for this kind");
+}
+
 // No device needed: CudaScratchBytes only checks operands (the pointers are never read).
 TEST(CudaScratch, MoeKindsSizeTheirScratchWithoutADevice) {
   void* const fake = reinterpret_cast<void*>(uintptr_t{256});
