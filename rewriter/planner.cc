@@ -8,7 +8,6 @@
 #include "rewriter/plan_cache.h"
 #include "rewriter/zero3.h"
 #include "schemas/digest.h"
-#include "schemas/op_kinds.h"
 
 namespace dc {
 
@@ -109,9 +108,8 @@ std::string Join(const std::vector<std::string>& names) {
 Status ExploreSplits(const PlanRequest& request, const std::string& program_digest,
                      const PassContext& context, int64_t states, int64_t baseline_instructions,
                      int64_t max_instructions_to_explore, StatusOr<proto::Schedule>* planned) {
-  const bool recomputes =
-      std::any_of(request.program.ops().begin(), request.program.ops().end(),
-                  [](const proto::Op& op) { return op_kind::IsRecompute(op.name()); });
+  const bool recomputes = std::any_of(request.program.ops().begin(), request.program.ops().end(),
+                                      [](const proto::Op& op) { return op.has_recompute_of(); });
   const bool keeps =
       recomputes && std::count(request.disabled_passes.begin(), request.disabled_passes.end(),
                                "keep-activations") == 0;

@@ -233,13 +233,10 @@ DC_OP_KINDS(DC_OP_KIND_NAME)
 // executor adds it to the tensor named "loss" before dividing by the step's tokens).
 inline constexpr char kAuxLossSuffix[] = ".aux_loss";
 // Ops and activations a checkpointed layer recomputes in its backward (ModelConfig's
-// recompute_layers): the forward's names with this suffix. A recomputed balancing loss is not a
-// loss term (it is counted once, in the forward).
+// recompute_layers) are named as the forward's with this suffix, for people reading traces.
+// Whether an op is a recompute, and of which op, is its Op.recompute_of: never decided from a
+// name. A recomputed balancing loss is not a loss term (it is counted once, in the forward).
 inline constexpr char kRecomputeSuffix[] = ".recompute";
-// Whether an op (or tensor) of this name is a layer's recompute: the one test of it.
-inline bool IsRecompute(const std::string& name) {
-  return name.size() > sizeof(kRecomputeSuffix) - 1 && name.ends_with(kRecomputeSuffix);
-}
 inline constexpr char kLossName[] = "loss";
 inline bool IsLossTerm(const std::string& tensor_name) {
   return tensor_name == kLossName || tensor_name.ends_with(kAuxLossSuffix);
