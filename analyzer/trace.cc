@@ -379,6 +379,14 @@ Status Trace::LoadDcBlobs() {
   DC_ASSIGN_OR_RETURN(schedule_, ParseBlob<proto::Schedule>(path_, "schedule", blobs["schedule"],
                                                             kScheduleFormatVersion));
   program_ = schedule_->program();
+  // Format version 1 marked recompute ops only by their names: its recomputes would plan as if
+  // nothing were recomputed. Without recompute the versions mean the same.
+  if (program_->format_version() < kProgramFormatVersion && program_->config().recompute_layers()) {
+    return Status::Error(path_ + ": the embedded program has format version " +
+                         std::to_string(program_->format_version()) +
+                         " and recomputes layers, which this dc reads only from version " +
+                         std::to_string(kProgramFormatVersion) + "; " + kRerecord);
+  }
   if (blobs.contains("program")) {
     DC_ASSIGN_OR_RETURN(
         proto::Program program,

@@ -137,6 +137,38 @@ TEST(TraceOpenTest, NewerSchemaVersion) {
   ExpectOpenError(trace, "trace schema version 99 is newer than this build reads (1); update dc");
 }
 
+// Program format version 1 marked recompute ops only by their names: a trace of such a program
+// that recomputes layers is refused; one that does not reads as before.
+TEST(TraceOpenTest, OlderProgramThatRecomputesLayers) {
+  TempDir dir;
+  const std::string trace = testing::WriteProfileTrace(dir);
+  ASSERT_FALSE(trace.empty());
+  proto::Schedule schedule = testing::ProfileSchedule();
+  schedule.set_format_version(1);
+  schedule.mutable_program()->set_format_version(1);
+  auto store = [&](const std::string& name, const google::protobuf::Message& message) {
+    static constexpr char kHex[] = "0123456789abcdef";
+    std::string hex;
+    for (unsigned char c : CanonicalBytes(message)) {
+      hex += kHex[c >> 4];
+      hex += kHex[c & 15];
+    }
+    ExecSql(trace, "UPDATE TC_BLOB SET formatVersion = 1, digest = '" + DigestOf(message) +
+                       "', data = x'" + hex + "' WHERE name = '" + name + "'");
+  };
+  store("schedule", schedule);
+  store("program", schedule.program());
+  StatusOr<std::unique_ptr<Trace>> opened = Trace::Open(trace);
+  ASSERT_TRUE(opened.ok()) << opened.status().message();
+
+  schedule.mutable_program()->mutable_config()->set_recompute_layers(true);
+  store("schedule", schedule);
+  store("program", schedule.program());
+  ExpectOpenError(trace,
+                  "the embedded program has format version 1 and recomputes layers, which this dc "
+                  "reads only from version 2; re-record it with dc-collect");
+}
+
 TEST(TraceOpenTest, UnmergedRankFile) {
   TempDir dir;
   const std::string trace = testing::WriteProfileTrace(dir);

@@ -23,7 +23,6 @@
 #include "machine/estimate.h"
 #include "machine/hardware.h"
 #include "models/model.h"
-#include "models/op_kinds.h"
 #include "rewriter/planner.h"
 
 namespace {
@@ -134,7 +133,7 @@ StatusOr<Row> Measure(const Config& config, const dc::HardwareProfile& hw,
   // The model's flops (MFU): recomputed ops are work the step does twice, not model flops.
   for (const auto& op : program.ops()) {
     if (op.phase() == dc::proto::PHASE_OPTIMIZER) continue;
-    if (dc::op_kind::IsRecompute(op.name())) continue;
+    if (op.has_recompute_of()) continue;
     row.flops_per_rank_step += op.flops();
   }
   row.flops_per_rank_step *= config.gas;

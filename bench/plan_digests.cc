@@ -6,7 +6,12 @@
 //   build/bench/plan_digests > after.txt      (on the new one)
 //   diff before.txt after.txt
 //
-//   plan_digests --quick   the small models only (a few seconds)
+//   plan_digests --quick           the small models only (a few seconds)
+//   plan_digests --schedule-only   the digest of what was planned, without the program: the
+//                                  plan less its program, program digest, cache key (which
+//                                  digests the program) and format version. For a change to the
+//                                  program format that must not move a schedule: instructions,
+//                                  memory plan, predictions, peaks and pass records equal.
 //
 // The cases cover every policy at an unlimited, a loose and a tight budget over dense and MoE
 // models, f32 and bf16, with and without recompute, on the cpu and h100-sxm profiles.
@@ -72,10 +77,16 @@ int Fail(const std::string& what, const dc::Status& status) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool quick = argc == 2 && std::strcmp(argv[1], "--quick") == 0;
-  if (argc > 1 && !quick) {
-    std::fprintf(stderr, "usage: plan_digests [--quick]\n");
-    return 2;
+  bool quick = false, schedule_only = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else if (std::strcmp(argv[i], "--schedule-only") == 0) {
+      schedule_only = true;
+    } else {
+      std::fprintf(stderr, "usage: plan_digests [--quick] [--schedule-only]\n");
+      return 2;
+    }
   }
   for (const Case& c : Cases()) {
     if (quick && !c.quick) continue;
@@ -117,6 +128,12 @@ int main(int argc, char** argv) {
         std::string digest;
         if (plan.ok()) {
           for (auto& record : *plan->mutable_passes()) record.set_seconds(0);
+          if (schedule_only) {
+            plan->clear_program();
+            plan->clear_program_digest();
+            plan->clear_cache_key();
+            plan->clear_format_version();
+          }
           digest = dc::DigestOf(*plan);
         } else {
           digest = "error: " + plan.status().message();

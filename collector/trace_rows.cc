@@ -54,14 +54,13 @@ StatusOr<TraceRowWriter> TraceRowWriter::Create(Database* db, int64_t global_pid
                   "streamId, correlationId, globalPid, value, bytes, graphNodeId, memKind) "
                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
   DC_ASSIGN_OR_RETURN(
-      w.memory_,
-      db->Prepare("INSERT INTO CUDA_GPU_MEMORY_USAGE_EVENTS(start, globalPid, deviceId, "
-                  "contextId, address, pc, bytes, memKind, memoryOperationType, name, "
-                  "correlationId, streamId, localMemoryPoolAddress, "
-                  "localMemoryPoolReleaseThreshold, localMemoryPoolSize, "
-                  "localMemoryPoolUtilizedSize, importedMemoryPoolAddress, "
-                  "importedMemoryPoolProcessId, tcKind) "
-                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
+      w.memory_, db->Prepare("INSERT INTO CUDA_GPU_MEMORY_USAGE_EVENTS(start, globalPid, deviceId, "
+                             "contextId, address, pc, bytes, memKind, memoryOperationType, name, "
+                             "correlationId, streamId, localMemoryPoolAddress, "
+                             "localMemoryPoolReleaseThreshold, localMemoryPoolSize, "
+                             "localMemoryPoolUtilizedSize, importedMemoryPoolAddress, "
+                             "importedMemoryPoolProcessId, tcKind) "
+                             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
   DC_ASSIGN_OR_RETURN(
       w.instruction_map_,
       db->Prepare("INSERT INTO TC_INSTRUCTION_MAP(globalPid, correlationId, step, microStep, "

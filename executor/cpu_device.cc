@@ -167,8 +167,8 @@ class CpuDevice : public RankDevice {
     return Status::Ok();
   }
 
-  Status RunOp(const proto::Op& op, std::span<DeviceTensor> inputs,
-               std::span<DeviceTensor> outputs, const OpArgs& args) override {
+  Status RunOp(const proto::Op& op, std::span<DeviceTensor> inputs, std::span<DeviceTensor> outputs,
+               const OpArgs& args) override {
     std::vector<TensorRef> in, out;
     for (const DeviceTensor& t : inputs) in.push_back(RefOf(t));
     for (const DeviceTensor& t : outputs) out.push_back(RefOf(t));

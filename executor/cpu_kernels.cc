@@ -5,12 +5,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <iterator>
 #include <limits>
+#include <optional>
 #include <string>
-#include <unordered_map>
 
 #include "models/moe_layout.h"
-#include "models/op_kinds.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 namespace {
@@ -993,45 +994,22 @@ Status MoeCombineBackward(const proto::Op& op, Refs in, Refs out, const KernelCo
 
 using Kernel = Status (*)(const proto::Op&, Refs, Refs, const KernelContext&);
 
-const std::unordered_map<std::string, Kernel>& Kernels() {
-  static const auto* kernels = new std::unordered_map<std::string, Kernel>{
-      {op_kind::kEmbedding, Embedding},
-      {op_kind::kEmbeddingBackward, EmbeddingBackward},
-      {op_kind::kRmsNorm, RmsNorm},
-      {op_kind::kRmsNormBackward, RmsNormBackward},
-      {op_kind::kMatmul, Matmul},
-      {op_kind::kMatmulBackward, MatmulBackward},
-      {op_kind::kRope, Rope},
-      {op_kind::kRopeBackward, RopeBackward},
-      {op_kind::kAttention, Attention},
-      {op_kind::kAttentionBackward, AttentionBackward},
-      {op_kind::kSwiglu, Swiglu},
-      {op_kind::kSwigluBackward, SwigluBackward},
-      {op_kind::kAdd, Add},
-      {op_kind::kCrossEntropy, CrossEntropy},
-      {op_kind::kCrossEntropyBackward, CrossEntropyBackward},
-      {op_kind::kAdamW, AdamW},
-      {op_kind::kMoeRouter, MoeRouter},
-      {op_kind::kMoeRouterBackward, MoeRouterBackward},
-      {op_kind::kMoeDispatch, MoeDispatch},
-      {op_kind::kMoeDispatchBackward, MoeDispatchBackward},
-      {op_kind::kGroupedMatmul, GroupedMatmul},
-      {op_kind::kGroupedMatmulBackward, GroupedMatmulBackward},
-      {op_kind::kMoeCombine, MoeCombine},
-      {op_kind::kMoeCombineBackward, MoeCombineBackward},
-  };
-  return *kernels;
-}
+// Indexed by OpKind: one kernel per row of DC_OP_KINDS, the function named as the row's id.
+constexpr Kernel kKernels[] = {
+#define DC_CPU_KERNEL(id, name, math) id,
+    DC_OP_KINDS(DC_CPU_KERNEL)
+#undef DC_CPU_KERNEL
+};
+static_assert(std::size(kKernels) == kNumOpKinds);
 
 }  // namespace
 
 Status RunCpuOp(const proto::Op& op, std::span<TensorRef> inputs, std::span<TensorRef> outputs,
                 const KernelContext& context) {
-  const auto& kernels = Kernels();
-  const auto it = kernels.find(op.kind());
-  if (it == kernels.end()) return OpError(op, "the CPU backend has no kernel for this kind");
+  const std::optional<OpKind> kind = FindOpKind(op.kind());
+  if (!kind) return OpError(op, "the CPU backend has no kernel for this kind");
   UseBlasThreads(context.num_threads);
-  return it->second(op, inputs, outputs, context);
+  return kKernels[static_cast<size_t>(*kind)](op, inputs, outputs, context);
 }
 
 }  // namespace dc

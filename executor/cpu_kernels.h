@@ -1,4 +1,4 @@
-// The CPU backend's math: real fp32 forward and backward of every op kind in models/op_kinds.h,
+// The CPU backend's math: real fp32 forward and backward of every op kind in schemas/op_kinds.h,
 // and the AdamW step. Kernels are pure functions of their views; they allocate nothing that
 // outlives the call.
 #pragma once
@@ -37,7 +37,7 @@ struct KernelContext {
   int num_threads = 1;
 };
 
-// Runs `op` with `inputs` and `outputs` in the op's own order (models/op_kinds.h). Outputs are
+// Runs `op` with `inputs` and `outputs` in the op's own order (schemas/op_kinds.h). Outputs are
 // preallocated with the tensors' shapes and are overwritten, never accumulated into; in-place
 // ops (adamw) mutate their inputs. Checks arity, shapes, attrs and token ids; errors name the
 // op ("op layers.0.attn.q_proj (matmul): input 1 (w) has shape [4, 6], expected [4, 5]").

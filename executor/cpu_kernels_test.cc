@@ -11,7 +11,7 @@
 
 #include "models/data.h"
 #include "models/model.h"
-#include "models/op_kinds.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 namespace {
@@ -509,6 +509,18 @@ TEST(AdamW, FallsBackToTheConfig) {
   const Status no_config = RunOp(MakeOp(op_kind::kAdamW), {&p, &g, &m, &v}, {});
   EXPECT_NE(no_config.message().find("has no attr 'lr' and no model config"), std::string::npos)
       << no_config.message();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Every kind of the table (schemas/op_kinds.h) has a kernel: without operands each answers with
+// its own operand check, never that the backend lacks the kind.
+
+TEST(Kinds, EveryKindOfTheTableHasAKernel) {
+  for (const OpKindInfo& info : kOpKinds) {
+    const Status status = RunOp(MakeOp(info.name), {}, {});
+    EXPECT_FALSE(status.ok()) << info.name;
+    EXPECT_EQ(status.message().find("has no kernel"), std::string::npos) << status.message();
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

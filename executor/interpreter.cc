@@ -162,7 +162,7 @@ class Interpreter {
   std::vector<PendingMemoryEvent> pending_;
   // Host copies of offloaded and host-resident shards, by tensor.
   std::map<int, std::unique_ptr<HostBuffer>> host_shards_;
-  std::set<int> offloaded_;  // tensors whose shard is on the host now
+  std::set<int> offloaded_;                    // tensors whose shard is on the host now
   std::unique_ptr<HostBuffer> input_staging_;  // token ids of every (micro-step, input)
   std::map<std::pair<int, int>, int64_t> input_offsets_;
   std::unique_ptr<HostBuffer> host_optimizer_staging_;  // a host optimizer op's grads and casts
@@ -227,9 +227,9 @@ Status Interpreter::InitArena() {
 Status Interpreter::InitHostBuffers() {
   const std::string who = Who() + ": ";
   for (const auto& [tensor, bytes] : layout_.host_shard_bytes) {
-    DC_ASSIGN_OR_RETURN(host_shards_[tensor],
-                        device_->AllocateHost(
-                            bytes, who + "host copy of " + program_.tensors(tensor).name()));
+    DC_ASSIGN_OR_RETURN(
+        host_shards_[tensor],
+        device_->AllocateHost(bytes, who + "host copy of " + program_.tensors(tensor).name()));
   }
   int64_t offset = 0;
   for (int micro = 0; micro < layout_.gas; ++micro) {
@@ -239,9 +239,9 @@ Status Interpreter::InitHostBuffers() {
     }
   }
   DC_ASSIGN_OR_RETURN(input_staging_, device_->AllocateHost(offset, who + "token staging"));
-  DC_ASSIGN_OR_RETURN(host_optimizer_staging_,
-                      device_->AllocateHost(layout_.host_optimizer_staging_bytes,
-                                            who + "host optimizer staging"));
+  DC_ASSIGN_OR_RETURN(
+      host_optimizer_staging_,
+      device_->AllocateHost(layout_.host_optimizer_staging_bytes, who + "host optimizer staging"));
   // The host optimizer's masters and states start in host memory, as the device's would.
   const proto::ModelConfig& config = program_.config();
   for (const auto& t : program_.tensors()) {
@@ -387,9 +387,8 @@ Status Interpreter::RefreshComputeShardFromHost(int param, const std::string& wh
 Status Interpreter::Execute(int index, int step) {
   const proto::Instruction& instr = schedule_.instructions(index);
   for (int d : layout_.waits[index]) {
-    DC_RETURN_IF_ERROR(device_->Wait(d, instr.stream(),
-                                     Describe(index) + ": waiting for instruction " +
-                                         std::to_string(d)));
+    DC_RETURN_IF_ERROR(device_->Wait(
+        d, instr.stream(), Describe(index) + ": waiting for instruction " + std::to_string(d)));
   }
   const InstructionRef ref{step, instr.micro_step(), index};
   const int64_t start_ns = Now();
@@ -450,15 +449,14 @@ Status Interpreter::LoadInput(int index, int tensor, int micro, int step, proto:
                          ", outside the plan's " + std::to_string(layout_.gas) +
                          " micro-step(s); re-plan it");
   }
-  DC_ASSIGN_OR_RETURN(Buffer * tokens,
-                      Allocate(index, BufferKey::Transient(tensor, micro), BufferKind::kInput,
-                               TransientBytes(program_, t), t.dtype(), NumElements(t), stream,
-                               what));
+  DC_ASSIGN_OR_RETURN(Buffer * tokens, Allocate(index, BufferKey::Transient(tensor, micro),
+                                                BufferKind::kInput, TransientBytes(program_, t),
+                                                t.dtype(), NumElements(t), stream, what));
   // Each (micro-step, input) has its own host region, written once per step: the copy of the
   // previous step has finished (the step's end waits for the device). A plan that loads the same
   // input twice in a micro-step rewrites the region with the same sample.
-  auto* staged = reinterpret_cast<int32_t*>(static_cast<char*>(input_staging_->data()) +
-                                            offset->second);
+  auto* staged =
+      reinterpret_cast<int32_t*>(static_cast<char*>(input_staging_->data()) + offset->second);
   const int64_t seq = config.seq();
   std::vector<int32_t> inputs(seq), targets(seq);
   for (int64_t b = 0; b < config.micro_batch(); ++b) {
@@ -593,12 +591,12 @@ Status Interpreter::Gather(const proto::Instruction& instr, int index) {
     const Buffer* source = compute != nullptr ? compute : Shard(tensor);
     if (source == nullptr) return Status::Error(what + ": " + t.name() + "'s shard is offloaded");
     const BufferShape shape = TransientShape(program_, t);
-    DC_ASSIGN_OR_RETURN(Buffer * whole,
-                        Allocate(index, BufferKey::Gathered(tensor), BufferKind::kGathered,
-                                 shape.size_bytes, shape.dtype, shape.elements, instr.stream(),
-                                 what));
-    items.push_back({&t, source->Flat(), whole->View({t.shape().begin(), t.shape().end()}),
-                     ShardOf(tensor)});
+    DC_ASSIGN_OR_RETURN(
+        Buffer * whole,
+        Allocate(index, BufferKey::Gathered(tensor), BufferKind::kGathered, shape.size_bytes,
+                 shape.dtype, shape.elements, instr.stream(), what));
+    items.push_back(
+        {&t, source->Flat(), whole->View({t.shape().begin(), t.shape().end()}), ShardOf(tensor)});
   }
   return device_->AllGather(items, instr.stream(), what).Prefixed(what + ": ");
 }
@@ -617,8 +615,8 @@ Status Interpreter::ReduceScatter(const proto::Instruction& instr, int index) {
     if (shard == nullptr) {
       return Status::Error(what + ": reduce-scatter into " + t.name() + "'s offloaded shard");
     }
-    items.push_back({&t, grad->View({t.shape().begin(), t.shape().end()}), shard->Flat(),
-                     shard->elements});
+    items.push_back(
+        {&t, grad->View({t.shape().begin(), t.shape().end()}), shard->Flat(), shard->elements});
   }
   return device_->ReduceScatterAdd(items, instr.stream(), what).Prefixed(what + ": ");
 }
@@ -648,12 +646,13 @@ Status Interpreter::Reload(const proto::Instruction& instr, int index) {
   const std::string what = Describe(index);
   for (int tensor : instr.tensors()) {
     const proto::Tensor& t = program_.tensors(tensor);
-    if (!offloaded_.count(tensor)) return Status::Error(what + ": " + t.name() + " is not offloaded");
+    if (!offloaded_.count(tensor))
+      return Status::Error(what + ": " + t.name() + " is not offloaded");
     const int64_t elements = ShardOf(tensor);
-    DC_ASSIGN_OR_RETURN(Buffer * shard,
-                        Allocate(index, BufferKey::Persistent(tensor), PersistentKind(t.role()),
-                                 elements * kShardElementBytes, proto::DTYPE_F32, elements,
-                                 instr.stream(), what));
+    DC_ASSIGN_OR_RETURN(
+        Buffer * shard,
+        Allocate(index, BufferKey::Persistent(tensor), PersistentKind(t.role()),
+                 elements * kShardElementBytes, proto::DTYPE_F32, elements, instr.stream(), what));
     DC_RETURN_IF_ERROR(device_->CopyToDevice(shard->data, host_shards_.at(tensor)->data(),
                                              shard->storage_bytes(), instr.stream(),
                                              what + ": " + t.name()));
@@ -702,9 +701,9 @@ Status Interpreter::ReturnReloadedShards(const std::string& what) {
   };
   for (Move& m : moves) {
     for (const Move& other : moves) {
-      m.through_host = m.through_host || overlaps(m.place, other.shard->data,
-                                                  m.shard->storage_bytes(),
-                                                  other.shard->storage_bytes());
+      m.through_host =
+          m.through_host || overlaps(m.place, other.shard->data, m.shard->storage_bytes(),
+                                     other.shard->storage_bytes());
     }
   }
   auto copy_what = [&](const Move& m) {
@@ -716,8 +715,8 @@ Status Interpreter::ReturnReloadedShards(const std::string& what) {
       DC_RETURN_IF_ERROR(device_->CopyToHost(host_shards_.at(m.tensor)->data(), m.shard->data,
                                              bytes, proto::STREAM_COMPUTE, copy_what(m)));
     } else {
-      DC_RETURN_IF_ERROR(device_->CopyOnDevice(m.place, m.shard->data, bytes,
-                                               proto::STREAM_COMPUTE, copy_what(m)));
+      DC_RETURN_IF_ERROR(device_->CopyOnDevice(m.place, m.shard->data, bytes, proto::STREAM_COMPUTE,
+                                               copy_what(m)));
     }
   }
   for (const Move& m : moves) {
@@ -842,8 +841,7 @@ StatusOr<RunResult> Interpret(const proto::Schedule& schedule, const RunOptions&
     device->Abort();
     return data.status();
   }
-  Interpreter runner(schedule, options, device, comm, tracer, std::move(*data),
-                     std::move(*layout));
+  Interpreter runner(schedule, options, device, comm, tracer, std::move(*data), std::move(*layout));
   const Status started = runner.Init();
   StatusOr<RunResult> result =
       started.ok() ? RunSteps(&runner, schedule, options, comm) : StatusOr<RunResult>(started);

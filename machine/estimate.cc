@@ -1,8 +1,10 @@
 #include "machine/estimate.h"
 
 #include <algorithm>
+#include <optional>
+#include <string>
 
-#include "models/op_kinds.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 
@@ -11,14 +13,28 @@ namespace {
 // Persistent shards (params, grad accumulators, optimizer states) are fp32 (schemas/program.h).
 constexpr int64_t kShardElementBytes = 4;
 
-bool RunsOnTensorCores(const std::string& kind) {
-  return kind == op_kind::kMatmul || kind == op_kind::kMatmulBackward ||
-         kind == op_kind::kGroupedMatmul || kind == op_kind::kGroupedMatmulBackward ||
-         kind == op_kind::kAttention || kind == op_kind::kAttentionBackward;
+// How `kind` computes (schemas/op_kinds.h); a kind the table does not name counts as vector
+// math.
+OpMath MathOf(const std::string& kind) {
+  const std::optional<OpKind> known = FindOpKind(kind);
+  return known ? InfoOf(*known).math : OpMath::kVector;
 }
 
 double TensorCorePeak(const HardwareProfile& hw, proto::DType compute_dtype) {
   return compute_dtype == proto::DTYPE_F32 ? hw.peak_fp32_flops_per_s : hw.peak_bf16_flops_per_s;
+}
+
+// The peak rate of an op of `math`: matrix products on tensor cores at the compute dtype's rate,
+// the rest on the vector units (norms and softmax reduce in fp32).
+double PeakFlopsPerSecond(const HardwareProfile& hw, proto::DType compute_dtype, OpMath math) {
+  switch (math) {
+    case OpMath::kMatrix:
+      return TensorCorePeak(hw, compute_dtype);
+    case OpMath::kVector:
+    case OpMath::kRowGather:
+      return hw.peak_fp32_flops_per_s;
+  }
+  return hw.peak_fp32_flops_per_s;
 }
 
 const proto::Tensor* FindTensor(const proto::Program& program, int id) {
@@ -26,15 +42,15 @@ const proto::Tensor* FindTensor(const proto::Program& program, int id) {
 }
 
 // Bytes an op of the forward or backward reads and writes.
-int64_t MicroStepOpBytes(const proto::Program& program, const proto::Op& op) {
+int64_t MicroStepOpBytes(const proto::Program& program, const proto::Op& op, OpMath math) {
   int64_t bytes = 0;
   for (int i = 0; i < op.inputs_size(); ++i) {
     const proto::Tensor* t = FindTensor(program, op.inputs(i));
     if (!t) continue;
     int64_t input_bytes = TransientBytes(program, *t);
-    // An embedding gathers the rows of its tokens, not the whole table.
+    // A row gather (an embedding) reads the rows of its ids, not the whole table.
     constexpr int kTokensInput = 0, kTableInput = 1;
-    if (op.kind() == op_kind::kEmbedding && i == kTableInput && t->shape_size() == 2) {
+    if (math == OpMath::kRowGather && i == kTableInput && t->shape_size() == 2) {
       if (const proto::Tensor* tokens = FindTensor(program, op.inputs(kTokensInput))) {
         const int64_t row_bytes = input_bytes / std::max<int64_t>(1, t->shape(0));
         input_bytes = std::min(input_bytes, NumElements(*tokens) * row_bytes);
@@ -76,10 +92,10 @@ OpRoofline EstimateOp(const proto::Program& program, const proto::Op& op, const 
   OpRoofline r;
   const bool on_shards = op.phase() == proto::PHASE_OPTIMIZER;
   r.flops = on_shards ? op.flops() / world_size : op.flops();
-  r.bytes = on_shards ? OptimizerOpBytes(program, op, world_size) : MicroStepOpBytes(program, op);
-  const double peak_flops_per_s = RunsOnTensorCores(op.kind())
-                                      ? TensorCorePeak(hw, program.config().compute_dtype())
-                                      : hw.peak_fp32_flops_per_s;
+  const OpMath math = MathOf(op.kind());
+  r.bytes =
+      on_shards ? OptimizerOpBytes(program, op, world_size) : MicroStepOpBytes(program, op, math);
+  const double peak_flops_per_s = PeakFlopsPerSecond(hw, program.config().compute_dtype(), math);
   const double flops_per_s = peak_flops_per_s * hw.matmul_efficiency;
   const double bytes_per_s = hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency;
   r.compute_seconds = flops_per_s > 0 ? r.flops / flops_per_s : 0;

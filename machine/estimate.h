@@ -23,11 +23,12 @@ struct OpRoofline {
 };
 
 // Roofline of `op` on one of `world_size` ranks.
-// - Peak: matmuls and attention (and their backwards) run on tensor cores at the rate of the
-//   program's compute dtype (bf16 / fp16: peak_bf16, fp32: peak_fp32); every other op runs on
-//   the vector units at peak_fp32 (norms and softmax reduce in fp32).
+// - Peak: by the kind's OpMath (schemas/op_kinds.h). Matrix products (matmuls and attention
+//   and their backwards) run on tensor cores at the rate of the program's compute dtype
+//   (bf16 / fp16: peak_bf16, fp32: peak_fp32); every other op runs on the vector units at
+//   peak_fp32 (norms and softmax reduce in fp32).
 // - Bytes: every input and output once, params gathered in the compute dtype
-//   (TransientBytes); an embedding reads only the table rows of its tokens.
+//   (TransientBytes); a row gather (embedding) reads only the table rows of its ids.
 // - Optimizer-phase ops update this rank's fp32 shards in place: they read every input shard and
 //   write back the param and optimizer-state shards; their flops are divided by the world size.
 OpRoofline EstimateOp(const proto::Program& program, const proto::Op& op, const HardwareProfile& hw,

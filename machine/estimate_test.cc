@@ -7,7 +7,7 @@
 #include <string>
 
 #include "models/model.h"
-#include "models/op_kinds.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 namespace {
@@ -247,6 +247,28 @@ TEST(CpuEstimateTest, Fp32ProgramUsesTheFp32Rate) {
                        op.flops() / (cpu.peak_fp32_flops_per_s * cpu.matmul_efficiency));
     }
     EXPECT_DOUBLE_EQ(costs.op_seconds[op.id()], r.seconds);
+  }
+}
+
+// Every kind of the table (schemas/op_kinds.h) is costed by its math: matrix products at the
+// compute dtype's tensor-core rate, the rest at the fp32 vector rate.
+TEST(KindEstimateTest, EveryKindOfTheTableRunsAtItsMathsRate) {
+  const HardwareProfile hw = Hardware("h100-sxm");
+  ASSERT_NE(hw.peak_bf16_flops_per_s, hw.peak_fp32_flops_per_s);
+  proto::Program program;
+  program.mutable_config()->set_compute_dtype(proto::DTYPE_BF16);
+  constexpr double kFlops = 1e12;
+  for (const OpKindInfo& info : kOpKinds) {
+    proto::Op op;
+    op.set_name(std::string("test.") + info.name);
+    op.set_kind(info.name);
+    op.set_phase(proto::PHASE_FORWARD);
+    op.set_flops(kFlops);
+    const double peak =
+        info.math == OpMath::kMatrix ? hw.peak_bf16_flops_per_s : hw.peak_fp32_flops_per_s;
+    EXPECT_DOUBLE_EQ(EstimateOp(program, op, hw, 1).compute_seconds,
+                     kFlops / (peak * hw.matmul_efficiency))
+        << info.name;
   }
 }
 

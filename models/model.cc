@@ -5,8 +5,8 @@
 #include <unordered_map>
 #include <utility>
 
-#include "models/op_kinds.h"
 #include "models/param_names.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 namespace {
@@ -185,7 +185,8 @@ class LlamaBuilder {
           int layer, proto::Phase phase);
   LayerParams MakeLayerParams(int layer);
   // A checkpointed layer's forward again, from its kept input `x`, as backward-phase ops
-  // (kRecomputeSuffix names), without what only the layer's output needs.
+  // recomputing the forward's (Op.recompute_of; kRecomputeSuffix names), without what only the
+  // layer's output needs.
   LayerActs RecomputeLayer(int layer, const LayerParams& p, int x);
   // Adds layer `layer` reading `x`; sets `*out` to its output (null: stops at what the layer's
   // backward reads).
@@ -223,6 +224,9 @@ class LlamaBuilder {
   std::vector<int> params_;
   std::unordered_map<int, int> grad_of_;  // param id -> its grad's id
   bool recomputing_ = false;  // inside RecomputeLayer: forward ops become backward recomputes
+  // Forward ops by name, for the recomputes of RecomputeLayer (which rebuilds them by the same
+  // names) to say which op each recomputes.
+  std::unordered_map<std::string, int> forward_ops_;
 };
 
 int LlamaBuilder::AddTensor(const std::string& name, std::vector<int64_t> shape, proto::DType dtype,
@@ -260,11 +264,14 @@ proto::Op* LlamaBuilder::AddOp(const std::string& name, const char* kind, proto:
   auto* op = program_.add_ops();
   op->set_id(program_.ops_size() - 1);
   if (recomputing_ && phase == proto::PHASE_FORWARD) {
+    // The name keeps the suffix for people reading traces; recompute_of is what says it.
     op->set_name(name + op_kind::kRecomputeSuffix);
     op->set_phase(proto::PHASE_BACKWARD);
+    op->set_recompute_of(forward_ops_.at(name));
   } else {
     op->set_name(name);
     op->set_phase(phase);
+    if (phase == proto::PHASE_FORWARD) forward_ops_.emplace(name, op->id());
   }
   op->set_kind(kind);
   op->set_layer(layer);

@@ -3,11 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <cstring>
 #include <map>
 #include <set>
 
-#include "models/op_kinds.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 namespace {
@@ -144,10 +143,15 @@ TEST(Model, RecomputeRunsEachLayersForwardAgainInItsBackward) {
         forward_layer_ops.insert(op.name());
     }
     for (const auto& op : program.ops()) {
-      if (!op.name().ends_with(op_kind::kRecomputeSuffix)) continue;
+      // The name is a label for people: it carries the suffix exactly when recompute_of is set.
+      EXPECT_EQ(op.name().ends_with(op_kind::kRecomputeSuffix), op.has_recompute_of()) << op.name();
+      if (!op.has_recompute_of()) continue;
       EXPECT_EQ(op.phase(), proto::PHASE_BACKWARD) << op.name();
-      recomputed.insert(
-          op.name().substr(0, op.name().size() - std::strlen(op_kind::kRecomputeSuffix)));
+      const proto::Op& forward = program.ops(op.recompute_of());
+      EXPECT_EQ(forward.phase(), proto::PHASE_FORWARD) << op.name();
+      EXPECT_EQ(forward.kind(), op.kind()) << op.name();
+      EXPECT_EQ(forward.name() + op_kind::kRecomputeSuffix, op.name());
+      recomputed.insert(forward.name());
     }
     std::set<std::string> expected = forward_layer_ops;
     for (int l = 0; l < static_cast<int>(plain.config().layers()); ++l) {

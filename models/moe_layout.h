@@ -1,4 +1,4 @@
-// The expert-major row layout of the mixture-of-experts ops (models/op_kinds.h): which row of
+// The expert-major row layout of the mixture-of-experts ops (schemas/op_kinds.h): which row of
 // the dispatched [M * k, ...] buffer holds token t's j-th choice, and where each expert's
 // segment begins. A pure function of the i32 `experts` tensor, shared by every backend so they
 // all agree on the order.

@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "machine/simulator.h"
-#include "models/op_kinds.h"
 #include "rewriter/live_curve.h"
 #include "rewriter/schedule_editor.h"
 #include "schemas/effects.h"
@@ -22,16 +21,11 @@ using rewriter_internal::ScheduleEditor;
 
 // Each recompute op's forward twin, by op id (-1: none, or not one whose outputs can stand in).
 std::vector<int> TwinsOf(const proto::Program& program) {
-  std::map<std::string, int> by_name;
-  for (const proto::Op& op : program.ops()) by_name[op.name()] = op.id();
-  const std::string suffix = op_kind::kRecomputeSuffix;
   std::vector<int> twin(program.ops_size(), -1);
   for (const proto::Op& op : program.ops()) {
-    const std::string& name = op.name();
-    if (!op_kind::IsRecompute(name)) continue;
-    auto it = by_name.find(name.substr(0, name.size() - suffix.size()));
-    if (it == by_name.end()) continue;
-    const proto::Op& forward = program.ops(it->second);
+    if (!op.has_recompute_of()) continue;
+    if (op.recompute_of() < 0 || op.recompute_of() >= program.ops_size()) continue;
+    const proto::Op& forward = program.ops(op.recompute_of());
     bool same = forward.phase() == proto::PHASE_FORWARD && op.phase() == proto::PHASE_BACKWARD &&
                 forward.kind() == op.kind() && forward.outputs_size() == op.outputs_size();
     for (int k = 0; same && k < op.outputs_size(); ++k) {
@@ -142,7 +136,7 @@ StatusOr<bool> KeepActivationsPass::Run(proto::Schedule* schedule, const PassCon
   std::map<std::pair<int, int>, bool> viable;
   const int gas = static_cast<int>(std::max<int64_t>(1, program.config().gas()));
   for (const proto::Op& op : program.ops()) {
-    if (!op_kind::IsRecompute(op.name())) continue;
+    if (!op.has_recompute_of()) continue;
     for (int micro = 0; micro < gas; ++micro) {
       const std::pair<int, int> key{op.layer(), micro};
       auto ok = viable.emplace(key, true).first;

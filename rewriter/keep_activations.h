@@ -1,6 +1,6 @@
 // The keep-activations pass: selective activation checkpointing, chosen against the memory
 // timeline. A program built with --recompute runs each decoder layer's forward again at the
-// start of its backward (ops named <op>.recompute, models/op_kinds.h's kRecomputeSuffix) so
+// start of its backward (ops whose Op.recompute_of names the forward op they recompute) so
 // that only the layer's input lives across. Where memory allows, this pass keeps a layer's
 // forward outputs live instead, from the forward to the layer's backward in that micro-step,
 // and replaces each of its recompute ops by an INSTR_RENAME: the op's outputs are the kept

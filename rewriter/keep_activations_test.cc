@@ -7,7 +7,6 @@
 #include "machine/estimate.h"
 #include "machine/simulator.h"
 #include "models/model.h"
-#include "models/op_kinds.h"
 #include "rewriter/memory_plan.h"
 #include "rewriter/planner.h"
 #include "rewriter/verifier.h"
@@ -40,9 +39,8 @@ proto::Schedule TinyZero3(bool recompute, CostModel* costs) {
 }
 
 int RecomputeOps(const proto::Program& program) {
-  return static_cast<int>(std::count_if(
-      program.ops().begin(), program.ops().end(),
-      [](const proto::Op& op) { return op.name().ends_with(op_kind::kRecomputeSuffix); }));
+  return static_cast<int>(std::count_if(program.ops().begin(), program.ops().end(),
+                                        [](const proto::Op& op) { return op.has_recompute_of(); }));
 }
 
 int Count(const proto::Schedule& s, proto::InstrKind kind) {
@@ -72,15 +70,16 @@ TEST(KeepActivations, UnlimitedMemoryKeepsEveryLayer) {
   const proto::Program& program = s.program();
   for (const proto::Instruction& instr : s.instructions()) {
     if (instr.kind() == proto::INSTR_COMPUTE) {
-      EXPECT_FALSE(program.ops(instr.op()).name().ends_with(op_kind::kRecomputeSuffix))
+      EXPECT_FALSE(program.ops(instr.op()).has_recompute_of())
           << program.ops(instr.op()).name() << " still runs";
     }
     if (instr.kind() != proto::INSTR_RENAME) continue;
     const proto::Op& op = program.ops(instr.op());
     ASSERT_EQ(instr.tensors_size(), op.outputs_size());
+    ASSERT_TRUE(op.has_recompute_of()) << op.name();
+    const proto::Op& forward = program.ops(op.recompute_of());
     for (int k = 0; k < op.outputs_size(); ++k) {
-      EXPECT_EQ(program.tensors(instr.tensors(k)).name() + op_kind::kRecomputeSuffix,
-                program.tensors(op.outputs(k)).name());
+      EXPECT_EQ(instr.tensors(k), forward.outputs(k)) << op.name();
     }
   }
   EXPECT_TRUE(VerifySchedule(s, PassContext{&costs, 0}).ok());

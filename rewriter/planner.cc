@@ -4,7 +4,6 @@
 #include <optional>
 
 #include "machine/simulator.h"
-#include "models/op_kinds.h"
 #include "rewriter/memory_plan.h"
 #include "rewriter/plan_cache.h"
 #include "rewriter/zero3.h"
@@ -104,9 +103,8 @@ StatusOr<proto::Schedule> RunPipeline(const PlanRequest& request, const std::str
 Status ExploreSplits(const PlanRequest& request, const std::string& program_digest,
                      const PassContext& context, int64_t states, int64_t baseline_instructions,
                      int64_t max_instructions_to_explore, StatusOr<proto::Schedule>* planned) {
-  const bool recomputes =
-      std::any_of(request.program.ops().begin(), request.program.ops().end(),
-                  [](const proto::Op& op) { return op_kind::IsRecompute(op.name()); });
+  const bool recomputes = std::any_of(request.program.ops().begin(), request.program.ops().end(),
+                                      [](const proto::Op& op) { return op.has_recompute_of(); });
   const bool keeps =
       recomputes && std::count(request.disabled_passes.begin(), request.disabled_passes.end(),
                                "keep-activations") == 0;

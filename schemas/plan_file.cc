@@ -58,6 +58,11 @@ StatusOr<proto::Schedule> ParsePlan(const std::string& bytes, const std::string&
                          " is newer than this dc reads (" + std::to_string(kScheduleFormatVersion) +
                          "); upgrade dc or re-plan with this version");
   }
+  if (version < kScheduleFormatVersion) {
+    return Status::Error(what + ": plan format version " + std::to_string(version) +
+                         " is older than this dc reads (" + std::to_string(kScheduleFormatVersion) +
+                         "); re-plan with dc-plan");
+  }
   const uint64_t payload_size = GetLe(bytes.data() + sizeof(kMagic) + 4, 8);
   const std::string digest = bytes.substr(sizeof(kMagic) + 12, kDigestHexBytes);
   if (bytes.size() - kHeaderBytes != payload_size) {
@@ -80,6 +85,12 @@ StatusOr<proto::Schedule> ParsePlan(const std::string& bytes, const std::string&
     return Status::Error(what + ": embedded program format version " +
                          std::to_string(schedule.program().format_version()) +
                          " is newer than this dc reads; upgrade dc");
+  }
+  if (schedule.program().format_version() < kProgramFormatVersion) {
+    return Status::Error(what + ": embedded program format version " +
+                         std::to_string(schedule.program().format_version()) +
+                         " is older than this dc reads (" + std::to_string(kProgramFormatVersion) +
+                         "); re-plan with dc-plan");
   }
   if (DigestOf(schedule.program()) != schedule.program_digest()) {
     return Status::Error(what + ": embedded program does not match its digest; re-run dc-plan");

@@ -13,7 +13,8 @@ namespace dc {
 // Fills format_version and program_digest, then writes atomically.
 Status SavePlan(const std::string& path, proto::Schedule schedule);
 
-// Reads and checks magic, size, digest, format version and the embedded program's digest.
+// Reads and checks magic, size, digest, format version and the embedded program's digest and
+// format version. A plan of another format version is refused, an older one with "re-plan".
 StatusOr<proto::Schedule> LoadPlan(const std::string& path);
 
 // The same, over bytes already in memory (`what` names them in messages).

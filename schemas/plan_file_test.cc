@@ -67,6 +67,41 @@ TEST(PlanFile, RefusesEmptyAndForeign) {
             std::string::npos);
 }
 
+// The plan file of `schedule` as written, with the header's format version `version`.
+std::string Framed(const proto::Schedule& schedule, uint32_t version) {
+  const std::string payload = CanonicalBytes(schedule);
+  std::string framed = SerializePlan(SmallSchedule()).substr(0, 8);
+  for (int i = 0; i < 4; ++i) framed.push_back(static_cast<char>((version >> (8 * i)) & 0xFF));
+  for (int i = 0; i < 8; ++i)
+    framed.push_back(static_cast<char>((payload.size() >> (8 * i)) & 0xFF));
+  return framed + Sha256Hex(payload) + payload;
+}
+
+// A plan of format version 1 (its program marks recomputes only by their names) is refused in
+// one line that names the file and says to re-plan.
+TEST(PlanFile, RefusesOlderVersion) {
+  proto::Schedule old = SmallSchedule();
+  old.set_format_version(1);
+  old.mutable_program()->set_format_version(1);
+  old.set_program_digest(DigestOf(old.program()));
+  auto back = ParsePlan(Framed(old, 1), "old.dcplan");
+  ASSERT_FALSE(back.ok());
+  EXPECT_EQ(back.status().message(),
+            "old.dcplan: plan format version 1 is older than this dc reads (" +
+                std::to_string(kScheduleFormatVersion) + "); re-plan with dc-plan");
+
+  // A current plan around an older program: the same advice.
+  proto::Schedule mixed = SmallSchedule();
+  mixed.set_format_version(kScheduleFormatVersion);
+  mixed.mutable_program()->set_format_version(1);
+  mixed.set_program_digest(DigestOf(mixed.program()));
+  back = ParsePlan(Framed(mixed, kScheduleFormatVersion), "mixed.dcplan");
+  ASSERT_FALSE(back.ok());
+  EXPECT_EQ(back.status().message(),
+            "mixed.dcplan: embedded program format version 1 is older than this dc reads (" +
+                std::to_string(kProgramFormatVersion) + "); re-plan with dc-plan");
+}
+
 TEST(PlanFile, RefusesTamperedProgram) {
   proto::Schedule s = SmallSchedule();
   std::string bytes = SerializePlan(s);
@@ -75,12 +110,7 @@ TEST(PlanFile, RefusesTamperedProgram) {
   // Re-frame a payload whose program no longer matches its digest.
   proto::Schedule tampered = *parsed;
   tampered.mutable_program()->mutable_tensors(0)->set_name("other");
-  const std::string payload = CanonicalBytes(tampered);
-  std::string framed = bytes.substr(0, 12);
-  for (int i = 0; i < 8; ++i)
-    framed.push_back(static_cast<char>((payload.size() >> (8 * i)) & 0xFF));
-  framed += Sha256Hex(payload) + payload;
-  auto back = ParsePlan(framed, "p");
+  auto back = ParsePlan(Framed(tampered, kScheduleFormatVersion), "p");
   ASSERT_FALSE(back.ok());
   EXPECT_NE(back.status().message().find("digest"), std::string::npos);
 }

@@ -194,6 +194,14 @@ Status ValidateProgram(const proto::Program& program) {
     if (op.id() != i) return Status::Error("op " + op.name() + " has a wrong id");
     if (op.phase() < last_phase) return Status::Error("op " + op.name() + " is out of phase order");
     last_phase = op.phase();
+    if (op.has_recompute_of()) {
+      const int of = op.recompute_of();
+      if (op.phase() != proto::PHASE_BACKWARD || of < 0 || of >= i ||
+          program.ops(of).phase() != proto::PHASE_FORWARD || program.ops(of).kind() != op.kind()) {
+        return Status::Error("op " + op.name() + " is a recompute of op " + std::to_string(of) +
+                             ", which is not an earlier forward op of its kind");
+      }
+    }
     for (int in : op.inputs()) {
       if (in < 0 || in >= num_tensors)
         return Status::Error("op " + op.name() + " reads a bad tensor id");

@@ -12,9 +12,11 @@
 
 namespace dc {
 
-// Format versions written by this build; readers refuse newer ones.
-inline constexpr uint32_t kProgramFormatVersion = 1;
-inline constexpr uint32_t kScheduleFormatVersion = 1;
+// Format versions written by this build; readers refuse newer ones, and plan files of an older
+// version (schemas/plan_file.h). Version 2: a recompute op says so in Op.recompute_of (version 1
+// marked it only by its name).
+inline constexpr uint32_t kProgramFormatVersion = 2;
+inline constexpr uint32_t kScheduleFormatVersion = 2;
 
 int64_t DTypeSizeBytes(proto::DType dtype);
 const char* DTypeName(proto::DType dtype);
@@ -39,8 +41,8 @@ void SetAttrFloat(proto::Op* op, const std::string& name, double value);
 
 // Checks ids, references and the invariants the rewriter relies on (ops in phase order, every
 // tensor produced at most once, every grad produced by exactly one backward op, every input of
-// an op produced earlier or a param / input / optimizer state). The message names the tensor
-// or op.
+// an op produced earlier or a param / input / optimizer state, a recompute a backward op naming
+// a forward op of its kind). The message names the tensor or op.
 Status ValidateProgram(const proto::Program& program);
 
 // Device buffers, one accounting shared by the executor (which enforces a capacity) and the

@@ -85,6 +85,29 @@ TEST(Program, RejectsGradWithoutProducer) {
   EXPECT_FALSE(ValidateProgram(p).ok());
 }
 
+// A recompute names an earlier forward op of its kind; the name decides nothing.
+TEST(Program, RecomputeNamesAnEarlierForwardOpOfItsKind) {
+  proto::Program p;
+  AddTensor(&p, "x", proto::ROLE_INPUT);
+  AddTensor(&p, "w", proto::ROLE_PARAM);
+  AddTensor(&p, "y", proto::ROLE_ACTIVATION);
+  AddTensor(&p, "y.again", proto::ROLE_ACTIVATION);
+  AddOp(&p, "fwd", proto::PHASE_FORWARD, {0, 1}, {2});
+  proto::Op* again = AddOp(&p, "fwd.again", proto::PHASE_BACKWARD, {0, 1}, {3});
+  again->set_recompute_of(0);
+  EXPECT_TRUE(ValidateProgram(p).ok()) << ValidateProgram(p).message();
+
+  again->set_recompute_of(1);
+  EXPECT_EQ(ValidateProgram(p).message(),
+            "op fwd.again is a recompute of op 1, which is not an earlier forward op of its kind");
+  again->set_recompute_of(0);
+  p.mutable_ops(0)->set_kind("other");
+  EXPECT_FALSE(ValidateProgram(p).ok());
+  p.mutable_ops(0)->set_kind(again->kind());
+  again->set_phase(proto::PHASE_FORWARD);
+  EXPECT_FALSE(ValidateProgram(p).ok());
+}
+
 TEST(Program, RejectsWritingAParam) {
   proto::Program p;
   AddTensor(&p, "w", proto::ROLE_PARAM);

@@ -113,6 +113,15 @@ TEST_F(BadInput, PlanOfANewerFormat) {
   ExpectRunRefuses(dir_ + "/newer.dcplan", "newer");
 }
 
+// A plan of an older format (version 1 marked recompute ops only by their names): re-plan.
+TEST_F(BadInput, PlanOfAnOlderFormat) {
+  std::string bytes = ReadFile(dir_ + "/good.dcplan");
+  bytes[8] = 1;  // the format version follows the 8-byte magic
+  WriteFile(dir_ + "/older.dcplan", bytes);
+  ExpectRunRefuses(dir_ + "/older.dcplan", "is older than this dc reads");
+  ExpectRunRefuses(dir_ + "/older.dcplan", "re-plan with dc-plan");
+}
+
 TEST_F(BadInput, PlanForAnotherWorldSize) {
   auto r =
       RunCommand(Tool("dc-run") + " --backend cpu " + dir_ + "/good.dcplan --steps 1 --nproc 2");

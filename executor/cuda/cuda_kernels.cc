@@ -5,13 +5,14 @@
 #include <algorithm>
 #include <cmath>
 #include <compare>
+#include <iterator>
 #include <limits>
 #include <map>
-#include <unordered_map>
+#include <optional>
 
 #include "executor/cuda/cuda_device.h"
 #include "executor/cuda/kernel_launch.h"
-#include "models/op_kinds.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 
@@ -1321,105 +1322,147 @@ Status GroupedMatmulBackward(Call c) {
 
 using Kernel = Status (*)(Call);
 
-const std::unordered_map<std::string, Kernel>& Kernels() {
-  static const auto* kernels = new std::unordered_map<std::string, Kernel>{
-      {op_kind::kEmbedding, Embedding},
-      {op_kind::kEmbeddingBackward, EmbeddingBackward},
-      {op_kind::kRmsNorm, RmsNorm},
-      {op_kind::kRmsNormBackward, RmsNormBackward},
-      {op_kind::kMatmul, Matmul},
-      {op_kind::kMatmulBackward, MatmulBackward},
-      {op_kind::kRope, Rope},
-      {op_kind::kRopeBackward, RopeBackward},
-      {op_kind::kAttention, Attention},
-      {op_kind::kAttentionBackward, AttentionBackward},
-      {op_kind::kSwiglu, Swiglu},
-      {op_kind::kSwigluBackward, SwigluBackward},
-      {op_kind::kAdd, Add},
-      {op_kind::kCrossEntropy, CrossEntropy},
-      {op_kind::kCrossEntropyBackward, CrossEntropyBackward},
-      {op_kind::kAdamW, AdamW},
-      {op_kind::kMoeRouter, MoeRouter},
-      {op_kind::kMoeRouterBackward, MoeRouterBackward},
-      {op_kind::kMoeDispatch, MoeDispatch},
-      {op_kind::kMoeDispatchBackward, MoeDispatchBackward},
-      {op_kind::kGroupedMatmul, GroupedMatmul},
-      {op_kind::kGroupedMatmulBackward, GroupedMatmulBackward},
-      {op_kind::kMoeCombine, MoeCombine},
-      {op_kind::kMoeCombineBackward, MoeCombineBackward},
-  };
-  return *kernels;
+// The device scratch of the kinds that need some (CudaScratchBytes), checking the operands as
+// their kernels do.
+using ScratchBytes = StatusOr<int64_t> (*)(const proto::Op&, Tensors, Tensors);
+
+StatusOr<int64_t> EmbeddingBackwardScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
+  Checker check(op);
+  EmbeddingDims d{};
+  DC_RETURN_IF_ERROR(CheckEmbedding(in, out, true, &check, &d));
+  return EmbeddingBackwardScratch(d);
+}
+
+StatusOr<int64_t> RmsNormBackwardScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
+  Checker check(op);
+  NormDims d{};
+  DC_RETURN_IF_ERROR(CheckNorm(in, out, true, &check, &d));
+  return RmsNormBackwardScratch(d);
+}
+
+StatusOr<int64_t> AttentionBackwardScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
+  Checker check(op);
+  ck::AttentionDims d{};
+  DC_RETURN_IF_ERROR(CheckAttentionBackward(in, out, &check, CudaDeviceInfo{}, &d));
+  return AttentionBackwardScratch(d);
+}
+
+StatusOr<int64_t> CrossEntropyScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
+  Checker check(op);
+  CrossEntropyDims d{};
+  DC_RETURN_IF_ERROR(CheckCrossEntropy(in, out, false, &check, &d));
+  return CrossEntropyScratch(d);
+}
+
+StatusOr<int64_t> MoeRouterScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
+  Checker check(op);
+  RouterDims d;
+  DC_RETURN_IF_ERROR(CheckMoeRouter(in, out, &check, &d));
+  return MoeRouterScratch(d);
+}
+
+StatusOr<int64_t> MoeRouterBackwardScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
+  Checker check(op);
+  RouterDims d;
+  DC_RETURN_IF_ERROR(CheckMoeRouterBackward(in, out, &check, &d));
+  return MoeLayoutScratch(d.slots(), d.experts);
+}
+
+template <bool kBackward>
+StatusOr<int64_t> MoeDispatchScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
+  Checker check(op);
+  TokenSideDims d;
+  DC_RETURN_IF_ERROR(CheckMoeDispatch(in, out, kBackward, &check, &d));
+  return MoeLayoutScratch(d.slots(), d.experts);
+}
+
+template <bool kBackward>
+StatusOr<int64_t> MoeCombineScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
+  Checker check(op);
+  TokenSideDims d;
+  DC_RETURN_IF_ERROR(CheckMoeCombine(in, out, kBackward, &check, &d));
+  return MoeLayoutScratch(d.slots(), d.experts);
+}
+
+StatusOr<int64_t> GroupedMatmulScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
+  Checker check(op);
+  GroupedMatmulDims d;
+  DC_RETURN_IF_ERROR(CheckGroupedMatmul(in, out, &check, &d));
+  return MoeLayoutScratch(d.rows, d.experts);
+}
+
+StatusOr<int64_t> GroupedMatmulBackwardScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
+  Checker check(op);
+  GroupedMatmulDims d;
+  DC_RETURN_IF_ERROR(CheckGroupedMatmulBackward(in, out, &check, &d));
+  return MoeLayoutScratch(d.rows, d.experts);
+}
+
+// A kind's scratch function; none (null: no scratch) unless given here.
+template <OpKind>
+constexpr ScratchBytes kScratchBytes = nullptr;
+template <>
+constexpr ScratchBytes kScratchBytes<OpKind::kEmbeddingBackward> = EmbeddingBackwardScratchBytes;
+template <>
+constexpr ScratchBytes kScratchBytes<OpKind::kRmsNormBackward> = RmsNormBackwardScratchBytes;
+template <>
+constexpr ScratchBytes kScratchBytes<OpKind::kAttentionBackward> = AttentionBackwardScratchBytes;
+template <>
+constexpr ScratchBytes kScratchBytes<OpKind::kCrossEntropy> = CrossEntropyScratchBytes;
+template <>
+constexpr ScratchBytes kScratchBytes<OpKind::kMoeRouter> = MoeRouterScratchBytes;
+template <>
+constexpr ScratchBytes kScratchBytes<OpKind::kMoeRouterBackward> = MoeRouterBackwardScratchBytes;
+template <>
+constexpr ScratchBytes kScratchBytes<OpKind::kMoeDispatch> = MoeDispatchScratchBytes<false>;
+template <>
+constexpr ScratchBytes kScratchBytes<OpKind::kMoeDispatchBackward> = MoeDispatchScratchBytes<true>;
+template <>
+constexpr ScratchBytes kScratchBytes<OpKind::kMoeCombine> = MoeCombineScratchBytes<false>;
+template <>
+constexpr ScratchBytes kScratchBytes<OpKind::kMoeCombineBackward> = MoeCombineScratchBytes<true>;
+template <>
+constexpr ScratchBytes kScratchBytes<OpKind::kGroupedMatmul> = GroupedMatmulScratchBytes;
+template <>
+constexpr ScratchBytes kScratchBytes<OpKind::kGroupedMatmulBackward> =
+    GroupedMatmulBackwardScratchBytes;
+
+struct KindEntry {
+  Kernel run;
+  ScratchBytes scratch_bytes;  // null: the kind needs no scratch
+};
+
+// Indexed by OpKind: per row of DC_OP_KINDS, the kernel named as the row's id and the scratch
+// function, if any.
+constexpr KindEntry kKinds[] = {
+#define DC_CUDA_KERNEL(id, name, math) {id, kScratchBytes<OpKind::k##id>},
+    DC_OP_KINDS(DC_CUDA_KERNEL)
+#undef DC_CUDA_KERNEL
+};
+static_assert(std::size(kKinds) == kNumOpKinds);
+
+// The entry of `op`'s kind, or null when no row has that name.
+const KindEntry* EntryOf(const proto::Op& op) {
+  const std::optional<OpKind> kind = FindOpKind(op.kind());
+  return kind ? &kKinds[static_cast<size_t>(*kind)] : nullptr;
 }
 
 }  // namespace
 
 StatusOr<int64_t> CudaScratchBytes(const proto::Op& op, Tensors inputs, Tensors outputs) {
-  Checker check(op);
-  const std::string& kind = op.kind();
-  if (kind == op_kind::kEmbeddingBackward) {
-    EmbeddingDims d{};
-    DC_RETURN_IF_ERROR(CheckEmbedding(inputs, outputs, true, &check, &d));
-    return EmbeddingBackwardScratch(d);
-  }
-  if (kind == op_kind::kRmsNormBackward) {
-    NormDims d{};
-    DC_RETURN_IF_ERROR(CheckNorm(inputs, outputs, true, &check, &d));
-    return RmsNormBackwardScratch(d);
-  }
-  if (kind == op_kind::kAttentionBackward) {
-    ck::AttentionDims d{};
-    DC_RETURN_IF_ERROR(CheckAttentionBackward(inputs, outputs, &check, CudaDeviceInfo{}, &d));
-    return AttentionBackwardScratch(d);
-  }
-  if (kind == op_kind::kCrossEntropy) {
-    CrossEntropyDims d{};
-    DC_RETURN_IF_ERROR(CheckCrossEntropy(inputs, outputs, false, &check, &d));
-    return CrossEntropyScratch(d);
-  }
-  if (kind == op_kind::kMoeRouter) {
-    RouterDims d;
-    DC_RETURN_IF_ERROR(CheckMoeRouter(inputs, outputs, &check, &d));
-    return MoeRouterScratch(d);
-  }
-  if (kind == op_kind::kMoeRouterBackward) {
-    RouterDims d;
-    DC_RETURN_IF_ERROR(CheckMoeRouterBackward(inputs, outputs, &check, &d));
-    return MoeLayoutScratch(d.slots(), d.experts);
-  }
-  if (kind == op_kind::kMoeDispatch || kind == op_kind::kMoeDispatchBackward) {
-    TokenSideDims d;
-    DC_RETURN_IF_ERROR(
-        CheckMoeDispatch(inputs, outputs, kind == op_kind::kMoeDispatchBackward, &check, &d));
-    return MoeLayoutScratch(d.slots(), d.experts);
-  }
-  if (kind == op_kind::kMoeCombine || kind == op_kind::kMoeCombineBackward) {
-    TokenSideDims d;
-    DC_RETURN_IF_ERROR(
-        CheckMoeCombine(inputs, outputs, kind == op_kind::kMoeCombineBackward, &check, &d));
-    return MoeLayoutScratch(d.slots(), d.experts);
-  }
-  if (kind == op_kind::kGroupedMatmul) {
-    GroupedMatmulDims d;
-    DC_RETURN_IF_ERROR(CheckGroupedMatmul(inputs, outputs, &check, &d));
-    return MoeLayoutScratch(d.rows, d.experts);
-  }
-  if (kind == op_kind::kGroupedMatmulBackward) {
-    GroupedMatmulDims d;
-    DC_RETURN_IF_ERROR(CheckGroupedMatmulBackward(inputs, outputs, &check, &d));
-    return MoeLayoutScratch(d.rows, d.experts);
-  }
-  if (!Kernels().contains(kind)) return OpError(op, "the CUDA backend has no kernel for this kind");
-  return int64_t{0};
+  const KindEntry* entry = EntryOf(op);
+  if (entry == nullptr) return OpError(op, "the CUDA backend has no kernel for this kind");
+  if (entry->scratch_bytes == nullptr) return int64_t{0};
+  return entry->scratch_bytes(op, inputs, outputs);
 }
 
 Status RunCudaOp(const proto::Op& op, std::span<DeviceTensor> inputs,
                  std::span<DeviceTensor> outputs, const CudaKernelContext& context) {
   if (context.resources == nullptr) return OpError(op, "the CUDA kernel context has no resources");
-  const auto& kernels = Kernels();
-  const auto it = kernels.find(op.kind());
-  if (it == kernels.end()) return OpError(op, "the CUDA backend has no kernel for this kind");
+  const KindEntry* entry = EntryOf(op);
+  if (entry == nullptr) return OpError(op, "the CUDA backend has no kernel for this kind");
   Impl& r = context.resources->impl();
-  DC_RETURN_IF_ERROR(it->second(Call{op, inputs, outputs, context, r}));
+  DC_RETURN_IF_ERROR(entry->run(Call{op, inputs, outputs, context, r}));
   if (!context.synchronous) return Status::Ok();
   const std::string prefix = "op " + op.name() + " (" + op.kind() + "): ";
   DC_RETURN_IF_ERROR(

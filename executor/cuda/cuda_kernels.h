@@ -1,4 +1,4 @@
-// The CUDA backend's math: every op kind of models/op_kinds.h on device tensors, with the CPU
+// The CUDA backend's math: every op kind of schemas/op_kinds.h on device tensors, with the CPU
 // backend (executor/cpu_kernels.cc) as the reference it is tested against.
 //
 // Mixed precision as DeepSpeed does it: an op's float operands share one storage dtype, the
@@ -89,7 +89,7 @@ struct CudaKernelContext {
 StatusOr<int64_t> CudaScratchBytes(const proto::Op& op, std::span<const DeviceTensor> inputs,
                                    std::span<const DeviceTensor> outputs);
 
-// Runs `op` with operands in the op's own order (models/op_kinds.h). Outputs are preallocated
+// Runs `op` with operands in the op's own order (schemas/op_kinds.h). Outputs are preallocated
 // and overwritten, never accumulated into; adamw mutates its inputs. Checks arity, dtypes, shapes
 // and attrs on the host and names the op in every error ("op layers.0.attn (attention): input 1
 // (k) has dtype f32, expected bf16 like input 0"), and CUDA / cuBLASLt errors with the call.

@@ -23,7 +23,7 @@
 #include "executor/cuda/cuda_device.h"
 #include "models/data.h"
 #include "models/model.h"
-#include "models/op_kinds.h"
+#include "schemas/op_kinds.h"
 #if defined(DC_HAVE_NCCL)
 #include "executor/cuda/nccl_comm.h"
 #endif
@@ -635,6 +635,25 @@ TEST(GpuScratch, ContextScratchMustBeLargeEnough) {
   Check(RunCudaOp(op, in, out, context));
   // Uniform logits: every row's loss is log(vocab).
   EXPECT_NEAR(DownloadFloats(out[0])[0], 16 * std::log(100.0), 1e-3);
+}
+
+// No device needed: every kind of the table (schemas/op_kinds.h) has an entry (its kernel and
+// scratch size), so without operands each answers 0 bytes or its own operand check, never that
+// the backend lacks the kind.
+TEST(CudaKinds, EveryKindOfTheTableHasAKernel) {
+  for (const OpKindInfo& info : kOpKinds) {
+    const auto bytes = CudaScratchBytes(MakeOp(info.name), {}, {});
+    if (bytes.ok()) {
+      EXPECT_EQ(*bytes, 0) << info.name;
+    } else {
+      EXPECT_EQ(bytes.status().message().find("has no kernel"), std::string::npos)
+          << bytes.status().message();
+    }
+  }
+  const auto unknown = CudaScratchBytes(MakeOp("conv2d"), {}, {});
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().message(),
+            "op test.conv2d (conv2d): the CUDA backend has no kernel for this kind");
 }
 
 // No device needed: CudaScratchBytes only checks operands (the pointers are never read).

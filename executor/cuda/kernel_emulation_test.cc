@@ -16,7 +16,7 @@
 #include "executor/cuda/kernels.cuh"
 #include "executor/cuda/moe.cuh"
 #include "models/moe_layout.h"
-#include "models/op_kinds.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 namespace {

@@ -1,4 +1,4 @@
-// The device kernels of the mixture-of-experts kinds (models/op_kinds.h) and their launchers
+// The device kernels of the mixture-of-experts kinds (schemas/op_kinds.h) and their launchers
 // (kernel_launch.h). Include it in exactly one translation unit of a binary: moe_kernels.cu, or
 // the emulation test. The math follows executor/cpu_kernels.cc ("mixture of experts"); the CPU
 // backend reduces in double where these kernels reduce in fp32 (softmax, gates, router
