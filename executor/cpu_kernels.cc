@@ -10,7 +10,7 @@
 #include <optional>
 #include <string>
 
-#include "models/moe_layout.h"
+#include "executor/moe_layout.h"
 #include "schemas/op_kinds.h"
 
 namespace dc {

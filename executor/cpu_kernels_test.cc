@@ -9,7 +9,7 @@
 #include <numeric>
 #include <random>
 
-#include "models/data.h"
+#include "executor/data.h"
 #include "models/model.h"
 #include "schemas/op_kinds.h"
 

@@ -10,13 +10,13 @@
 #include <vector>
 
 #include "executor/cpu_kernels.h"
+#include "executor/data.h"
 #include "executor/device_memory.h"
 #include "executor/layout.h"
 #include "executor/rename.h"
-#include "models/data.h"
-#include "models/model.h"
 #include "schemas/digest.h"
 #include "schemas/effects.h"
+#include "schemas/op_kinds.h"
 #include "schemas/units.h"
 
 namespace dc {
@@ -41,6 +41,20 @@ struct Buffer {
   DeviceTensor View(std::vector<int64_t> shape) const { return {data, dtype, std::move(shape)}; }
   DeviceTensor Flat() const { return View({elements}); }
 };
+
+// By tensor id, whether the tensor is a term of the loss (op_kinds.h's IsLossTerm: the
+// cross-entropy and every MoE layer's balancing loss), which the run sums. Errors when the
+// program has no "loss" tensor.
+StatusOr<std::vector<char>> LossTerms(const proto::Program& program) {
+  std::vector<char> terms(program.tensors_size(), 0);
+  bool has_loss = false;
+  for (const auto& t : program.tensors()) {
+    if (op_kind::IsLossTerm(t.name())) terms[t.id()] = 1;
+    has_loss = has_loss || t.name() == op_kind::kLossName;
+  }
+  if (!has_loss) return Status::Error("the plan's program has no tensor named 'loss'");
+  return terms;
+}
 
 // The memory plan's placements by (instruction, tensor, micro-step).
 using PlacementKey = std::tuple<int, int, int>;

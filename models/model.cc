@@ -790,17 +790,6 @@ StatusOr<proto::Program> BuildProgram(const proto::ModelConfig& config) {
   return LlamaBuilder(config).Build();
 }
 
-StatusOr<std::vector<char>> LossTerms(const proto::Program& program) {
-  std::vector<char> terms(program.tensors_size(), 0);
-  bool has_loss = false;
-  for (const auto& t : program.tensors()) {
-    if (op_kind::IsLossTerm(t.name())) terms[t.id()] = 1;
-    has_loss = has_loss || t.name() == op_kind::kLossName;
-  }
-  if (!has_loss) return Status::Error("the plan's program has no tensor named 'loss'");
-  return terms;
-}
-
 int64_t ParamCount(const proto::Program& program) {
   int64_t count = 0;
   for (const auto& t : program.tensors()) {

@@ -40,11 +40,6 @@ Status ValidateConfig(const proto::ModelConfig& config);
 // per param. The result passes ValidateProgram. See op_kinds.h for the ops and conventions.
 StatusOr<proto::Program> BuildProgram(const proto::ModelConfig& config);
 
-// By tensor id, whether the tensor is a term of the loss (op_kinds.h's IsLossTerm: the
-// cross-entropy and every MoE layer's balancing loss), the executors' sum. Errors when the
-// program has no "loss" tensor.
-StatusOr<std::vector<char>> LossTerms(const proto::Program& program);
-
 // Parameter count of the model (sum of param elements).
 int64_t ParamCount(const proto::Program& program);
 

@@ -1,5 +1,5 @@
-// Names of the Llama program's params, shared by the builder and the initializer. Private to
-// models/.
+// Names of the Llama program's params, shared by the builder (models/model.cc) and the
+// initializer (executor/data.cc).
 #pragma once
 
 #include <string>

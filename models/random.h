@@ -1,6 +1,6 @@
 // Counter-based randomness for data and initialization: every value is a pure function of
 // (seed, stream, counter), so any rank can make any element without replaying a generator.
-// Private to models/.
+// Shared by the builder (models/) and the run-time data and initializer (executor/data.cc).
 #pragma once
 
 #include <cstdint>

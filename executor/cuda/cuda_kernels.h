@@ -8,7 +8,7 @@
 // through cuBLASLt (CUBLAS_COMPUTE_32F); the rest are own kernels (kernels.cuh, attention.cuh,
 // moe.cuh). The mixture-of-experts kinds keep the router's gates, the gates' gradient and the
 // aux loss in fp32 and the expert ids in i32 whatever the compute dtype; they rebuild the
-// expert-major layout (models/moe_layout.h) on the device from the ids, deterministically.
+// expert-major layout (executor/moe_layout.h) on the device from the ids, deterministically.
 //
 // Work is enqueued on the context's stream and RunCudaOp returns without waiting, except with
 // `synchronous`, and except grouped_matmul and grouped_matmul_backward: cuBLASLt needs each

@@ -21,7 +21,7 @@
 
 #include "executor/cpu_kernels.h"
 #include "executor/cuda/cuda_device.h"
-#include "models/data.h"
+#include "executor/data.h"
 #include "models/model.h"
 #include "schemas/op_kinds.h"
 #if defined(DC_HAVE_NCCL)

@@ -15,7 +15,7 @@
 #include "executor/cuda/attention.cuh"
 #include "executor/cuda/kernels.cuh"
 #include "executor/cuda/moe.cuh"
-#include "models/moe_layout.h"
+#include "executor/moe_layout.h"
 #include "schemas/op_kinds.h"
 
 namespace dc {

@@ -88,7 +88,7 @@ cudaError_t CrossEntropyBackward(FloatType type, const void* logits, const int32
 // Mixture of experts (moe.cuh). `experts` holds the i32 ids of M * k slots (s = t * k + j),
 // `tokens` is M and `top_k` k; gates, dgates and the aux loss are fp32 whatever `type` is.
 
-// The expert-major layout of models/moe_layout.h on the device, in int32 scratch of
+// The expert-major layout of executor/moe_layout.h on the device, in int32 scratch of
 // MoeLayoutScratchInts(slots, E): offsets [E + 1] (expert e's rows are [offsets[e],
 // offsets[e + 1])) and rows [slots] (slot s's row). A slot whose id is outside [0, E) is
 // recorded in the device error record, gets row -1 and is left out of the offsets (then

@@ -6,7 +6,7 @@
 // too.
 //
 // Everything is deterministic: no kernel uses a floating-point atomic or an order that depends
-// on scheduling. The expert-major layout (models/moe_layout.h) is made without any atomic in
+// on scheduling. The expert-major layout (executor/moe_layout.h) is made without any atomic in
 // three passes over chunks of kMoeSlotsPerChunk slots: (1) per chunk, each expert's count and
 // each slot's rank among the chunk's earlier slots of its expert; (2) in one block, the
 // exclusive scan of the counts in (expert, chunk) order, which gives every (expert, chunk) its

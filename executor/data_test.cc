@@ -1,4 +1,4 @@
-#include "models/data.h"
+#include "executor/data.h"
 
 #include <gtest/gtest.h>
 
