@@ -4,7 +4,7 @@
 include(CMakePackageConfigHelpers)
 include(GNUInstallDirs)
 
-set(DC_EXPORTED_LIBRARIES dc_proto dc_schemas_base dc_schemas dc_models dc_sqlite_writer
+set(DC_EXPORTED_LIBRARIES dc_source_root dc_proto dc_schemas_base dc_schemas dc_models dc_sqlite_writer
     dc_collector dc_analyzer dc_machine
     dc_rewriter dc_data dc_cpu_kernels dc_executor)
 if(TARGET dc_trace_tools)
