@@ -250,6 +250,19 @@ std::vector<RecordStatsRow> RecordStats(const TracerRecords& records) {
   };
 }
 
+// The columns every device activity row starts with, for this rank's one device and context.
+template <typename Row, typename Record>
+Row ActivityRow(const Record& record, int64_t device_id) {
+  Row row;
+  row.start_ns = record.start_ns;
+  row.end_ns = record.end_ns;
+  row.device_id = device_id;
+  row.context_id = kContextId;
+  row.stream_id = record.stream;
+  row.correlation_id = record.correlation_id;
+  return row;
+}
+
 // Writes one rank's records, every row through the shared TraceRowWriter.
 Status WriteRecords(Database* db, const RankIdentity& identity, int64_t global_pid,
                     const TracerRecords& records, const ClockAnchor& end,
@@ -261,13 +274,7 @@ Status WriteRecords(Database* db, const RankIdentity& identity, int64_t global_p
   }
   // Launch geometry is meaningless on the host: KernelRow's defaults (grid and block 1).
   for (const auto& k : records.kernels) {
-    KernelRow row;
-    row.start_ns = k.start_ns;
-    row.end_ns = k.end_ns;
-    row.device_id = device_id;
-    row.context_id = kContextId;
-    row.stream_id = k.stream;
-    row.correlation_id = k.correlation_id;
+    auto row = ActivityRow<KernelRow>(k, device_id);
     row.demangled_name_id = k.name_id;
     row.short_name_id = k.name_id;
     DC_RETURN_IF_ERROR(rows.Kernel(row));
@@ -278,13 +285,7 @@ Status WriteRecords(Database* db, const RankIdentity& identity, int64_t global_p
   }
   for (const auto& c : records.copies) {
     const bool to_device = c.kind == proto::INSTR_RELOAD;
-    MemcpyRow row;
-    row.start_ns = c.start_ns;
-    row.end_ns = c.end_ns;
-    row.device_id = device_id;
-    row.context_id = kContextId;
-    row.stream_id = c.stream;
-    row.correlation_id = c.correlation_id;
+    auto row = ActivityRow<MemcpyRow>(c, device_id);
     row.bytes = c.bytes;
     row.copy_kind = to_device ? kCopyKindHtoD : kCopyKindDtoH;
     row.src_kind = to_device ? kMemKindPinned : kMemKindDevice;

@@ -21,6 +21,19 @@ void Bind(Statement& s, int index, const std::optional<std::string>& value) {
   }
 }
 
+// The columns every device activity table starts with: start, end, deviceId, contextId,
+// streamId, correlationId, globalPid.
+template <typename Row>
+void BindActivity(Statement& s, const Row& r, int64_t global_pid) {
+  s.Bind(1, r.start_ns);
+  s.Bind(2, r.end_ns);
+  s.Bind(3, r.device_id);
+  s.Bind(4, r.context_id);
+  s.Bind(5, r.stream_id);
+  s.Bind(6, r.correlation_id);
+  s.Bind(7, global_pid);
+}
+
 }  // namespace
 
 StatusOr<TraceRowWriter> TraceRowWriter::Create(Database* db, int64_t global_pid) {
@@ -89,13 +102,7 @@ Status TraceRowWriter::String(int64_t id, std::string_view value) {
 
 Status TraceRowWriter::Kernel(const KernelRow& r) {
   Statement& k = kernel_;
-  k.Bind(1, r.start_ns);
-  k.Bind(2, r.end_ns);
-  k.Bind(3, r.device_id);
-  k.Bind(4, r.context_id);
-  k.Bind(5, r.stream_id);
-  k.Bind(6, r.correlation_id);
-  k.Bind(7, global_pid_);
+  BindActivity(k, r, global_pid_);
   k.Bind(8, r.demangled_name_id);
   k.Bind(9, r.short_name_id);
   Bind(k, 10, r.mangled_name_id);
@@ -136,13 +143,7 @@ Status TraceRowWriter::Collective(const CollectiveRow& r) {
 
 Status TraceRowWriter::Memcpy(const MemcpyRow& r) {
   Statement& m = memcpy_;
-  m.Bind(1, r.start_ns);
-  m.Bind(2, r.end_ns);
-  m.Bind(3, r.device_id);
-  m.Bind(4, r.context_id);
-  m.Bind(5, r.stream_id);
-  m.Bind(6, r.correlation_id);
-  m.Bind(7, global_pid_);
+  BindActivity(m, r, global_pid_);
   m.Bind(8, r.bytes);
   m.Bind(9, r.copy_kind);
   m.Bind(10, r.src_kind);
@@ -157,13 +158,7 @@ Status TraceRowWriter::Memcpy(const MemcpyRow& r) {
 
 Status TraceRowWriter::Memset(const MemsetRow& r) {
   Statement& m = memset_;
-  m.Bind(1, r.start_ns);
-  m.Bind(2, r.end_ns);
-  m.Bind(3, r.device_id);
-  m.Bind(4, r.context_id);
-  m.Bind(5, r.stream_id);
-  m.Bind(6, r.correlation_id);
-  m.Bind(7, global_pid_);
+  BindActivity(m, r, global_pid_);
   m.Bind(8, r.value);
   m.Bind(9, r.bytes);
   Bind(m, 10, r.graph_node_id);
