@@ -233,99 +233,100 @@ void PrintExplain(const proto::Schedule& plan) {
   if (now > 0) std::printf("  speed-up over the zero3 baseline: %.3fx\n", base / now);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{
-      "dc-plan: read a trace, derive the memory timeline and costs, and plan an optimized "
-      "schedule into a plan file (cached across runs).\n"
-      "Example: dc-plan trace.db --budget 1GiB -o plan.dcplan --report",
-      "dc-plan"};
+// What the command line asks for.
+struct Flags {
   std::string trace_path, out = "plan.dcplan", cache_dir, policy = "dc", from_plan;
   int64_t budget = 0;
-  bool no_cache = false, report = false, json = false;
-  app.add_option("trace", trace_path,
-                 "trace written by dc-collect or dc-run --trace (omit with --synthetic)");
-  bool synthetic = false, explain = false;
-  std::string hardware = "h100-sxm", dump_after;
+  bool no_cache = false, report = false, json = false, synthetic = false, explain = false;
+  bool quiet = false;
+  std::string hardware = "h100-sxm", dump_after, perfetto;
   int world = 8, gpus_per_node = 8;
   cli::ModelFlags model;
+  RoundOptions rounds;
+  std::vector<std::string> passes, disable;
+};
+
+void AddFlags(CLI::App& app, Flags* f) {
+  app.add_option("trace", f->trace_path,
+                 "trace written by dc-collect or dc-run --trace (omit with --synthetic)");
   app.add_flag(
-      "--synthetic", synthetic,
+      "--synthetic", f->synthetic,
       "plan a model on a hardware profile without a trace (roofline and NCCL-ring cost estimates), "
       "e.g. --synthetic --model llama3-70b --world 32 --hardware h100-sxm --gpus-per-node 8");
-  model.Add(app);
-  app.add_option("--world", world, "ranks (--synthetic)")->capture_default_str();
-  app.add_option("--hardware", hardware,
+  f->model.Add(app);
+  app.add_option("--world", f->world, "ranks (--synthetic)")->capture_default_str();
+  app.add_option("--hardware", f->hardware,
                  "hardware profile (--synthetic): " + Join(HardwareNames(), ", "))
       ->capture_default_str();
-  app.add_option("--gpus-per-node", gpus_per_node, "GPUs per node (--synthetic)")
+  app.add_option("--gpus-per-node", f->gpus_per_node, "GPUs per node (--synthetic)")
       ->capture_default_str();
-  app.add_flag("--explain", explain,
+  app.add_flag("--explain", f->explain,
                "say per pass what it changed and what it bought (predicted seconds and bytes)");
-  RoundOptions rounds;
-  app.add_option("--rounds", rounds.rounds,
+  app.add_option("--rounds", f->rounds.rounds,
                  "profile-guided rounds: run the plan with collection, re-plan from the new trace, "
                  "keep the "
                  "best measured plan")
       ->check(CLI::Range(0, 100));
-  app.add_option("--round-steps", rounds.steps, "measured steps per round")->capture_default_str();
-  std::string perfetto;
+  app.add_option("--round-steps", f->rounds.steps, "measured steps per round")
+      ->capture_default_str();
   app.add_option(
-      "--perfetto", perfetto,
+      "--perfetto", f->perfetto,
       "write the plan's simulated timeline as Chrome trace-event JSON (ui.perfetto.dev), to open "
       "beside `dc-trace perfetto` of a measured trace");
-  app.add_option("--dump-after", dump_after,
+  app.add_option("--dump-after", f->dump_after,
                  "write the schedule after this pass as text to <plan>.<pass>.txt");
-  cli::AddBytesOption(app, "--budget", &budget,
+  cli::AddBytesOption(app, "--budget", &f->budget,
                       "device memory budget per rank, e.g. 1GiB (default: unlimited)");
-  std::vector<std::string> passes;
-  app.add_option("--passes", passes,
+  app.add_option("--passes", f->passes,
                  "run exactly these passes in order instead of the policy's, e.g. --passes "
                  "zero3,prefetch,bucket")
       ->delimiter(',');
-  std::vector<std::string> disable;
-  app.add_option("--disable", disable,
+  app.add_option("--disable", f->disable,
                  "switch these passes of the policy off by name, e.g. --disable bucket")
       ->delimiter(',');
   std::string policies_help = "pass pipeline:";
   for (const Policy& p : Policies()) policies_help += " " + p.name + " (" + p.summary + "),";
   policies_help.back() = '.';
-  app.add_option("--policy", policy, policies_help)
+  app.add_option("--policy", f->policy, policies_help)
       ->check(CLI::IsMember(PolicyNames()))
       ->capture_default_str();
-  app.add_option("--from-plan", from_plan,
+  app.add_option("--from-plan", f->from_plan,
                  "re-plan this plan's program with the trace's profile (the trace must be of the "
                  "same program)");
-  app.add_option("--cache-dir", cache_dir,
+  app.add_option("--cache-dir", f->cache_dir,
                  "plan cache directory (default: $XDG_CACHE_HOME/dc or ~/.cache/dc)");
-  app.add_flag("--no-cache", no_cache, "neither read nor write the plan cache");
-  app.add_option("-o,--output", out, "plan file to write")->capture_default_str();
-  app.add_flag("--report", report, "print the memory timeline and overlap summary");
-  app.add_flag("--json", json, "print one JSON object");
-  bool quiet = false;
-  app.add_flag("--quiet", quiet,
+  app.add_flag("--no-cache", f->no_cache, "neither read nor write the plan cache");
+  app.add_option("-o,--output", f->out, "plan file to write")->capture_default_str();
+  app.add_flag("--report", f->report, "print the memory timeline and overlap summary");
+  app.add_flag("--json", f->json, "print one JSON object");
+  app.add_flag("--quiet", f->quiet,
                "no progress on stderr (progress shows only on a terminal anyway)");
-  CLI11_PARSE(app, argc, argv);
-  if (synthetic == !trace_path.empty()) {
-    return cli::Fail("dc-plan",
-                     Status::Error("give a trace, or --synthetic with --model (see --help)"));
-  }
+}
 
-  PlanRequest request;
+// What planning made, for printing.
+struct Outcome {
+  proto::Schedule plan;
+  std::string cache_key;
+  bool cache_hit = false;
   std::optional<Profile> measured;
   std::vector<std::string> notes;
-  Status prepared = synthetic
-                        ? SyntheticRequest(model, hardware, world, gpus_per_node, budget, &request)
-                        : TraceRequest(trace_path, from_plan, budget, &request, &measured, &notes);
-  if (!prepared.ok()) return cli::Fail("dc-plan", prepared);
-  request.policy = passes.empty() ? policy : "custom";
-  request.passes = passes;
-  request.disabled_passes = disable;
+  nlohmann::json rounds = nlohmann::json::array();
+};
+
+// The request the flags describe: the trace's (or the synthetic model's) program and costs, the
+// policy or passes, progress and dumps.
+StatusOr<PlanRequest> RequestOf(const Flags& f, Outcome* outcome) {
+  PlanRequest request;
+  DC_RETURN_IF_ERROR(f.synthetic ? SyntheticRequest(f.model, f.hardware, f.world, f.gpus_per_node,
+                                                    f.budget, &request)
+                                 : TraceRequest(f.trace_path, f.from_plan, f.budget, &request,
+                                                &outcome->measured, &outcome->notes));
+  request.policy = f.passes.empty() ? f.policy : "custom";
+  request.passes = f.passes;
+  request.disabled_passes = f.disable;
   // Progress for plans that take a while: each pass once planning has run past a second.
-  const bool progress = !quiet && ::isatty(STDERR_FILENO);
-  const auto planning_start = std::chrono::steady_clock::now();
-  if (progress) {
+  if (!f.quiet && ::isatty(STDERR_FILENO)) {
+    const auto planning_start = std::chrono::steady_clock::now();
     request.on_pass = [planning_start](const proto::PassRecord& record) {
       constexpr double kQuietSeconds = 1.0;
       const double elapsed =
@@ -336,9 +337,9 @@ int main(int argc, char** argv) {
       }
     };
   }
-  if (!dump_after.empty()) {
-    request.dump_after = dump_after;
-    request.dump = [&](std::string_view pass, const proto::Schedule& schedule) {
+  if (!f.dump_after.empty()) {
+    request.dump_after = f.dump_after;
+    request.dump = [out = f.out](std::string_view pass, const proto::Schedule& schedule) {
       const std::string path = out + "." + std::string(pass) + ".txt";
       if (Status written = WriteFileAtomic(path, ScheduleToText(schedule)); written.ok()) {
         std::fprintf(stderr, "dc-plan: wrote the schedule after %s to %s\n",
@@ -348,96 +349,121 @@ int main(int argc, char** argv) {
       }
     };
   }
-  auto key = PlanKey(request);
-  if (!key.ok()) return cli::Fail("dc-plan", key.status());
-  PlanCache cache(cache_dir.empty() ? DefaultCacheDir() : cache_dir);
+  return request;
+}
+
+// Plans (or finds the plan in the cache), runs the profile-guided rounds, and writes the plan
+// and its simulated timeline.
+StatusOr<Outcome> Plan(const Flags& f) {
+  Outcome outcome;
+  DC_ASSIGN_OR_RETURN(PlanRequest request, RequestOf(f, &outcome));
+  DC_ASSIGN_OR_RETURN(outcome.cache_key, PlanKey(request));
+  PlanCache cache(f.cache_dir.empty() ? DefaultCacheDir() : f.cache_dir);
   std::optional<proto::Schedule> plan;
   // A dump is a side effect of planning: skip the cache so it is written.
-  if (!no_cache && dump_after.empty()) plan = cache.Lookup(*key);
-  const bool hit = plan.has_value();
-  if (!hit) {
+  if (!f.no_cache && f.dump_after.empty()) plan = cache.Lookup(outcome.cache_key);
+  outcome.cache_hit = plan.has_value();
+  if (!outcome.cache_hit) {
     auto made = MakePlan(request);
     if (!made.ok()) {
-      Status failed = made.status().Prefixed(synthetic ? "" : trace_path + ": ");
+      Status failed = made.status().Prefixed(f.synthetic ? "" : f.trace_path + ": ");
       if (auto smallest = SmallestBudget(request); smallest.has_value()) {
         failed = Status::Error(failed.message() + "; the smallest budget the " + request.policy +
                                " policy meets is " + FormatBytes(*smallest) + " (--budget " +
                                std::to_string(*smallest) + ")");
       }
-      return cli::Fail("dc-plan", failed);
+      return failed;
     }
     plan = std::move(made).value();
-    if (!no_cache) {
-      if (Status stored = cache.Store(*key, WithoutTimings(*plan)); !stored.ok())
-        return cli::Fail("dc-plan", stored);
-    }
+    if (!f.no_cache) DC_RETURN_IF_ERROR(cache.Store(outcome.cache_key, WithoutTimings(*plan)));
   }
-  nlohmann::json rounds_report = nlohmann::json::array();
-  if (rounds.rounds > 0) {
-    if (synthetic)
-      return cli::Fail("dc-plan",
-                       Status::Error("--rounds needs a trace to start from, not --synthetic"));
-    auto best =
-        PlanInRounds(request, *plan, rounds.rounds, MeasureByRunning(rounds, request.backend, out),
-                     ReportRounds(&rounds_report, progress));
-    if (!best.ok()) return cli::Fail("dc-plan", best.status());
-    plan = std::move(best).value();
+  if (f.rounds.rounds > 0) {
+    if (f.synthetic) return Status::Error("--rounds needs a trace to start from, not --synthetic");
+    const bool progress = !f.quiet && ::isatty(STDERR_FILENO);
+    DC_ASSIGN_OR_RETURN(plan, PlanInRounds(request, *plan, f.rounds.rounds,
+                                           MeasureByRunning(f.rounds, request.backend, f.out),
+                                           ReportRounds(&outcome.rounds, progress)));
   }
-  if (Status saved = SavePlan(out, WithoutTimings(*plan)); !saved.ok())
-    return cli::Fail("dc-plan", saved);
-  if (!perfetto.empty()) {
-    auto sim = Simulate(*plan, request.costs);
-    if (!sim.ok()) return cli::Fail("dc-plan", sim.status());
-    auto written = WritePlanPerfettoFile(*plan, *sim, perfetto);
-    if (!written.ok()) return cli::Fail("dc-plan", written.status());
+  DC_RETURN_IF_ERROR(SavePlan(f.out, WithoutTimings(*plan)));
+  if (!f.perfetto.empty()) {
+    DC_ASSIGN_OR_RETURN(SimResult sim, Simulate(*plan, request.costs));
+    DC_RETURN_IF_ERROR(WritePlanPerfettoFile(*plan, sim, f.perfetto).status());
   }
+  outcome.plan = std::move(*plan);
+  return outcome;
+}
 
-  if (json) {
-    nlohmann::json j;
-    j["plan"] = out;
-    j["cache"] = hit ? "hit" : "miss";
-    j["cache_key"] = *key;
-    j["policy"] = plan->policy();
-    j["world_size"] = plan->world_size();
-    j["budget_bytes"] = plan->budget_bytes();
-    j["instructions"] = plan->instructions_size();
-    j["arena_bytes"] = plan->memory_plan().arena_bytes();
-    j["notes"] = std::vector<std::string>(plan->notes().begin(), plan->notes().end());
-    j["predicted"] = PredictionJson(plan->prediction());
-    j["baseline"] = PredictionJson(plan->baseline());
-    j["passes"] = nlohmann::json::array();
-    for (const auto& p : plan->passes()) {
-      j["passes"].push_back(
-          {{"name", p.name()}, {"changed", p.changed()}, {"seconds", p.seconds()}});
-    }
-    if (measured) j["measured_step_seconds"] = measured->step_seconds_median;
-    if (rounds.rounds > 0) j["rounds"] = rounds_report;
-    j["device"] = plan->device();
-    for (int i = 0; i < plan->passes_size(); ++i) {
-      const auto& p = plan->passes(i);
-      j["passes"][i]["summary"] = p.summary();
-      j["passes"][i]["predicted_step_seconds"] = p.predicted_step_seconds();
-      j["passes"][i]["predicted_peak_bytes"] = p.predicted_peak_bytes();
-      j["passes"][i]["instructions"] = p.instructions();
-    }
-    std::cout << j.dump() << "\n";
-    return 0;
+void PrintJson(const Flags& f, const Outcome& o) {
+  const proto::Schedule& plan = o.plan;
+  nlohmann::json j;
+  j["plan"] = f.out;
+  j["cache"] = o.cache_hit ? "hit" : "miss";
+  j["cache_key"] = o.cache_key;
+  j["policy"] = plan.policy();
+  j["world_size"] = plan.world_size();
+  j["budget_bytes"] = plan.budget_bytes();
+  j["instructions"] = plan.instructions_size();
+  j["arena_bytes"] = plan.memory_plan().arena_bytes();
+  j["notes"] = std::vector<std::string>(plan.notes().begin(), plan.notes().end());
+  j["predicted"] = PredictionJson(plan.prediction());
+  j["baseline"] = PredictionJson(plan.baseline());
+  j["passes"] = nlohmann::json::array();
+  for (const auto& p : plan.passes()) {
+    j["passes"].push_back({{"name", p.name()},
+                           {"changed", p.changed()},
+                           {"seconds", p.seconds()},
+                           {"summary", p.summary()},
+                           {"predicted_step_seconds", p.predicted_step_seconds()},
+                           {"predicted_peak_bytes", p.predicted_peak_bytes()},
+                           {"instructions", p.instructions()}});
   }
+  if (o.measured) j["measured_step_seconds"] = o.measured->step_seconds_median;
+  if (f.rounds.rounds > 0) j["rounds"] = o.rounds;
+  j["device"] = plan.device();
+  std::cout << j.dump() << "\n";
+}
+
+void PrintText(const Flags& f, const Outcome& o) {
+  const proto::Schedule& plan = o.plan;
   std::printf(
       "plan %s: cache %s, %d instructions for %d rank(s), predicted step %.4f s, peak %s (budget "
       "%s)\n",
-      out.c_str(), hit ? "hit" : "miss", plan->instructions_size(), plan->world_size(),
-      plan->prediction().step_seconds(),
-      FormatBytes(plan->prediction().peak_device_bytes()).c_str(),
-      plan->budget_bytes() ? FormatBytes(plan->budget_bytes()).c_str() : "unlimited");
-  for (const auto& round : rounds_report) {
+      f.out.c_str(), o.cache_hit ? "hit" : "miss", plan.instructions_size(), plan.world_size(),
+      plan.prediction().step_seconds(), FormatBytes(plan.prediction().peak_device_bytes()).c_str(),
+      plan.budget_bytes() ? FormatBytes(plan.budget_bytes()).c_str() : "unlimited");
+  for (const auto& round : o.rounds) {
     std::printf("round %d: predicted %.6f s, measured %.6f s per step\n", round["round"].get<int>(),
                 round["predicted_step_seconds"].get<double>(),
                 round["measured_step_seconds"].get<double>());
   }
-  if (explain) PrintExplain(*plan);
-  if (report && measured) PrintReport(*measured, *plan);
-  for (const auto& note : plan->notes()) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
-  for (const auto& note : notes) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
+  if (f.explain) PrintExplain(plan);
+  if (f.report && o.measured) PrintReport(*o.measured, plan);
+  for (const auto& note : plan.notes()) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
+  for (const auto& note : o.notes) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
+}
+
+}  // namespace
+
+// Flags, then the request planned, then what it made printed.
+int main(int argc, char** argv) {
+  CLI::App app{
+      "dc-plan: read a trace, derive the memory timeline and costs, and plan an optimized "
+      "schedule into a plan file (cached across runs).\n"
+      "Example: dc-plan trace.db --budget 1GiB -o plan.dcplan --report",
+      "dc-plan"};
+  Flags flags;
+  AddFlags(app, &flags);
+  CLI11_PARSE(app, argc, argv);
+  if (flags.synthetic == !flags.trace_path.empty()) {
+    return cli::Fail("dc-plan",
+                     Status::Error("give a trace, or --synthetic with --model (see --help)"));
+  }
+  StatusOr<Outcome> outcome = Plan(flags);
+  if (!outcome.ok()) return cli::Fail("dc-plan", outcome.status());
+  if (flags.json) {
+    PrintJson(flags, *outcome);
+  } else {
+    PrintText(flags, *outcome);
+  }
   return 0;
 }
