@@ -55,7 +55,7 @@ class CpuDevice : public RankDevice {
   }
 
   StatusOr<void*> Allocate(int64_t arena_offset_bytes, int64_t bytes, proto::Stream /*stream*/,
-                           const std::string& /*what*/) override {
+                           const std::string& /*what*/, const std::string& /*tensor*/) override {
     if (arena_offset_bytes >= 0) {
       std::byte* place = arena_.data() + arena_offset_bytes;
       std::memset(place, 0, static_cast<size_t>(bytes));
@@ -67,7 +67,8 @@ class CpuDevice : public RankDevice {
     return data;
   }
 
-  Status Free(void* data, proto::Stream /*stream*/, const std::string& /*what*/) override {
+  Status Free(void* data, proto::Stream /*stream*/, const std::string& /*what*/,
+              const std::string& /*tensor*/) override {
     owned_.erase(data);
     return Status::Ok();
   }
@@ -185,15 +186,11 @@ class CpuDevice : public RankDevice {
     return Status::Ok();
   }
 
-  Status Record(int /*index*/, proto::Stream /*stream*/, const std::string& /*what*/) override {
+  Status Record(int /*index*/, proto::Stream /*stream*/) override { return Status::Ok(); }
+  Status Wait(int /*index*/, int /*dep*/, proto::Stream /*stream*/) override {
     return Status::Ok();
   }
-  Status Wait(int /*dep*/, proto::Stream /*stream*/, const std::string& /*what*/) override {
-    return Status::Ok();
-  }
-  Status AfterInstruction(proto::Stream /*stream*/, const std::string& /*what*/) override {
-    return Status::Ok();
-  }
+  Status AfterInstruction(int /*index*/, proto::Stream /*stream*/) override { return Status::Ok(); }
   Status JoinStreams(const std::string& /*what*/) override { return Status::Ok(); }
 
   StatusOr<double> FinishStep(int /*step*/) override {

@@ -75,9 +75,11 @@ class RankDevice {
   // (the memory plan checked that it fits); without one it takes `bytes` from the device's
   // allocator, ordered on `stream`. Free returns what Allocate took.
   virtual Status CreateArena(int64_t bytes) = 0;
+  // `what` names the instruction (or start-up) and `tensor` the buffer, for errors only.
   virtual StatusOr<void*> Allocate(int64_t arena_offset_bytes, int64_t bytes, proto::Stream stream,
-                                   const std::string& what) = 0;
-  virtual Status Free(void* data, proto::Stream stream, const std::string& what) = 0;
+                                   const std::string& what, const std::string& tensor) = 0;
+  virtual Status Free(void* data, proto::Stream stream, const std::string& what,
+                      const std::string& tensor) = 0;
   virtual StatusOr<std::unique_ptr<HostBuffer>> AllocateHost(int64_t bytes,
                                                              const std::string& what) = 0;
 
@@ -108,11 +110,13 @@ class RankDevice {
   virtual Status AddLoss(const DeviceTensor& term) = 0;
 
   // Cross-stream order: instruction `index` records its event on `stream` for later waiters;
-  // `stream` (or, with STREAM_HOST, the host) waits for the event of instruction `dep`.
-  virtual Status Record(int index, proto::Stream stream, const std::string& what) = 0;
-  virtual Status Wait(int dep, proto::Stream stream, const std::string& what) = 0;
+  // before instruction `index`, `stream` (or, with STREAM_HOST, the host) waits for the event of
+  // instruction `dep`. These run for every instruction, so they take indices, not messages: a
+  // device names the instruction (DescribeInstruction) only when something fails.
+  virtual Status Record(int index, proto::Stream stream) = 0;
+  virtual Status Wait(int index, int dep, proto::Stream stream) = 0;
   // After each instruction's issue (a debugging mode may wait for it and check it there).
-  virtual Status AfterInstruction(proto::Stream stream, const std::string& what) = 0;
+  virtual Status AfterInstruction(int index, proto::Stream stream) = 0;
   // Makes the compute stream wait for every other stream.
   virtual Status JoinStreams(const std::string& what) = 0;
   // The end of a step, after JoinStreams: waits for the device, checks what only the device

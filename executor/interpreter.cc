@@ -187,7 +187,10 @@ Interpreter::~Interpreter() {
   // After a failure enqueued work may still use the buffers: wait, then return the pooled ones.
   (void)device_->Synchronize("shutting down");
   for (auto& [key, buffer] : live_) {
-    if (buffer.pooled) (void)device_->Free(buffer.data, proto::STREAM_HOST, "shutting down");
+    if (buffer.pooled) {
+      (void)device_->Free(buffer.data, proto::STREAM_HOST, "shutting down",
+                          program_.tensors(key.tensor).name());
+    }
   }
 }
 
@@ -337,8 +340,8 @@ StatusOr<Buffer*> Interpreter::Allocate(int index, const BufferKey& key, BufferK
                            " past the end of the arena; re-plan it");
     }
   }
-  DC_ASSIGN_OR_RETURN(buffer.data, device_->Allocate(offset, buffer.storage_bytes(), stream,
-                                                     what + ": " + t.name()));
+  DC_ASSIGN_OR_RETURN(buffer.data,
+                      device_->Allocate(offset, buffer.storage_bytes(), stream, what, t.name()));
   buffer.pooled = offset == kNoArenaOffset;
   Buffer* placed = &live_.emplace(key, buffer).first->second;
   const int64_t address = next_address_++;
@@ -357,7 +360,7 @@ Status Interpreter::Release(const BufferKey& key, proto::Stream stream, const st
   live_.erase(it);
   // Arena bytes need nothing: the plan's reuse dependencies order their next user after this.
   if (!buffer.pooled) return Status::Ok();
-  return device_->Free(buffer.data, stream, what + ": " + program_.tensors(key.tensor).name());
+  return device_->Free(buffer.data, stream, what, program_.tensors(key.tensor).name());
 }
 
 void Interpreter::FlushMemoryEvents(int64_t correlation_id) {
@@ -400,10 +403,7 @@ Status Interpreter::RefreshComputeShardFromHost(int param, const std::string& wh
 
 Status Interpreter::Execute(int index, int step) {
   const proto::Instruction& instr = schedule_.instructions(index);
-  for (int d : layout_.waits[index]) {
-    DC_RETURN_IF_ERROR(device_->Wait(
-        d, instr.stream(), Describe(index) + ": waiting for instruction " + std::to_string(d)));
-  }
+  for (int d : layout_.waits[index]) DC_RETURN_IF_ERROR(device_->Wait(index, d, instr.stream()));
   const InstructionRef ref{step, instr.micro_step(), index};
   const int64_t start_ns = Now();
   if (tracer_ != nullptr) DC_RETURN_IF_ERROR(tracer_->BeginInstruction(ref));
@@ -422,9 +422,9 @@ Status Interpreter::Execute(int index, int step) {
   const proto::Stream stream =
       instr.stream() == proto::STREAM_HOST ? proto::STREAM_COMPUTE : instr.stream();
   if (layout_.records_event[index]) {
-    DC_RETURN_IF_ERROR(device_->Record(index, stream, Describe(index)));
+    DC_RETURN_IF_ERROR(device_->Record(index, stream));
   }
-  return device_->AfterInstruction(instr.stream(), Describe(index));
+  return device_->AfterInstruction(index, instr.stream());
 }
 
 // The one switch on the instruction kind of the run (the effects themselves are
@@ -676,14 +676,15 @@ Status Interpreter::Reload(const proto::Instruction& instr, int index) {
 }
 
 Status Interpreter::ReleaseInstruction(const proto::Instruction& instr, int index) {
+  const std::string what = Describe(index);
   for (int tensor : instr.tensors()) {
     const BufferKey key =
         BufferKey::OfOperand(tensor, program_.tensors(tensor).role(), instr.micro_step());
     if (!Find(key)) {
-      return Status::Error(Describe(index) + ": releases " + program_.tensors(tensor).name() +
+      return Status::Error(what + ": releases " + program_.tensors(tensor).name() +
                            ", which is not live");
     }
-    DC_RETURN_IF_ERROR(Release(key, instr.stream(), Describe(index)));
+    DC_RETURN_IF_ERROR(Release(key, instr.stream(), what));
   }
   return Status::Ok();
 }

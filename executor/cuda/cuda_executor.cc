@@ -60,23 +60,30 @@ class CudaDevice : public RankDevice {
   }
 
   StatusOr<void*> Allocate(int64_t arena_offset_bytes, int64_t bytes, proto::Stream stream,
-                           const std::string& what) override {
+                           const std::string& what, const std::string& tensor) override {
     if (arena_offset_bytes >= 0) {
-      if (!arena_) return Status::Error(what + ": placed in an arena that was never made");
-      return arena_->Buffer(arena_offset_bytes, bytes, what);
+      if (!arena_) return Status::Error(what + ": " + tensor + " placed in an arena never made");
+      StatusOr<void*> placed = arena_->Buffer(arena_offset_bytes, bytes, what);
+      if (placed.ok()) return placed;
+      return Status::Error(placed.status().message() + " (" + tensor + ")");
     }
     void* data = nullptr;
     if (bytes <= 0) return data;
-    DC_RETURN_IF_ERROR(CudaStatus(
-        cudaMallocAsync(&data, static_cast<size_t>(bytes), StreamOf(stream)),
-        what + ": cudaMallocAsync of " + FormatBytes(bytes) + " (plan with a lower --budget)"));
+    const cudaError_t error = cudaMallocAsync(&data, static_cast<size_t>(bytes), StreamOf(stream));
+    if (error != cudaSuccess) {
+      return CudaStatus(error, what + ": cudaMallocAsync of " + FormatBytes(bytes) + " for " +
+                                   tensor + " (plan with a lower --budget)");
+    }
     return data;
   }
 
-  Status Free(void* data, proto::Stream stream, const std::string& what) override {
+  Status Free(void* data, proto::Stream stream, const std::string& what,
+              const std::string& tensor) override {
     if (data == nullptr) return Status::Ok();
-    if (stream == proto::STREAM_HOST) return CudaStatus(cudaFree(data), what + ": cudaFree");
-    return CudaStatus(cudaFreeAsync(data, StreamOf(stream)), what + ": cudaFreeAsync");
+    const cudaError_t error =
+        stream == proto::STREAM_HOST ? cudaFree(data) : cudaFreeAsync(data, StreamOf(stream));
+    if (error == cudaSuccess) return Status::Ok();
+    return CudaStatus(error, what + ": freeing " + tensor);
   }
 
   StatusOr<std::unique_ptr<HostBuffer>> AllocateHost(int64_t bytes,
@@ -136,19 +143,23 @@ class CudaDevice : public RankDevice {
                           compute_stream());
   }
 
-  Status Record(int index, proto::Stream stream, const std::string& what) override {
-    return events_[index].Record(StreamOf(stream)).Prefixed(what + ": ");
+  Status Record(int index, proto::Stream stream) override {
+    Status recorded = events_[index].Record(StreamOf(stream));
+    return recorded.ok() ? recorded : recorded.Prefixed(Describe(index) + ": ");
   }
 
-  Status Wait(int dep, proto::Stream stream, const std::string& what) override {
-    if (stream == proto::STREAM_HOST) return events_[dep].Synchronize().Prefixed(what + ": ");
-    return events_[dep].MakeStreamWait(StreamOf(stream)).Prefixed(what + ": ");
+  Status Wait(int index, int dep, proto::Stream stream) override {
+    Status waited = stream == proto::STREAM_HOST ? events_[dep].Synchronize()
+                                                 : events_[dep].MakeStreamWait(StreamOf(stream));
+    if (waited.ok()) return waited;
+    return waited.Prefixed(Describe(index) + ": waiting for instruction " + std::to_string(dep) +
+                           ": ");
   }
 
-  Status AfterInstruction(proto::Stream stream, const std::string& what) override {
+  Status AfterInstruction(int index, proto::Stream stream) override {
     if (!cuda_.synchronous || stream == proto::STREAM_HOST) return Status::Ok();
-    DC_RETURN_IF_ERROR(comm_->Synchronize(StreamOf(stream), what));
-    return kernels_->CheckDeviceErrors(StreamOf(stream)).Prefixed(what + ": ");
+    DC_RETURN_IF_ERROR(comm_->Synchronize(StreamOf(stream), Describe(index)));
+    return kernels_->CheckDeviceErrors(StreamOf(stream)).Prefixed(Describe(index) + ": ");
   }
 
   Status JoinStreams(const std::string& what) override {
@@ -185,6 +196,7 @@ class CudaDevice : public RankDevice {
   void Abort() override { comm_->Abort(); }
 
  private:
+  std::string Describe(int index) const { return DescribeInstruction(*schedule_, index, rank_); }
   // STREAM_HOST maps to the legacy default stream, which waits for (and is waited for by) the
   // others.
   cudaStream_t StreamOf(proto::Stream stream) const {
@@ -210,6 +222,7 @@ class CudaDevice : public RankDevice {
   CuptiCollector* collector_;  // null when not tracing
   const int rank_;
   int world_ = 1;
+  const proto::Schedule* schedule_ = nullptr;  // from Prepare, for naming instructions
 
   CudaStreamSet streams_;
   std::unique_ptr<CudaKernelResources> kernels_;
@@ -224,6 +237,7 @@ class CudaDevice : public RankDevice {
 
 Status CudaDevice::Prepare(const proto::Schedule& schedule, const ScheduleLayout& layout) {
   world_ = schedule.world_size();
+  schedule_ = &schedule;
   DC_ASSIGN_OR_RETURN(streams_, CudaStreamSet::Create());
   auto kernels = CudaKernelResources::Create();
   if (!kernels.ok()) return kernels.status().Prefixed("creating the kernel resources: ");
