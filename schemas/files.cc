@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -51,6 +52,25 @@ Status WriteFileAtomic(const std::string& path, const std::string& bytes) {
     const std::string why = std::strerror(errno);
     ::unlink(tmp.c_str());
     return Status::Error(path + ": rename failed (" + why + ")");
+  }
+  return Status::Ok();
+}
+
+Status CheckOutputIsNotAnInput(const std::string& output, const std::vector<std::string>& inputs) {
+  namespace fs = std::filesystem;
+  if (output.empty()) return Status::Ok();
+  std::error_code error;
+  const fs::path out = fs::weakly_canonical(output, error);
+  for (const std::string& input : inputs) {
+    if (input.empty()) continue;
+    std::error_code same_error, canonical_error;
+    const bool same =
+        fs::equivalent(output, input, same_error) ||
+        (!error && fs::weakly_canonical(input, canonical_error) == out && !canonical_error);
+    if (same) {
+      return Status::Error(output + ": the output is also the input " + input +
+                           "; write it to another file");
+    }
   }
   return Status::Ok();
 }

@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "tests/run_command.h"
 
@@ -76,6 +78,36 @@ class BadInput : public ::testing::Test {
 std::string BadInput::dir_;
 
 TEST_F(BadInput, MissingTrace) { ExpectPlanRefuses(dir_ + "/nope.db", "cannot open"); }
+
+// An output path that is also an input is refused in one line before anything is written, by
+// name or through another spelling of the same path, and the input is left as it was.
+TEST_F(BadInput, AnOutputThatIsAnInputIsRefused) {
+  const std::string trace = dir_ + "/victim.db", plan = dir_ + "/victim.dcplan";
+  std::filesystem::copy_file(dir_ + "/good.db", trace,
+                             std::filesystem::copy_options::overwrite_existing);
+  std::filesystem::copy_file(dir_ + "/good.dcplan", plan,
+                             std::filesystem::copy_options::overwrite_existing);
+  const std::string trace_bytes = ReadFile(trace), plan_bytes = ReadFile(plan);
+  const std::string other_spelling = dir_ + "/./victim.db";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {Tool("dc-plan") + " " + trace + " --no-cache -o " + trace, trace},
+      {Tool("dc-plan") + " " + trace + " --no-cache -o " + other_spelling, other_spelling},
+      {Tool("dc-plan") + " " + trace + " --from-plan " + plan + " --no-cache -o " + plan, plan},
+      {Tool("dc-trace") + " perfetto " + trace + " -o " + trace, trace},
+      {Tool("dc-trace") + " memory " + trace + " -o " + trace, trace},
+      {Tool("dc-run") + " --backend cpu " + plan + " --steps 1 --trace " + plan, plan},
+  };
+  for (const auto& [command, output] : cases) {
+    auto r = RunCommand(command);
+    EXPECT_EQ(r.exit_code, 1) << command << "\n" << r.err;
+    EXPECT_EQ(Lines(r.err), 1) << command << "\n" << r.err;
+    EXPECT_NE(r.err.find(output + ": the output is also the input"), std::string::npos)
+        << command << "\n"
+        << r.err;
+  }
+  EXPECT_EQ(ReadFile(trace), trace_bytes);
+  EXPECT_EQ(ReadFile(plan), plan_bytes);
+}
 
 TEST_F(BadInput, EmptyTrace) {
   WriteFile(dir_ + "/empty.db", "");

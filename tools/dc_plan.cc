@@ -458,6 +458,10 @@ int main(int argc, char** argv) {
     return cli::Fail("dc-plan",
                      Status::Error("give a trace, or --synthetic with --model (see --help)"));
   }
+  for (const std::string& output : {flags.out, flags.perfetto}) {
+    Status distinct = CheckOutputIsNotAnInput(output, {flags.trace_path, flags.from_plan});
+    if (!distinct.ok()) return cli::Fail("dc-plan", distinct);
+  }
   StatusOr<Outcome> outcome = Plan(flags);
   if (!outcome.ok()) return cli::Fail("dc-plan", outcome.status());
   if (flags.json) {

@@ -6,6 +6,7 @@
 #include "executor/backends.h"
 #include "executor/launch.h"
 #include "executor/session.h"
+#include "schemas/files.h"
 #include "schemas/plan_file.h"
 #include "schemas/units.h"
 #include "tools/cli.h"
@@ -49,6 +50,9 @@ int main(int argc, char** argv) {
                "print one JSON object (losses, step_seconds_median, tokens_per_second, ...)");
   app.add_flag("--quiet", quiet, "no per-step lines, only the summary");
   CLI11_PARSE(app, argc, argv);
+  if (Status distinct = CheckOutputIsNotAnInput(trace_out, {plan_path}); !distinct.ok()) {
+    return cli::Fail("dc-run", distinct);
+  }
 
   auto plan = LoadPlan(plan_path);
   if (!plan.ok()) return cli::Fail("dc-run", plan.status());

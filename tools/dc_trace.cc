@@ -232,8 +232,17 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   if (summary->parsed()) return RunSummary(summary_args, summary_top);
-  if (perfetto->parsed()) return RunPerfetto(perfetto_args, perfetto_out);
+  if (perfetto->parsed()) {
+    if (Status distinct = CheckOutputIsNotAnInput(perfetto_out, perfetto_args.inputs);
+        !distinct.ok()) {
+      return cli::Fail("dc-trace", distinct);
+    }
+    return RunPerfetto(perfetto_args, perfetto_out);
+  }
   if (memory->parsed()) {
+    if (Status distinct = CheckOutputIsNotAnInput(memory_out, {memory_in}); !distinct.ok()) {
+      return cli::Fail("dc-trace", distinct);
+    }
     memory_args.inputs = {memory_in};
     return RunMemory(memory_args, memory_out, memory_options);
   }
