@@ -173,12 +173,7 @@ class CpuDevice : public RankDevice {
     std::vector<TensorRef> in, out;
     for (const DeviceTensor& t : inputs) in.push_back(RefOf(t));
     for (const DeviceTensor& t : outputs) out.push_back(RefOf(t));
-    KernelContext context;
-    context.config = args.config;
-    context.grad_scale = args.grad_scale;
-    context.adam_step = args.adam_step;
-    context.num_threads = num_threads_;
-    return RunCpuOp(op, in, out, context);
+    return RunCpuOp(op, in, out, CpuKernelContext(args, num_threads_));
   }
 
   Status AddLoss(const DeviceTensor& term) override {
@@ -213,6 +208,15 @@ class CpuDevice : public RankDevice {
 };
 
 }  // namespace
+
+KernelContext CpuKernelContext(const OpArgs& args, int num_threads) {
+  KernelContext context;
+  context.config = args.config;
+  context.grad_scale = args.grad_scale;
+  context.adam_step = args.adam_step;
+  context.num_threads = num_threads;
+  return context;
+}
 
 std::unique_ptr<RankDevice> MakeCpuDevice(Communicator* comm, int num_threads) {
   return std::make_unique<CpuDevice>(comm, num_threads);

@@ -7,9 +7,14 @@
 #include <memory>
 
 #include "executor/comm.h"
+#include "executor/cpu_kernels.h"
 #include "executor/device.h"
 
 namespace dc {
+
+// The cpu kernels' context for an op's arguments, with `num_threads` BLAS threads: the cpu
+// device's ops and, on every backend, the host optimizer's.
+KernelContext CpuKernelContext(const OpArgs& args, int num_threads);
 
 // `comm` is the rank's communicator; `num_threads` the kernels' BLAS threads.
 std::unique_ptr<RankDevice> MakeCpuDevice(Communicator* comm, int num_threads);

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "executor/cpu_device.h"
 #include "executor/cpu_kernels.h"
 #include "executor/data.h"
 #include "executor/device_memory.h"
@@ -574,12 +575,8 @@ Status Interpreter::HostOptimizerStep(const proto::Instruction& instr, int index
     }
     inputs.push_back(ref);
   }
-  KernelContext context;
-  context.config = &program_.config();
-  context.grad_scale = ArgsFor(step).grad_scale;
-  context.adam_step = step + 1;
-  context.num_threads = options_.num_threads;
-  DC_RETURN_IF_ERROR(RunCpuOp(op, inputs, {}, context).Prefixed(what + ": "));
+  DC_RETURN_IF_ERROR(RunCpuOp(op, inputs, {}, CpuKernelContext(ArgsFor(step), options_.num_threads))
+                         .Prefixed(what + ": "));
   for (int tensor : op.inputs()) {
     if (program_.tensors(tensor).role() != proto::ROLE_PARAM) continue;
     DC_RETURN_IF_ERROR(RefreshComputeShardFromHost(tensor, what));

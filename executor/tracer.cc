@@ -16,15 +16,8 @@ TracedInstruction TraceOf(const proto::Schedule& schedule, int index) {
   traced.tensors = instr.tensors_size();
   traced.bucket = instr.bucket();
   if (instr.kind() == proto::INSTR_COMPUTE) traced.op_name = program.ops(instr.op()).name();
-  const int world = std::max(1, schedule.world_size());
-  for (int t : instr.tensors()) {
-    const proto::Tensor& tensor = program.tensors(t);
-    if (instr.kind() == proto::INSTR_ALL_GATHER || instr.kind() == proto::INSTR_REDUCE_SCATTER) {
-      traced.bytes += TransientBytes(program, tensor);
-    } else if (instr.kind() == proto::INSTR_OFFLOAD || instr.kind() == proto::INSTR_RELOAD) {
-      traced.bytes += ShardBytes(tensor, world);
-    }
-  }
+  traced.bytes = InstructionBytes(program, instr) +
+                 CopyBytes(program, std::max(1, schedule.world_size()), instr);
   return traced;
 }
 

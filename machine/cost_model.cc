@@ -103,16 +103,6 @@ bool WithLatency(const std::vector<CostSample>& samples, double latency_seconds,
 
 }  // namespace
 
-int64_t InstructionBytes(const proto::Program& program, const proto::Instruction& instruction) {
-  const bool gather = instruction.kind() == proto::INSTR_ALL_GATHER;
-  if (!gather && instruction.kind() != proto::INSTR_REDUCE_SCATTER) return 0;
-  int64_t bytes = 0;
-  for (int id : instruction.tensors()) {
-    if (const proto::Tensor* t = FindTensor(program, id)) bytes += TransientBytes(program, *t);
-  }
-  return bytes;
-}
-
 int64_t HostOptimizerElements(const proto::Program& program, int world_size,
                               const proto::Instruction& instruction) {
   if (instruction.kind() != proto::INSTR_COMPUTE || instruction.op() < 0 ||
@@ -127,21 +117,6 @@ int64_t HostOptimizerElements(const proto::Program& program, int world_size,
     }
   }
   return elements;
-}
-
-int64_t CopyBytes(const proto::Program& program, int world_size,
-                  const proto::Instruction& instruction) {
-  if (instruction.kind() != proto::INSTR_OFFLOAD && instruction.kind() != proto::INSTR_RELOAD) {
-    return 0;
-  }
-  int64_t bytes = 0;
-  for (int id : instruction.tensors()) {
-    const proto::Tensor* t = FindTensor(program, id);
-    if (!t) continue;
-    bytes += IsPersistentRole(t->role()) ? ShardBytes(*t, std::max(1, world_size))
-                                         : TransientBytes(program, *t);
-  }
-  return bytes;
 }
 
 LinearCost FitLinearCost(const std::vector<CostSample>& samples) {

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "schemas/effects.h"  // InstructionBytes, CopyBytes
 #include "schemas/program.h"
 
 namespace dc {
@@ -42,25 +43,17 @@ struct CostModel {
   // Measured seconds of `op_id` if op_seconds has them (>= 0), else its roofline estimate.
   double OpSeconds(const proto::Program& program, int op_id) const;
   // Unscaled duration of one instruction: compute its op's seconds, collectives their fitted
-  // cost of InstructionBytes, offload / reload the copy cost of CopyBytes, release
+  // cost of InstructionBytes, offload / reload the copy cost of CopyBytes (schemas/effects.h),
+  // release
   // release_seconds.
   double InstructionSeconds(const proto::Program& program, int world_size,
                             const proto::Instruction& instruction) const;
 };
 
-// Bytes an instruction moves: an all-gather the whole params (compute dtype), a reduce-scatter
-// the whole grads; 0 for others.
-int64_t InstructionBytes(const proto::Program& program, const proto::Instruction& instruction);
-
 // Elements a host optimizer op updates: the rank's shard elements of the params its op reads;
 // 0 for anything but a compute.
 int64_t HostOptimizerElements(const proto::Program& program, int world_size,
                               const proto::Instruction& instruction);
-
-// Bytes an offload or reload copies: the rank's fp32 shard of a param, grad or optimizer state
-// (the persistent buffers), the whole buffer of anything else; 0 for other instructions.
-int64_t CopyBytes(const proto::Program& program, int world_size,
-                  const proto::Instruction& instruction);
 
 // One measurement of a transfer.
 struct CostSample {

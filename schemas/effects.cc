@@ -25,6 +25,39 @@ int64_t ShardBytes(const proto::Tensor& tensor, int world_size) {
   return ShardElements(NumElements(tensor), world_size) * kShardElementBytes;
 }
 
+namespace {
+
+const proto::Tensor* FindTensor(const proto::Program& program, int id) {
+  return id >= 0 && id < program.tensors_size() ? &program.tensors(id) : nullptr;
+}
+
+}  // namespace
+
+int64_t InstructionBytes(const proto::Program& program, const proto::Instruction& instruction) {
+  const bool gather = instruction.kind() == proto::INSTR_ALL_GATHER;
+  if (!gather && instruction.kind() != proto::INSTR_REDUCE_SCATTER) return 0;
+  int64_t bytes = 0;
+  for (int id : instruction.tensors()) {
+    if (const proto::Tensor* t = FindTensor(program, id)) bytes += TransientBytes(program, *t);
+  }
+  return bytes;
+}
+
+int64_t CopyBytes(const proto::Program& program, int world_size,
+                  const proto::Instruction& instruction) {
+  if (instruction.kind() != proto::INSTR_OFFLOAD && instruction.kind() != proto::INSTR_RELOAD) {
+    return 0;
+  }
+  int64_t bytes = 0;
+  for (int id : instruction.tensors()) {
+    const proto::Tensor* t = FindTensor(program, id);
+    if (!t) continue;
+    bytes += IsPersistentRole(t->role()) ? ShardBytes(*t, std::max(1, world_size))
+                                         : TransientBytes(program, *t);
+  }
+  return bytes;
+}
+
 int BufferKey::placement_micro_step() const {
   switch (slot) {
     case BufferSlot::kPersistent:

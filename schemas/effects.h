@@ -47,6 +47,16 @@ BufferKind PersistentKind(proto::Role role);
 // Bytes of one rank's persistent fp32 shard of `tensor`.
 int64_t ShardBytes(const proto::Tensor& tensor, int world_size);
 
+// Bytes an instruction moves over the network: an all-gather the whole params (compute dtype),
+// a reduce-scatter the whole grads; 0 for others. What the cost model prices and the traces
+// record.
+int64_t InstructionBytes(const proto::Program& program, const proto::Instruction& instruction);
+
+// Bytes an offload or reload copies: the rank's fp32 shard of a param, grad or optimizer state
+// (the persistent buffers), the whole buffer of anything else; 0 for other instructions.
+int64_t CopyBytes(const proto::Program& program, int world_size,
+                  const proto::Instruction& instruction);
+
 // BufferPlacement::micro_step of a gathered param (schedule.proto); persistent shards and the
 // optimizer phase use -1, compute-dtype shards kComputeShardMicroStep.
 inline constexpr int kGatheredMicroStep = -2;
