@@ -4,7 +4,7 @@
 include(CMakePackageConfigHelpers)
 include(GNUInstallDirs)
 
-set(DC_EXPORTED_LIBRARIES dc_source_root dc_proto dc_schemas_base dc_schemas dc_models dc_sqlite_writer
+set(DC_EXPORTED_LIBRARIES dc_source_root dc_proto dc_schemas_base dc_schemas dc_models dc_weights dc_sqlite_writer
     dc_collector dc_analyzer dc_machine
     dc_rewriter dc_data dc_cpu_kernels dc_executor)
 if(TARGET dc_trace_tools)
@@ -19,7 +19,7 @@ set_target_properties(dc_warnings PROPERTIES EXPORT_NAME warnings)
 
 install(TARGETS ${DC_EXPORTED_LIBRARIES} dc_warnings EXPORT dcTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}/dc)
-install(DIRECTORY schemas models collector machine analyzer tracetools rewriter executor
+install(DIRECTORY schemas models weights collector machine analyzer tracetools rewriter executor
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/dc
         FILES_MATCHING PATTERN "*.h" PATTERN "*_test*" EXCLUDE PATTERN "test_*" EXCLUDE)
 install(FILES ${CMAKE_BINARY_DIR}/schemas/program.pb.h ${CMAKE_BINARY_DIR}/schemas/schedule.pb.h

@@ -57,21 +57,6 @@ Status CheckPlacements(const proto::Schedule& schedule) {
 
 }  // namespace
 
-uint16_t FloatToBf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-uint16_t FloatToF16(float value) {
-  const _Float16 half = static_cast<_Float16>(value);  // IEEE round to nearest even
-  uint16_t bits;
-  std::memcpy(&bits, &half, sizeof(bits));
-  return bits;
-}
-
 void CastOnHost(const float* in, int64_t elements, proto::DType dtype, void* out) {
   if (dtype == proto::DTYPE_F32) {
     std::memcpy(out, in, static_cast<size_t>(elements) * sizeof(float));

@@ -19,6 +19,7 @@
 #include <map>
 #include <vector>
 
+#include "schemas/float16.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 
@@ -61,12 +62,8 @@ struct ScheduleLayout {
   int gas = 1;  // micro-steps per step
 };
 
-// fp32 to bf16 and to fp16 on the host, rounding to nearest even as the cuda device's
-// __float2bfloat16_rn and __float2half_rn do (a NaN stays a quiet NaN): the host optimizer's
-// compute-dtype shards must hold what the device's cast would.
-uint16_t FloatToBf16(float value);
-uint16_t FloatToF16(float value);
-// Writes `elements` fp32 values as `dtype` (f32, bf16 or f16) into `out`.
+// Writes `elements` fp32 values as `dtype` (f32, bf16 or f16) into `out` (schemas/float16.h's
+// rounding: the host optimizer's compute-dtype shards hold what the device's cast would).
 void CastOnHost(const float* in, int64_t elements, proto::DType dtype, void* out);
 
 // The fp32 shard of `tensor` (param, grad or optimizer state).

@@ -26,32 +26,56 @@ std::string TempPathBeside(const std::string& path) {
 }
 
 Status WriteFileAtomic(const std::string& path, const std::string& bytes) {
-  const std::string tmp = TempPathBeside(path);
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  DC_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFileWriter> writer, AtomicFileWriter::Open(path));
+  DC_RETURN_IF_ERROR(writer->Append(bytes.data(), static_cast<int64_t>(bytes.size())));
+  return writer->Commit();
+}
+
+StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Open(const std::string& path) {
+  std::string tmp = TempPathBeside(path);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {
     return Status::Error(path + ": cannot create (" + std::strerror(errno) +
                          "); is the directory writable?");
   }
-  size_t written = 0;
-  while (written < bytes.size()) {
-    ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const std::string why = std::strerror(errno);
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      return Status::Error(path + ": write failed (" + why + ")");
-    }
-    written += static_cast<size_t>(n);
+  return std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter(path, std::move(tmp), fd));
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    ::unlink(tmp.c_str());
-    return Status::Error(path + ": flush failed (" + std::strerror(errno) + ")");
+}
+
+Status AtomicFileWriter::Append(const void* data, int64_t bytes) {
+  if (fd_ < 0) return Status::Error(path_ + ": written after it was committed (a dc bug)");
+  const char* at = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::write(fd_, at, static_cast<size_t>(bytes));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return Status::Error(path_ + ": write failed (" + std::strerror(errno) + ")");
+    at += n;
+    bytes -= n;
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+  return Status::Ok();
+}
+
+Status AtomicFileWriter::Commit() {
+  if (fd_ < 0) return Status::Error(path_ + ": committed twice (a dc bug)");
+  const bool synced = ::fsync(fd_) == 0;
+  const std::string sync_error = synced ? "" : std::strerror(errno);
+  const bool closed = ::close(fd_) == 0;
+  fd_ = -1;  // closed either way: the descriptor is never leaked
+  if (!synced || !closed) {
+    ::unlink(tmp_.c_str());
+    return Status::Error(path_ + ": flush failed (" +
+                         (synced ? std::string(std::strerror(errno)) : sync_error) + ")");
+  }
+  if (std::rename(tmp_.c_str(), path_.c_str()) != 0) {
     const std::string why = std::strerror(errno);
-    ::unlink(tmp.c_str());
-    return Status::Error(path + ": rename failed (" + why + ")");
+    ::unlink(tmp_.c_str());
+    return Status::Error(path_ + ": rename failed (" + why + ")");
   }
   return Status::Ok();
 }

@@ -1,6 +1,8 @@
 // Whole-file reads and atomic writes: a file is either fully written or not there at all.
 #pragma once
 
+#include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -12,6 +14,23 @@ StatusOr<std::string> ReadFileBytes(const std::string& path);
 
 // Writes `bytes` to a temporary file beside `path`, flushes it and renames it over `path`.
 Status WriteFileAtomic(const std::string& path, const std::string& bytes);
+
+// The same for a file written piece by piece (never held whole in memory): Open makes the
+// temporary file, Append writes to it, Commit flushes it and renames it over the path. A writer
+// destroyed before Commit (an error on the way) removes its temporary file.
+class AtomicFileWriter {
+ public:
+  static StatusOr<std::unique_ptr<AtomicFileWriter>> Open(const std::string& path);
+  ~AtomicFileWriter();
+  Status Append(const void* data, int64_t bytes);
+  Status Commit();
+
+ private:
+  AtomicFileWriter(std::string path, std::string tmp, int fd)
+      : path_(std::move(path)), tmp_(std::move(tmp)), fd_(fd) {}
+  std::string path_, tmp_;
+  int fd_ = -1;
+};
 
 // A temporary path beside `path` ("path.tmp.<pid>") for writers that build a file in place
 // (SQLite) before renaming it.

@@ -14,13 +14,15 @@ ALLOWED = {
     "schemas": set(),
     "models": {"schemas"},
     "machine": {"schemas"},
+    # Weights in outside formats: the program's names and shapes, the models' param names.
+    "weights": {"schemas", "models/param_names.h"},
     "analyzer": {"schemas", "machine"},
     "rewriter": {"schemas", "machine"},
     # The collectors implement the executor's tracer interface, and nothing else of it.
     "collector": {"schemas", "executor/tracer.h"},
     # The backends' wiring makes their tracers (collector/); the initializer names the params
     # the builder made (models/param_names.h, models/random.h).
-    "executor": {"schemas", "collector", "models/param_names.h", "models/random.h"},
+    "executor": {"schemas", "collector", "weights", "models/param_names.h", "models/random.h"},
     "tracetools": {"schemas", "machine", "analyzer"},
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
