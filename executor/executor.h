@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,22 @@
 
 namespace dc {
 
+// One rank's training state between two steps, as checkpoints and exports read it: the fp32
+// shard of each persistent tensor (param master, Adam m and v; grads are empty between steps),
+// wherever the plan keeps it (device or host). Rank r's shard of a tensor is elements
+// [r * S, (r + 1) * S) of the tensor flattened and zero-padded to world * S, S =
+// ShardElements(elements, world). Valid only during the callback that receives it.
+class TrainingState {
+ public:
+  virtual ~TrainingState() = default;
+  virtual const proto::Program& program() const = 0;
+  virtual Communicator* comm() = 0;
+  // Optimizer steps done so far (the step the next one would be, 0-based).
+  virtual int64_t steps_done() const = 0;
+  // This rank's shard of persistent tensor `tensor` (by id), S elements.
+  virtual StatusOr<std::vector<float>> ReadShard(int tensor) = 0;
+};
+
 struct RunOptions {
   int steps = 20;                   // measured optimizer steps
   int warmup_steps = 0;             // run first, marked warm-up in the trace, not in the losses
@@ -24,6 +41,23 @@ struct RunOptions {
   int num_threads = 1;
   // Called on rank 0 after every step (step index from 0, loss, seconds), e.g. for progress.
   std::function<void(int, double, double)> on_step;
+
+  // Resuming: the optimizer steps already done before this run (the data position, Adam's
+  // bias correction and the learning rate's schedule go on from there).
+  int64_t first_step = 0;
+  // Start-up values of persistent shards (a checkpoint or imported weights): fills `count`
+  // elements of `tensor` (flattened) from element `offset`, padding past its end included as
+  // zeros, and returns true; false keeps dc's own start (seeded params, zero Adam states).
+  std::function<StatusOr<bool>(const proto::Tensor& tensor, int64_t offset, int64_t count,
+                               float* out)>
+      initial_values;
+  // Called on every rank after every step (warm-up included) with the state at its end; an
+  // error stops the run. Checkpoints are written here.
+  std::function<Status(TrainingState& state)> after_step;
+  // Called on every rank in the run's first step with each grad's reduced fp32 shard (the
+  // gradient of the step's mean loss over the global batch, this rank's chunk), just before
+  // the optimizer reads it: what parity tests compare with another framework's gradients.
+  std::function<Status(const proto::Tensor& grad, const std::vector<float>& shard)> on_first_grads;
 };
 
 struct RunResult {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <set>
 #include <tuple>
@@ -60,7 +61,7 @@ StatusOr<std::vector<char>> LossTerms(const proto::Program& program) {
 // The memory plan's placements by (instruction, tensor, micro-step).
 using PlacementKey = std::tuple<int, int, int>;
 
-class Interpreter {
+class Interpreter : public TrainingState {
  public:
   Interpreter(const proto::Schedule& schedule, const RunOptions& options, RankDevice* device,
               Communicator* comm, ExecutionTracer* tracer, std::unique_ptr<TokenSource> data,
@@ -76,18 +77,25 @@ class Interpreter {
         memory_(options.device_memory_bytes),
         world_(comm->world_size()),
         rank_(comm->rank()),
-        compute_dtype_(program_.config().compute_dtype()) {}
+        compute_dtype_(program_.config().compute_dtype()),
+        steps_done_(options.first_step) {}
   ~Interpreter();
 
   Status Init();
   // Runs optimizer step `step` (0-based, counting warm-up); `loss` is the mean over the global
   // batch (every rank gets it), `seconds` the step's wall time on this rank.
-  Status RunStep(int step, bool warmup, double* loss, double* seconds);
+  Status RunStep(int64_t step, bool warmup, double* loss, double* seconds);
   int64_t peak_live_bytes() const { return memory_.peak_bytes(); }
   int64_t arena_bytes() const { return arena_bytes_; }
   std::vector<int64_t> peak_by_kind() const { return memory_.peak_by_kind(); }
   // SHA-256 (hex) of this rank's fp32 param shards in tensor order.
   StatusOr<std::string> ParamsDigest();
+
+  // TrainingState, between steps.
+  const proto::Program& program() const override { return program_; }
+  Communicator* comm() override { return comm_; }
+  int64_t steps_done() const override { return steps_done_; }
+  StatusOr<std::vector<float>> ReadShard(int tensor) override;
 
  private:
   struct PendingMemoryEvent {  // of the instruction being issued
@@ -103,7 +111,7 @@ class Interpreter {
   int64_t ShardOf(int tensor) const {
     return ShardElements(NumElements(program_.tensors(tensor)), world_);
   }
-  OpArgs ArgsFor(int step) const {
+  OpArgs ArgsFor(int64_t step) const {
     OpArgs args;
     args.config = &program_.config();
     args.grad_scale = 1.0 / static_cast<double>(TokensPerStep(program_.config(), world_));
@@ -112,6 +120,9 @@ class Interpreter {
   }
 
   Status InitArena();
+  // Rank's start-up values of a persistent tensor's shard (`out` holds ShardOf elements): the
+  // options' initial values where they give them, else seeded params and zero states.
+  Status InitialShard(const proto::Tensor& t, float* out);
   Status InitHostBuffers();
   Status InitPersistentShards();
 
@@ -133,14 +144,17 @@ class Interpreter {
   // synchronous copy to the device.
   Status RefreshComputeShardFromHost(int param, const std::string& what);
 
-  Status Execute(int index, int step);
-  Status Dispatch(const proto::Instruction& instr, int index, int step);
-  Status Compute(const proto::Instruction& instr, int index, int step);
+  Status Execute(int index, int64_t step);
+  Status Dispatch(const proto::Instruction& instr, int index, int64_t step);
+  Status Compute(const proto::Instruction& instr, int index, int64_t step);
   // An optimizer op on the host (STREAM_HOST): copies its grad shards to the host, runs the cpu
   // kernel on the host-resident master and states, and writes the params' compute-dtype shards
   // back. Done when it returns.
-  Status HostOptimizerStep(const proto::Instruction& instr, int index, int step);
-  Status LoadInput(int index, int tensor, int micro, int step, proto::Stream stream,
+  Status HostOptimizerStep(const proto::Instruction& instr, int index, int64_t step);
+  // RunOptions::on_first_grads for an optimizer op's grads in the run's first step.
+  Status HandOverGrads(const proto::Op& op, proto::Stream stream, int64_t step,
+                       const std::string& what);
+  Status LoadInput(int index, int tensor, int micro, int64_t step, proto::Stream stream,
                    const std::string& what);
   Status Gather(const proto::Instruction& instr, int index);
   Status ReduceScatter(const proto::Instruction& instr, int index);
@@ -182,6 +196,7 @@ class Interpreter {
   std::map<std::pair<int, int>, int64_t> input_offsets_;
   std::unique_ptr<HostBuffer> host_optimizer_staging_;  // a host optimizer op's grads and casts
   std::vector<char> is_loss_term_;  // by tensor id: the cross-entropy and the MoE aux losses
+  int64_t steps_done_;
 };
 
 Interpreter::~Interpreter() {
@@ -261,21 +276,26 @@ Status Interpreter::InitHostBuffers() {
       host_optimizer_staging_,
       device_->AllocateHost(layout_.host_optimizer_staging_bytes, who + "host optimizer staging"));
   // The host optimizer's masters and states start in host memory, as the device's would.
-  const proto::ModelConfig& config = program_.config();
   for (const auto& t : program_.tensors()) {
     if (!layout_.host_resident[t.id()]) continue;
-    const int64_t elements = ShardOf(t.id());
-    auto* values = static_cast<float*>(host_shards_.at(t.id())->data());
-    std::fill(values, values + elements, 0.0f);
-    if (t.role() == proto::ROLE_PARAM) {
-      InitParamSlice(config, t, rank_ * elements, elements, values);
-    }
+    DC_RETURN_IF_ERROR(InitialShard(t, static_cast<float*>(host_shards_.at(t.id())->data())));
   }
   return Status::Ok();
 }
 
+Status Interpreter::InitialShard(const proto::Tensor& t, float* out) {
+  const int64_t elements = ShardOf(t.id());
+  const int64_t offset = rank_ * elements;
+  std::fill(out, out + elements, 0.0f);
+  if (options_.initial_values) {
+    DC_ASSIGN_OR_RETURN(const bool given, options_.initial_values(t, offset, elements, out));
+    if (given) return Status::Ok();
+  }
+  if (t.role() == proto::ROLE_PARAM) InitParamSlice(program_.config(), t, offset, elements, out);
+  return Status::Ok();
+}
+
 Status Interpreter::InitPersistentShards() {
-  const proto::ModelConfig& config = program_.config();
   std::vector<float> values;
   for (const auto& t : program_.tensors()) {
     if (!IsPersistentRole(t.role()) || layout_.host_resident[t.id()]) continue;
@@ -286,15 +306,15 @@ Status Interpreter::InitPersistentShards() {
                                  elements * kShardElementBytes, proto::DTYPE_F32, elements,
                                  proto::STREAM_HOST, what));
     if (arena_bytes_ > 0) startup_place_[t.id()] = shard->data;
-    if (t.role() == proto::ROLE_PARAM) {
-      values.assign(elements, 0.0f);
-      InitParamSlice(config, t, rank_ * elements, elements, values.data());
-      DC_RETURN_IF_ERROR(device_->CopyToDevice(shard->data, values.data(), shard->storage_bytes(),
-                                               proto::STREAM_HOST, what));
-    } else {
+    if (t.role() == proto::ROLE_GRAD) {
       DC_RETURN_IF_ERROR(
           device_->Zero(shard->data, shard->storage_bytes(), proto::STREAM_HOST, what));
+      continue;
     }
+    values.resize(elements);
+    DC_RETURN_IF_ERROR(InitialShard(t, values.data()).Prefixed(what + ": "));
+    DC_RETURN_IF_ERROR(device_->CopyToDevice(shard->data, values.data(), shard->storage_bytes(),
+                                             proto::STREAM_HOST, what));
   }
   const std::vector<bool> compute_shard = ComputeShardParams(schedule_);
   for (const auto& t : program_.tensors()) {
@@ -402,10 +422,10 @@ Status Interpreter::RefreshComputeShardFromHost(int param, const std::string& wh
 // ---------------------------------------------------------------------------------------------
 // Instructions
 
-Status Interpreter::Execute(int index, int step) {
+Status Interpreter::Execute(int index, int64_t step) {
   const proto::Instruction& instr = schedule_.instructions(index);
   for (int d : layout_.waits[index]) DC_RETURN_IF_ERROR(device_->Wait(index, d, instr.stream()));
-  const InstructionRef ref{step, instr.micro_step(), index};
+  const InstructionRef ref{static_cast<int>(step), instr.micro_step(), index};
   const int64_t start_ns = Now();
   if (tracer_ != nullptr) DC_RETURN_IF_ERROR(tracer_->BeginInstruction(ref));
   const Status status = Dispatch(instr, index, step);
@@ -430,7 +450,7 @@ Status Interpreter::Execute(int index, int step) {
 
 // The one switch on the instruction kind of the run (the effects themselves are
 // schemas/effects.h's).
-Status Interpreter::Dispatch(const proto::Instruction& instr, int index, int step) {
+Status Interpreter::Dispatch(const proto::Instruction& instr, int index, int64_t step) {
   switch (instr.kind()) {
     case proto::INSTR_COMPUTE:
       if (instr.stream() == proto::STREAM_HOST) return HostOptimizerStep(instr, index, step);
@@ -454,7 +474,7 @@ Status Interpreter::Dispatch(const proto::Instruction& instr, int index, int ste
   }
 }
 
-Status Interpreter::LoadInput(int index, int tensor, int micro, int step, proto::Stream stream,
+Status Interpreter::LoadInput(int index, int tensor, int micro, int64_t step, proto::Stream stream,
                               const std::string& what) {
   const proto::ModelConfig& config = program_.config();
   const proto::Tensor& t = program_.tensors(tensor);
@@ -484,7 +504,7 @@ Status Interpreter::LoadInput(int index, int tensor, int micro, int step, proto:
                                what + ": " + t.name());
 }
 
-Status Interpreter::Compute(const proto::Instruction& instr, int index, int step) {
+Status Interpreter::Compute(const proto::Instruction& instr, int index, int64_t step) {
   const proto::Op& op = program_.ops(instr.op());
   const bool optimizer = op.phase() == proto::PHASE_OPTIMIZER;
   const int micro = instr.micro_step();
@@ -524,6 +544,7 @@ Status Interpreter::Compute(const proto::Instruction& instr, int index, int step
                                  shape.size_bytes, shape.dtype, shape.elements, stream, what));
     outputs.push_back(buffer->View({t.shape().begin(), t.shape().end()}));
   }
+  if (optimizer) DC_RETURN_IF_ERROR(HandOverGrads(op, stream, step, what));
   DC_RETURN_IF_ERROR(device_->RunOp(op, inputs, outputs, ArgsFor(step)).Prefixed(what + ": "));
   if (optimizer) {
     for (int tensor : op.inputs()) {
@@ -538,9 +559,28 @@ Status Interpreter::Compute(const proto::Instruction& instr, int index, int step
   return Status::Ok();
 }
 
-Status Interpreter::HostOptimizerStep(const proto::Instruction& instr, int index, int step) {
+Status Interpreter::HandOverGrads(const proto::Op& op, proto::Stream stream, int64_t step,
+                                  const std::string& what) {
+  if (!options_.on_first_grads || step != options_.first_step) return Status::Ok();
+  for (int tensor : op.inputs()) {
+    const proto::Tensor& t = program_.tensors(tensor);
+    if (t.role() != proto::ROLE_GRAD) continue;
+    const Buffer* grad = Shard(tensor);
+    if (grad == nullptr) return Status::Error(what + ": " + t.name() + " has no shard");
+    std::vector<float> values(grad->elements);
+    // On the op's stream, after its waits for the reduce-scatters; a test's path, so it waits.
+    DC_RETURN_IF_ERROR(device_->CopyToHost(values.data(), grad->data, grad->storage_bytes(), stream,
+                                           what + ": reading " + t.name()));
+    DC_RETURN_IF_ERROR(device_->Synchronize(what + ": reading " + t.name()));
+    DC_RETURN_IF_ERROR(options_.on_first_grads(t, values));
+  }
+  return Status::Ok();
+}
+
+Status Interpreter::HostOptimizerStep(const proto::Instruction& instr, int index, int64_t step) {
   const proto::Op& op = program_.ops(instr.op());
   const std::string what = Describe(index) + " on the host";
+  DC_RETURN_IF_ERROR(HandOverGrads(op, proto::STREAM_COMPUTE, step, what));
   if (op.phase() != proto::PHASE_OPTIMIZER || op.outputs_size() > 0) {
     return Status::Error(what + ": " + op.name() +
                          " is not an in-place optimizer op; the host runs those only");
@@ -742,7 +782,7 @@ Status Interpreter::ReturnReloadedShards(const std::string& what) {
   return Status::Ok();
 }
 
-Status Interpreter::RunStep(int step, bool warmup, double* loss, double* seconds) {
+Status Interpreter::RunStep(int64_t step, bool warmup, double* loss, double* seconds) {
   const auto wall_start = std::chrono::steady_clock::now();
   const int64_t start_ns = Now();
   for (int i = 0; i < schedule_.instructions_size(); ++i) DC_RETURN_IF_ERROR(Execute(i, step));
@@ -766,12 +806,36 @@ Status Interpreter::RunStep(int step, bool warmup, double* loss, double* seconds
     DC_RETURN_IF_ERROR(device_->Zero(buffer.data, buffer.storage_bytes(), proto::STREAM_COMPUTE,
                                      what + ": zeroing " + program_.tensors(key.tensor).name()));
   }
-  DC_ASSIGN_OR_RETURN(double sum, device_->FinishStep(step));
+  DC_ASSIGN_OR_RETURN(double sum, device_->FinishStep(static_cast<int>(step)));
   DC_RETURN_IF_ERROR(comm_->AllReduceSum(&sum, 1));
   *loss = sum / static_cast<double>(TokensPerStep(program_.config(), world_));
   *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
-  if (tracer_ != nullptr) tracer_->Step(step, start_ns, Now(), *loss, warmup);
+  if (tracer_ != nullptr) tracer_->Step(static_cast<int>(step), start_ns, Now(), *loss, warmup);
+  steps_done_ = step + 1;
   return Status::Ok();
+}
+
+StatusOr<std::vector<float>> Interpreter::ReadShard(int tensor) {
+  if (tensor < 0 || tensor >= program_.tensors_size() ||
+      !IsPersistentRole(program_.tensors(tensor).role())) {
+    return Status::Error("reading the shard of tensor " + std::to_string(tensor) +
+                         ", which is not a persistent tensor (a dc bug)");
+  }
+  const proto::Tensor& t = program_.tensors(tensor);
+  std::vector<float> values(ShardOf(tensor));
+  const int64_t bytes = static_cast<int64_t>(values.size() * sizeof(float));
+  if (layout_.host_resident[tensor]) {
+    std::memcpy(values.data(), host_shards_.at(tensor)->data(), bytes);
+    return values;
+  }
+  const Buffer* shard = Shard(tensor);
+  if (shard == nullptr || shard->storage_bytes() != bytes) {
+    return Status::Error(Who() + ": " + t.name() +
+                         " has no fp32 shard on the device between steps");
+  }
+  DC_RETURN_IF_ERROR(device_->CopyToHost(values.data(), shard->data, bytes, proto::STREAM_HOST,
+                                         Who() + ": reading the shard of " + t.name()));
+  return values;
 }
 
 StatusOr<std::string> Interpreter::ParamsDigest() {
@@ -802,8 +866,9 @@ StatusOr<RunResult> RunSteps(Interpreter* runner, const proto::Schedule& schedul
   result.world_size = comm->world_size();
   result.tokens_per_step = TokensPerStep(schedule.program().config(), comm->world_size());
   const int total = options.warmup_steps + options.steps;
-  for (int step = 0; step < total; ++step) {
-    const bool warmup = step < options.warmup_steps;
+  for (int i = 0; i < total; ++i) {
+    const bool warmup = i < options.warmup_steps;
+    const int64_t step = options.first_step + i;
     double loss = 0, seconds = 0;
     DC_RETURN_IF_ERROR(runner->RunStep(step, warmup, &loss, &seconds));
     if (!std::isfinite(loss)) {
@@ -815,6 +880,7 @@ StatusOr<RunResult> RunSteps(Interpreter* runner, const proto::Schedule& schedul
       result.step_seconds.push_back(seconds);
     }
     if (options.on_step && comm->rank() == 0) options.on_step(step, loss, seconds);
+    if (options.after_step) DC_RETURN_IF_ERROR(options.after_step(*runner));
   }
   double peaks[2] = {static_cast<double>(runner->peak_live_bytes()),
                      static_cast<double>(runner->arena_bytes())};
