@@ -1,9 +1,10 @@
 # The schedule interpreter and the cpu backend's device, communicators and launcher (included
 # from executor/CMakeLists.txt).
-add_library(dc_executor STATIC backend.cc comm.cc cpu_device.cc device_memory.cc executor.cc
+add_library(dc_executor STATIC backend.cc checkpoint.cc comm.cc cpu_device.cc device_memory.cc executor.cc
                                interpreter.cc launch.cc layout.cc session.cc tracer.cc)
-target_link_libraries(dc_executor PUBLIC dc_schemas dc_cpu_kernels dc_data dc_models dc_collector gloo
-                      Threads::Threads PRIVATE dc_warnings)
+target_link_libraries(dc_executor PUBLIC dc_schemas dc_cpu_kernels dc_data dc_models dc_weights
+                      dc_collector gloo Threads::Threads PRIVATE nlohmann_json::nlohmann_json
+                      dc_warnings)
 
 dc_add_test(executor_test SOURCES executor_test.cc LIBS dc_executor dc_rewriter)
 # Anywhere: what the interpreter derives from a plan (waits, staging, host memory) and refuses.

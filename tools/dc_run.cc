@@ -1,11 +1,15 @@
 // dc-run: train by a plan with the lean executor.
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "executor/backends.h"
+#include "executor/checkpoint.h"
 #include "executor/launch.h"
 #include "executor/session.h"
+#include "schemas/digest.h"
 #include "schemas/files.h"
 #include "schemas/plan_file.h"
 #include "schemas/units.h"
@@ -18,8 +22,8 @@ int main(int argc, char** argv) {
       "cuda: cuBLASLt, own kernels and NCCL on streams).\n"
       "Example: dc-run plan.dcplan --steps 20 --nproc 2 --json",
       "dc-run"};
-  std::string plan_path, trace_out, rendezvous, backend = "auto";
-  int steps = 20, warmup = 0, nproc = 0, timeout_s = 60;
+  std::string plan_path, trace_out, rendezvous, backend = "auto", save_dir, resume_dir;
+  int steps = 20, warmup = 0, nproc = 0, timeout_s = 60, save_every = 0, keep = 2;
   int64_t device_memory = 0;
   bool json = false, quiet = false;
   app.add_option("plan", plan_path, "plan file written by dc-plan")->required();
@@ -46,12 +50,29 @@ int main(int argc, char** argv) {
   app.add_option("--rendezvous", rendezvous,
                  "shared directory for ranks started by an outside launcher");
   app.add_option("--timeout", timeout_s, "seconds to wait for other ranks")->capture_default_str();
+  app.add_option("--save", save_dir,
+                 "write checkpoints (params and Adam states, each rank its shard) into this "
+                 "directory: at the end, and every --save-every steps");
+  app.add_option("--save-every", save_every, "also save every this many steps (0: at the end only)")
+      ->check(CLI::Range(0, 100000000))
+      ->capture_default_str();
+  app.add_option("--keep", keep, "complete checkpoints to keep in --save, newest first")
+      ->check(CLI::Range(1, 1000000))
+      ->capture_default_str();
+  app.add_option("--resume", resume_dir,
+                 "go on from the newest complete checkpoint in this directory (any world size "
+                 "or plan of the same model and global batch); --steps counts from step 0, so "
+                 "the run trains the steps the checkpoint has not done");
   app.add_flag("--json", json,
                "print one JSON object (losses, step_seconds_median, tokens_per_second, ...)");
   app.add_flag("--quiet", quiet, "no per-step lines, only the summary");
   CLI11_PARSE(app, argc, argv);
   if (Status distinct = CheckOutputIsNotAnInput(trace_out, {plan_path}); !distinct.ok()) {
     return cli::Fail("dc-run", distinct);
+  }
+  if (save_every > 0 && save_dir.empty()) {
+    return cli::Fail("dc-run", Status::Error("--save-every " + std::to_string(save_every) +
+                                             " needs --save DIR, the directory to save into"));
   }
 
   auto plan = LoadPlan(plan_path);
@@ -62,6 +83,35 @@ int main(int argc, char** argv) {
   if (!chosen.ok()) return cli::Fail("dc-run", chosen.status());
   const Status matches = CheckPlanBackend(plan_path, *plan, *chosen, backend, available);
   if (!matches.ok()) return cli::Fail("dc-run", matches);
+  const int64_t total_steps = static_cast<int64_t>(warmup) + steps;
+  // Checked before any rank starts, so what cannot be resumed is one line, not N.
+  std::string resumed_from;
+  RunOptions resume;
+  resume.steps = steps;
+  resume.warmup_steps = warmup;
+  if (!resume_dir.empty()) {
+    auto checkpoint = Checkpoint::OpenNewest(resume_dir, plan->program(), plan->world_size());
+    if (!checkpoint.ok()) return cli::Fail("dc-run", checkpoint.status());
+    const int64_t done = (*checkpoint)->step();
+    if (done >= total_steps) {
+      return cli::Fail("dc-run",
+                       Status::Error((*checkpoint)->path() + " is at step " + std::to_string(done) +
+                                     ", not before --steps " + std::to_string(total_steps) +
+                                     "; raise --steps to train further"));
+    }
+    resumed_from = (*checkpoint)->path();
+    resume.first_step = done;
+    resume.warmup_steps = static_cast<int>(std::max<int64_t>(0, warmup - done));
+    resume.steps = static_cast<int>(total_steps - done - resume.warmup_steps);
+    std::shared_ptr<Checkpoint> state = std::move(*checkpoint);
+    resume.initial_values = [state](const proto::Tensor& t, int64_t offset, int64_t count,
+                                    float* out) { return state->Read(t, offset, count, out); };
+  }
+  if (!save_dir.empty() && !IsRankProcess()) {
+    if (Status ready = PrepareCheckpointDir(save_dir); !ready.ok()) {
+      return cli::Fail("dc-run", ready);
+    }
+  }
   if (!IsRankProcess()) {
     const int world = nproc > 0 ? nproc : plan->world_size();
     if (world != plan->world_size()) {
@@ -81,8 +131,16 @@ int main(int argc, char** argv) {
   if (!rank_backend.ok()) return cli::Fail("dc-run", rank_backend.status());
   SessionOptions session;
   session.backend = rank_backend->get();
-  session.run.steps = steps;
-  session.run.warmup_steps = warmup;
+  session.run = resume;
+  if (!save_dir.empty()) {
+    CheckpointOptions saving;
+    saving.dir = save_dir;
+    saving.every_steps = save_every;
+    saving.final_step = total_steps;
+    saving.keep = keep;
+    saving.plan_digest = DigestOf(*plan);
+    session.run.after_step = CheckpointSaver(saving);
+  }
   session.run.device_memory_bytes = device_memory;
   session.trace_path = trace_out;
   session.rendezvous_flag = rendezvous;
@@ -112,15 +170,26 @@ int main(int argc, char** argv) {
     j["predicted_peak_device_bytes"] = plan->prediction().peak_device_bytes();
     j["world_size"] = run.world_size;
     j["backend"] = *chosen;
+    j["first_step"] = session.run.first_step;
+    if (!resumed_from.empty()) j["resumed_from"] = resumed_from;
+    if (!save_dir.empty()) j["saved"] = save_dir + "/" + CheckpointDirName(total_steps);
     if (result->trace) j["trace"] = trace_out;
     std::cout << j.dump() << "\n";
   } else {
     std::printf(
         "%d step(s) on %d %s rank(s): median %.4f s/step, %.0f tokens/s, peak %s per rank "
         "(predicted %.4f s, %s)\n",
-        steps, run.world_size, chosen->c_str(), run.step_seconds_median, run.tokens_per_second,
-        FormatBytes(run.peak_device_bytes).c_str(), plan->prediction().step_seconds(),
+        session.run.steps, run.world_size, chosen->c_str(), run.step_seconds_median,
+        run.tokens_per_second, FormatBytes(run.peak_device_bytes).c_str(),
+        plan->prediction().step_seconds(),
         FormatBytes(plan->prediction().peak_device_bytes()).c_str());
+    if (!resumed_from.empty()) {
+      std::printf("resumed from %s (step %lld)\n", resumed_from.c_str(),
+                  static_cast<long long>(session.run.first_step));
+    }
+    if (!save_dir.empty()) {
+      std::printf("saved %s/%s\n", save_dir.c_str(), CheckpointDirName(total_steps).c_str());
+    }
   }
   return 0;
 }

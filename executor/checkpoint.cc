@@ -1,0 +1,431 @@
+#include "executor/checkpoint.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <utility>
+
+#include "executor/data.h"
+#include "schemas/digest.h"
+#include "schemas/effects.h"
+#include "schemas/files.h"
+
+namespace dc {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr char kFormat[] = "dc-checkpoint";
+constexpr int kVersion = 1;
+constexpr char kManifest[] = "manifest.json";
+constexpr char kStepPrefix[] = "step-";
+constexpr char kPartialPrefix[] = ".partial-step-";
+
+// The tensors a checkpoint holds: params and their Adam states (grads are empty between steps).
+bool IsSaved(const proto::Tensor& t) {
+  return t.role() == proto::ROLE_PARAM || t.role() == proto::ROLE_OPTIMIZER_STATE;
+}
+
+std::string ShardFileName(int rank, int world) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "rank-%05d-of-%05d.safetensors", rank, world);
+  return name;
+}
+
+int64_t GlobalBatchSequences(const proto::ModelConfig& c, int world) {
+  return static_cast<int64_t>(world) * c.micro_batch() * c.gas();
+}
+
+// The model settings that decide what the saved tensors mean beyond their shapes.
+json ModelOf(const proto::ModelConfig& c) {
+  return {{"family", c.family()}, {"layers", c.layers()},         {"hidden", c.hidden()},
+          {"heads", c.heads()},   {"kv_heads", c.kv_heads()},     {"ffn", c.ffn()},
+          {"vocab", c.vocab()},   {"experts", c.experts()},       {"top_k", c.top_k()},
+          {"seq", c.seq()},       {"rope_theta", c.rope_theta()}, {"norm_eps", c.norm_eps()}};
+}
+
+// What each rank tells the others after writing its file: whether it did, the file's size and
+// its SHA-256, as exact doubles (the communicator reduces doubles): 12 hex digits (48 bits) per
+// double.
+constexpr int kDigestChunks = 6;
+constexpr int kDigestChunkHexDigits = 12;
+constexpr int kSlotsPerRank = 2 + kDigestChunks;
+
+struct RankFile {
+  bool ok = false;
+  int64_t bytes = 0;
+  std::string sha256;
+};
+
+StatusOr<std::vector<RankFile>> Exchange(Communicator* comm, const RankFile& mine) {
+  const int world = comm->world_size();
+  std::vector<double> slots(static_cast<size_t>(world) * kSlotsPerRank, 0.0);
+  double* own = slots.data() + static_cast<size_t>(comm->rank()) * kSlotsPerRank;
+  own[0] = mine.ok ? 1.0 : 0.0;
+  own[1] = static_cast<double>(mine.bytes);
+  for (int c = 0; c < kDigestChunks && mine.ok; ++c) {
+    const std::string chunk = mine.sha256.substr(c * kDigestChunkHexDigits, kDigestChunkHexDigits);
+    own[2 + c] = static_cast<double>(std::stoull(chunk, nullptr, 16));
+  }
+  DC_RETURN_IF_ERROR(comm->AllReduceSum(slots.data(), static_cast<int64_t>(slots.size())));
+  std::vector<RankFile> files(world);
+  for (int r = 0; r < world; ++r) {
+    const double* s = slots.data() + static_cast<size_t>(r) * kSlotsPerRank;
+    files[r].ok = s[0] == 1.0;
+    files[r].bytes = static_cast<int64_t>(s[1]);
+    for (int c = 0; c < kDigestChunks; ++c) {
+      const int digits =
+          c + 1 < kDigestChunks ? kDigestChunkHexDigits : 64 - c * kDigestChunkHexDigits;
+      char hex[32];
+      std::snprintf(hex, sizeof(hex), "%0*" PRIx64, digits, static_cast<uint64_t>(s[2 + c]));
+      files[r].sha256 += hex;
+    }
+  }
+  return files;
+}
+
+// Every rank learns whether `ok` holds on all of them.
+StatusOr<bool> AllOk(Communicator* comm, bool ok) {
+  double failures = ok ? 0.0 : 1.0;
+  DC_RETURN_IF_ERROR(comm->AllReduceSum(&failures, 1));
+  return failures == 0.0;
+}
+
+Status WriteRankFile(TrainingState& state, const std::string& path, int64_t step) {
+  const proto::Program& program = state.program();
+  const int world = state.comm()->world_size();
+  std::vector<safetensors::TensorToWrite> tensors;
+  for (const proto::Tensor& t : program.tensors()) {
+    if (!IsSaved(t)) continue;
+    safetensors::TensorToWrite w;
+    w.name = t.name();
+    w.dtype = proto::DTYPE_F32;
+    w.shape = {ShardElements(NumElements(t), world)};
+    const int id = t.id();
+    // Read when the writer reaches it: one shard in host memory at a time.
+    w.fill = [&state, id](char* out, int64_t bytes) {
+      DC_ASSIGN_OR_RETURN(const std::vector<float> shard, state.ReadShard(id));
+      if (static_cast<int64_t>(shard.size() * sizeof(float)) != bytes) {
+        return Status::Error("its shard has " + std::to_string(shard.size()) +
+                             " elements, not the expected " +
+                             std::to_string(bytes / sizeof(float)));
+      }
+      std::memcpy(out, shard.data(), static_cast<size_t>(bytes));
+      return Status::Ok();
+    };
+    tensors.push_back(std::move(w));
+  }
+  return safetensors::Write(path, std::move(tensors),
+                            {{"format", "dc-checkpoint-shard"},
+                             {"rank", std::to_string(state.comm()->rank())},
+                             {"world_size", std::to_string(world)},
+                             {"step", std::to_string(step)}});
+}
+
+std::optional<int64_t> StepOfName(const std::string& name, const std::string& prefix) {
+  if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size() ||
+      name.size() > prefix.size() + 18) {
+    return std::nullopt;
+  }
+  int64_t step = 0;
+  for (size_t i = prefix.size(); i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
+    step = step * 10 + (name[i] - '0');
+  }
+  return step;
+}
+
+// Complete checkpoints (by step) in `dir`, newest first.
+std::vector<std::pair<int64_t, fs::path>> CompleteCheckpoints(const std::string& dir) {
+  std::vector<std::pair<int64_t, fs::path>> found;
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(dir, error)) {
+    const std::optional<int64_t> step = StepOfName(entry.path().filename().string(), kStepPrefix);
+    if (step && fs::exists(entry.path() / kManifest, error)) found.push_back({*step, entry.path()});
+  }
+  std::sort(found.begin(), found.end(),
+            [](const auto& a, const auto& b) { return a.first > b.first; });
+  return found;
+}
+
+// Rank 0, once every rank's file is in `partial`: the manifest, then the rename that makes the
+// checkpoint complete, then the pruning of old and partial ones.
+Status Publish(const CheckpointOptions& options, const proto::Program& program, int world,
+               int64_t step, const fs::path& partial, const std::vector<RankFile>& files) {
+  json manifest;
+  manifest["format"] = kFormat;
+  manifest["version"] = kVersion;
+  manifest["step"] = step;
+  manifest["world_size"] = world;
+  manifest["global_batch_sequences"] = GlobalBatchSequences(program.config(), world);
+  manifest["plan_digest"] = options.plan_digest;
+  manifest["program_digest"] = DigestOf(program);
+  manifest["model"] = ModelOf(program.config());
+  manifest["state"] =
+      "dc's initial values and data are counter-based (seed, element, sample index): the step "
+      "is the whole generator and data state";
+  json tensors = json::object();
+  for (const proto::Tensor& t : program.tensors()) {
+    if (IsSaved(t)) tensors[t.name()] = std::vector<int64_t>(t.shape().begin(), t.shape().end());
+  }
+  manifest["tensors"] = tensors;
+  json shards = json::array();
+  for (int r = 0; r < world; ++r) {
+    shards.push_back({{"file", ShardFileName(r, world)},
+                      {"bytes", files[r].bytes},
+                      {"sha256", files[r].sha256}});
+  }
+  manifest["shards"] = shards;
+  DC_RETURN_IF_ERROR(WriteFileAtomic((partial / kManifest).string(), manifest.dump(1) + "\n"));
+  const fs::path final_dir = fs::path(options.dir) / CheckpointDirName(step);
+  std::error_code error;
+  fs::remove_all(final_dir, error);
+  fs::rename(partial, final_dir, error);
+  if (error) {
+    return Status::Error(final_dir.string() + ": cannot publish the checkpoint (" +
+                         error.message() + "); is the directory writable?");
+  }
+  // Old checkpoints past `keep`, and what killed saves left.
+  const auto complete = CompleteCheckpoints(options.dir);
+  for (size_t i = static_cast<size_t>(std::max(options.keep, 1)); i < complete.size(); ++i) {
+    fs::remove_all(complete[i].second, error);
+  }
+  for (const auto& entry : fs::directory_iterator(options.dir, error)) {
+    if (StepOfName(entry.path().filename().string(), kPartialPrefix)) {
+      fs::remove_all(entry.path(), error);
+    }
+  }
+  return Status::Ok();
+}
+
+Status Save(const CheckpointOptions& options, TrainingState& state, int64_t step) {
+  Communicator* comm = state.comm();
+  const int rank = comm->rank(), world = comm->world_size();
+  const fs::path partial = fs::path(options.dir) / (kPartialPrefix + std::to_string(step));
+  // A killed save of this step may have left files: rank 0 clears them before anyone writes.
+  std::error_code error;
+  if (rank == 0) fs::remove_all(partial, error);
+  DC_RETURN_IF_ERROR(AllOk(comm, true).status());
+  fs::create_directories(partial, error);
+  const std::string path = (partial / ShardFileName(rank, world)).string();
+  RankFile mine;
+  Status wrote = error ? Status::Error(partial.string() + ": cannot create (" + error.message() +
+                                       "); is --save writable?")
+                       : WriteRankFile(state, path, step);
+  if (wrote.ok()) {
+    StatusOr<std::string> sha = Sha256OfFile(path);
+    mine.ok = sha.ok();
+    mine.bytes = mine.ok ? static_cast<int64_t>(fs::file_size(path, error)) : 0;
+    if (sha.ok()) mine.sha256 = *sha;
+    if (!sha.ok()) wrote = sha.status();
+  }
+  DC_ASSIGN_OR_RETURN(const std::vector<RankFile> files, Exchange(comm, mine));
+  if (!wrote.ok())
+    return wrote.Prefixed("saving the checkpoint of step " + std::to_string(step) + ": ");
+  for (int r = 0; r < world; ++r) {
+    if (!files[r].ok) {
+      return Status::Error("saving the checkpoint of step " + std::to_string(step) + ": rank " +
+                           std::to_string(r) + " could not write its shard (see its error)");
+    }
+  }
+  const Status published =
+      rank == 0 ? Publish(options, state.program(), world, step, partial, files) : Status::Ok();
+  DC_ASSIGN_OR_RETURN(const bool all, AllOk(comm, published.ok()));
+  if (!published.ok()) return published;
+  if (!all)
+    return Status::Error("rank 0 could not publish the checkpoint of step " + std::to_string(step));
+  return Status::Ok();
+}
+
+// The checkpoint at `dir` (a step-N directory) against the program it would resume.
+Status CheckManifest(const json& m, const proto::Program& program, int world_size) {
+  if (!m.is_object() || m.value("format", "") != kFormat) {
+    return Status::Error("not a dc checkpoint manifest");
+  }
+  if (!m.contains("version") || !m["version"].is_number_integer() || m["version"] != kVersion) {
+    return Status::Error("checkpoint format version " + m.value("version", json()).dump() +
+                         " is not this dc's " + std::to_string(kVersion));
+  }
+  for (const char* key : {"step", "world_size", "global_batch_sequences"}) {
+    if (!m.contains(key) || !m[key].is_number_integer() || m[key].get<int64_t>() < 0) {
+      return Status::Error(std::string("the manifest's \"") + key + "\" is not a count");
+    }
+  }
+  const int64_t world = m["world_size"].get<int64_t>();
+  if (world < 1 || world > 1 << 20)
+    return Status::Error("the manifest's world size is out of range");
+  if (!m.contains("shards") || !m["shards"].is_array() ||
+      static_cast<int64_t>(m["shards"].size()) != world) {
+    return Status::Error("the manifest does not list one shard file per rank");
+  }
+  const int64_t batch = GlobalBatchSequences(program.config(), world_size);
+  const int64_t saved_batch = m["global_batch_sequences"].get<int64_t>();
+  if (saved_batch != batch) {
+    return Status::Error("the checkpoint trained with a global batch of " +
+                         std::to_string(saved_batch) + " sequences per step, this plan has " +
+                         std::to_string(batch) +
+                         " (ranks x micro-batch x gas); re-plan so that "
+                         "they match, or the data would not go on where it stopped");
+  }
+  const json& tensors = m.value("tensors", json::object());
+  if (!tensors.is_object()) return Status::Error("the manifest's tensors are not an object");
+  size_t saved = 0;
+  for (const proto::Tensor& t : program.tensors()) {
+    if (!IsSaved(t)) continue;
+    ++saved;
+    const std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+    if (!tensors.contains(t.name())) {
+      return Status::Error("the checkpoint has no " + t.name() +
+                           "; resume with a plan of the same model");
+    }
+    if (tensors[t.name()] != json(shape)) {
+      return Status::Error("the checkpoint's " + t.name() + " is " + tensors[t.name()].dump() +
+                           " but the plan's is " + json(shape).dump() +
+                           "; resume with a plan of the same model");
+    }
+  }
+  if (tensors.size() != saved) {
+    return Status::Error("the checkpoint holds " + std::to_string(tensors.size()) +
+                         " tensors, the plan's model " + std::to_string(saved) +
+                         "; resume with a plan of the same model");
+  }
+  const json model = ModelOf(program.config());
+  if (!m.contains("model") || !m["model"].is_object())
+    return Status::Error("the manifest has no model");
+  for (const auto& [key, value] : model.items()) {
+    const json saved = m["model"].value(key, json());
+    if (saved != value) {
+      return Status::Error("the checkpoint's model has " + key + " " + saved.dump() +
+                           " but the plan's has " + value.dump() +
+                           "; resume with a plan of the same model");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+std::string CheckpointDirName(int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "%s%08" PRId64, kStepPrefix, step);
+  return name;
+}
+
+Status PrepareCheckpointDir(const std::string& dir) {
+  std::error_code error;
+  fs::create_directories(dir, error);
+  if (error || !fs::is_directory(dir)) {
+    return Status::Error(dir + ": cannot create the checkpoint directory (" +
+                         (error ? error.message() : "not a directory") +
+                         "); give --save a writable directory");
+  }
+  const std::string probe = (fs::path(dir) / ".dc-write-probe").string();
+  DC_RETURN_IF_ERROR(
+      WriteFileAtomic(probe, "").Prefixed(dir + ": cannot write checkpoints here: "));
+  fs::remove(probe, error);
+  return Status::Ok();
+}
+
+std::function<Status(TrainingState&)> CheckpointSaver(CheckpointOptions options) {
+  return [options = std::move(options)](TrainingState& state) {
+    const int64_t step = state.steps_done();
+    const bool due =
+        step == options.final_step || (options.every_steps > 0 && step % options.every_steps == 0);
+    return due ? Save(options, state, step) : Status::Ok();
+  };
+}
+
+StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::OpenNewest(const std::string& dir,
+                                                             const proto::Program& program,
+                                                             int world_size) {
+  std::error_code error;
+  if (!fs::is_directory(dir, error)) {
+    return Status::Error(dir +
+                         ": not a checkpoint directory (it does not exist); give --resume "
+                         "the directory dc-run --save wrote");
+  }
+  const auto complete = CompleteCheckpoints(dir);
+  if (complete.empty()) {
+    return Status::Error(dir + ": holds no complete checkpoint (a step-N directory with " +
+                         kManifest + "); give --resume the directory dc-run --save wrote");
+  }
+  const fs::path path = complete.front().second;
+  const std::string manifest_path = (path / kManifest).string();
+  auto fail = [&](const std::string& what) { return Status::Error(manifest_path + ": " + what); };
+  DC_ASSIGN_OR_RETURN(const std::string text, ReadFileBytes(manifest_path));
+  const json m = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (m.is_discarded()) {
+    return fail("not valid JSON (damaged?); remove " + path.string() +
+                " to resume from the checkpoint before it");
+  }
+  if (Status ok = CheckManifest(m, program, world_size); !ok.ok()) return fail(ok.message());
+  auto checkpoint = std::make_unique<Checkpoint>();
+  checkpoint->path_ = path.string();
+  checkpoint->step_ = m["step"].get<int64_t>();
+  checkpoint->world_size_ = m["world_size"].get<int>();
+  if (checkpoint->step_ != complete.front().first) {
+    return fail("says step " + std::to_string(checkpoint->step_) + " in the directory of step " +
+                std::to_string(complete.front().first));
+  }
+  for (int r = 0; r < checkpoint->world_size_; ++r) {
+    const json& shard = m["shards"][r];
+    if (!shard.is_object() ||
+        shard.value("file", "") != ShardFileName(r, checkpoint->world_size_) ||
+        !shard.contains("sha256") || !shard["sha256"].is_string()) {
+      return fail("shard " + std::to_string(r) + " is not listed as rank " + std::to_string(r) +
+                  "'s file");
+    }
+    DC_ASSIGN_OR_RETURN(
+        safetensors::File file,
+        safetensors::File::Open((path / shard["file"].get<std::string>()).string()));
+    for (const proto::Tensor& t : program.tensors()) {
+      if (!IsSaved(t)) continue;
+      const safetensors::TensorInfo* info = file.Find(t.name());
+      const int64_t elements = ShardElements(NumElements(t), checkpoint->world_size_);
+      if (info == nullptr || info->dtype != proto::DTYPE_F32 ||
+          info->shape != std::vector<int64_t>{elements}) {
+        return Status::Error(file.path() + ": has no fp32 shard of " + t.name() + " of " +
+                             std::to_string(elements) + " elements; the checkpoint is damaged");
+      }
+    }
+    checkpoint->shards_.push_back(std::move(file));
+    checkpoint->shard_sha256_.push_back(shard["sha256"].get<std::string>());
+  }
+  checkpoint->verified_.assign(checkpoint->world_size_, false);
+  return checkpoint;
+}
+
+StatusOr<bool> Checkpoint::Read(const proto::Tensor& tensor, int64_t offset, int64_t count,
+                                float* out) {
+  if (!IsSaved(tensor)) return false;
+  const int64_t elements = NumElements(tensor);
+  const int64_t shard = ShardElements(elements, world_size_);
+  std::fill(out, out + count, 0.0f);
+  // Elements past the tensor's end are the new layout's padding: zeros.
+  for (int64_t at = offset; at < std::min(offset + count, elements);) {
+    const int64_t rank = at / shard;
+    const int64_t within = at - rank * shard;
+    const int64_t n = std::min({shard - within, offset + count - at, elements - at});
+    if (rank >= world_size_) break;
+    safetensors::File& file = shards_[rank];
+    if (!verified_[rank]) {
+      DC_ASSIGN_OR_RETURN(const std::string sha, Sha256OfFile(file.path()));
+      if (sha != shard_sha256_[rank]) {
+        return Status::Error(file.path() +
+                             ": its SHA-256 is not the manifest's; the checkpoint "
+                             "is damaged (remove " +
+                             path_ + " to resume from the one before)");
+      }
+      verified_[rank] = true;
+    }
+    DC_RETURN_IF_ERROR(file.ReadF32(*file.Find(tensor.name()), within, n, out + (at - offset)));
+    at += n;
+  }
+  return true;
+}
+
+}  // namespace dc

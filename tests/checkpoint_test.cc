@@ -1,0 +1,186 @@
+// Checkpoints through dc-run as a user meets them: save, resume bit-identically, resume under
+// another plan or world size, survive kill -9, and refuse what cannot be resumed.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "tests/run_command.h"
+
+namespace dc {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::FreshDir;
+using testing::RunCommand;
+using testing::Tool;
+
+class Checkpoints : public ::testing::Test {
+ protected:
+  // Plans of tiny with a global batch of 4 sequences: 2 ranks (baseline and ZeRO-3 offload,
+  // whose masters and Adam states live on the host), 4 ranks and 1 rank.
+  static void SetUpTestSuite() {
+    dir_ = FreshDir("checkpoint");
+    const std::string plan =
+        Tool("dc-plan") + " --synthetic --model tiny --hardware cpu --no-cache";
+    for (const auto& [name, flags] : std::vector<std::pair<std::string, std::string>>{
+             {"two", "--world 2"},
+             {"two-offload", "--world 2 --policy zero3-offload"},
+             {"four", "--world 4 --micro-batch 1"},
+             {"one", "--world 1 --micro-batch 4"},
+             {"four-big-batch", "--world 4 --micro-batch 2"},
+             {"wide", "--world 2 --hidden 128"}}) {
+      auto r = RunCommand(plan + " " + flags + " -o " + dir_ + "/" + name + ".dcplan");
+      ASSERT_EQ(r.exit_code, 0) << name << ": " << r.err;
+    }
+    auto full = RunCommand(Tool("dc-run") + " " + Plan("two") + " --steps 6 --json --quiet");
+    ASSERT_EQ(full.exit_code, 0) << full.err;
+    full_ = new nlohmann::json(nlohmann::json::parse(full.out));
+  }
+  static void TearDownTestSuite() { delete full_; }
+
+  static std::string Plan(const std::string& name) { return dir_ + "/" + name + ".dcplan"; }
+
+  static nlohmann::json Run(const std::string& plan, const std::string& flags) {
+    auto r = RunCommand(Tool("dc-run") + " " + Plan(plan) + " " + flags + " --json --quiet");
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return r.exit_code == 0 ? nlohmann::json::parse(r.out) : nlohmann::json::object();
+  }
+
+  static std::vector<double> FullLossesFrom(int step) {
+    const auto losses = (*full_)["losses"].get<std::vector<double>>();
+    return {losses.begin() + step, losses.end()};
+  }
+
+  static std::vector<std::string> Entries(const std::string& dir) {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  static std::string dir_;
+  static nlohmann::json* full_;  // 6 steps on 2 ranks, uninterrupted
+};
+
+std::string Checkpoints::dir_;
+nlohmann::json* Checkpoints::full_ = nullptr;
+
+TEST_F(Checkpoints, ResumingGivesBitIdenticalLossesAndWeights) {
+  const std::string save = dir_ + "/bit";
+  const auto first = Run("two", "--steps 3 --save " + save + " --save-every 1 --keep 2");
+  EXPECT_EQ(first["saved"], save + "/step-00000003");
+  // Every step saved, the newest two kept, nothing partial left.
+  EXPECT_EQ(Entries(save), (std::vector<std::string>{"step-00000002", "step-00000003"}));
+  EXPECT_EQ(Entries(save + "/step-00000003"),
+            (std::vector<std::string>{"manifest.json", "rank-00000-of-00002.safetensors",
+                                      "rank-00001-of-00002.safetensors"}));
+  const auto resumed = Run("two", "--steps 6 --resume " + save);
+  EXPECT_EQ(resumed["first_step"], 3);
+  EXPECT_EQ(resumed["losses"].get<std::vector<double>>(), FullLossesFrom(3));
+  EXPECT_EQ(resumed["params_digest"], (*full_)["params_digest"]);
+}
+
+TEST_F(Checkpoints, ResumesUnderAnotherPlanAndWorldSize) {
+  const std::string save = dir_ + "/other";
+  Run("two", "--steps 3 --save " + save);
+  // The same ranks under ZeRO-3 offload (the state goes to host memory): the same math, bit
+  // for bit.
+  const auto offload = Run("two-offload", "--steps 6 --resume " + save);
+  EXPECT_EQ(offload["losses"].get<std::vector<double>>(), FullLossesFrom(3));
+  EXPECT_EQ(offload["params_digest"], (*full_)["params_digest"]);
+  // 4 ranks and 1 rank with the same global batch: the state is re-sharded exactly; the losses
+  // differ only by the order of the cross-rank sums.
+  for (const std::string plan : {"four", "one"}) {
+    const auto other = Run(plan, "--steps 6 --resume " + save);
+    const auto losses = other["losses"].get<std::vector<double>>();
+    const auto expected = FullLossesFrom(3);
+    ASSERT_EQ(losses.size(), expected.size()) << plan;
+    for (size_t i = 0; i < losses.size(); ++i) {
+      EXPECT_NEAR(losses[i], expected[i], 1e-6 * expected[i]) << plan << " step " << i + 3;
+    }
+  }
+}
+
+TEST_F(Checkpoints, AKilledRunLeavesItsLastCompleteCheckpointUsable) {
+  const std::string save = dir_ + "/killed";
+  // Kill -9 a run that saves every step, at several moments, then resume from what is left.
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const std::string pid_file = dir_ + "/pid";
+    auto started =
+        RunCommand("(" + Tool("dc-run") + " " + Plan("one") + " --steps 100000 " +
+                   (attempt == 0 ? "" : "--resume " + save + " ") + "--save " + save +
+                   " --save-every 1 --quiet >/dev/null 2>&1 & echo $! > " + pid_file + ")");
+    ASSERT_EQ(started.exit_code, 0);
+    std::ifstream pid_in(pid_file);
+    int pid = 0;
+    pid_in >> pid;
+    ASSERT_GT(pid, 0);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (std::chrono::steady_clock::now() < deadline &&
+           (!fs::exists(save) || Entries(save).size() < 2)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(37 * attempt));
+    ASSERT_EQ(::kill(pid, SIGKILL), 0);
+    RunCommand("while kill -0 " + std::to_string(pid) + " 2>/dev/null; do sleep 0.01; done");
+  }
+  // What a save killed half-way leaves: a partial directory with some of the rank files.
+  fs::create_directories(save + "/.partial-step-99999");
+  std::ofstream(save + "/.partial-step-99999/rank-00000-of-00001.safetensors.tmp.1") << "half";
+  std::vector<std::string> complete;
+  for (const auto& name : Entries(save)) {
+    if (name.rfind("step-", 0) == 0) complete.push_back(name);
+  }
+  ASSERT_FALSE(complete.empty());
+  const int done = std::stoi(complete.back().substr(5));
+  const auto resumed =
+      Run("one", "--steps " + std::to_string(done + 2) + " --resume " + save + " --save " + save);
+  EXPECT_EQ(resumed["first_step"], done);
+  EXPECT_EQ(resumed["losses"].size(), 2u);
+  for (const auto& name : Entries(save)) {
+    EXPECT_EQ(name.rfind(".partial", 0), std::string::npos) << name << " was left behind";
+  }
+}
+
+TEST_F(Checkpoints, WhatCannotBeResumedIsRefusedInOneLine) {
+  const std::string save = dir_ + "/refused";
+  Run("two", "--steps 2 --save " + save);
+  struct Case {
+    std::string flags, expect;
+  };
+  const std::vector<Case> cases = {
+      {Plan("wide") + " --steps 4 --resume " + save, "but the plan's is"},
+      {Plan("four-big-batch") + " --steps 4 --resume " + save, "global batch"},
+      {Plan("two") + " --steps 2 --resume " + save, "raise --steps"},
+      {Plan("two") + " --steps 4 --resume " + dir_ + "/nothing-here", "not a checkpoint directory"},
+      {Plan("two") + " --steps 4 --resume " + dir_, "no complete checkpoint"},
+      {Plan("two") + " --steps 4 --save-every 2", "needs --save"},
+      {Plan("two") + " --steps 1 --save /proc/dc-cannot-write", "cannot create the checkpoint"},
+  };
+  for (const Case& c : cases) {
+    auto r = RunCommand(Tool("dc-run") + " " + c.flags + " --quiet");
+    EXPECT_EQ(r.exit_code, 1) << c.flags << ": " << r.err;
+    EXPECT_NE(r.err.find(c.expect), std::string::npos) << c.flags << ": " << r.err;
+    EXPECT_LE(std::count(r.err.begin(), r.err.end(), '\n'), 1) << c.flags << ": " << r.err;
+  }
+  // A damaged shard file: its SHA-256 no longer matches the manifest.
+  const std::string shard = save + "/step-00000002/rank-00001-of-00002.safetensors";
+  {
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x7f');
+  }
+  auto damaged =
+      RunCommand(Tool("dc-run") + " " + Plan("two") + " --steps 4 --resume " + save + " --quiet");
+  EXPECT_EQ(damaged.exit_code, 1);
+  EXPECT_NE(damaged.err.find("SHA-256"), std::string::npos) << damaged.err;
+}
+
+}  // namespace
+}  // namespace dc
