@@ -1,6 +1,7 @@
 #include "executor/checkpoint.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <filesystem>
@@ -203,6 +204,7 @@ Status Publish(const CheckpointOptions& options, const proto::Program& program, 
 }
 
 Status Save(const CheckpointOptions& options, TrainingState& state, int64_t step) {
+  const auto start = std::chrono::steady_clock::now();
   Communicator* comm = state.comm();
   const int rank = comm->rank(), world = comm->world_size();
   const fs::path partial = fs::path(options.dir) / (kPartialPrefix + std::to_string(step));
@@ -236,8 +238,16 @@ Status Save(const CheckpointOptions& options, TrainingState& state, int64_t step
       rank == 0 ? Publish(options, state.program(), world, step, partial, files) : Status::Ok();
   DC_ASSIGN_OR_RETURN(const bool all, AllOk(comm, published.ok()));
   if (!published.ok()) return published;
-  if (!all)
+  if (!all) {
     return Status::Error("rank 0 could not publish the checkpoint of step " + std::to_string(step));
+  }
+  if (rank == 0 && options.on_saved) {
+    int64_t bytes = 0;
+    for (const RankFile& f : files) bytes += f.bytes;
+    options.on_saved(
+        step, (fs::path(options.dir) / CheckpointDirName(step)).string(), bytes,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
   return Status::Ok();
 }
 

@@ -36,6 +36,10 @@ struct CheckpointOptions {
   int64_t final_step = 0;   // the run's last step count: always saved
   int keep = 2;             // complete checkpoints kept, newest first
   std::string plan_digest;  // recorded in the manifest, for people
+  // On rank 0 after each published checkpoint: its step, directory, the bytes of its shard
+  // files and the save's wall seconds (every rank's write, the agreement and the publish).
+  std::function<void(int64_t step, const std::string& path, int64_t bytes, double seconds)>
+      on_saved;
 };
 
 // Creates `dir` if needed and checks that files can be written in it, before a run starts.

@@ -214,6 +214,7 @@ KernelContext CpuKernelContext(const OpArgs& args, int num_threads) {
   context.config = args.config;
   context.grad_scale = args.grad_scale;
   context.adam_step = args.adam_step;
+  context.lr_scale = args.lr_scale;
   context.num_threads = num_threads;
   return context;
 }

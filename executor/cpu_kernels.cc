@@ -633,6 +633,7 @@ Status ReadAdamSettings(const proto::Op& op, const KernelContext& context, AdamS
   if (context.adam_step < 1) {
     return OpError(op, "adam step " + std::to_string(context.adam_step) + " is not 1-based");
   }
+  s->lr *= context.lr_scale;  // the op's lr is the schedule's peak
   return Status::Ok();
 }
 

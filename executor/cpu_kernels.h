@@ -32,6 +32,7 @@ struct KernelContext {
   // ranks), so reduce-scattered sums of grads are the gradient of the mean loss.
   double grad_scale = 1.0;
   int64_t adam_step = 1;  // 1-based optimizer step, for Adam's bias correction
+  double lr_scale = 1.0;  // the schedule's factor on the op's lr (LearningRateScale)
   // BLAS threads. OpenBLAS's setting is process-global: RunCpuOp applies the latest value.
   // Keep 1 when each rank is its own process on a few cores.
   int num_threads = 1;

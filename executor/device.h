@@ -28,6 +28,7 @@ struct OpArgs {
   // Scale of the loss gradient: 1 / (tokens in the whole optimizer step over all ranks).
   double grad_scale = 1.0;
   int64_t adam_step = 1;  // 1-based optimizer step, for Adam's bias correction
+  double lr_scale = 1.0;  // the schedule's factor on the AdamW ops' lr (LearningRateScale)
 };
 
 // One param of a grouped all-gather: this rank's shard (the fp32 master, or the compute-dtype

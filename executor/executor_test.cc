@@ -209,5 +209,37 @@ TEST(Executor, RefusesAnInconsistentScheduleBeforeTheFirstStep) {
   EXPECT_EQ(run.status().message(), refused.message());
 }
 
+// The kernels take the schedule's rate: the first step of a 4-step warm-up from 3e-3 is exactly
+// a step at the constant rate 3e-3 / 4 (powers of two: no rounding apart).
+TEST(Executor, TheLearningRateScheduleDrivesTheOptimizer) {
+  auto run = [](const ModelOverrides& overrides) {
+    auto config = MakeConfig("tiny", overrides);
+    EXPECT_TRUE(config.ok()) << config.status().message();
+    proto::Schedule s;
+    s.set_world_size(1);
+    s.set_backend("cpu");
+    *s.mutable_program() = *BuildProgram(*config);
+    Zero3Pass pass;
+    EXPECT_TRUE(pass.Run(&s, PassContext{}).ok());
+    auto comm = Connect(RendezvousOptions{});
+    RunOptions options;
+    options.steps = 2;
+    auto result = RunSchedule(s, options, comm->get(), nullptr);
+    EXPECT_TRUE(result.ok()) << result.status().message();
+    return result.ok() ? result->losses : std::vector<double>{};
+  };
+  ModelOverrides warm;
+  warm.lr = 3e-3;
+  warm.lr_warmup_steps = 4;
+  ModelOverrides slow;
+  slow.lr = 3e-3 / 4;
+  ModelOverrides constant;
+  constant.lr = 3e-3;
+  const std::vector<double> a = run(warm), b = run(slow), c = run(constant);
+  ASSERT_EQ(a.size(), 2u);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a[1], c[1]);
+}
+
 }  // namespace
 }  // namespace dc

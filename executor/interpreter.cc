@@ -116,6 +116,7 @@ class Interpreter : public TrainingState {
     args.config = &program_.config();
     args.grad_scale = 1.0 / static_cast<double>(TokensPerStep(program_.config(), world_));
     args.adam_step = step + 1;
+    args.lr_scale = LearningRateScale(program_.config(), step);
     return args;
   }
 

@@ -1,5 +1,6 @@
 #include "models/model.h"
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <unordered_map>
@@ -92,6 +93,29 @@ std::string Str(int64_t v) { return std::to_string(v); }
 Status CheckPositive(const char* flag, int64_t value) {
   if (value >= 1) return Status::Ok();
   return Status::Error(std::string(flag) + " must be at least 1 (got " + Str(value) + ")");
+}
+
+Status CheckLearningRateSchedule(const proto::ModelConfig& c) {
+  if (!std::isfinite(c.lr()) || c.lr() < 0) {
+    return Status::Error("--lr " + std::to_string(c.lr()) + " must be a number of at least 0");
+  }
+  if (!std::isfinite(c.min_lr()) || c.min_lr() < 0 || c.min_lr() > c.lr()) {
+    return Status::Error("--min-lr " + std::to_string(c.min_lr()) +
+                         " must lie between 0 and --lr " + std::to_string(c.lr()));
+  }
+  if (c.lr_warmup_steps() < 0 || c.lr_decay_steps() < 0) {
+    return Status::Error("--warmup-steps and --decay-steps must not be negative");
+  }
+  if (c.lr_decay() != proto::LR_DECAY_CONSTANT && c.lr_decay_steps() == 0) {
+    return Status::Error("--lr-decay " +
+                         std::string(c.lr_decay() == proto::LR_DECAY_LINEAR ? "linear" : "cosine") +
+                         " needs --decay-steps, the steps it takes from --lr to --min-lr");
+  }
+  if (!proto::LrDecay_IsValid(c.lr_decay())) {
+    return Status::Error("model config: lr_decay " + std::to_string(c.lr_decay()) +
+                         " is unknown; re-plan with this dc");
+  }
+  return Status::Ok();
 }
 
 Status CheckPositiveReal(const char* field, double value) {
@@ -739,6 +763,32 @@ Status ValidateConfig(const proto::ModelConfig& c) {
   if (c.beta1() < 0 || c.beta1() >= 1 || c.beta2() < 0 || c.beta2() >= 1) {
     return Status::Error("model config: beta1 and beta2 must lie in [0, 1)");
   }
+  return CheckLearningRateSchedule(c);
+}
+
+// The schedule's flags onto `c`. A decay needs its steps; decay steps without a decay kind mean
+// cosine, the usual choice (Llama, GPT-3).
+Status ApplyLearningRateSchedule(const ModelOverrides& overrides, proto::ModelConfig* c) {
+  if (overrides.lr) c->set_lr(*overrides.lr);
+  if (overrides.min_lr) c->set_min_lr(*overrides.min_lr);
+  if (overrides.lr_warmup_steps) c->set_lr_warmup_steps(*overrides.lr_warmup_steps);
+  if (overrides.lr_decay_steps) {
+    c->set_lr_decay_steps(*overrides.lr_decay_steps);
+    c->set_lr_decay(proto::LR_DECAY_COSINE);
+  }
+  if (overrides.lr_decay) {
+    const std::string& name = *overrides.lr_decay;
+    if (name == "constant") {
+      c->set_lr_decay(proto::LR_DECAY_CONSTANT);
+    } else if (name == "cosine") {
+      c->set_lr_decay(proto::LR_DECAY_COSINE);
+    } else if (name == "linear") {
+      c->set_lr_decay(proto::LR_DECAY_LINEAR);
+    } else {
+      return Status::Error("--lr-decay " + name +
+                           " is not a schedule; use cosine, linear or constant");
+    }
+  }
   return Status::Ok();
 }
 
@@ -769,6 +819,7 @@ StatusOr<proto::ModelConfig> MakeConfig(const std::string& preset,
   if (overrides.router_aux_coef) c.set_router_aux_coef(*overrides.router_aux_coef);
   if (overrides.data_path) c.set_data_path(*overrides.data_path);
   if (overrides.recompute_layers) c.set_recompute_layers(*overrides.recompute_layers);
+  DC_RETURN_IF_ERROR(ApplyLearningRateSchedule(overrides, &c));
   if (overrides.compute_dtype) {
     const std::string& name = *overrides.compute_dtype;
     if (name == "f32") {

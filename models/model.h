@@ -24,6 +24,11 @@ struct ModelOverrides {
   std::optional<std::string> data_path;
   std::optional<std::string> compute_dtype;  // "f32", "bf16" or "f16"
   std::optional<bool> recompute_layers;      // activation checkpointing per decoder layer
+  // The learning-rate schedule (ModelConfig.lr*, schemas/program.h's LearningRate); lr_decay
+  // is "constant", "cosine" or "linear".
+  std::optional<double> lr, min_lr;
+  std::optional<int64_t> lr_warmup_steps, lr_decay_steps;
+  std::optional<std::string> lr_decay;
 };
 
 std::vector<std::string> PresetNames();

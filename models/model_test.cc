@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <map>
 #include <set>
 
@@ -408,6 +409,40 @@ TEST(Mixtral, BadExpertSettingsNameTheFlag) {
   four.experts = 4;
   four.top_k = 1;
   EXPECT_EQ(Build("mixtral-tiny", four).config().experts(), 4);
+}
+
+TEST(LearningRateFlags, SetTheScheduleAndRefuseWhatCannotBe) {
+  ModelOverrides o;
+  o.lr = 1e-3;
+  o.lr_warmup_steps = 10;
+  o.lr_decay_steps = 100;
+  o.min_lr = 1e-4;
+  auto c = MakeConfig("tiny", o);
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->lr_decay(), proto::LR_DECAY_COSINE);  // decay steps alone mean cosine
+  EXPECT_EQ(c->lr_warmup_steps(), 10);
+  o.lr_decay = "linear";
+  EXPECT_EQ(MakeConfig("tiny", o)->lr_decay(), proto::LR_DECAY_LINEAR);
+  struct Case {
+    ModelOverrides o;
+    const char* expect;
+  };
+  std::vector<Case> cases(5);
+  cases[0].o.lr_decay = "cosine";
+  cases[0].expect = "needs --decay-steps";
+  cases[1].o.lr_decay = "step";
+  cases[1].expect = "--lr-decay step is not a schedule";
+  cases[2].o.min_lr = 1.0;
+  cases[2].expect = "--min-lr";
+  cases[3].o.lr = std::nan("");
+  cases[3].expect = "--lr nan";
+  cases[4].o.lr_warmup_steps = -1;
+  cases[4].expect = "must not be negative";
+  for (const Case& k : cases) {
+    auto bad = MakeConfig("tiny", k.o);
+    ASSERT_FALSE(bad.ok()) << k.expect;
+    EXPECT_NE(bad.status().message().find(k.expect), std::string::npos) << bad.status().message();
+  }
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "schemas/program.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "schemas/effects.h"
@@ -376,6 +377,23 @@ std::vector<int64_t> PersistentBytesByKind(const proto::Schedule& schedule) {
 
 int64_t TokensPerStep(const proto::ModelConfig& config, int world_size) {
   return config.seq() * config.micro_batch() * config.gas() * world_size;
+}
+
+double LearningRate(const proto::ModelConfig& config, int64_t step) {
+  const double peak = config.lr();
+  const int64_t warmup = config.lr_warmup_steps();
+  if (step < warmup) return peak * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  if (config.lr_decay() == proto::LR_DECAY_CONSTANT || config.lr_decay_steps() <= 0) return peak;
+  const double progress = std::min(
+      1.0, static_cast<double>(step - warmup) / static_cast<double>(config.lr_decay_steps()));
+  const double floor = config.min_lr();
+  if (progress >= 1.0) return floor;  // exactly: no rounding of peak - (peak - floor)
+  if (config.lr_decay() == proto::LR_DECAY_LINEAR) return peak - progress * (peak - floor);
+  return floor + 0.5 * (1.0 + std::cos(M_PI * progress)) * (peak - floor);
+}
+
+double LearningRateScale(const proto::ModelConfig& config, int64_t step) {
+  return config.lr() > 0 ? LearningRate(config, step) / config.lr() : 1.0;
 }
 
 }  // namespace dc

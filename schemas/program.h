@@ -97,4 +97,12 @@ std::vector<int64_t> PersistentBytesByKind(const proto::Schedule& schedule);
 // Tokens processed by all ranks in one optimizer step.
 int64_t TokensPerStep(const proto::ModelConfig& config, int world_size);
 
+// The learning rate of optimizer step `step` (0-based, absolute: a resumed run goes on with
+// it): lr * (step + 1) / lr_warmup_steps during the warm-up, then the decay from lr to min_lr
+// over lr_decay_steps, then min_lr (ModelConfig's fields).
+double LearningRate(const proto::ModelConfig& config, int64_t step);
+// LearningRate / lr: what the AdamW ops' lr attr (the peak) is scaled by in step `step`; 1
+// where lr is 0.
+double LearningRateScale(const proto::ModelConfig& config, int64_t step);
+
 }  // namespace dc

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 namespace dc {
 namespace {
 
@@ -113,6 +115,32 @@ TEST(Program, RejectsWritingAParam) {
   AddTensor(&p, "w", proto::ROLE_PARAM);
   AddOp(&p, "bad", proto::PHASE_FORWARD, {}, {0});
   EXPECT_FALSE(ValidateProgram(p).ok());
+}
+
+TEST(LearningRate, WarmsUpThenDecaysToTheFloorAndStaysThere) {
+  proto::ModelConfig c;
+  c.set_lr(1.0);
+  EXPECT_EQ(LearningRate(c, 0), 1.0);  // all zero: constant
+  EXPECT_EQ(LearningRate(c, 1000), 1.0);
+  c.set_lr_warmup_steps(4);
+  c.set_lr_decay_steps(10);
+  c.set_min_lr(0.1);
+  c.set_lr_decay(proto::LR_DECAY_COSINE);
+  EXPECT_EQ(LearningRate(c, 0), 0.25);  // (step + 1) / warm-up: the first step is not at 0
+  EXPECT_EQ(LearningRate(c, 3), 1.0);
+  EXPECT_EQ(LearningRate(c, 4), 1.0);            // the decay starts at the peak
+  EXPECT_NEAR(LearningRate(c, 9), 0.55, 1e-12);  // half-way: the mean of peak and floor
+  EXPECT_NEAR(LearningRate(c, 6), 0.1 + 0.45 * (1 + std::cos(M_PI * 0.2)), 1e-12);
+  EXPECT_EQ(LearningRate(c, 14), 0.1);
+  EXPECT_EQ(LearningRate(c, 1000000), 0.1);
+  c.set_lr_decay(proto::LR_DECAY_LINEAR);
+  EXPECT_NEAR(LearningRate(c, 6), 1.0 - 0.2 * 0.9, 1e-12);
+  EXPECT_EQ(LearningRate(c, 20), 0.1);
+  c.set_lr_decay(proto::LR_DECAY_CONSTANT);
+  EXPECT_EQ(LearningRate(c, 20), 1.0);
+  EXPECT_EQ(LearningRateScale(c, 0), 0.25);
+  c.set_lr(0);
+  EXPECT_EQ(LearningRateScale(c, 0), 1.0);
 }
 
 }  // namespace

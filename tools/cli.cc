@@ -41,6 +41,16 @@ void ModelFlags::Add(CLI::App& app) {
       "activation checkpointing: each decoder layer keeps only its input and recomputes the rest "
       "in its backward");
   AddOptional(app, "--seed", &overrides.seed, "seed of the initial weights and synthetic data");
+  AddOptional(app, "--lr", &overrides.lr, "peak learning rate of AdamW (default: the preset's)");
+  AddOptional(app, "--warmup-steps", &overrides.lr_warmup_steps,
+              "learning-rate warm-up: optimizer steps from lr/N up to --lr (default 0)");
+  AddOptional(app, "--decay-steps", &overrides.lr_decay_steps,
+              "learning-rate decay: optimizer steps after the warm-up from --lr down to "
+              "--min-lr (cosine unless --lr-decay says otherwise)");
+  AddOptional(app, "--min-lr", &overrides.min_lr,
+              "learning rate at the end of the decay (default 0)");
+  AddOptional(app, "--lr-decay", &overrides.lr_decay,
+              "shape of the decay: cosine, linear or constant (default cosine with --decay-steps)");
   AddOptional(
       app, "--data", &overrides.data_path,
       "flat binary file of uint16 token ids (as nanoGPT writes them) instead of synthetic tokens");

@@ -132,6 +132,7 @@ int main(int argc, char** argv) {
   SessionOptions session;
   session.backend = rank_backend->get();
   session.run = resume;
+  nlohmann::json saves = nlohmann::json::array();  // rank 0's published checkpoints
   if (!save_dir.empty()) {
     CheckpointOptions saving;
     saving.dir = save_dir;
@@ -139,6 +140,14 @@ int main(int argc, char** argv) {
     saving.final_step = total_steps;
     saving.keep = keep;
     saving.plan_digest = DigestOf(*plan);
+    saving.on_saved = [&, quiet_saves = json || quiet](int64_t step, const std::string& path,
+                                                       int64_t bytes, double seconds) {
+      saves.push_back({{"step", step}, {"path", path}, {"bytes", bytes}, {"seconds", seconds}});
+      if (!quiet_saves) {
+        std::printf("saved %s: %s in %.3f s\n", path.c_str(), FormatBytes(bytes).c_str(), seconds);
+        std::fflush(stdout);
+      }
+    };
     session.run.after_step = CheckpointSaver(saving);
   }
   session.run.device_memory_bytes = device_memory;
@@ -147,7 +156,8 @@ int main(int argc, char** argv) {
   session.timeout = std::chrono::seconds(timeout_s);
   if (!json && !quiet) {
     session.run.on_step = [&](int step, double loss, double seconds) {
-      std::printf("step %3d  loss %.5f  %.3f s\n", step + 1, loss, seconds);
+      std::printf("step %3d  loss %.5f  lr %.3g  %.3f s\n", step + 1, loss,
+                  LearningRate(plan->program().config(), step), seconds);
       std::fflush(stdout);
     };
   }
@@ -173,6 +183,7 @@ int main(int argc, char** argv) {
     j["first_step"] = session.run.first_step;
     if (!resumed_from.empty()) j["resumed_from"] = resumed_from;
     if (!save_dir.empty()) j["saved"] = save_dir + "/" + CheckpointDirName(total_steps);
+    if (!save_dir.empty()) j["saves"] = saves;
     if (result->trace) j["trace"] = trace_out;
     std::cout << j.dump() << "\n";
   } else {
@@ -186,9 +197,6 @@ int main(int argc, char** argv) {
     if (!resumed_from.empty()) {
       std::printf("resumed from %s (step %lld)\n", resumed_from.c_str(),
                   static_cast<long long>(session.run.first_step));
-    }
-    if (!save_dir.empty()) {
-      std::printf("saved %s/%s\n", save_dir.c_str(), CheckpointDirName(total_steps).c_str());
     }
   }
   return 0;

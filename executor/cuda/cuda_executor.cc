@@ -135,6 +135,7 @@ class CudaDevice : public RankDevice {
     context.config = args.config;
     context.grad_scale = args.grad_scale;
     context.adam_step = args.adam_step;
+    context.lr_scale = args.lr_scale;
     return RunCudaOp(op, inputs, outputs, context);
   }
 

@@ -901,6 +901,7 @@ Status AdamWConstantsFor(const proto::Op& op, const CudaKernelContext& context,
     return OpError(op, "adam step " + std::to_string(context.adam_step) + " is not 1-based");
   }
   const double step = static_cast<double>(context.adam_step);
+  lr *= context.lr_scale;  // the op's lr is the schedule's peak
   c->lr = lr;
   c->beta1 = beta1;
   c->one_minus_beta1 = 1.0 - beta1;

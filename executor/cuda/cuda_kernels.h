@@ -78,6 +78,7 @@ struct CudaKernelContext {
   // Scale of the loss gradient: 1 / (tokens in the whole optimizer step over all ranks).
   double grad_scale = 1.0;
   int64_t adam_step = 1;  // 1-based optimizer step, for Adam's bias correction
+  double lr_scale = 1.0;  // the schedule's factor on the op's lr (LearningRateScale)
   // Wait for the stream after the op and check the device error record, so that a failure is
   // reported by the op that caused it (tests, debugging).
   bool synchronous = false;
