@@ -48,11 +48,11 @@ std::string LayerName(int64_t layer, const std::string& rest) {
 // The HF name of a param inside decoder layer `layer`, from its dc name after the layer prefix.
 StatusOr<std::string> LayerParamName(int64_t layer, const std::string& rest) {
   static const std::map<std::string, std::string> kDense = {
-      {pn::kAttnNorm, "input_layernorm"},   {pn::kWq, "self_attn.q_proj"},
-      {pn::kWk, "self_attn.k_proj"},        {pn::kWv, "self_attn.v_proj"},
-      {pn::kWo, "self_attn.o_proj"},        {pn::kMlpNorm, "post_attention_layernorm"},
-      {pn::kWGate, "mlp.gate_proj"},        {pn::kWUp, "mlp.up_proj"},
-      {pn::kWDown, "mlp.down_proj"},        {pn::kRouter, "block_sparse_moe.gate"},
+      {pn::kAttnNorm, "input_layernorm"}, {pn::kWq, "self_attn.q_proj"},
+      {pn::kWk, "self_attn.k_proj"},      {pn::kWv, "self_attn.v_proj"},
+      {pn::kWo, "self_attn.o_proj"},      {pn::kMlpNorm, "post_attention_layernorm"},
+      {pn::kWGate, "mlp.gate_proj"},      {pn::kWUp, "mlp.up_proj"},
+      {pn::kWDown, "mlp.down_proj"},      {pn::kRouter, "block_sparse_moe.gate"},
   };
   if (auto it = kDense.find(rest); it != kDense.end()) return LayerName(layer, it->second);
   // "experts.<e>.<mlp param>": Mixtral's w1 is the gate, w3 the up and w2 the down projection.
@@ -213,16 +213,15 @@ StatusOr<Config> ParseConfigJson(const std::string& text, const std::string& pat
   DC_ASSIGN_OR_RETURN(c.num_key_value_heads,
                       Field<int64_t>(j, "num_key_value_heads", path, c.num_attention_heads));
   DC_ASSIGN_OR_RETURN(c.vocab_size, Field<int64_t>(j, "vocab_size", path, required));
+  DC_ASSIGN_OR_RETURN(c.max_position_embeddings, Field<int64_t>(j, "max_position_embeddings", path,
+                                                                moe ? kMixtralDefaultMaxPositions
+                                                                    : kLlamaDefaultMaxPositions));
   DC_ASSIGN_OR_RETURN(
-      c.max_position_embeddings,
-      Field<int64_t>(j, "max_position_embeddings", path,
-                     moe ? kMixtralDefaultMaxPositions : kLlamaDefaultMaxPositions));
-  DC_ASSIGN_OR_RETURN(c.rms_norm_eps, Field<double>(j, "rms_norm_eps", path,
-                                                    moe ? kMixtralDefaultNormEps
-                                                        : kLlamaDefaultNormEps));
-  DC_ASSIGN_OR_RETURN(c.rope_theta, Field<double>(j, "rope_theta", path,
-                                                  moe ? kMixtralDefaultRopeTheta
-                                                      : kLlamaDefaultRopeTheta));
+      c.rms_norm_eps,
+      Field<double>(j, "rms_norm_eps", path, moe ? kMixtralDefaultNormEps : kLlamaDefaultNormEps));
+  DC_ASSIGN_OR_RETURN(c.rope_theta,
+                      Field<double>(j, "rope_theta", path,
+                                    moe ? kMixtralDefaultRopeTheta : kLlamaDefaultRopeTheta));
   DC_ASSIGN_OR_RETURN(c.tie_word_embeddings, Field<bool>(j, "tie_word_embeddings", path, false));
   DC_ASSIGN_OR_RETURN(c.torch_dtype, Field<std::string>(j, "torch_dtype", path, "float32"));
   if (moe) {
@@ -235,10 +234,12 @@ StatusOr<Config> ParseConfigJson(const std::string& text, const std::string& pat
     DC_RETURN_IF_ERROR(CheckPositive(path, "num_local_experts", c.num_local_experts));
     DC_RETURN_IF_ERROR(CheckPositive(path, "num_experts_per_tok", c.num_experts_per_tok));
   }
-  for (const auto& [key, value] :
-       {std::pair{"hidden_size", c.hidden_size}, {"intermediate_size", c.intermediate_size},
-        {"num_hidden_layers", c.num_hidden_layers}, {"num_attention_heads", c.num_attention_heads},
-        {"num_key_value_heads", c.num_key_value_heads}, {"vocab_size", c.vocab_size}}) {
+  for (const auto& [key, value] : {std::pair{"hidden_size", c.hidden_size},
+                                   {"intermediate_size", c.intermediate_size},
+                                   {"num_hidden_layers", c.num_hidden_layers},
+                                   {"num_attention_heads", c.num_attention_heads},
+                                   {"num_key_value_heads", c.num_key_value_heads},
+                                   {"vocab_size", c.vocab_size}}) {
     DC_RETURN_IF_ERROR(CheckPositive(path, key, static_cast<double>(value)));
   }
   DC_RETURN_IF_ERROR(CheckPositive(path, "rms_norm_eps", c.rms_norm_eps));
@@ -251,8 +252,9 @@ StatusOr<Config> ParseConfigJson(const std::string& text, const std::string& pat
   // What dc's model does not compute: refused rather than silently computed otherwise.
   DC_ASSIGN_OR_RETURN(const std::string act, Field<std::string>(j, "hidden_act", path, "silu"));
   if (act != "silu") {
-    return Status::Error(path + ": hidden_act \"" + act + "\" is not supported (dc's MLP is "
-                                                          "SwiGLU: silu)");
+    return Status::Error(path + ": hidden_act \"" + act +
+                         "\" is not supported (dc's MLP is "
+                         "SwiGLU: silu)");
   }
   for (const char* key : {"attention_bias", "mlp_bias"}) {
     DC_ASSIGN_OR_RETURN(const bool bias, Field<bool>(j, key, path, false));
@@ -262,8 +264,8 @@ StatusOr<Config> ParseConfigJson(const std::string& text, const std::string& pat
     return Status::Error(path + ": rope_scaling " + it->dump() +
                          " is not supported (dc's RoPE is unscaled)");
   }
-  if (auto it = j.find("head_dim"); it != j.end() && !it->is_null() &&
-                                    *it != c.hidden_size / c.num_attention_heads) {
+  if (auto it = j.find("head_dim");
+      it != j.end() && !it->is_null() && *it != c.hidden_size / c.num_attention_heads) {
     return Status::Error(path + ": head_dim " + it->dump() +
                          " is not hidden_size / num_attention_heads, which dc's model requires");
   }
@@ -485,7 +487,8 @@ Status WriteDirAtomic(const std::string& dir_flag,
   if (status.ok()) status = SyncDirectory(tmp);
   if (status.ok()) {
     fs::rename(tmp, dir, ec);
-    if (ec) status = Status::Error(dir + ": cannot rename " + tmp + " to it (" + ec.message() + ")");
+    if (ec)
+      status = Status::Error(dir + ": cannot rename " + tmp + " to it (" + ec.message() + ")");
   }
   if (!status.ok()) {
     fs::remove_all(tmp, ec);

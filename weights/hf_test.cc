@@ -123,11 +123,11 @@ TEST(HfConfig, AMismatchNamesTheTensorAndBothShapes) {
   config.rope_theta = 5e5;
   EXPECT_NE(CheckMatchesProgram(config, "d/config.json", program).message().find("rope_theta"),
             std::string::npos);
-  EXPECT_NE(CheckMatchesProgram(ConfigOf(Program("mixtral-tiny").config()), "d/config.json",
-                                program)
-                .message()
-                .find("a MixtralForCausalLM, but the plan's model (tiny) is a LlamaForCausalLM"),
-            std::string::npos);
+  EXPECT_NE(
+      CheckMatchesProgram(ConfigOf(Program("mixtral-tiny").config()), "d/config.json", program)
+          .message()
+          .find("a MixtralForCausalLM, but the plan's model (tiny) is a LlamaForCausalLM"),
+      std::string::npos);
 }
 
 // A directory in HF's sharded layout with bf16 weights, as save_pretrained writes one.
@@ -158,11 +158,11 @@ TEST(HfModelDir, ReadsShardedBf16Checkpoints) {
   }
   ASSERT_TRUE(safetensors::Write(dir + "/model-00001-of-00002.safetensors", shard[0]).ok());
   ASSERT_TRUE(safetensors::Write(dir + "/model-00002-of-00002.safetensors", shard[1]).ok());
-  ASSERT_TRUE(WriteFileAtomic(dir + "/" + kIndexFile,
-                              nlohmann::json{{"metadata", {{"total_size", 1}}},
-                                             {"weight_map", weight_map}}
-                                  .dump())
-                  .ok());
+  ASSERT_TRUE(
+      WriteFileAtomic(
+          dir + "/" + kIndexFile,
+          nlohmann::json{{"metadata", {{"total_size", 1}}}, {"weight_map", weight_map}}.dump())
+          .ok());
   auto m = ModelDir::Open(dir);
   ASSERT_TRUE(m.ok()) << m.status().message();
   ASSERT_TRUE(m->CheckMatchesProgram(program).ok()) << m->CheckMatchesProgram(program).message();
@@ -179,9 +179,9 @@ TEST(HfModelDir, ReadsShardedBf16Checkpoints) {
       break;
     }
   }
-  ASSERT_TRUE(WriteFileAtomic(dir + "/" + kIndexFile,
-                              nlohmann::json{{"weight_map", weight_map}}.dump())
-                  .ok());
+  ASSERT_TRUE(
+      WriteFileAtomic(dir + "/" + kIndexFile, nlohmann::json{{"weight_map", weight_map}}.dump())
+          .ok());
   EXPECT_NE(ModelDir::Open(dir).status().message().find("which does not hold it"),
             std::string::npos);
   fs::remove(dir + "/" + kIndexFile);
@@ -213,8 +213,9 @@ TEST(HfModelDir, RefusesMissingTensorsAndWrongShapes) {
             dir + ": has no tensor lm_head.weight; is the export complete?");
   EXPECT_FALSE(m->Find("lm_head.weight").ok());
   EXPECT_EQ(ModelDir::Open(dir + "/nope").status().message(),
-            dir + "/nope: not a directory; pass a model directory (config.json and "
-                  "model.safetensors, as --export or Hugging Face write them)");
+            dir +
+                "/nope: not a directory; pass a model directory (config.json and "
+                "model.safetensors, as --export or Hugging Face write them)");
   // Tied embeddings stand in for the lm_head; then the norm's shape is the first problem.
   nlohmann::json j = nlohmann::json::parse(ConfigJson(config));
   j["tie_word_embeddings"] = true;
@@ -223,8 +224,31 @@ TEST(HfModelDir, RefusesMissingTensorsAndWrongShapes) {
   m = ModelDir::Open(dir);
   ASSERT_TRUE(m.ok());
   EXPECT_EQ(m->CheckMatchesProgram(program).message(),
-            dir + "/model.safetensors: model.norm.weight is [32] but [64] in the plan's model "
-                  "tiny (and in config.json)");
+            dir +
+                "/model.safetensors: model.norm.weight is [32] but [64] in the plan's model "
+                "tiny (and in config.json)");
+}
+
+// A directory is written whole or not at all: a failing writer leaves neither it nor its
+// temporary directory, and an existing directory is never written into.
+TEST(HfWriteDirAtomic, LeavesNothingOnFailure) {
+  const std::string parent = TempDir();
+  const std::string dir = parent + "/out";
+  Status failed = WriteDirAtomic(dir, [](const std::string& tmp) -> Status {
+    EXPECT_TRUE(WriteFileAtomic(tmp + "/half", "x").ok());
+    return Status::Error("disk full");
+  });
+  EXPECT_EQ(failed.message(), "disk full");
+  EXPECT_TRUE(fs::is_empty(parent));
+  ASSERT_TRUE(WriteDirAtomic(dir + "/", [](const std::string& tmp) {
+                return WriteFileAtomic(tmp + "/a", "1");
+              }).ok());
+  EXPECT_EQ(*ReadFileBytes(dir + "/a"), "1");
+  EXPECT_NE(WriteDirAtomic(dir, [](const std::string&) { return Status::Ok(); })
+                .message()
+                .find("already exists"),
+            std::string::npos);
+  EXPECT_EQ(std::distance(fs::directory_iterator(parent), fs::directory_iterator()), 1);
 }
 
 }  // namespace
