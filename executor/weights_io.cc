@@ -44,9 +44,8 @@ StatusOr<std::vector<float>> GatherWhole(Communicator* comm, const proto::Tensor
   const int64_t elements = NumElements(tensor);
   const int64_t shard_elements = ShardElements(elements, comm->world_size());
   if (static_cast<int64_t>(shard.size()) != shard_elements) {
-    return Status::Error("the shard of " + tensor.name() + " has " +
-                         std::to_string(shard.size()) + " elements, not " +
-                         std::to_string(shard_elements) + " (a dc bug)");
+    return Status::Error("the shard of " + tensor.name() + " has " + std::to_string(shard.size()) +
+                         " elements, not " + std::to_string(shard_elements) + " (a dc bug)");
   }
   std::vector<float> whole(static_cast<size_t>(shard_elements * comm->world_size()));
   DC_RETURN_IF_ERROR(comm->AllGather(shard.data(), shard_elements, whole.data()));
@@ -54,7 +53,9 @@ StatusOr<std::vector<float>> GatherWhole(Communicator* comm, const proto::Tensor
   return whole;
 }
 
-std::vector<int64_t> ShapeOf(const proto::Tensor& t) { return {t.shape().begin(), t.shape().end()}; }
+std::vector<int64_t> ShapeOf(const proto::Tensor& t) {
+  return {t.shape().begin(), t.shape().end()};
+}
 
 // What a reference implementation needs to repeat the run's first step and optimizer.
 std::string RunJson(const proto::Program& program, int world_size, int64_t step) {
@@ -84,8 +85,8 @@ struct WeightsIo {
   int64_t last_step = 0;   // steps_done after the run's last step
   int64_t first_step = 0;  // the run's first step
   std::shared_ptr<const hf::ModelDir> init_from;
-  std::map<int, std::string> hf_names;        // param id -> its HF name
-  std::map<int, std::vector<float>> grads;    // grad id -> this rank's first-step shard
+  std::map<int, std::string> hf_names;      // param id -> its HF name
+  std::map<int, std::vector<float>> grads;  // grad id -> this rank's first-step shard
   bool grads_dumped = false;
 
   Status Export(TrainingState& state) {
@@ -96,9 +97,9 @@ struct WeightsIo {
       DC_ASSIGN_OR_RETURN(const std::vector<float> shard, state.ReadShard(t.id()));
       DC_ASSIGN_OR_RETURN(std::vector<float> whole, GatherWhole(comm, t, shard));
       if (comm->rank() != 0) continue;
-      tensors.push_back(safetensors::F32Tensor(
-          hf_names.at(t.id()), ShapeOf(t),
-          std::make_shared<const std::vector<float>>(std::move(whole))));
+      tensors.push_back(
+          safetensors::F32Tensor(hf_names.at(t.id()), ShapeOf(t),
+                                 std::make_shared<const std::vector<float>>(std::move(whole))));
     }
     if (comm->rank() != 0) return Status::Ok();
     return hf::WriteModelDir(options.export_dir, hf::ConfigOf(program->config()),
@@ -118,19 +119,20 @@ struct WeightsIo {
       }
       DC_ASSIGN_OR_RETURN(std::vector<float> whole, GatherWhole(comm, t, shard->second));
       if (comm->rank() != 0) continue;
-      tensors.push_back(safetensors::F32Tensor(
-          hf_names.at(t.param()), ShapeOf(t),
-          std::make_shared<const std::vector<float>>(std::move(whole))));
+      tensors.push_back(
+          safetensors::F32Tensor(hf_names.at(t.param()), ShapeOf(t),
+                                 std::make_shared<const std::vector<float>>(std::move(whole))));
     }
     grads.clear();
     if (comm->rank() != 0) return Status::Ok();
     const std::string run_json = RunJson(*program, comm->world_size(), first_step);
-    return hf::WriteDirAtomic(options.dump_grads_dir,
-                              [&](const std::string& tmp) -> Status {
-                                DC_RETURN_IF_ERROR(safetensors::Write(
-                                    tmp + "/" + kGradsFile, std::move(tensors), {{"format", "pt"}}));
-                                return WriteFileAtomic(tmp + "/" + kRunFile, run_json);
-                              })
+    return hf::WriteDirAtomic(
+               options.dump_grads_dir,
+               [&](const std::string& tmp) -> Status {
+                 DC_RETURN_IF_ERROR(safetensors::Write(tmp + "/" + kGradsFile, std::move(tensors),
+                                                       {{"format", "pt"}}));
+                 return WriteFileAtomic(tmp + "/" + kRunFile, run_json);
+               })
         .Prefixed("--dump-grads: ");
   }
 };
@@ -196,8 +198,9 @@ Status AttachWeightsIo(const WeightsIoOptions& options, const proto::Program& pr
       const int64_t in_tensor = std::clamp<int64_t>(NumElements(t) - offset, 0, count);
       std::fill(out + in_tensor, out + count, 0.0f);  // the shard's padding
       if (in_tensor > 0) {
-        DC_RETURN_IF_ERROR(entry.file->ReadF32(*entry.info, offset, in_tensor, out)
-                               .Prefixed("--init-from: " + entry.file->path() + ": " + name + ": "));
+        DC_RETURN_IF_ERROR(
+            entry.file->ReadF32(*entry.info, offset, in_tensor, out)
+                .Prefixed("--init-from: " + entry.file->path() + ": " + name + ": "));
       }
       return true;
     };

@@ -48,9 +48,9 @@ std::string Plan(const std::string& dir, const std::string& model, int world,
                  const std::string& extra = "") {
   const std::string plan = dir + "/" + model + "-" + std::to_string(world) +
                            (extra.empty() ? "" : "-custom") + ".dcplan";
-  auto planned = RunCommand(Tool("dc-plan") + " --synthetic --hardware cpu --model " + model +
-                            " --world " + std::to_string(world) + " " + extra +
-                            " --no-cache --quiet -o " + plan);
+  auto planned =
+      RunCommand(Tool("dc-plan") + " --synthetic --hardware cpu --model " + model + " --world " +
+                 std::to_string(world) + " " + extra + " --no-cache --quiet -o " + plan);
   EXPECT_EQ(planned.exit_code, 0) << planned.err;
   return plan;
 }
@@ -71,12 +71,11 @@ TEST(WeightsIo, ExportInitFromExportIsByteIdenticalOnAnyWorldSize) {
     DcRun(one, "--steps 0 --init-from " + dir + "/a --export " + dir + "/b");
     DcRun(two, "--steps 0 --init-from " + dir + "/a --export " + dir + "/c");
     const auto a = Files(dir + "/a");
-    EXPECT_EQ((std::set<std::string>{"config.json", "model.safetensors"}),
-              Entries(dir + "/a"));
+    EXPECT_EQ((std::set<std::string>{"config.json", "model.safetensors"}), Entries(dir + "/a"));
     EXPECT_TRUE(a == Files(dir + "/b")) << model;
     EXPECT_TRUE(a == Files(dir + "/c")) << model;
-    EXPECT_EQ(Entries(dir), (std::set<std::string>{"a", "b", "c", model + "-1.dcplan",
-                                                   model + "-2.dcplan"}));
+    EXPECT_EQ(Entries(dir),
+              (std::set<std::string>{"a", "b", "c", model + "-1.dcplan", model + "-2.dcplan"}));
   }
 }
 
@@ -94,7 +93,8 @@ TEST(WeightsIo, InitFromStartsTrainingThere) {
   const std::string plan = Plan(dir, "tiny", 1);
   DcRun(plan, "--steps 4 --export " + dir + "/trained");
   const json seeded = json::parse(DcRun(plan, "--steps 1 --json"));
-  const json imported = json::parse(DcRun(plan, "--steps 1 --json --init-from " + dir + "/trained"));
+  const json imported =
+      json::parse(DcRun(plan, "--steps 1 --json --init-from " + dir + "/trained"));
   // The trained weights fit the data better than the seeded ones.
   EXPECT_LT(imported["losses"][0].get<double>(), seeded["losses"][0].get<double>() - 0.1);
 }
@@ -122,8 +122,8 @@ TEST(WeightsIo, RefusesBadDirectoriesInOneLine) {
     EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
     return run.err;
   };
-  EXPECT_NE(fails(tiny, "--export " + dir + "/mixtral").find("--export " + dir +
-                                                             "/mixtral: already exists"),
+  EXPECT_NE(fails(tiny, "--export " + dir + "/mixtral")
+                .find("--export " + dir + "/mixtral: already exists"),
             std::string::npos);
   EXPECT_NE(fails(tiny, "--export " + dir + "/no/such/out").find("does not exist"),
             std::string::npos);
@@ -146,8 +146,9 @@ TEST(WeightsIo, RefusesBadDirectoriesInOneLine) {
             std::string::npos);
   EXPECT_NE(fails(tiny, "--steps 0 --dump-grads " + dir + "/g").find("at least one step"),
             std::string::npos);
-  EXPECT_EQ(Entries(dir), (std::set<std::string>{"mixtral", "tiny-1.dcplan", "mixtral-tiny-1.dcplan",
-                                                 "mixtral-tiny-1-custom.dcplan"}));
+  EXPECT_EQ(Entries(dir),
+            (std::set<std::string>{"mixtral", "tiny-1.dcplan", "mixtral-tiny-1.dcplan",
+                                   "mixtral-tiny-1-custom.dcplan"}));
 }
 
 }  // namespace
