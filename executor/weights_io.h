@@ -16,7 +16,9 @@ struct WeightsIoOptions {
   // whose weights replace dc's seeded init; Adam's states start at zero. Empty: none.
   std::string init_from_dir;
   // Written at the end of the run: <dir>/model.safetensors (fp32, HF names) and
-  // <dir>/config.json, atomically as a directory. Empty: none.
+  // <dir>/config.json, atomically as a directory. Every rank gathers one param at a time; rank
+  // 0 keeps them all until the file is written (the whole fp32 model in host memory). Empty:
+  // none.
   std::string export_dir;
   // Written after the run's first step: <dir>/grads.safetensors (each param's gradient of the
   // step's mean loss, fp32, by the param's HF name) and <dir>/dc_run.json (the settings a
