@@ -51,8 +51,9 @@ struct RunOptions {
   std::function<StatusOr<bool>(const proto::Tensor& tensor, int64_t offset, int64_t count,
                                float* out)>
       initial_values;
-  // Called on every rank after every step (warm-up included) with the state at its end; an
-  // error stops the run. Checkpoints are written here.
+  // Called on every rank after every step (warm-up included) with the state at its end, or
+  // once with the start-up state when the run has no steps; an error stops the run.
+  // Checkpoints are written here.
   std::function<Status(TrainingState& state)> after_step;
   // Called on every rank in the run's first step with each grad's reduced fp32 shard (the
   // gradient of the step's mean loss over the global batch, this rank's chunk), just before

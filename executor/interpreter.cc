@@ -867,6 +867,8 @@ StatusOr<RunResult> RunSteps(Interpreter* runner, const proto::Schedule& schedul
   result.world_size = comm->world_size();
   result.tokens_per_step = TokensPerStep(schedule.program().config(), comm->world_size());
   const int total = options.warmup_steps + options.steps;
+  // A run of no steps still shows its state once (an import exported again, unchanged).
+  if (total == 0 && options.after_step) DC_RETURN_IF_ERROR(options.after_step(*runner));
   for (int i = 0; i < total; ++i) {
     const bool warmup = i < options.warmup_steps;
     const int64_t step = options.first_step + i;

@@ -9,3 +9,8 @@ target_link_libraries(dc_executor PUBLIC dc_schemas dc_cpu_kernels dc_data dc_mo
 dc_add_test(executor_test SOURCES executor_test.cc LIBS dc_executor dc_rewriter)
 # Anywhere: what the interpreter derives from a plan (waits, staging, host memory) and refuses.
 dc_add_test(layout_test SOURCES layout_test.cc LIBS dc_executor dc_rewriter dc_models dc_machine)
+
+# A run's weights in and out in Hugging Face's format (--init-from, --export, --dump-grads).
+add_library(dc_weights_io STATIC weights_io.cc)
+target_link_libraries(dc_weights_io PUBLIC dc_executor PRIVATE dc_weights nlohmann_json::nlohmann_json
+                      dc_warnings)

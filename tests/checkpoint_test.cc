@@ -148,6 +148,20 @@ TEST_F(Checkpoints, AKilledRunLeavesItsLastCompleteCheckpointUsable) {
   }
 }
 
+// A checkpoint exports as the run that wrote it would have: the same bytes.
+TEST_F(Checkpoints, ACheckpointExportsTheModelItHolds) {
+  const std::string save = dir_ + "/export";
+  Run("two", "--steps 2 --save " + save + " --export " + dir_ + "/export-direct");
+  Run("two", "--steps 2 --resume " + save + " --export " + dir_ + "/export-from-checkpoint");
+  const auto bytes = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string direct = bytes(dir_ + "/export-direct/model.safetensors");
+  ASSERT_GT(direct.size(), 1000u);
+  EXPECT_EQ(direct, bytes(dir_ + "/export-from-checkpoint/model.safetensors"));
+}
+
 TEST_F(Checkpoints, WhatCannotBeResumedIsRefusedInOneLine) {
   const std::string save = dir_ + "/refused";
   Run("two", "--steps 2 --save " + save);
@@ -161,6 +175,7 @@ TEST_F(Checkpoints, WhatCannotBeResumedIsRefusedInOneLine) {
       {Plan("two") + " --steps 4 --resume " + dir_ + "/nothing-here", "not a checkpoint directory"},
       {Plan("two") + " --steps 4 --resume " + dir_, "no complete checkpoint"},
       {Plan("two") + " --steps 4 --save-every 2", "needs --save"},
+      {Plan("two") + " --steps 4 --resume " + save + " --init-from " + save, "use one"},
       {Plan("two") + " --steps 1 --save /proc/dc-cannot-write", "cannot create the checkpoint"},
   };
   for (const Case& c : cases) {

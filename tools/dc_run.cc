@@ -9,6 +9,7 @@
 #include "executor/checkpoint.h"
 #include "executor/launch.h"
 #include "executor/session.h"
+#include "executor/weights_io.h"
 #include "schemas/digest.h"
 #include "schemas/files.h"
 #include "schemas/plan_file.h"
@@ -27,8 +28,9 @@ int main(int argc, char** argv) {
   int64_t device_memory = 0;
   bool json = false, quiet = false;
   app.add_option("plan", plan_path, "plan file written by dc-plan")->required();
-  app.add_option("--steps", steps, "optimizer steps to train")
-      ->check(CLI::Range(1, 100000000))
+  app.add_option("--steps", steps,
+                 "optimizer steps to train (0: none, e.g. --init-from DIR --export OUT)")
+      ->check(CLI::Range(0, 100000000))
       ->capture_default_str();
   app.add_option("--warmup", warmup,
                  "steps run first and left out of the losses, timings and profile")
@@ -66,9 +68,24 @@ int main(int argc, char** argv) {
   app.add_flag("--json", json,
                "print one JSON object (losses, step_seconds_median, tokens_per_second, ...)");
   app.add_flag("--quiet", quiet, "no per-step lines, only the summary");
+  WeightsIoOptions weights;
+  app.add_option("--init-from", weights.init_from_dir,
+                 "start from this model directory (config.json + safetensors, as --export or "
+                 "Hugging Face write them; sharded and bf16 too) instead of the seeded init");
+  app.add_option("--export", weights.export_dir,
+                 "at the end, write the model to this new directory as model.safetensors + "
+                 "config.json (Hugging Face's Llama/Mixtral names and layout, fp32)");
+  app.add_option("--dump-grads", weights.dump_grads_dir,
+                 "debugging: write the first step's full gradients (Hugging Face names) and "
+                 "its settings to this new directory, for comparing with another framework");
   CLI11_PARSE(app, argc, argv);
   if (Status distinct = CheckOutputIsNotAnInput(trace_out, {plan_path}); !distinct.ok()) {
     return cli::Fail("dc-run", distinct);
+  }
+  if (!resume_dir.empty() && !weights.init_from_dir.empty()) {
+    return cli::Fail("dc-run", Status::Error("--resume " + resume_dir + " and --init-from " +
+                                             weights.init_from_dir +
+                                             " both give the starting weights; use one"));
   }
   if (save_every > 0 && save_dir.empty()) {
     return cli::Fail("dc-run", Status::Error("--save-every " + std::to_string(save_every) +
@@ -77,6 +94,7 @@ int main(int argc, char** argv) {
 
   auto plan = LoadPlan(plan_path);
   if (!plan.ok()) return cli::Fail("dc-run", plan.status());
+  if (Status s = CheckWeightsIo(weights, plan->program()); !s.ok()) return cli::Fail("dc-run", s);
   // Decided before any rank starts, so a plan for the other backend is one line, not N.
   const BackendAvailability available = AvailableBackends();
   auto chosen = ResolveBackend(backend, available, "dc-run");
@@ -93,11 +111,13 @@ int main(int argc, char** argv) {
     auto checkpoint = Checkpoint::OpenNewest(resume_dir, plan->program(), plan->world_size());
     if (!checkpoint.ok()) return cli::Fail("dc-run", checkpoint.status());
     const int64_t done = (*checkpoint)->step();
-    if (done >= total_steps) {
+    // At --steps itself only to export it (--steps N --resume DIR --export OUT).
+    if (done > total_steps || (done == total_steps && weights.export_dir.empty())) {
       return cli::Fail("dc-run",
                        Status::Error((*checkpoint)->path() + " is at step " + std::to_string(done) +
                                      ", not before --steps " + std::to_string(total_steps) +
-                                     "; raise --steps to train further"));
+                                     "; raise --steps to train further (or add --export to "
+                                     "export it)"));
     }
     resumed_from = (*checkpoint)->path();
     resume.first_step = done;
@@ -160,6 +180,9 @@ int main(int argc, char** argv) {
                   LearningRate(plan->program().config(), step), seconds);
       std::fflush(stdout);
     };
+  }
+  if (Status s = AttachWeightsIo(weights, plan->program(), &session.run); !s.ok()) {
+    return cli::Fail("dc-run", s);
   }
   auto result = RunAsRank(*plan, session);
   if (!result.ok()) return cli::Fail("dc-run", result.status().Prefixed(plan_path + ": "));

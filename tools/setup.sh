@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set-up in one command: install the Debian packages that are missing, build, then
 #   tools/setup.sh          run the main job: dc-collect -> dc-plan -> dc-run on `tiny`, 2 ranks
-#   tools/setup.sh test     check the format (tools/format.sh --check), then run every test (ctest)
+#   tools/setup.sh test     check the format (tools/format.sh --check), then run every test (ctest;
+#                           python3-torch installed too, for the PyTorch parity tests)
 #   tools/setup.sh build    build only
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,11 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# The test mode also runs the PyTorch parity tests (tests/torch_reference), which skip without it.
+if [ "$mode" = test ]; then
+  dpkg-query -W -f='${Status}' python3-torch 2>/dev/null | grep -q "install ok installed" ||
+    missing+=(python3-torch)
+fi
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}" >&2
   sudo=""
