@@ -8,11 +8,13 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <numbers>
 #include <vector>
 
 #include "models/param_names.h"
 #include "models/random.h"
+#include "schemas/digest.h"
 
 namespace dc {
 namespace {
@@ -198,6 +200,37 @@ StatusOr<std::unique_ptr<TokenSource>> TokenSource::Open(const proto::ModelConfi
 std::unique_ptr<TokenSource> TokenSource::Synthetic(const proto::ModelConfig& config,
                                                     const SyntheticDataOptions& options) {
   return std::make_unique<SyntheticTokenSource>(config, options);
+}
+
+Status RecordDataFile(proto::ModelConfig* config) {
+  if (config->data_path().empty()) return Status::Ok();
+  std::error_code error;
+  const std::filesystem::path absolute = std::filesystem::absolute(config->data_path(), error);
+  if (error) return Status::Error(config->data_path() + ": " + error.message());
+  config->set_data_path(absolute.lexically_normal().string());
+  DC_RETURN_IF_ERROR(TokenSource::Open(*config).status());
+  DC_ASSIGN_OR_RETURN(const std::string sha256, Sha256OfFile(config->data_path()));
+  config->set_data_sha256(sha256);
+  return Status::Ok();
+}
+
+Status CheckDataFile(const proto::ModelConfig& config) {
+  if (config.data_path().empty() || config.data_sha256().empty()) return Status::Ok();
+  StatusOr<std::string> sha256 = Sha256OfFile(config.data_path());
+  if (!sha256.ok()) {
+    return Status::Error(sha256.status().message() +
+                         "; the plan trains on this token file: restore it, re-plan, or pass "
+                         "--data FILE");
+  }
+  if (*sha256 != config.data_sha256()) {
+    return Status::Error(config.data_path() +
+                         ": the token file changed since the plan was made "
+                         "(SHA-256 " +
+                         sha256->substr(0, 12) + "..., the plan recorded " +
+                         config.data_sha256().substr(0, 12) + "...); re-plan, or pass --data " +
+                         config.data_path() + " to train on it as it is now");
+  }
+  return Status::Ok();
 }
 
 int64_t SampleIndex(const proto::ModelConfig& config, int world_size, int64_t step,

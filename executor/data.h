@@ -33,6 +33,14 @@ class TokenSource {
   virtual void Sample(int64_t index, int32_t* tokens, int32_t* targets) const = 0;
 };
 
+// Records the token file of `config` (data_path, if any) as a plan keeps it: the path made
+// absolute, the file checked as TokenSource::Open checks it, and its SHA-256 in data_sha256.
+Status RecordDataFile(proto::ModelConfig* config);
+// Checks that the token file of `config` is the one it recorded (its SHA-256); the message
+// names the file and says to re-plan or to pass the file with --data to train on it as it is.
+// Configs without a recorded digest (synthetic data, older programs) pass.
+Status CheckDataFile(const proto::ModelConfig& config);
+
 // The global sample index of sequence `b` of `rank`'s micro-batch in micro-step `micro_step`
 // of optimizer step `step`. With a fixed global batch, the union over ranks is the same set
 // for every world size: ((step * gas + micro_step) * world + rank) * micro_batch + b.

@@ -10,6 +10,7 @@
 #include "collector/cupti/attach.h"
 #endif
 #include "executor/backends.h"
+#include "executor/data.h"
 #include "executor/launch.h"
 #include "executor/session.h"
 #include "rewriter/planner.h"
@@ -93,6 +94,7 @@ int main(int argc, char** argv) {
   }
   auto config = MakeConfig(model.preset, model.overrides);
   if (!config.ok()) return cli::Fail("dc-collect", config.status());
+  if (Status data = RecordDataFile(&*config); !data.ok()) return cli::Fail("dc-collect", data);
   auto program = BuildProgram(*config);
   if (!program.ok()) return cli::Fail("dc-collect", program.status());
   auto env = RankEnvFromEnvironment(rendezvous);

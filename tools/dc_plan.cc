@@ -10,6 +10,7 @@
 
 #include "analyzer/profile.h"
 #include "analyzer/trace.h"
+#include "executor/data.h"
 #include "machine/estimate.h"
 #include "machine/hardware.h"
 #include "machine/simulator.h"
@@ -44,6 +45,7 @@ nlohmann::json PredictionJson(const proto::Prediction& p) {
 Status SyntheticRequest(const cli::ModelFlags& model, const std::string& hardware, int world,
                         int gpus_per_node, int64_t budget, PlanRequest* request) {
   DC_ASSIGN_OR_RETURN(proto::ModelConfig config, MakeConfig(model.preset, model.overrides));
+  DC_RETURN_IF_ERROR(RecordDataFile(&config));
   DC_ASSIGN_OR_RETURN(proto::Program program, BuildProgram(config));
   DC_ASSIGN_OR_RETURN(HardwareProfile hw, FindHardware(hardware));
   DC_ASSIGN_OR_RETURN(ClusterShape cluster, MakeCluster(world, gpus_per_node));

@@ -1,12 +1,14 @@
 // dc-run: train by a plan with the lean executor.
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
 
 #include "executor/backends.h"
 #include "executor/checkpoint.h"
+#include "executor/data.h"
 #include "executor/launch.h"
 #include "executor/session.h"
 #include "executor/weights_io.h"
@@ -23,7 +25,7 @@ int main(int argc, char** argv) {
       "cuda: cuBLASLt, own kernels and NCCL on streams).\n"
       "Example: dc-run plan.dcplan --steps 20 --nproc 2 --json",
       "dc-run"};
-  std::string plan_path, trace_out, rendezvous, backend = "auto", save_dir, resume_dir;
+  std::string plan_path, trace_out, rendezvous, backend = "auto", save_dir, resume_dir, data_path;
   int steps = 20, warmup = 0, nproc = 0, timeout_s = 60, save_every = 0, keep = 2;
   int64_t device_memory = 0;
   bool json = false, quiet = false;
@@ -65,6 +67,9 @@ int main(int argc, char** argv) {
                  "go on from the newest complete checkpoint in this directory (any world size "
                  "or plan of the same model and global batch); --steps counts from step 0, so "
                  "the run trains the steps the checkpoint has not done");
+  app.add_option("--data", data_path,
+                 "train on this token file instead of the one the plan names (which must be "
+                 "unchanged since the plan was made: its SHA-256 is checked)");
   app.add_flag("--json", json,
                "print one JSON object (losses, step_seconds_median, tokens_per_second, ...)");
   app.add_flag("--quiet", quiet, "no per-step lines, only the summary");
@@ -94,6 +99,18 @@ int main(int argc, char** argv) {
 
   auto plan = LoadPlan(plan_path);
   if (!plan.ok()) return cli::Fail("dc-run", plan.status());
+  // The token file: the plan's, unchanged (checked once, before any rank starts), or --data
+  // (any file whose tokens fit the vocabulary: the plan depends on shapes, not on data).
+  proto::ModelConfig* config = plan->mutable_program()->mutable_config();
+  if (!data_path.empty()) {
+    config->set_data_path(std::filesystem::absolute(data_path).lexically_normal().string());
+    config->clear_data_sha256();
+    if (auto data = TokenSource::Open(*config); !data.ok()) {
+      return cli::Fail("dc-run", data.status());
+    }
+  } else if (!IsRankProcess()) {
+    if (Status data = CheckDataFile(*config); !data.ok()) return cli::Fail("dc-run", data);
+  }
   if (Status s = CheckWeightsIo(weights, plan->program()); !s.ok()) return cli::Fail("dc-run", s);
   // Decided before any rank starts, so a plan for the other backend is one line, not N.
   const BackendAvailability available = AvailableBackends();

@@ -1,5 +1,6 @@
-// Checkpoints through dc-run as a user meets them: save, resume bit-identically, resume under
-// another plan or world size, survive kill -9, and refuse what cannot be resumed.
+// Training as people run it, through the commands: checkpoints (save, resume bit-identically,
+// resume under another plan or world size, survive kill -9, refuse what cannot be resumed)
+// and token files (recorded by path and SHA-256 in the plan, a changed file refused).
 #include <gtest/gtest.h>
 #include <signal.h>
 
@@ -195,6 +196,49 @@ TEST_F(Checkpoints, WhatCannotBeResumedIsRefusedInOneLine) {
       RunCommand(Tool("dc-run") + " " + Plan("two") + " --steps 4 --resume " + save + " --quiet");
   EXPECT_EQ(damaged.exit_code, 1);
   EXPECT_NE(damaged.err.find("SHA-256"), std::string::npos) << damaged.err;
+}
+
+TEST(TokenFile, ThePlanRecordsItAndAChangedFileIsRefused) {
+  const std::string dir = FreshDir("token-file");
+  auto write_tokens = [](const std::string& path, uint16_t salt) {
+    std::ofstream out(path, std::ios::binary);
+    for (int i = 0; i < 4096; ++i) {
+      const uint16_t token = static_cast<uint16_t>((i * 31 + salt) % 256);
+      out.write(reinterpret_cast<const char*>(&token), sizeof(token));
+    }
+  };
+  write_tokens(dir + "/tokens.bin", 0);
+  write_tokens(dir + "/other.bin", 7);
+  // A relative path: the plan keeps it absolute, so the run works from any directory.
+  auto plan = RunCommand("cd " + dir + " && " + Tool("dc-plan") +
+                         " --synthetic --model tiny --world 1 --hardware cpu --no-cache "
+                         "--data tokens.bin -o p.dcplan");
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  const std::string run = "cd / && " + Tool("dc-run") + " " + dir + "/p.dcplan --steps 2 --json";
+  auto first = RunCommand(run);
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  const auto losses = nlohmann::json::parse(first.out)["losses"];
+
+  write_tokens(dir + "/tokens.bin", 3);  // the same size, other tokens
+  auto changed = RunCommand(run);
+  EXPECT_EQ(changed.exit_code, 1);
+  EXPECT_NE(changed.err.find("/tokens.bin: the token file changed since the plan was made"),
+            std::string::npos)
+      << changed.err;
+  EXPECT_EQ(std::count(changed.err.begin(), changed.err.end(), '\n'), 1) << changed.err;
+
+  // --data trains on a file as it is: the changed one, or another.
+  auto overridden = RunCommand(run + " --data " + dir + "/tokens.bin");
+  ASSERT_EQ(overridden.exit_code, 0) << overridden.err;
+  EXPECT_NE(nlohmann::json::parse(overridden.out)["losses"], losses);
+  write_tokens(dir + "/tokens.bin", 0);  // restored: the plan's file again
+  auto restored = RunCommand(run);
+  ASSERT_EQ(restored.exit_code, 0) << restored.err;
+  EXPECT_EQ(nlohmann::json::parse(restored.out)["losses"], losses);
+  EXPECT_EQ(RunCommand(run + " --data " + dir + "/other.bin").exit_code, 0);
+  auto missing = RunCommand(run + " --data " + dir + "/none.bin");
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_NE(missing.err.find("none.bin"), std::string::npos) << missing.err;
 }
 
 }  // namespace
