@@ -141,12 +141,16 @@ std::vector<MemoryChart::Point> Thin(std::vector<MemoryChart::Point> points, int
                                      int max_points) {
   if (static_cast<int>(points.size()) <= max_points || duration_ns <= 0) return points;
   const int64_t buckets = std::max(1, max_points / 2);
+  // In 128 bits: a time (up to 2^62 ns) times the buckets leaves 64.
+  auto bucket_of = [&](int64_t t_ns) {
+    return static_cast<__int128>(t_ns) * buckets / duration_ns;
+  };
   std::vector<MemoryChart::Point> thinned;
   size_t i = 0;
   while (i < points.size()) {
-    const int64_t bucket = points[i].t_ns * buckets / duration_ns;
+    const __int128 bucket = bucket_of(points[i].t_ns);
     size_t highest = i, end = i;
-    while (end < points.size() && points[end].t_ns * buckets / duration_ns == bucket) {
+    while (end < points.size() && bucket_of(points[end].t_ns) == bucket) {
       if (points[end].total_bytes > points[highest].total_bytes) highest = end;
       ++end;
     }
