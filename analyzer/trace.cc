@@ -28,7 +28,7 @@ constexpr char kMemsetTable[] = "CUPTI_ACTIVITY_KIND_MEMSET";
 constexpr char kMemoryTable[] = "CUDA_GPU_MEMORY_USAGE_EVENTS";
 constexpr char kRerecord[] = "re-record it with dc-collect";
 // The processes of a dc trace's ranks, as SQL.
-constexpr char kDcOwners[] = "SELECT globalPid FROM TC_RANK";
+constexpr char kDcOwners[] = "SELECT globalPid FROM TC_RANK WHERE globalPid IS NOT NULL";
 
 // nsys global ids: the process id sits in bits 24..47.
 constexpr int64_t kPidUnit = int64_t{1} << 24;
@@ -155,7 +155,7 @@ class ProblemCase {
   // The row's owner is one of `owners` (an SQL list or subquery: the trace's ranks).
   ProblemCase& OwnedBy(const std::string& column, const std::string& owners) {
     if (c_.Has(column) && !owners.empty()) {
-      Add(c_.Or(column, "") + " NOT IN (" + owners + ")", column + " of no rank in TC_RANK");
+      Add(c_.Or(column, "") + " NOT IN (" + owners + ")", column + " of no rank");
     }
     return *this;
   }
@@ -172,7 +172,7 @@ class ProblemCase {
 };
 
 // An activity row (kernel, memcpy, memset): times, owner and stream, and bytes where it has them.
-// `owners`: the ranks' globalPids as SQL (dc traces), or empty.
+// `owners`: the ranks' globalPids as SQL (Trace::owners_sql_), or empty.
 std::string ActivityProblems(const Columns& c, bool with_bytes, const std::string& owners) {
   ProblemCase p(c);
   p.Integer("start").Integer("end").Integer("globalPid").Integer("streamId");
@@ -245,9 +245,8 @@ std::string KernelNameSql(const Columns& k, bool have_strings) {
 // correlationId, bytes, name. Rows that break the range rules are left out (Trace::skipped()
 // counts them); `collective_problems` is CollectiveProblems over TC_COLLECTIVE AS c (dc).
 std::string KernelSelect(const Columns& k, bool dc, bool have_strings,
-                         const std::string& collective_problems) {
+                         const std::string& collective_problems, const std::string& owners) {
   const std::string name = KernelNameSql(k, have_strings);
-  const std::string owners = dc ? kDcOwners : "";
   const std::string common = k.Or("globalPid", "0") + ", " + k.Or("deviceId", "0") + ", " +
                              k.Or("streamId", "0") + ", k.start, k.\"end\", " +
                              k.Or("correlationId", "0");
@@ -279,8 +278,7 @@ std::string MemsetSelect(const Columns& m, const std::string& owners) {
 }
 
 // Columns: globalPid, deviceId, start, address, bytes, operation, name, kind, correlationId.
-std::string MemorySelect(const Columns& e, bool dc) {
-  const std::string owners = dc ? kDcOwners : "";
+std::string MemorySelect(const Columns& e, bool dc, const std::string& owners) {
   const std::string kind = dc && e.Has("tcKind")
                                ? e.Or("tcKind", "''")
                                : LabelCase(e.Or("memKind", "7"), kMemKindLabels, "", "");
@@ -559,8 +557,10 @@ Status Trace::LoadNsysRanks(const std::set<std::string>& tables) {
   std::string sql;
   DC_ASSIGN_OR_RETURN(std::set<std::string> mpi_columns, ColumnNames(db_, path_, "MPI_RANKS"));
   if (mpi_columns.contains("globalTid") && mpi_columns.contains("rank")) {
-    sql = "SELECT DISTINCT (globalTid / " + std::to_string(kPidUnit) + ") * " +
-          std::to_string(kPidUnit) + ", rank FROM MPI_RANKS ORDER BY rank, 1";
+    const std::string pid =
+        "(globalTid / " + std::to_string(kPidUnit) + ") * " + std::to_string(kPidUnit);
+    sql = "SELECT DISTINCT " + pid + ", rank FROM MPI_RANKS ORDER BY rank, 1";
+    owners_sql_ = "SELECT " + pid + " FROM MPI_RANKS WHERE globalTid IS NOT NULL";
   } else {
     std::string pids;
     for (const char* table : {kKernelTable, kMemcpyTable, kMemsetTable}) {
@@ -664,7 +664,8 @@ Status Trace::BuildQueries(const std::set<std::string>& tables) {
   }
   DC_RETURN_IF_ERROR(CheckKernelNames(tables));
   const Columns k("k", kernel);
-  const std::string owners = dc ? kDcOwners : "";
+  if (dc) owners_sql_ = kDcOwners;
+  const std::string& owners = owners_sql_;
   DC_ASSIGN_OR_RETURN(int64_t kernels,
                       CountSkipped(kKernelTable, "k", ActivityProblems(k, false, owners)));
   if (kernels == 0) {
@@ -684,7 +685,7 @@ Status Trace::BuildQueries(const std::set<std::string>& tables) {
     collective_problems = CollectiveProblems(c);
     DC_RETURN_IF_ERROR(CountSkipped("TC_COLLECTIVE", "c", collective_problems).status());
   }
-  std::string sql = KernelSelect(k, dc, tables.contains("StringIds"), collective_problems);
+  std::string sql = KernelSelect(k, dc, tables.contains("StringIds"), collective_problems, owners);
   DC_ASSIGN_OR_RETURN(std::set<std::string> memcpy_columns, ColumnNames(db_, path_, kMemcpyTable));
   const Columns m("m", memcpy_columns);
   if (memcpy_columns.contains("start") && memcpy_columns.contains("end")) {
@@ -703,7 +704,7 @@ Status Trace::BuildQueries(const std::set<std::string>& tables) {
   const Columns e("e", memory);
   if (memory.contains("start")) {
     DC_RETURN_IF_ERROR(CountSkipped(kMemoryTable, "e", MemoryProblems(e, owners)).status());
-    memory_sql_ = MemorySelect(e, dc);
+    memory_sql_ = MemorySelect(e, dc, owners);
   }
   if (dc) {
     DC_ASSIGN_OR_RETURN(std::set<std::string> map_columns,

@@ -147,6 +147,9 @@ class Trace {
   std::map<int64_t, std::string> stream_names_;
   // Built at Open from the columns the file has.
   std::string activity_sql_, memory_sql_, samples_sql_, lookup_sql_;
+  // The ranks' globalPids as SQL, where rows of other processes can exist (dc traces, nsys
+  // exports with MPI_RANKS); empty where every process with activity is a rank.
+  std::string owners_sql_;
 };
 
 }  // namespace dc

@@ -475,7 +475,7 @@ TEST_F(CorruptRowsTest, TimesBytesAndOwnersOutOfRangeAreLeftOutAndCounted) {
   EXPECT_EQ(
       Skipped(*trace, kKernel, "start out of range (more than 73 years from the trace's start)"),
       1);
-  EXPECT_EQ(Skipped(*trace, kKernel, "globalPid of no rank in TC_RANK"), 1);
+  EXPECT_EQ(Skipped(*trace, kKernel, "globalPid of no rank"), 1);
   EXPECT_EQ(Skipped(*trace, kKernel, "streamId out of range (negative or over 2^48)"), 1);
   EXPECT_EQ(
       Skipped(*trace, "CUPTI_ACTIVITY_KIND_MEMCPY", "bytes out of range (negative or over 1 PiB)"),
@@ -581,6 +581,22 @@ TEST(NsysCompatTest, TwoProcessesOfOneMpiRankAreAnError) {
           "CREATE TABLE MPI_RANKS(globalTid INTEGER, rank INTEGER);"
           "INSERT INTO MPI_RANKS VALUES (33554433, 0), (16777217, 0);");
   ExpectOpenError(path, "MPI_RANKS lists rank 0 for two processes");
+}
+
+TEST(NsysCompatTest, ActivityOfAProcessOutsideMpiRanksIsCounted) {
+  TempDir dir;
+  const std::string path = dir.File("mpi.sqlite");
+  ExecSql(path,
+          "CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL(start INTEGER, end INTEGER, globalPid INTEGER, "
+          "shortName TEXT);"
+          "INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (1, 2, 33554432, 'k'), "
+          "(1, 2, 50331648, 'stray');"
+          "CREATE TABLE MPI_RANKS(globalTid INTEGER, rank INTEGER);"
+          "INSERT INTO MPI_RANKS VALUES (33554433, 0);");
+  auto trace = Trace::Open(path);
+  ASSERT_TRUE(trace.ok()) << trace.status().message();
+  EXPECT_EQ(Skipped(**trace, "CUPTI_ACTIVITY_KIND_KERNEL", "globalPid of no rank"), 1);
+  EXPECT_EQ(CountActivities(**trace), 1);
 }
 
 TEST(NsysCompatTest, EmptyKernelTableIsAnError) {

@@ -830,6 +830,12 @@ StatusOr<Summary> Summarize(const Timeline& timeline, const SummaryOptions& opti
 
 namespace {
 
+int64_t SkippedRecordsOf(const Summary& s) {
+  int64_t total = 0;
+  for (const SkippedRecords& r : s.skipped) total += r.count;  // table row counts: the sum fits
+  return total;
+}
+
 nlohmann::json PeakJson(const PeakMemory& peak, int64_t window_start_ns) {
   nlohmann::json by_kind = nlohmann::json::object();
   for (const auto& [kind, bytes] : peak.by_kind) by_kind[kind] = bytes;
@@ -959,13 +965,11 @@ nlohmann::json SummaryJson(const Summary& summary) {
       {"exposed_communication_seconds_median", summary.exposed_communication_seconds_median},
       {"peak_memory_bytes", summary.peak_memory_bytes},
       {"notes", summary.notes}};
-  int64_t skipped_records = 0;
   nlohmann::json skipped = nlohmann::json::array();
   for (const SkippedRecords& s : summary.skipped) {
-    skipped_records += s.count;  // each count is a table's rows: the sum fits
     skipped.push_back({{"source", s.source}, {"problem", s.problem}, {"count", s.count}});
   }
-  j["skipped_records"] = skipped_records;
+  j["skipped_records"] = SkippedRecordsOf(summary);
   j["skipped"] = skipped;
   j["ranks"] = nlohmann::json::array();
   for (const RankSummary& r : summary.ranks) j["ranks"].push_back(RankJson(r));
@@ -1007,6 +1011,7 @@ std::map<std::string, std::pair<ActivityClass, double>> PerWindow(const Summary&
 
 nlohmann::json SideJson(const Summary& s) {
   return {{"path", s.path},
+          {"skipped_records", SkippedRecordsOf(s)},
           {"format", TimelineFormatName(s.format)},
           {"measured_windows", s.measured_windows},
           {"step_seconds", s.step_seconds_median},
@@ -1108,6 +1113,12 @@ std::string DiffText(const Diff& diff) {
     AppendLine(&out, "  %10s %10s %+10.3f  %s", r.a_seconds >= 0 ? Ms(r.a_seconds).c_str() : "-",
                r.b_seconds >= 0 ? Ms(r.b_seconds).c_str() : "-", r.change_seconds * 1e3,
                r.name.c_str());
+  }
+  for (const SkippedRecords& r : diff.a.skipped) {
+    AppendLine(&out, "warning: A: %s", r.Text().c_str());
+  }
+  for (const SkippedRecords& r : diff.b.skipped) {
+    AppendLine(&out, "warning: B: %s", r.Text().c_str());
   }
   for (const std::string& n : diff.a.notes) AppendLine(&out, "note: A: %s", n.c_str());
   for (const std::string& n : diff.b.notes) AppendLine(&out, "note: B: %s", n.c_str());
