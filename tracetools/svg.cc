@@ -451,6 +451,12 @@ StatusOr<MemoryChart> BuildMemoryChart(const Timeline& timeline,
                          ": no memory events; nothing to draw (nsys: record with "
                          "--cuda-memory-usage=true; PyTorch: profile_memory=True)");
   }
+  if (w.whole_span && (w.start_ns == kMinNs || w.end_ns == kMaxNs)) {
+    // Found by fuzzing: a rank whose rows were all left out has no span to draw over.
+    return Status::Error(timeline.path() + ": rank " +
+                         std::to_string(timeline.ranks()[w.rank_index].rank) +
+                         " has no activity or memory event to draw; pick another with --rank");
+  }
   chart.title = timeline.path() + ": live device memory, rank " +
                 std::to_string(timeline.ranks()[w.rank_index].rank) + ", " + chart.window;
   Finish(levels, w, &chart, options.max_points);
