@@ -136,6 +136,8 @@ void SeedTrace::WriteEdited(const uint8_t* data, size_t size, const std::string&
   if (tables_.empty()) return;
   sqlite3* db = nullptr;
   if (sqlite3_open(out.c_str(), &db) != SQLITE_OK) std::abort();
+  // A scratch file: no syncs, one transaction (an fsync per edit dominated the run time).
+  Exec(db, "PRAGMA synchronous = OFF; PRAGMA journal_mode = MEMORY; BEGIN");
   for (size_t e = 0; e < kMaxEdits && (e + 1) * kEditBytes <= size; ++e) {
     const uint8_t* p = data + e * kEditBytes;
     const size_t t = p[0] % tables_.size();
@@ -187,6 +189,7 @@ void SeedTrace::WriteEdited(const uint8_t* data, size_t size, const std::string&
     }
     if (!sql.empty()) Exec(db, sql);
   }
+  Exec(db, "COMMIT");
   sqlite3_close(db);
 }
 
