@@ -89,6 +89,7 @@ SeedTrace SeedTrace::Loosened(const std::string& path, const std::vector<std::st
   SeedTrace seed;
   sqlite3* db = nullptr;
   if (sqlite3_open(path.c_str(), &db) != SQLITE_OK) std::abort();
+  Exec(db, "PRAGMA synchronous = OFF; PRAGMA journal_mode = MEMORY");
   for (const std::string& table : tables) {
     std::vector<std::string> columns = Columns(db, table);
     if (columns.empty()) continue;

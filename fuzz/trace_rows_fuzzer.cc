@@ -20,6 +20,12 @@ const dc::fuzz::SeedTrace& Seed() {
 
 }  // namespace
 
+// The seed is made before the first input, outside the per-input timeout.
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  Seed();
+  return 0;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string path = dc::fuzz::TempPath("trace.db");
   Seed().WriteEdited(data, size, path);

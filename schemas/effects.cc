@@ -127,9 +127,9 @@ Status CheckReferences(const proto::Schedule& schedule) {
   const proto::Program& program = schedule.program();
   DC_RETURN_IF_ERROR(CheckSizes(schedule));
   // Micro-steps index per-(tensor, micro-step) tables: bounded by the program's accumulation
-  // steps (as the verifier has them) and kMaxMicroSteps.
-  const int64_t micro_steps =
-      std::min<int64_t>(kMaxMicroSteps, std::max<int64_t>(1, program.config().gas()));
+  // steps where it says (as the verifier has them), and by kMaxMicroSteps always.
+  const int64_t gas = program.config().gas();
+  const int64_t micro_steps = gas > 0 ? std::min<int64_t>(gas, kMaxMicroSteps) : kMaxMicroSteps;
   for (int i = 0; i < schedule.instructions_size(); ++i) {
     const proto::Instruction& instr = schedule.instructions(i);
     if (instr.kind() == proto::INSTR_UNSPECIFIED || !proto::InstrKind_IsValid(instr.kind())) {

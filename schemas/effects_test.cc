@@ -243,9 +243,15 @@ TEST(Effects, EveryMisuseIsRefusedWithItsMessage) {
       {"bad micro-step", [](proto::Schedule* s) { Add(s, proto::INSTR_RELEASE, -1, {kA}, -5); },
        "instruction 0 (release) has a bad micro-step -5"},
       // Issue 13: untrusted plans index per-micro-step tables and op operands.
-      {"micro-step beyond the program's gas",
+      {"micro-step beyond any gas",
        [](proto::Schedule* s) { Add(s, proto::INSTR_RELEASE, -1, {kA}, 2147483647); },
        "instruction 0 (release) has a bad micro-step 2147483647"},
+      {"micro-step beyond the program's gas",
+       [](proto::Schedule* s) {
+         s->mutable_program()->mutable_config()->set_gas(2);
+         Add(s, proto::INSTR_RELEASE, -1, {kA}, 2);
+       },
+       "instruction 0 (release) has a bad micro-step 2"},
       {"op reading a bad tensor id",
        [](proto::Schedule* s) { s->mutable_program()->mutable_ops(kHead)->set_inputs(0, 12345); },
        "op 1 (head) names a bad tensor id 12345"},
