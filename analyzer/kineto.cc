@@ -18,6 +18,8 @@
 #include <set>
 #include <streambuf>
 
+#include "analyzer/limits.h"
+
 namespace dc {
 namespace {
 
@@ -96,7 +98,15 @@ std::string Lower(std::string text) {
   return text;
 }
 
-int64_t Ns(double microseconds) { return std::llround(microseconds * kNsPerMicrosecond); }
+// The range rules (analyzer/limits.h) for Kineto's numbers: each names what is wrong, and the
+// reader prefixes the file and event index.
+constexpr int64_t kMaxId = int64_t{1} << 62;  // pids, device ids, addresses, thread ids
+
+std::string NumberText(double value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.17g", value);
+  return text;
+}
 
 // HTA's CommunicateKernelGroupingPattern for NCCL: ^nccl.* or .*ncclKernel.*.
 bool IsNcclKernel(const std::string& name) {
@@ -126,7 +136,12 @@ class EventReader {
  public:
   explicit EventReader(FileEvents* file) : file_(file) {}
 
-  void Read(const json& event) {
+  // The first event that broke a range rule ends the reading: its error names it.
+  const Status& status() const { return status_; }
+
+  void Read(const json& event, int64_t index) {
+    if (!status_.ok()) return;
+    index_ = index;
     const std::string ph = Text(event, "ph");
     if (ph == "X") {
       Complete(event);
@@ -138,6 +153,41 @@ class EventReader {
   }
 
  private:
+  // `key` of `object` as an integer in [lo, hi] after scaling by `scale`; `fallback` where it is
+  // absent or not a number, nullopt (and the reader's error) where it is out of range.
+  std::optional<int64_t> Get(const json& object, const char* key, double scale, int64_t lo,
+                             int64_t hi, int64_t fallback) {
+    const std::optional<double> value = Number(object, key);
+    if (!value) return fallback;
+    std::optional<int64_t> scaled = TraceLimits::Scaled(*value, scale, lo, hi);
+    if (!scaled && status_.ok()) {
+      status_ =
+          Status::Error(file_->path + ": traceEvents[" + std::to_string(index_) + "]: " + key +
+                        " " + NumberText(*value) + " is out of range (" + std::to_string(lo) +
+                        " to " + std::to_string(hi) + (scale != 1 ? " after scaling" : "") +
+                        "); the trace is corrupt, export it again");
+    }
+    return scaled;
+  }
+  std::optional<int64_t> TimeNs(const json& object, const char* key) {
+    return Get(object, key, kNsPerMicrosecond, -TraceLimits::kMaxAbsTimeNs,
+               TraceLimits::kMaxAbsTimeNs, 0);
+  }
+  std::optional<int64_t> DurationNs(const json& object) {
+    return Get(object, "dur", kNsPerMicrosecond, 0, TraceLimits::kMaxAbsTimeNs, 0);
+  }
+  // An activity or step from ts and dur, both checked; nullopt after an error.
+  std::optional<std::pair<int64_t, int64_t>> Span(const json& event) {
+    const std::optional<int64_t> start = TimeNs(event, "ts"), duration = DurationNs(event);
+    if (!start || !duration) return std::nullopt;
+    if (*start + *duration > TraceLimits::kMaxAbsTimeNs) {  // both within 2^61: no overflow
+      status_ = Status::Error(file_->path + ": traceEvents[" + std::to_string(index_) +
+                              "]: ts + dur is out of range; the trace is corrupt, export it again");
+      return std::nullopt;
+    }
+    return std::pair{*start, *start + *duration};
+  }
+
   static const json& Args(const json& event) {
     static const json kEmpty = json::object();
     auto it = event.find("args");
@@ -155,49 +205,72 @@ class EventReader {
     const bool copy = category == "gpu_memcpy" || category == "gpu_memset" ||
                       category == "memcpy" || category == "memset";
     if (!kernel && !copy) return;
-    const std::optional<double> ts = Number(event, "ts");
-    if (!ts) {
+    if (!Number(event, "ts")) {
       ++file_->skipped;
       return;
     }
     const json& args = Args(event);
+    const std::optional<std::pair<int64_t, int64_t>> span = Span(event);
+    const std::optional<int64_t> tid = Get(event, "tid", 1, 0, TraceLimits::kMaxStreamId, 0);
+    const std::optional<int64_t> pid = Get(event, "pid", 1, -kMaxId, kMaxId, 0);
+    if (!span || !tid || !pid) return;
+    const std::optional<int64_t> stream =
+        Get(args, "stream", 1, 0, TraceLimits::kMaxStreamId, *tid);
+    const std::optional<int64_t> bytes = Get(args, "bytes", 1, 0, TraceLimits::kMaxRecordBytes, 0);
+    const std::optional<int64_t> device = Get(args, "device", 1, -kMaxId, kMaxId, *pid);
+    if (!stream || !bytes || !device) return;
     RawActivity raw;
     TimelineActivity& a = raw.activity;
     a.kind = copy                 ? ActivityClass::kCopy
              : IsNcclKernel(name) ? ActivityClass::kCommunication
                                   : ActivityClass::kCompute;
     a.name = name;
-    a.start_ns = Ns(*ts);
-    a.end_ns = a.start_ns + std::max<int64_t>(0, Ns(Number(event, "dur").value_or(0)));
-    a.stream_id =
-        static_cast<int64_t>(Number(args, "stream").value_or(Number(event, "tid").value_or(0)));
-    a.bytes = static_cast<int64_t>(Number(args, "bytes").value_or(0));
-    raw.device =
-        static_cast<int64_t>(Number(args, "device").value_or(Number(event, "pid").value_or(0)));
+    a.start_ns = span->first;
+    a.end_ns = span->second;
+    a.stream_id = *stream;
+    a.bytes = *bytes;
+    raw.device = *device;
     file_->activities.push_back(std::move(raw));
   }
 
   void Step(const json& event, const std::string& name, std::vector<TimelineStep>* steps) {
     if (!name.starts_with(kStepPrefix)) return;
-    const std::optional<double> ts = Number(event, "ts");
-    if (!ts) return;
+    if (!Number(event, "ts")) return;
+    const std::optional<std::pair<int64_t, int64_t>> span = Span(event);
+    if (!span) return;
+    const char* digits = name.c_str() + std::strlen(kStepPrefix);
+    char* end = nullptr;
+    errno = 0;
+    const long long number = std::strtoll(digits, &end, 10);
+    if (end == digits || *end != '\0' || errno == ERANGE || number < 0 ||
+        number > TraceLimits::kMaxIndex) {
+      status_ = Status::Error(file_->path + ": traceEvents[" + std::to_string(index_) +
+                              "]: step marker '" + name +
+                              "' has no step number in range; export the trace again");
+      return;
+    }
     TimelineStep step;
-    step.step = std::atoi(name.c_str() + std::strlen(kStepPrefix));
-    step.start_ns = Ns(*ts);
-    step.end_ns = step.start_ns + std::max<int64_t>(0, Ns(Number(event, "dur").value_or(0)));
+    step.step = static_cast<int>(number);
+    step.start_ns = span->first;
+    step.end_ns = span->second;
     steps->push_back(step);
   }
 
   void Memory(const json& event) {
     const json& args = Args(event);
-    const std::optional<double> ts = Number(event, "ts");
-    const std::optional<double> bytes = Number(args, "Bytes");
-    if (!ts || !bytes) return;
-    if (static_cast<int64_t>(Number(args, "Device Type").value_or(-1)) == kCpuDeviceType) return;
+    if (!Number(event, "ts") || !Number(args, "Bytes")) return;
+    const std::optional<int64_t> device_type = Get(args, "Device Type", 1, -kMaxId, kMaxId, -1);
+    if (!device_type || *device_type == kCpuDeviceType) return;
+    const std::optional<int64_t> ts = TimeNs(event, "ts");
+    // Negative bytes free what was allocated.
+    const std::optional<int64_t> bytes =
+        Get(args, "Bytes", 1, -TraceLimits::kMaxRecordBytes, TraceLimits::kMaxRecordBytes, 0);
+    const std::optional<int64_t> address = Get(args, "Addr", 1, -kMaxId, kMaxId, 0);
+    if (!ts || !bytes || !address) return;
     TimelineMemoryEvent e;
-    e.ts_ns = Ns(*ts);
-    e.address = static_cast<int64_t>(Number(args, "Addr").value_or(0));
-    e.bytes = std::llabs(static_cast<int64_t>(*bytes));
+    e.ts_ns = *ts;
+    e.address = *address;
+    e.bytes = *bytes < 0 ? -*bytes : *bytes;
     e.alloc = *bytes >= 0;
     e.kind = "allocated";
     file_->memory.push_back(e);
@@ -205,33 +278,61 @@ class EventReader {
 
   void ThreadName(const json& event) {
     const std::string name = Text(Args(event), "name");
-    const std::optional<double> pid = Number(event, "pid"), tid = Number(event, "tid");
-    if (name.empty() || !pid || !tid) return;
-    file_->thread_names[{static_cast<int64_t>(*pid), static_cast<int64_t>(*tid)}] = name;
+    if (name.empty() || !Number(event, "pid") || !Number(event, "tid")) return;
+    const std::optional<int64_t> pid = Get(event, "pid", 1, -kMaxId, kMaxId, 0);
+    const std::optional<int64_t> tid = Get(event, "tid", 1, -kMaxId, kMaxId, 0);
+    if (!pid || !tid) return;
+    file_->thread_names[{*pid, *tid}] = name;
   }
 
   FileEvents* file_;
+  Status status_;
+  int64_t index_ = 0;
 };
 
+// A top-level number (distributedInfo, deviceProperties) as an integer in [lo, hi]; `fallback`
+// where absent, an error naming the file where out of range.
+StatusOr<int64_t> TopLevelInteger(const std::string& path, const json& object, const char* key,
+                                  int64_t lo, int64_t hi, int64_t fallback) {
+  const std::optional<double> value = Number(object, key);
+  if (!value) return fallback;
+  std::optional<int64_t> integer = TraceLimits::Scaled(*value, 1, lo, hi);
+  if (!integer) {
+    return Status::Error(path + ": " + key + " " + NumberText(*value) + " is out of range (" +
+                         std::to_string(lo) + " to " + std::to_string(hi) +
+                         "); the trace is corrupt, export it again");
+  }
+  return *integer;
+}
+
 // The top-level fields besides traceEvents (kept, they are small).
-void ReadMetadata(const json& document, FileEvents* file) {
+Status ReadMetadata(const json& document, FileEvents* file) {
   if (auto info = document.find("distributedInfo"); info != document.end() && info->is_object()) {
-    if (std::optional<double> rank = Number(*info, "rank")) file->rank = static_cast<int>(*rank);
+    if (Number(*info, "rank")) {
+      DC_ASSIGN_OR_RETURN(int64_t rank,
+                          TopLevelInteger(file->path, *info, "rank", 0, TraceLimits::kMaxIndex, 0));
+      file->rank = static_cast<int>(rank);
+    }
   }
   auto devices = document.find("deviceProperties");
-  if (devices == document.end() || !devices->is_array() || devices->empty()) return;
+  if (devices == document.end() || !devices->is_array() || devices->empty()) return Status::Ok();
   const int64_t wanted = file->activities.empty() ? -1 : file->activities.front().device;
   const json* chosen = &devices->front();
   for (const json& d : *devices) {
-    if (d.is_object() && static_cast<int64_t>(Number(d, "id").value_or(-2)) == wanted) chosen = &d;
+    if (!d.is_object()) continue;
+    DC_ASSIGN_OR_RETURN(int64_t id, TopLevelInteger(file->path, d, "id", -kMaxId, kMaxId, -2));
+    if (id == wanted) chosen = &d;
   }
-  if (!chosen->is_object()) return;
+  if (!chosen->is_object()) return Status::Ok();
   file->device = Text(*chosen, "name");
-  file->device_memory_bytes = static_cast<int64_t>(Number(*chosen, "totalGlobalMem").value_or(0));
+  DC_ASSIGN_OR_RETURN(
+      file->device_memory_bytes,
+      TopLevelInteger(file->path, *chosen, "totalGlobalMem", 0, TraceLimits::kMaxLiveBytes, 0));
+  return Status::Ok();
 }
 
 // One line from nlohmann's message: "parse error at line 1, column 5: ...".
-std::string ParseErrorText(const json::parse_error& e) {
+std::string ParseErrorText(const json::exception& e) {
   std::string text = e.what();
   if (const size_t close = text.find("] ");
       text.starts_with("[json.exception") && close != std::string::npos) {
@@ -255,8 +356,9 @@ Status ParseStream(std::istream& in, const ProgressFn& progress, FileEvents* fil
       saw_events = true;
     } else if (in_events && depth == 2 &&
                (event == json::parse_event_t::object_end || event == json::parse_event_t::value)) {
-      if (parsed.is_object()) reader.Read(parsed);
-      if (progress && ++events % kProgressEvery == 0) progress(file->path, events);
+      if (parsed.is_object()) reader.Read(parsed, events);
+      ++events;
+      if (progress && events % kProgressEvery == 0) progress(file->path, events);
       return false;  // drop it: the document never holds the events
     }
     return true;
@@ -266,12 +368,15 @@ Status ParseStream(std::istream& in, const ProgressFn& progress, FileEvents* fil
     document = json::parse(in, callback);
   } catch (const json::parse_error& e) {
     return Status::Error(file->path + ": invalid JSON (" + ParseErrorText(e) + "); " + kKinetoHint);
+  } catch (const json::exception& e) {
+    // out_of_range (a number such as 1e400 that no double holds) and the rest.
+    return Status::Error(file->path + ": invalid JSON (" + ParseErrorText(e) + "); " + kKinetoHint);
   }
+  DC_RETURN_IF_ERROR(reader.status());
   if (!document.is_object() || !saw_events) {
     return Status::Error(file->path + ": no traceEvents array; " + kKinetoHint);
   }
-  ReadMetadata(document, file);
-  return Status::Ok();
+  return ReadMetadata(document, file);
 }
 
 Status ReadFile(const std::string& path, const ProgressFn& progress, FileEvents* file) {
@@ -348,6 +453,21 @@ int64_t EarliestNs(const std::vector<FileEvents>& files) {
   return earliest == std::numeric_limits<int64_t>::max() ? 0 : earliest;
 }
 
+// The file with the latest time, and that time (ends included).
+std::pair<const FileEvents*, int64_t> Latest(const std::vector<FileEvents>& files) {
+  std::pair<const FileEvents*, int64_t> latest{nullptr, std::numeric_limits<int64_t>::min()};
+  auto see = [&](const FileEvents& f, int64_t ns) {
+    if (ns > latest.second) latest = {&f, ns};
+  };
+  for (const FileEvents& f : files) {
+    for (const RawActivity& a : f.activities) see(f, a.activity.end_ns);
+    for (const TimelineStep& s : f.cpu_steps) see(f, s.end_ns);
+    for (const TimelineStep& s : f.gpu_steps) see(f, s.end_ns);
+    for (const TimelineMemoryEvent& e : f.memory) see(f, e.ts_ns);
+  }
+  return latest;
+}
+
 void AddRank(FileEvents& file, int rank_index, int64_t origin_ns, TimelineData* data) {
   data->ranks.push_back({*file.rank, *file.rank, file.device, file.device_memory_bytes});
   std::set<std::pair<int64_t, int64_t>> streams;  // (device, stream)
@@ -408,6 +528,13 @@ StatusOr<TimelineData> ReadKinetoTraces(const std::vector<std::string>& paths,
                                 : names.front() + " (+" + std::to_string(names.size() - 1) + ")";
   data.format = TimelineFormat::kKineto;
   const int64_t origin_ns = EarliestNs(files);
+  // Times move so the earliest is 0: the rest must stay within the range rules.
+  if (const auto [file, latest_ns] = Latest(files);
+      file && latest_ns - origin_ns > TraceLimits::kMaxAbsTimeNs) {
+    return Status::Error(file->path +
+                         ": events span more than 73 years from the run's earliest; the "
+                         "timestamps are corrupt, export the traces again");
+  }
   for (size_t r = 0; r < order.size(); ++r) {
     AddRank(*order[r], static_cast<int>(r), origin_ns, &data);
   }

@@ -5,6 +5,7 @@
 #include <set>
 #include <unordered_map>
 
+#include "analyzer/limits.h"
 #include "machine/intervals.h"
 #include "schemas/digest.h"
 
@@ -268,7 +269,10 @@ struct LiveBuffer {
   size_t kind = 0;
 };
 
-MemoryTimeline BuildTimeline(const Trace& trace, const std::vector<MemoryEvent>& events) {
+StatusOr<MemoryTimeline> BuildTimeline(const Trace& trace, const std::vector<MemoryEvent>& events) {
+  const Status overflow = Status::Error(
+      trace.path() +
+      ": live device memory passes 4 EiB; the trace's byte counts are corrupt, record it again");
   MemoryTimeline timeline;
   timeline.kinds = MemoryKinds(trace, events);
   std::map<std::string, size_t> kind_index;
@@ -281,19 +285,22 @@ MemoryTimeline BuildTimeline(const Trace& trace, const std::vector<MemoryEvent>&
     for (const MemoryEvent& e : events) {
       if (e.alloc) {
         live.insert(e.address);
-      } else if (live.erase(e.address) == 0) {
-        level[kind_index[e.kind]] += e.bytes;
+      } else if (live.erase(e.address) == 0 && !AddLiveBytes(&level[kind_index[e.kind]], e.bytes)) {
+        return overflow;
       }
     }
   }
   MemoryTimeline::Point point{0, 0, level};
-  for (int64_t bytes : level) point.total_bytes += bytes;
+  for (int64_t bytes : level) {
+    if (!AddLiveBytes(&point.total_bytes, bytes)) return overflow;
+  }
   timeline.peak_by_kind = point.bytes_by_kind;
   timeline.peak_bytes = point.total_bytes;
   std::unordered_map<int64_t, LiveBuffer> live;
+  bool overflowed = false;
   auto apply = [&](size_t kind, int64_t delta) {
-    point.bytes_by_kind[kind] += delta;
-    point.total_bytes += delta;
+    overflowed = overflowed || !AddLiveBytes(&point.bytes_by_kind[kind], delta) ||
+                 !AddLiveBytes(&point.total_bytes, delta);
   };
   for (size_t i = 0; i < events.size();) {
     point.ts_ns = events[i].ts_ns;
@@ -311,6 +318,7 @@ MemoryTimeline BuildTimeline(const Trace& trace, const std::vector<MemoryEvent>&
         apply(kind_index[e.kind], e.bytes);
       }
     }
+    if (overflowed) return overflow;
     timeline.points.push_back(point);
     if (point.total_bytes > timeline.peak_bytes) {
       timeline.peak_bytes = point.total_bytes;
@@ -328,7 +336,7 @@ Status ComputeMemory(const Trace& trace, Profile* profile) {
   DC_RETURN_IF_ERROR(trace.ForEachMemoryEvent([&](const MemoryEvent& e) {
     if (e.global_pid == first_pid) events.push_back(e);
   }));
-  profile->memory = BuildTimeline(trace, events);
+  DC_ASSIGN_OR_RETURN(profile->memory, BuildTimeline(trace, events));
   return Status::Ok();
 }
 
@@ -359,6 +367,15 @@ StatusOr<Profile> BuildProfile(const Trace& trace) {
   if (!trace.ranks().empty()) profile.world_size = trace.ranks().front().world_size;
   profile.costs.serial_streams = !trace.ranks().empty() && trace.ranks().front().backend == "cpu";
   const StepIndex steps(trace.Steps());
+  if (trace.schedule() && steps.measured().empty()) {
+    // Without a measured step there are no costs and no step time: a plan from it would be a
+    // guess that looks like a measurement.
+    return Status::Error(trace.path() + ": no measured step in TC_STEP (" +
+                         std::to_string(trace.Steps().size()) +
+                         " usable step row(s), all warm-up or none); the recording did not "
+                         "finish a step, re-record it with dc-collect (more --steps than "
+                         "--warmup)");
+  }
   if (trace.schedule()) {
     DC_RETURN_IF_ERROR(FitCosts(trace, steps, &profile));
   } else {
@@ -368,6 +385,7 @@ StatusOr<Profile> BuildProfile(const Trace& trace) {
   DC_RETURN_IF_ERROR(ComputeMemory(trace, &profile));
   ComputeStepTimes(trace, &profile);
   for (const std::string& note : trace.notes()) profile.notes.push_back(note);
+  for (const SkippedRecords& skipped : trace.skipped()) profile.skipped.push_back(skipped);
   profile.digest = Sha256Hex(CostModelText(profile.costs));
   return profile;
 }

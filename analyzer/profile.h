@@ -55,14 +55,16 @@ struct Profile {
   std::string digest;
   // What could not be derived and why ("no reload samples: its cost keeps the default").
   std::vector<std::string> notes;
+  // Trace rows left out for breaking analyzer/limits.h's rules (Trace::skipped), for warnings.
+  std::vector<SkippedRecords> skipped;
 };
 
 // Per-instruction durations as medians over measured steps (warm-up excluded), collective
 // costs fitted by least squares as latency + bytes / bandwidth per kind, memory timeline,
 // overlap and exposed communication per step. dc traces give op medians (mapped to ops through
 // the schedule the trace embeds); the flops rate of the measured ops becomes the roofline for
-// unmeasured ones. nsys exports (no program) give overlap and memory only. Errors name the
-// trace file.
+// unmeasured ones. nsys exports (no program) give overlap and memory only. A trace with a
+// program but no measured step is an error. Errors name the trace file.
 StatusOr<Profile> BuildProfile(const Trace& trace);
 
 }  // namespace dc

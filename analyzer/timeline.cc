@@ -64,6 +64,7 @@ class InMemoryTimeline : public Timeline {
     return data_.schedule ? &*data_.schedule : nullptr;
   }
   const std::vector<std::string>& notes() const override { return data_.notes; }
+  const std::vector<SkippedRecords>& skipped() const override { return data_.skipped; }
   int64_t dropped_records() const override { return data_.dropped_records; }
   std::string StreamName(int rank_index, int64_t stream_id) const override {
     for (const TimelineData::StreamLabel& label : data_.stream_names) {
@@ -112,6 +113,7 @@ class TraceTimeline : public Timeline {
     return trace_->schedule() ? &*trace_->schedule() : nullptr;
   }
   const std::vector<std::string>& notes() const override { return trace_->notes(); }
+  const std::vector<SkippedRecords>& skipped() const override { return trace_->skipped(); }
   int64_t dropped_records() const override { return trace_->DroppedRecords(); }
   std::string StreamName(int, int64_t stream_id) const override {
     auto it = trace_->stream_names().find(stream_id);

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "analyzer/limits.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 
@@ -90,6 +91,8 @@ class Timeline {
   // The schedule the activities ran (dc traces, plans); null for foreign traces.
   virtual const proto::Schedule* schedule() const = 0;
   virtual const std::vector<std::string>& notes() const = 0;
+  // Records the reader left out for breaking analyzer/limits.h's rules, counted.
+  virtual const std::vector<SkippedRecords>& skipped() const = 0;
   virtual int64_t dropped_records() const = 0;
   virtual std::string StreamName(int rank_index, int64_t stream_id) const = 0;
   // Activities ordered by (rank_index, start_ns).
@@ -108,6 +111,7 @@ struct TimelineData {
   std::vector<TimelineStep> steps;
   std::optional<proto::Schedule> schedule;
   std::vector<std::string> notes;
+  std::vector<SkippedRecords> skipped;
   int64_t dropped_records = 0;
   struct StreamLabel {
     int rank_index = 0;

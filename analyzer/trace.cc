@@ -27,6 +27,8 @@ constexpr char kMemcpyTable[] = "CUPTI_ACTIVITY_KIND_MEMCPY";
 constexpr char kMemsetTable[] = "CUPTI_ACTIVITY_KIND_MEMSET";
 constexpr char kMemoryTable[] = "CUDA_GPU_MEMORY_USAGE_EVENTS";
 constexpr char kRerecord[] = "re-record it with dc-collect";
+// The processes of a dc trace's ranks, as SQL.
+constexpr char kDcOwners[] = "SELECT globalPid FROM TC_RANK WHERE globalPid IS NOT NULL";
 
 // nsys global ids: the process id sits in bits 24..47.
 constexpr int64_t kPidUnit = int64_t{1} << 24;
@@ -108,6 +110,113 @@ class Columns {
   std::set<std::string> names_;
 };
 
+// The range rules of analyzer/limits.h over one table's rows, as an SQL CASE that names the
+// first rule a row breaks (NULL for a good row). Only columns the table has are checked: the
+// others read as literals. Integer checks come first, so comparisons see integers.
+class ProblemCase {
+ public:
+  explicit ProblemCase(const Columns& c) : c_(c) {}
+  // Not NULL, not text, not real.
+  ProblemCase& Integer(const std::string& column) {
+    if (c_.Has(column)) {
+      Add("typeof(" + c_.Or(column, "") + ") != 'integer'", "NULL or non-integer " + column);
+    }
+    return *this;
+  }
+  // NULL, or an integer (a column that may be left out of a row).
+  ProblemCase& IntegerOrNull(const std::string& column) {
+    if (c_.Has(column)) {
+      const std::string v = c_.Or(column, "");
+      Add(v + " IS NOT NULL AND typeof(" + v + ") != 'integer'", "non-integer " + column);
+    }
+    return *this;
+  }
+  ProblemCase& Range(const std::string& column, int64_t lo, int64_t hi, const std::string& what) {
+    if (c_.Has(column)) {
+      const std::string v = c_.Or(column, "");
+      Add(v + " < " + std::to_string(lo) + " OR " + v + " > " + std::to_string(hi),
+          column + " out of range (" + what + ")");
+    }
+    return *this;
+  }
+  ProblemCase& Time(const std::string& column) {
+    return Range(column, -TraceLimits::kMaxAbsTimeNs, TraceLimits::kMaxAbsTimeNs,
+                 "more than 73 years from the trace's start");
+  }
+  ProblemCase& Bytes(const std::string& column) {
+    return Range(column, 0, TraceLimits::kMaxRecordBytes, "negative or over 1 PiB");
+  }
+  ProblemCase& Ordered(const std::string& start, const std::string& end) {
+    if (c_.Has(start) && c_.Has(end)) {
+      Add(c_.Or(end, "") + " < " + c_.Or(start, ""), end + " before " + start);
+    }
+    return *this;
+  }
+  // The row's owner is one of `owners` (an SQL list or subquery: the trace's ranks).
+  ProblemCase& OwnedBy(const std::string& column, const std::string& owners) {
+    if (c_.Has(column) && !owners.empty()) {
+      Add(c_.Or(column, "") + " NOT IN (" + owners + ")", column + " of no rank");
+    }
+    return *this;
+  }
+  std::string Sql() const { return whens_.empty() ? "NULL" : "(CASE" + whens_ + " END)"; }
+
+ private:
+  void Add(const std::string& condition, const std::string& problem) {
+    std::string quoted;
+    for (char c : problem) quoted += c == '\'' ? std::string("''") : std::string(1, c);
+    whens_ += " WHEN " + condition + " THEN '" + quoted + "'";
+  }
+  const Columns& c_;
+  std::string whens_;
+};
+
+// An activity row (kernel, memcpy, memset): times, owner and stream, and bytes where it has them.
+// `owners`: the ranks' globalPids as SQL (Trace::owners_sql_), or empty.
+std::string ActivityProblems(const Columns& c, bool with_bytes, const std::string& owners) {
+  ProblemCase p(c);
+  p.Integer("start").Integer("end").Integer("globalPid").Integer("streamId");
+  if (with_bytes) p.Integer("bytes");
+  p.OwnedBy("globalPid", owners);
+  p.Time("start").Time("end").Ordered("start", "end");
+  p.Range("streamId", 0, TraceLimits::kMaxStreamId, "negative or over 2^48");
+  if (with_bytes) p.Bytes("bytes");
+  return p.Sql();
+}
+
+std::string MemoryProblems(const Columns& c, const std::string& owners) {
+  ProblemCase p(c);
+  p.Integer("start").Integer("globalPid").Integer("address").Integer("bytes");
+  p.OwnedBy("globalPid", owners);
+  p.Integer("memoryOperationType").Time("start").Bytes("bytes");
+  return p.Sql();
+}
+
+std::string CollectiveProblems(const Columns& c) {
+  ProblemCase p(c);
+  p.Integer("globalPid").Integer("correlationId").Integer("bytes").Bytes("bytes");
+  return p.Sql();
+}
+
+std::string StepProblems(const Columns& c) {
+  ProblemCase p(c);
+  p.Integer("globalPid").Integer("step").Integer("start").Integer("end");
+  p.OwnedBy("globalPid", kDcOwners);
+  p.Range("step", 0, TraceLimits::kMaxIndex, "negative or over 2^31");
+  p.Time("start").Time("end").Ordered("start", "end");
+  return p.Sql();
+}
+
+std::string InstructionMapProblems(const Columns& c) {
+  ProblemCase p(c);
+  p.Integer("globalPid").Integer("correlationId").Integer("step").Integer("instruction");
+  p.IntegerOrNull("microStep");
+  p.Range("step", 0, TraceLimits::kMaxIndex, "negative or over 2^31");
+  p.Range("instruction", 0, TraceLimits::kMaxIndex, "negative or over 2^31");
+  p.Range("microStep", -1, TraceLimits::kMaxIndex, "below -1 or over 2^31");
+  return p.Sql();
+}
+
 // A CASE over an integer column mapping the enum `labels` by index.
 template <size_t N>
 std::string LabelCase(const std::string& column, const std::array<const char*, N>& labels,
@@ -133,46 +242,51 @@ std::string KernelNameSql(const Columns& k, bool have_strings) {
 }
 
 // Columns of every activity query: type, globalPid, deviceId, streamId, start, end,
-// correlationId, bytes, name.
-std::string KernelSelect(const Columns& k, bool dc, bool have_strings) {
+// correlationId, bytes, name. Rows that break the range rules are left out (Trace::skipped()
+// counts them); `collective_problems` is CollectiveProblems over TC_COLLECTIVE AS c (dc).
+std::string KernelSelect(const Columns& k, bool dc, bool have_strings,
+                         const std::string& collective_problems, const std::string& owners) {
   const std::string name = KernelNameSql(k, have_strings);
   const std::string common = k.Or("globalPid", "0") + ", " + k.Or("deviceId", "0") + ", " +
                              k.Or("streamId", "0") + ", k.start, k.\"end\", " +
                              k.Or("correlationId", "0");
+  const std::string where = " WHERE " + ActivityProblems(k, false, owners) + " IS NULL";
   if (!dc) {
-    return "SELECT 0, " + common + ", 0, " + name + " FROM " + kKernelTable + " AS k";
+    return "SELECT 0, " + common + ", 0, " + name + " FROM " + kKernelTable + " AS k" + where;
   }
   // A collective's kernel row and its TC_COLLECTIVE row share the correlation id: one activity.
   return "SELECT CASE WHEN c.kind IS NULL THEN 0 ELSE 3 END, " + common +
          ", COALESCE(c.bytes, 0), COALESCE(c.kind, " + name + ") FROM " + kKernelTable +
          " AS k LEFT JOIN TC_COLLECTIVE AS c ON c.globalPid = k.globalPid AND "
-         "c.correlationId = k.correlationId";
+         "c.correlationId = k.correlationId AND " +
+         collective_problems + " IS NULL" + where;
 }
 
-std::string CopySelect(const Columns& m) {
+std::string CopySelect(const Columns& m, const std::string& owners) {
   return "SELECT 1, " + m.Or("globalPid", "0") + ", " + m.Or("deviceId", "0") + ", " +
          m.Or("streamId", "0") + ", m.start, m.\"end\", " + m.Or("correlationId", "0") + ", " +
          m.Or("bytes", "0") + ", " +
          LabelCase(m.Or("copyKind", "0"), kCopyKindLabels, "[CUDA memcpy ", "]") + " FROM " +
-         kMemcpyTable + " AS m";
+         kMemcpyTable + " AS m WHERE " + ActivityProblems(m, true, owners) + " IS NULL";
 }
 
-std::string MemsetSelect(const Columns& m) {
+std::string MemsetSelect(const Columns& m, const std::string& owners) {
   return "SELECT 2, " + m.Or("globalPid", "0") + ", " + m.Or("deviceId", "0") + ", " +
          m.Or("streamId", "0") + ", m.start, m.\"end\", " + m.Or("correlationId", "0") + ", " +
-         m.Or("bytes", "0") + ", '[CUDA memset]' FROM " + kMemsetTable + " AS m";
+         m.Or("bytes", "0") + ", '[CUDA memset]' FROM " + kMemsetTable + " AS m WHERE " +
+         ActivityProblems(m, true, owners) + " IS NULL";
 }
 
 // Columns: globalPid, deviceId, start, address, bytes, operation, name, kind, correlationId.
-std::string MemorySelect(const Columns& e, bool dc) {
+std::string MemorySelect(const Columns& e, bool dc, const std::string& owners) {
   const std::string kind = dc && e.Has("tcKind")
                                ? e.Or("tcKind", "''")
                                : LabelCase(e.Or("memKind", "7"), kMemKindLabels, "", "");
   return "SELECT " + e.Or("globalPid", "0") + ", " + e.Or("deviceId", "0") + ", e.start, " +
          e.Or("address", "0") + ", " + e.Or("bytes", "0") + ", " +
          e.Or("memoryOperationType", "0") + ", " + e.Or("name", "''") + ", " + kind + ", " +
-         e.Or("correlationId", "0") + " FROM " + kMemoryTable +
-         " AS e ORDER BY 1, e.start, e.rowid";
+         e.Or("correlationId", "0") + " FROM " + kMemoryTable + " AS e WHERE " +
+         MemoryProblems(e, owners) + " IS NULL ORDER BY 1, e.start, e.rowid";
 }
 
 // ----- dc-specific checks -----
@@ -282,25 +396,51 @@ Status Trace::LoadDc(const std::set<std::string>& tables) {
   DC_RETURN_IF_ERROR(LoadDcBlobs());
   Query ranks(db_, path_,
               "SELECT globalPid, rank, worldSize, COALESCE(backend, ''), COALESCE(device, ''), "
-              "COALESCE(hostname, ''), COALESCE(deviceMemoryBytes, 0) FROM TC_RANK ORDER BY rank");
+              "COALESCE(hostname, ''), COALESCE(deviceMemoryBytes, 0), typeof(globalPid), "
+              "typeof(rank), typeof(worldSize) FROM TC_RANK ORDER BY rank");
+  std::map<int64_t, int64_t> rank_of_pid;
+  std::set<int64_t> rank_ids;
   while (true) {
     DC_ASSIGN_OR_RETURN(bool row, ranks.Next());
     if (!row) break;
-    ranks_.push_back({ranks.Int(0), static_cast<int>(ranks.Int(1)), static_cast<int>(ranks.Int(2)),
-                      ranks.Text(3), ranks.Text(4), ranks.Text(5), ranks.Int(6)});
+    const int64_t pid = ranks.Int(0), rank = ranks.Int(1), world = ranks.Int(2);
+    const bool integers =
+        ranks.Text(7) == "integer" && ranks.Text(8) == "integer" && ranks.Text(9) == "integer";
+    if (!integers || rank < 0 || world < 1 || world > TraceLimits::kMaxIndex || rank >= world) {
+      return Status::Error(path_ + ": TC_RANK has a bad row (rank '" + ranks.Text(1) +
+                           "' of world size '" + ranks.Text(2) + "'); " + kRerecord);
+    }
+    if (!rank_ids.insert(rank).second) {
+      return Status::Error(path_ + ": TC_RANK lists rank " + std::to_string(rank) +
+                           " twice; the rank files of two runs were merged, " + kRerecord);
+    }
+    if (!rank_of_pid.emplace(pid, rank).second) {
+      return Status::Error(path_ + ": TC_RANK gives process " + std::to_string(pid) +
+                           " two ranks (" + std::to_string(rank_of_pid[pid]) + " and " +
+                           std::to_string(rank) + "); " + kRerecord);
+    }
+    ranks_.push_back({pid, static_cast<int>(rank), static_cast<int>(world), ranks.Text(3),
+                      ranks.Text(4), ranks.Text(5), ranks.Int(6)});
   }
   if (ranks_.empty()) return Status::Error(path_ + ": dc trace without ranks; " + kRerecord);
 
+  DC_ASSIGN_OR_RETURN(std::set<std::string> step_names, ColumnNames(db_, path_, "TC_STEP"));
+  const Columns step_columns("s", step_names);
+  const std::string step_problems = StepProblems(step_columns);
+  DC_RETURN_IF_ERROR(CountSkipped("TC_STEP", "s", step_problems).status());
   Query steps(db_, path_,
-              "SELECT globalPid, step, start, end, COALESCE(loss, 0), warmup FROM TC_STEP "
-              "ORDER BY globalPid, step, start");
+              "SELECT globalPid, step, start, end, COALESCE(loss, 0), warmup FROM TC_STEP AS s "
+              "WHERE " +
+                  step_problems + " IS NULL ORDER BY globalPid, step, start");
   while (true) {
     DC_ASSIGN_OR_RETURN(bool row, steps.Next());
     if (!row) break;
     steps_.push_back({steps.Int(0), static_cast<int>(steps.Int(1)), steps.Int(2), steps.Int(3),
                       steps.Double(4), steps.Int(5) != 0});
   }
-  Query dropped(db_, path_, "SELECT COALESCE(SUM(dropped), 0) FROM TC_RECORD_STATS");
+  Query dropped(db_, path_,
+                "SELECT COALESCE(SUM(CASE WHEN typeof(dropped) = 'integer' AND dropped > 0 "
+                "THEN dropped ELSE 0 END), 0) FROM TC_RECORD_STATS");
   DC_ASSIGN_OR_RETURN(bool row, dropped.Next());
   if (row) dropped_records_ = dropped.Int(0);
   if (!tables.contains(kMemoryTable))
@@ -320,10 +460,7 @@ namespace {
 
 class MapLookup : public Trace::InstructionLookup {
  public:
-  MapLookup(sqlite3* db, const std::string& path)
-      : query_(db, path,
-               "SELECT step, instruction FROM TC_INSTRUCTION_MAP WHERE globalPid = ? AND "
-               "correlationId = ? LIMIT 1") {}
+  MapLookup(sqlite3* db, const std::string& path, const std::string& sql) : query_(db, path, sql) {}
   const Status& status() const { return query_.status(); }
   StatusOr<std::optional<std::pair<int, int>>> Find(int64_t global_pid,
                                                     int64_t correlation_id) override {
@@ -346,7 +483,7 @@ StatusOr<std::unique_ptr<Trace::InstructionLookup>> Trace::LookupInstructions() 
   if (source_ != TraceSource::kDc) {
     return Status::Error(path_ + ": an nsys export maps no activity to a dc instruction");
   }
-  auto lookup = std::make_unique<MapLookup>(db_, path_);
+  auto lookup = std::make_unique<MapLookup>(db_, path_, lookup_sql_);
   DC_RETURN_IF_ERROR(lookup->status());
   return std::unique_ptr<InstructionLookup>(std::move(lookup));
 }
@@ -420,8 +557,10 @@ Status Trace::LoadNsysRanks(const std::set<std::string>& tables) {
   std::string sql;
   DC_ASSIGN_OR_RETURN(std::set<std::string> mpi_columns, ColumnNames(db_, path_, "MPI_RANKS"));
   if (mpi_columns.contains("globalTid") && mpi_columns.contains("rank")) {
-    sql = "SELECT DISTINCT (globalTid / " + std::to_string(kPidUnit) + ") * " +
-          std::to_string(kPidUnit) + ", rank FROM MPI_RANKS ORDER BY rank, 1";
+    const std::string pid =
+        "(globalTid / " + std::to_string(kPidUnit) + ") * " + std::to_string(kPidUnit);
+    sql = "SELECT DISTINCT " + pid + ", rank FROM MPI_RANKS ORDER BY rank, 1";
+    owners_sql_ = "SELECT " + pid + " FROM MPI_RANKS WHERE globalTid IS NOT NULL";
   } else {
     std::string pids;
     for (const char* table : {kKernelTable, kMemcpyTable, kMemsetTable}) {
@@ -434,13 +573,27 @@ Status Trace::LoadNsysRanks(const std::set<std::string>& tables) {
     sql = "SELECT DISTINCT globalPid, -1 FROM (" + pids + ") ORDER BY globalPid";
   }
   Query query(db_, path_, sql);
+  std::set<int64_t> pids, rank_ids;
   while (true) {
     DC_ASSIGN_OR_RETURN(bool row, query.Next());
     if (!row) break;
+    if (query.IsNull(0)) continue;  // a row without a process: no rank to show (counted below)
     TraceRank rank;
     rank.global_pid = query.Int(0);
-    rank.rank =
-        query.Int(1) >= 0 ? static_cast<int>(query.Int(1)) : static_cast<int>(ranks_.size());
+    const int64_t number = query.Int(1);
+    if (number > TraceLimits::kMaxIndex || number < -1) {
+      return Status::Error(path_ + ": MPI_RANKS has rank " + std::to_string(number) +
+                           ", out of range; export the trace again");
+    }
+    rank.rank = number >= 0 ? static_cast<int>(number) : static_cast<int>(ranks_.size());
+    if (!rank_ids.insert(rank.rank).second) {
+      return Status::Error(path_ + ": MPI_RANKS lists rank " + std::to_string(rank.rank) +
+                           " for two processes; export one run per file");
+    }
+    if (!pids.insert(rank.global_pid).second) {
+      return Status::Error(path_ + ": MPI_RANKS gives process " + std::to_string(rank.global_pid) +
+                           " two ranks; export one run per file");
+    }
     rank.backend = "cuda";
     ranks_.push_back(rank);
   }
@@ -460,6 +613,49 @@ Status Trace::LoadNsysRanks(const std::set<std::string>& tables) {
   return Status::Ok();
 }
 
+StatusOr<int64_t> Trace::CountSkipped(const std::string& table, const std::string& alias,
+                                      const std::string& problem_sql) {
+  const std::string from = " FROM \"" + table + "\" AS " + alias;
+  Query total(db_, path_, "SELECT COUNT(*)" + from);
+  DC_ASSIGN_OR_RETURN(bool row, total.Next());
+  int64_t good = row ? total.Int(0) : 0;
+  // Grouping only the broken rows: a GROUP BY over every row sorted them all (twice the time).
+  Query problems(db_, path_,
+                 "SELECT problem, COUNT(*) FROM (SELECT " + problem_sql + " AS problem" + from +
+                     ") WHERE problem IS NOT NULL GROUP BY problem ORDER BY problem");
+  while (true) {
+    DC_ASSIGN_OR_RETURN(bool next, problems.Next());
+    if (!next) break;
+    skipped_.push_back({table, problems.Text(0), problems.Int(1)});
+    good -= problems.Int(1);
+  }
+  return good;
+}
+
+// Kernel names are ids into StringIds in dc traces and current nsys exports: without the table
+// every name would print as a number.
+Status Trace::CheckKernelNames(const std::set<std::string>& tables) {
+  if (tables.contains("StringIds")) return Status::Ok();
+  if (source_ == TraceSource::kDc) {
+    return Status::Error(path_ + ": dc trace without table StringIds (its kernel names); " +
+                         kRerecord);
+  }
+  DC_ASSIGN_OR_RETURN(std::set<std::string> kernel, ColumnNames(db_, path_, kKernelTable));
+  for (const char* column : {"shortName", "demangledName", "name", "mangledName"}) {
+    if (!kernel.contains(column)) continue;
+    Query ids(db_, path_,
+              std::string("SELECT 1 FROM ") + kKernelTable + " WHERE typeof(\"" + column +
+                  "\") = 'integer' LIMIT 1");
+    DC_ASSIGN_OR_RETURN(bool any, ids.Next());
+    if (any) {
+      return Status::Error(path_ + ": kernel names are ids into StringIds, which the file " +
+                           "lacks; export it again (nsys export --type sqlite)");
+    }
+    break;
+  }
+  return Status::Ok();
+}
+
 Status Trace::BuildQueries(const std::set<std::string>& tables) {
   const bool dc = source_ == TraceSource::kDc;
   DC_ASSIGN_OR_RETURN(std::set<std::string> kernel, ColumnNames(db_, path_, kKernelTable));
@@ -467,18 +663,85 @@ Status Trace::BuildQueries(const std::set<std::string>& tables) {
     return Status::Error(path_ + ": " + kKernelTable + " has no start/end columns; " +
                          "is this an nsys or dc trace?");
   }
-  std::string sql = KernelSelect(Columns("k", kernel), dc, tables.contains("StringIds"));
+  DC_RETURN_IF_ERROR(CheckKernelNames(tables));
+  const Columns k("k", kernel);
+  if (dc) owners_sql_ = kDcOwners;
+  const std::string& owners = owners_sql_;
+  const size_t kernel_problems = skipped_.size();  // the kernel table's come next
+  DC_ASSIGN_OR_RETURN(int64_t kernels,
+                      CountSkipped(kKernelTable, "k", ActivityProblems(k, false, owners)));
+  if (kernels == 0) {
+    const std::string how =
+        dc ? std::string(kRerecord) : "record it again with nsys profile --trace=cuda";
+    if (skipped_.size() == kernel_problems) {
+      return Status::Error(path_ + ": no kernel rows in " + kKernelTable +
+                           ": nothing ran on the device while it was recorded; " + how);
+    }
+    return Status::Error(path_ + ": none of the kernel rows is usable (" +
+                         skipped_[kernel_problems].Text() + "); " + how);
+  }
+  std::string collective_problems = "NULL";
+  if (dc) {
+    DC_ASSIGN_OR_RETURN(std::set<std::string> collective, ColumnNames(db_, path_, "TC_COLLECTIVE"));
+    const Columns c("c", collective);
+    collective_problems = CollectiveProblems(c);
+    DC_RETURN_IF_ERROR(CountSkipped("TC_COLLECTIVE", "c", collective_problems).status());
+  }
+  std::string sql = KernelSelect(k, dc, tables.contains("StringIds"), collective_problems, owners);
   DC_ASSIGN_OR_RETURN(std::set<std::string> memcpy_columns, ColumnNames(db_, path_, kMemcpyTable));
+  const Columns m("m", memcpy_columns);
   if (memcpy_columns.contains("start") && memcpy_columns.contains("end")) {
-    sql += " UNION ALL " + CopySelect(Columns("m", memcpy_columns));
+    DC_RETURN_IF_ERROR(CountSkipped(kMemcpyTable, "m", ActivityProblems(m, true, owners)).status());
+    sql += " UNION ALL " + CopySelect(m, owners);
   }
   DC_ASSIGN_OR_RETURN(std::set<std::string> memset_columns, ColumnNames(db_, path_, kMemsetTable));
+  const Columns ms("m", memset_columns);
   if (memset_columns.contains("start") && memset_columns.contains("end")) {
-    sql += " UNION ALL " + MemsetSelect(Columns("m", memset_columns));
+    DC_RETURN_IF_ERROR(
+        CountSkipped(kMemsetTable, "m", ActivityProblems(ms, true, owners)).status());
+    sql += " UNION ALL " + MemsetSelect(ms, owners);
   }
   activity_sql_ = sql + " ORDER BY 2, 5, 6, 1, 7";
   DC_ASSIGN_OR_RETURN(std::set<std::string> memory, ColumnNames(db_, path_, kMemoryTable));
-  if (memory.contains("start")) memory_sql_ = MemorySelect(Columns("e", memory), dc);
+  const Columns e("e", memory);
+  if (memory.contains("start")) {
+    DC_RETURN_IF_ERROR(CountSkipped(kMemoryTable, "e", MemoryProblems(e, owners)).status());
+    memory_sql_ = MemorySelect(e, dc, owners);
+  }
+  if (dc) {
+    DC_ASSIGN_OR_RETURN(std::set<std::string> map_columns,
+                        ColumnNames(db_, path_, "TC_INSTRUCTION_MAP"));
+    const Columns map("m", map_columns);
+    const std::string map_ok = InstructionMapProblems(map) + " IS NULL";
+    DC_RETURN_IF_ERROR(
+        CountSkipped("TC_INSTRUCTION_MAP", "m", InstructionMapProblems(map)).status());
+    lookup_sql_ =
+        "SELECT step, instruction FROM TC_INSTRUCTION_MAP AS m WHERE globalPid = ? AND "
+        "correlationId = ? AND " +
+        map_ok + " LIMIT 1";
+    // Samples of skipped kernel or copy rows are left out with them.
+    const Columns kk("k", kernel), p("p", memcpy_columns);
+    samples_sql_ =
+        "SELECT m.globalPid, m.step, COALESCE(m.microStep, -1), m.instruction, k.start, k.end, "
+        "COALESCE(c.bytes, 0) FROM TC_INSTRUCTION_MAP AS m "
+        "JOIN CUPTI_ACTIVITY_KIND_KERNEL AS k ON k.globalPid = m.globalPid AND "
+        "k.correlationId = m.correlationId AND " +
+        ActivityProblems(kk, false, owners) +
+        " IS NULL "
+        "LEFT JOIN TC_COLLECTIVE AS c ON c.globalPid = m.globalPid AND "
+        "c.correlationId = m.correlationId AND " +
+        collective_problems + " IS NULL WHERE " + map_ok;
+    if (memcpy_columns.contains("start") && memcpy_columns.contains("end")) {
+      samples_sql_ +=
+          " UNION ALL "
+          "SELECT m.globalPid, m.step, COALESCE(m.microStep, -1), m.instruction, p.start, p.end, "
+          "p.bytes FROM TC_INSTRUCTION_MAP AS m "
+          "JOIN CUPTI_ACTIVITY_KIND_MEMCPY AS p ON p.globalPid = m.globalPid AND "
+          "p.correlationId = m.correlationId AND " +
+          ActivityProblems(p, true, owners) + " IS NULL WHERE " + map_ok;
+    }
+    samples_sql_ += " ORDER BY 1, 2, 3, 4, 5";
+  }
   return Status::Ok();
 }
 
@@ -529,20 +792,7 @@ Status Trace::ForEachMemoryEvent(const std::function<void(const MemoryEvent&)>& 
 Status Trace::ForEachInstructionSample(
     const std::function<void(const InstructionSample&)>& fn) const {
   if (source_ != TraceSource::kDc) return Status::Ok();
-  static const std::string kSql =
-      "SELECT m.globalPid, m.step, COALESCE(m.microStep, -1), m.instruction, k.start, k.end, "
-      "COALESCE(c.bytes, 0) FROM TC_INSTRUCTION_MAP AS m "
-      "JOIN CUPTI_ACTIVITY_KIND_KERNEL AS k ON k.globalPid = m.globalPid AND "
-      "k.correlationId = m.correlationId "
-      "LEFT JOIN TC_COLLECTIVE AS c ON c.globalPid = m.globalPid AND "
-      "c.correlationId = m.correlationId "
-      "UNION ALL "
-      "SELECT m.globalPid, m.step, COALESCE(m.microStep, -1), m.instruction, p.start, p.end, "
-      "p.bytes FROM TC_INSTRUCTION_MAP AS m "
-      "JOIN CUPTI_ACTIVITY_KIND_MEMCPY AS p ON p.globalPid = m.globalPid AND "
-      "p.correlationId = m.correlationId "
-      "ORDER BY 1, 2, 3, 4, 5";
-  Query query(db_, path_, kSql);
+  Query query(db_, path_, samples_sql_);
   while (true) {
     DC_ASSIGN_OR_RETURN(bool row, query.Next());
     if (!row) break;

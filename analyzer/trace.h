@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "analyzer/limits.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 
@@ -60,8 +61,10 @@ struct MemoryEvent {
 class Trace {
  public:
   // Opens and checks `path`: exists, non-empty, a SQLite database, a dc trace (schema version
-  // not newer than this build, TC_BLOB digests match) or an nsys export (with kernel data).
-  // Errors name the file and say what to do.
+  // not newer than this build, TC_BLOB digests match, ranks distinct) or an nsys export, with at
+  // least one usable kernel row. Rows that break analyzer/limits.h's rules (NULL or non-integer
+  // times, ids or bytes; end before start; times, bytes or ids out of range) are left out of
+  // every read and counted in skipped(). Errors name the file and say what to do.
   static StatusOr<std::unique_ptr<Trace>> Open(const std::string& path);
   ~Trace();
 
@@ -74,6 +77,8 @@ class Trace {
   std::string program_digest() const;
   // Notes for the user (e.g. "no CUDA_GPU_MEMORY_USAGE_EVENTS table: no memory timeline").
   const std::vector<std::string>& notes() const { return notes_; }
+  // Rows left out, by table and problem (in table order, then problem).
+  const std::vector<SkippedRecords>& skipped() const { return skipped_; }
 
   // Streams every activity ordered by (global_pid, start). A dc collective comes once, as
   // kCollective (its kernel row is folded into it).
@@ -123,6 +128,11 @@ class Trace {
   Status LoadNsys(const std::set<std::string>& tables);
   Status LoadNsysRanks(const std::set<std::string>& tables);
   Status BuildQueries(const std::set<std::string>& tables);
+  // Counts the rows of `table` for which `problem_sql` (a CASE naming the broken rule) is not
+  // NULL into skipped_; returns the number of rows left.
+  StatusOr<int64_t> CountSkipped(const std::string& table, const std::string& alias,
+                                 const std::string& problem_sql);
+  Status CheckKernelNames(const std::set<std::string>& tables);
 
   std::string path_;
   TraceSource source_ = TraceSource::kDc;
@@ -131,11 +141,15 @@ class Trace {
   std::optional<proto::Program> program_;
   std::optional<proto::Schedule> schedule_;
   std::vector<std::string> notes_;
+  std::vector<SkippedRecords> skipped_;
   std::vector<StepRow> steps_;
   int64_t dropped_records_ = 0;
   std::map<int64_t, std::string> stream_names_;
   // Built at Open from the columns the file has.
-  std::string activity_sql_, memory_sql_;
+  std::string activity_sql_, memory_sql_, samples_sql_, lookup_sql_;
+  // The ranks' globalPids as SQL, where rows of other processes can exist (dc traces, nsys
+  // exports with MPI_RANKS); empty where every process with activity is a rank.
+  std::string owners_sql_;
 };
 
 }  // namespace dc

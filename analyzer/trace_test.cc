@@ -7,6 +7,7 @@
 #include <fstream>
 #include <map>
 
+#include "analyzer/profile.h"
 #include "machine/intervals.h"
 #include "schemas/digest.h"
 #include "tests/support/test_traces.h"
@@ -381,6 +382,230 @@ TEST(NsysCompatTest, MpiRanksTableNamesTheRanks) {
   EXPECT_EQ((*trace)->ranks()[0].rank, 0);
   EXPECT_EQ((*trace)->ranks()[1].global_pid, 16777216);
   EXPECT_EQ((*trace)->ranks()[1].rank, 1);
+}
+
+// ----- corrupt rows (issue 13): left out and counted, or an error where nothing is usable -----
+
+// `table` without its NOT NULL constraints (a hostile or broken writer's file).
+std::string Loosen(const std::string& table) {
+  return "CREATE TABLE loose AS SELECT * FROM " + table + "; DROP TABLE " + table +
+         "; ALTER TABLE loose RENAME TO " + table + ";";
+}
+
+int64_t Skipped(const Trace& trace, const std::string& table, const std::string& problem) {
+  int64_t count = 0;
+  for (const SkippedRecords& s : trace.skipped()) {
+    if (s.source == table && s.problem == problem) count += s.count;
+  }
+  return count;
+}
+
+int CountActivities(const Trace& trace) {
+  int n = 0;
+  EXPECT_TRUE(trace.ForEachActivity([&](const Activity&) { ++n; }).ok());
+  return n;
+}
+
+int CountMemoryEvents(const Trace& trace) {
+  int n = 0;
+  EXPECT_TRUE(trace.ForEachMemoryEvent([&](const MemoryEvent&) { ++n; }).ok());
+  return n;
+}
+
+class CorruptRowsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    trace_ = testing::WriteProfileTrace(dir_);
+    ASSERT_FALSE(trace_.empty());
+    auto good = Trace::Open(trace_);
+    ASSERT_TRUE(good.ok()) << good.status().message();
+    EXPECT_TRUE((*good)->skipped().empty());
+    activities_ = CountActivities(**good);
+    memory_events_ = CountMemoryEvents(**good);
+  }
+  std::unique_ptr<Trace> Open() {
+    auto trace = Trace::Open(trace_);
+    EXPECT_TRUE(trace.ok()) << trace.status().message();
+    return trace.ok() ? std::move(*trace) : nullptr;
+  }
+  static constexpr char kKernel[] = "CUPTI_ACTIVITY_KIND_KERNEL";
+  static constexpr char kFirstKernel[] =
+      " WHERE rowid = (SELECT MIN(rowid) FROM CUPTI_ACTIVITY_KIND_KERNEL)";
+  TempDir dir_;
+  std::string trace_;
+  int activities_ = 0, memory_events_ = 0;
+};
+
+TEST_F(CorruptRowsTest, KernelEndingBeforeItStartsIsLeftOutAndCounted) {
+  ExecSql(trace_, std::string("UPDATE ") + kKernel + " SET end = start - 1" + kFirstKernel);
+  auto trace = Open();
+  ASSERT_TRUE(trace);
+  EXPECT_EQ(Skipped(*trace, kKernel, "end before start"), 1);
+  EXPECT_EQ(CountActivities(*trace), activities_ - 1);
+}
+
+TEST_F(CorruptRowsTest, NullTimesOwnersStreamsAndBytesAreLeftOutAndCounted) {
+  ExecSql(trace_, Loosen(kKernel) + Loosen("CUPTI_ACTIVITY_KIND_MEMCPY") +
+                      "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET start = NULL WHERE rowid = 1;"
+                      "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET end = NULL WHERE rowid = 2;"
+                      "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET globalPid = NULL WHERE rowid = 3;"
+                      "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET streamId = NULL WHERE rowid = 4;"
+                      "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET start = 'soon' WHERE rowid = 5;"
+                      "UPDATE CUPTI_ACTIVITY_KIND_MEMCPY SET bytes = NULL WHERE rowid = 1;");
+  auto trace = Open();
+  ASSERT_TRUE(trace);
+  EXPECT_EQ(Skipped(*trace, kKernel, "NULL or non-integer start"), 2);
+  EXPECT_EQ(Skipped(*trace, kKernel, "NULL or non-integer end"), 1);
+  EXPECT_EQ(Skipped(*trace, kKernel, "NULL or non-integer globalPid"), 1);
+  EXPECT_EQ(Skipped(*trace, kKernel, "NULL or non-integer streamId"), 1);
+  EXPECT_EQ(Skipped(*trace, "CUPTI_ACTIVITY_KIND_MEMCPY", "NULL or non-integer bytes"), 1);
+  EXPECT_EQ(CountActivities(*trace), activities_ - 6);
+}
+
+TEST_F(CorruptRowsTest, TimesBytesAndOwnersOutOfRangeAreLeftOutAndCounted) {
+  ExecSql(trace_,
+          "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET start = -4611686018427387904 WHERE rowid = 1;"
+          "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET globalPid = 4242 WHERE rowid = 2;"
+          "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET streamId = -3 WHERE rowid = 3;"
+          "UPDATE CUPTI_ACTIVITY_KIND_MEMCPY SET bytes = -8 WHERE rowid = 1;"
+          "UPDATE CUDA_GPU_MEMORY_USAGE_EVENTS SET bytes = -8388608 WHERE rowid = 1;"
+          "UPDATE CUDA_GPU_MEMORY_USAGE_EVENTS SET bytes = 9223372036854775807 WHERE rowid = 2;");
+  auto trace = Open();
+  ASSERT_TRUE(trace);
+  EXPECT_EQ(
+      Skipped(*trace, kKernel, "start out of range (more than 73 years from the trace's start)"),
+      1);
+  EXPECT_EQ(Skipped(*trace, kKernel, "globalPid of no rank"), 1);
+  EXPECT_EQ(Skipped(*trace, kKernel, "streamId out of range (negative or over 2^48)"), 1);
+  EXPECT_EQ(
+      Skipped(*trace, "CUPTI_ACTIVITY_KIND_MEMCPY", "bytes out of range (negative or over 1 PiB)"),
+      1);
+  EXPECT_EQ(Skipped(*trace, "CUDA_GPU_MEMORY_USAGE_EVENTS",
+                    "bytes out of range (negative or over 1 PiB)"),
+            2);
+  EXPECT_EQ(CountActivities(*trace), activities_ - 4);
+  EXPECT_EQ(CountMemoryEvents(*trace), memory_events_ - 2);
+}
+
+TEST_F(CorruptRowsTest, BadStepRowsAreLeftOutAndCounted) {
+  ExecSql(trace_,
+          "UPDATE TC_STEP SET end = start - 5 WHERE rowid = 1;"
+          "UPDATE TC_STEP SET step = -2 WHERE rowid = 2;");
+  auto trace = Open();
+  ASSERT_TRUE(trace);
+  EXPECT_EQ(Skipped(*trace, "TC_STEP", "end before start"), 1);
+  EXPECT_EQ(Skipped(*trace, "TC_STEP", "step out of range (negative or over 2^31)"), 1);
+}
+
+TEST_F(CorruptRowsTest, BadInstructionMapRowsAreLeftOutAndCounted) {
+  ExecSql(trace_, "UPDATE TC_INSTRUCTION_MAP SET instruction = 4294967297 WHERE rowid = 1;");
+  auto trace = Open();
+  ASSERT_TRUE(trace);
+  EXPECT_EQ(
+      Skipped(*trace, "TC_INSTRUCTION_MAP", "instruction out of range (negative or over 2^31)"), 1);
+  int samples = 0;
+  ASSERT_TRUE(trace
+                  ->ForEachInstructionSample([&](const auto& s) {
+                    ++samples;
+                    EXPECT_LT(s.instruction, 6);
+                  })
+                  .ok());
+  EXPECT_GT(samples, 0);
+}
+
+TEST_F(CorruptRowsTest, NoKernelRowsIsAnError) {
+  ExecSql(trace_, "DELETE FROM CUPTI_ACTIVITY_KIND_KERNEL");
+  ExpectOpenError(trace_, "no kernel rows in CUPTI_ACTIVITY_KIND_KERNEL");
+  ExpectOpenError(trace_, "re-record it");
+}
+
+TEST_F(CorruptRowsTest, NoUsableKernelRowIsAnError) {
+  ExecSql(trace_, "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET end = start - 1");
+  ExpectOpenError(trace_, "none of the kernel rows is usable");
+}
+
+TEST_F(CorruptRowsTest, NoMeasuredStepIsAnErrorForTheProfile) {
+  ExecSql(trace_, "DELETE FROM TC_STEP");
+  auto trace = Open();
+  ASSERT_TRUE(trace);
+  StatusOr<Profile> profile = BuildProfile(*trace);
+  ASSERT_FALSE(profile.ok());
+  EXPECT_EQ(profile.status().message().rfind(trace_ + ": no measured step in TC_STEP", 0), 0u)
+      << profile.status().message();
+  EXPECT_NE(profile.status().message().find("re-record it"), std::string::npos);
+}
+
+TEST_F(CorruptRowsTest, DuplicateRankIsAnError) {
+  ExecSql(trace_, "UPDATE TC_RANK SET rank = 0");
+  ExpectOpenError(trace_, "TC_RANK lists rank 0 twice");
+}
+
+TEST_F(CorruptRowsTest, RankBeyondItsWorldIsAnError) {
+  ExecSql(trace_, "UPDATE TC_RANK SET rank = rank + 7");
+  ExpectOpenError(trace_, "TC_RANK has a bad row");
+}
+
+TEST_F(CorruptRowsTest, MissingStringIdsIsAnError) {
+  ExecSql(trace_, "DROP TABLE StringIds");
+  ExpectOpenError(trace_, "dc trace without table StringIds");
+}
+
+TEST_F(CorruptRowsTest, TheProfileCarriesTheCounts) {
+  ExecSql(trace_, std::string("UPDATE ") + kKernel + " SET end = start - 1" + kFirstKernel);
+  auto trace = Open();
+  ASSERT_TRUE(trace);
+  StatusOr<Profile> profile = BuildProfile(*trace);
+  ASSERT_TRUE(profile.ok()) << profile.status().message();
+  ASSERT_EQ(profile->skipped.size(), 1u);
+  EXPECT_EQ(profile->skipped[0].Text(),
+            "CUPTI_ACTIVITY_KIND_KERNEL: 1 record(s) skipped (end before start)");
+}
+
+TEST(NsysCompatTest, IntegerNamesWithoutStringIdsAreAnError) {
+  TempDir dir;
+  const std::string path = dir.File("ids.sqlite");
+  ExecSql(path,
+          "CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL(start INTEGER, end INTEGER, globalPid INTEGER, "
+          "shortName INTEGER);"
+          "INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (1, 2, 16777216, 7);");
+  ExpectOpenError(path, "kernel names are ids into StringIds, which the file lacks");
+}
+
+TEST(NsysCompatTest, TwoProcessesOfOneMpiRankAreAnError) {
+  TempDir dir;
+  const std::string path = dir.File("mpi.sqlite");
+  ExecSql(path,
+          "CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL(start INTEGER, end INTEGER, globalPid INTEGER, "
+          "shortName TEXT);"
+          "INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (1, 2, 33554432, 'k');"
+          "CREATE TABLE MPI_RANKS(globalTid INTEGER, rank INTEGER);"
+          "INSERT INTO MPI_RANKS VALUES (33554433, 0), (16777217, 0);");
+  ExpectOpenError(path, "MPI_RANKS lists rank 0 for two processes");
+}
+
+TEST(NsysCompatTest, ActivityOfAProcessOutsideMpiRanksIsCounted) {
+  TempDir dir;
+  const std::string path = dir.File("mpi.sqlite");
+  ExecSql(path,
+          "CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL(start INTEGER, end INTEGER, globalPid INTEGER, "
+          "shortName TEXT);"
+          "INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (1, 2, 33554432, 'k'), "
+          "(1, 2, 50331648, 'stray');"
+          "CREATE TABLE MPI_RANKS(globalTid INTEGER, rank INTEGER);"
+          "INSERT INTO MPI_RANKS VALUES (33554433, 0);");
+  auto trace = Trace::Open(path);
+  ASSERT_TRUE(trace.ok()) << trace.status().message();
+  EXPECT_EQ(Skipped(**trace, "CUPTI_ACTIVITY_KIND_KERNEL", "globalPid of no rank"), 1);
+  EXPECT_EQ(CountActivities(**trace), 1);
+}
+
+TEST(NsysCompatTest, EmptyKernelTableIsAnError) {
+  TempDir dir;
+  const std::string path = dir.File("empty.sqlite");
+  ExecSql(path,
+          "CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL(start INTEGER, end INTEGER, globalPid INTEGER, "
+          "shortName TEXT);");
+  ExpectOpenError(path, "no kernel rows in CUPTI_ACTIVITY_KIND_KERNEL");
 }
 
 }  // namespace

@@ -76,8 +76,60 @@ std::string InstructionWhere(int index, const proto::Instruction& instruction) {
   return "instruction " + std::to_string(index) + " (" + InstrKindName(instruction.kind()) + ")";
 }
 
+namespace {
+
+// Bounds that keep every size and sum a reader of the schedule computes inside 64 bits: the
+// whole program's tensors within 1 PiB in the widest dtype, and at most 4096 micro-steps (live
+// bytes are at most the program's bytes once per micro-step, under 2^62).
+constexpr int64_t kMaxProgramBytes = int64_t{1} << 50;
+constexpr int64_t kWidestDTypeBytes = 8;
+constexpr int kMaxMicroSteps = 4096;
+constexpr int kMaxWorldSize = 1 << 24;
+
+Status CheckSizes(const proto::Schedule& schedule) {
+  const proto::Program& program = schedule.program();
+  if (schedule.world_size() < 0 || schedule.world_size() > kMaxWorldSize) {
+    return Status::Error("the schedule's world size " + std::to_string(schedule.world_size()) +
+                         " is out of range");
+  }
+  int64_t total_bytes = 0;
+  for (int t = 0; t < program.tensors_size(); ++t) {
+    const proto::Tensor& tensor = program.tensors(t);
+    int64_t bytes = kWidestDTypeBytes;
+    for (int64_t d : tensor.shape()) {
+      if (d <= 0 || __builtin_mul_overflow(bytes, d, &bytes) || bytes > kMaxProgramBytes) {
+        return Status::Error("tensor " + std::to_string(t) + " (" + tensor.name() +
+                             ") has a non-positive or too large shape");
+      }
+    }
+    total_bytes += bytes;  // each is at most 2^50, and so is the sum so far
+    if (total_bytes > kMaxProgramBytes) {
+      return Status::Error("the program's tensors add up to more than 1 PiB");
+    }
+  }
+  for (int o = 0; o < program.ops_size(); ++o) {
+    const proto::Op& op = program.ops(o);
+    for (const auto* ids : {&op.inputs(), &op.outputs()}) {
+      for (int t : *ids) {
+        if (t < 0 || t >= program.tensors_size()) {
+          return Status::Error("op " + std::to_string(o) + " (" + op.name() +
+                               ") names a bad tensor id " + std::to_string(t));
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status CheckReferences(const proto::Schedule& schedule) {
   const proto::Program& program = schedule.program();
+  DC_RETURN_IF_ERROR(CheckSizes(schedule));
+  // Micro-steps index per-(tensor, micro-step) tables: bounded by the program's accumulation
+  // steps where it says (as the verifier has them), and by kMaxMicroSteps always.
+  const int64_t gas = program.config().gas();
+  const int64_t micro_steps = gas > 0 ? std::min<int64_t>(gas, kMaxMicroSteps) : kMaxMicroSteps;
   for (int i = 0; i < schedule.instructions_size(); ++i) {
     const proto::Instruction& instr = schedule.instructions(i);
     if (instr.kind() == proto::INSTR_UNSPECIFIED || !proto::InstrKind_IsValid(instr.kind())) {
@@ -86,8 +138,9 @@ Status CheckReferences(const proto::Schedule& schedule) {
     if (instr.stream() < 0 || instr.stream() > proto::Stream_MAX) {
       return Status::Error(InstructionWhere(i, instr) + " has a bad stream");
     }
-    if (instr.micro_step() < -1) {
-      return Status::Error(InstructionWhere(i, instr) + " has a bad micro-step");
+    if (instr.micro_step() < -1 || instr.micro_step() >= micro_steps) {
+      return Status::Error(InstructionWhere(i, instr) + " has a bad micro-step " +
+                           std::to_string(instr.micro_step()));
     }
     for (int d : instr.deps()) {
       if (d < 0 || d >= i) {

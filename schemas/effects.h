@@ -99,9 +99,12 @@ inline bool EffectsAtEnd(proto::InstrKind kind) { return kind == proto::INSTR_OF
 // "instruction 12 (release)": how the planner's checks name an instruction.
 std::string InstructionWhere(int index, const proto::Instruction& instruction);
 
-// The ids and references every reader of a schedule relies on: a valid kind and stream, deps on
-// earlier instructions, op ids in range for computes and renames, tensor ids in range, a
-// rename's tensors activations of the sizes of its op's outputs, one for one.
+// The ids, references and sizes every reader of a schedule relies on: a valid kind and stream,
+// a micro-step below the program's gas where set (and below 4096), deps on earlier
+// instructions, op ids in range for computes and renames, tensor ids in range (instructions' and
+// ops'), a rename's tensors activations of the sizes of its op's outputs, one for one; positive
+// shapes, the program's tensors within 1 PiB, a world size within 2^24. Untrusted schedules (a
+// plan file) are safe to simulate and replay once it passes.
 Status CheckReferences(const proto::Schedule& schedule);
 
 // What BufferReplay tells its listener. Handles number the allocations in the order they are

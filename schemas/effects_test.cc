@@ -241,7 +241,35 @@ TEST(Effects, EveryMisuseIsRefusedWithItsMessage) {
       {"bad op id", [](proto::Schedule* s) { Add(s, proto::INSTR_COMPUTE, 99, {}); },
        "instruction 0 (compute) computes a bad op id 99"},
       {"bad micro-step", [](proto::Schedule* s) { Add(s, proto::INSTR_RELEASE, -1, {kA}, -5); },
-       "instruction 0 (release) has a bad micro-step"},
+       "instruction 0 (release) has a bad micro-step -5"},
+      // Issue 13: untrusted plans index per-micro-step tables and op operands.
+      {"micro-step beyond any gas",
+       [](proto::Schedule* s) { Add(s, proto::INSTR_RELEASE, -1, {kA}, 2147483647); },
+       "instruction 0 (release) has a bad micro-step 2147483647"},
+      {"micro-step beyond the program's gas",
+       [](proto::Schedule* s) {
+         s->mutable_program()->mutable_config()->set_gas(2);
+         Add(s, proto::INSTR_RELEASE, -1, {kA}, 2);
+       },
+       "instruction 0 (release) has a bad micro-step 2"},
+      {"op reading a bad tensor id",
+       [](proto::Schedule* s) { s->mutable_program()->mutable_ops(kHead)->set_inputs(0, 12345); },
+       "op 1 (head) names a bad tensor id 12345"},
+      {"op writing a bad tensor id",
+       [](proto::Schedule* s) { s->mutable_program()->mutable_ops(kFwd)->set_outputs(0, -7); },
+       "op 0 (fwd) names a bad tensor id -7"},
+      {"shape past 64 bits",
+       [](proto::Schedule* s) {
+         proto::Tensor* t = s->mutable_program()->mutable_tensors(kA);
+         t->add_shape(int64_t{1} << 40);
+         t->add_shape(int64_t{1} << 40);
+       },
+       "tensor 2 (a) has a non-positive or too large shape"},
+      {"negative dimension",
+       [](proto::Schedule* s) { s->mutable_program()->mutable_tensors(kB)->set_shape(0, -4); },
+       "tensor 3 (b) has a non-positive or too large shape"},
+      {"world size out of range", [](proto::Schedule* s) { s->set_world_size(-3); },
+       "the schedule's world size -3 is out of range"},
       {"no kind", [](proto::Schedule* s) { Add(s, proto::INSTR_UNSPECIFIED, -1, {}); },
        "instruction 0 has no valid kind"},
       {"dep on a later instruction",

@@ -2,6 +2,7 @@
 // half-written left behind.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sqlite3.h>
 
 #include <chrono>
 #include <filesystem>
@@ -215,6 +216,162 @@ TEST_F(BadInput, ARankThatDiesUnderTheLocalLauncher) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("rank"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("the other ranks were stopped"), std::string::npos) << r.err;
+}
+
+// Corrupt trace rows and Kineto numbers (issue 13), one row per case: the SQL that breaks a copy
+// of good.db (or the Kineto JSON), the command, the exit code, the words its output must hold
+// and the files that must not exist afterwards. Where the rest of the trace is usable the rows
+// are left out and counted (a warning in the summary, its --json and dc-plan's output); where
+// nothing is, one line names the file and says to re-record. Never a quietly different number.
+struct TraceCase {
+  const char* name;
+  const char* sql;      // run on a copy of good.db (tables loosened where NULLs go in)
+  const char* command;  // "plan", "summary" or "json"
+  int exit_code;
+  std::vector<std::string> words;  // in stdout + stderr
+};
+
+void ExecSql(const std::string& path, const std::string& sql) {
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  char* error = nullptr;
+  EXPECT_EQ(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &error), SQLITE_OK)
+      << (error ? error : "");
+  sqlite3_free(error);
+  sqlite3_close(db);
+}
+
+#define DC_LOOSEN(table)                                             \
+  "CREATE TABLE loose AS SELECT * FROM " table "; DROP TABLE " table \
+  "; ALTER TABLE loose "                                             \
+  "RENAME TO " table ";"
+
+TEST_F(BadInput, CorruptTraceRows) {
+  constexpr char kFirstKernel[] =
+      " WHERE rowid = (SELECT MIN(rowid) FROM CUPTI_ACTIVITY_KIND_KERNEL)";
+  const std::string end_before_start =
+      std::string("UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET end = start - 1") + kFirstKernel;
+  const std::vector<TraceCase> cases = {
+      {"end-before-start",
+       end_before_start.c_str(),
+       "summary",
+       0,
+       {"warning: CUPTI_ACTIVITY_KIND_KERNEL: 1 record(s) skipped (end before start)"}},
+      {"end-before-start-json",
+       end_before_start.c_str(),
+       "json",
+       0,
+       {"\"skipped_records\":1", "\"problem\":\"end before start\""}},
+      {"end-before-start-plan",
+       end_before_start.c_str(),
+       "plan",
+       0,
+       {"dc-plan: warning: ",
+        "CUPTI_ACTIVITY_KIND_KERNEL: 1 record(s) skipped (end before "
+        "start)"}},
+      {"null-start",
+       DC_LOOSEN("CUPTI_ACTIVITY_KIND_KERNEL") "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET start = "
+                                               "NULL WHERE rowid = 1",
+       "plan",
+       0,
+       {"1 record(s) skipped (NULL or non-integer start)"}},
+      {"null-end",
+       DC_LOOSEN("CUPTI_ACTIVITY_KIND_KERNEL") "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET end = "
+                                               "NULL WHERE rowid = 1",
+       "summary",
+       0,
+       {"1 record(s) skipped (NULL or non-integer end)"}},
+      {"null-global-pid",
+       DC_LOOSEN("CUPTI_ACTIVITY_KIND_KERNEL") "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET globalPid "
+                                               "= NULL WHERE rowid = 1",
+       "plan",
+       0,
+       {"1 record(s) skipped (NULL or non-integer globalPid)"}},
+      {"null-stream",
+       DC_LOOSEN("CUPTI_ACTIVITY_KIND_KERNEL") "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET streamId "
+                                               "= NULL WHERE rowid = 1",
+       "summary",
+       0,
+       {"1 record(s) skipped (NULL or non-integer streamId)"}},
+      {"null-memory-bytes",
+       DC_LOOSEN("CUDA_GPU_MEMORY_USAGE_EVENTS") "UPDATE CUDA_GPU_MEMORY_USAGE_EVENTS SET bytes "
+                                                 "= NULL WHERE rowid = 1",
+       "summary",
+       0,
+       {"CUDA_GPU_MEMORY_USAGE_EVENTS: 1 record(s) skipped (NULL or non-integer bytes)"}},
+      {"negative-memory-bytes",
+       "UPDATE CUDA_GPU_MEMORY_USAGE_EVENTS SET bytes = -9223372036854775807 WHERE rowid = 1",
+       "summary",
+       0,
+       {"1 record(s) skipped (bytes out of range (negative or over 1 PiB))"}},
+      {"huge-memory-bytes",
+       "UPDATE CUDA_GPU_MEMORY_USAGE_EVENTS SET bytes = 9223372036854775807 WHERE rowid <= 3",
+       "json",
+       0,
+       {"\"skipped_records\":3", "bytes out of range (negative or over 1 PiB)"}},
+      {"no-kernel-rows",
+       "DELETE FROM CUPTI_ACTIVITY_KIND_KERNEL",
+       "plan",
+       1,
+       {"no kernel rows in CUPTI_ACTIVITY_KIND_KERNEL", "re-record it with dc-collect"}},
+      {"no-kernel-rows-summary",
+       "DELETE FROM CUPTI_ACTIVITY_KIND_KERNEL",
+       "summary",
+       1,
+       {"no kernel rows in CUPTI_ACTIVITY_KIND_KERNEL", "re-record it with dc-collect"}},
+      {"no-step-rows",
+       "DELETE FROM TC_STEP",
+       "plan",
+       1,
+       {"no measured step in TC_STEP", "re-record it with dc-collect"}},
+      {"duplicate-rank", "UPDATE TC_RANK SET rank = 0", "plan", 1, {"TC_RANK lists rank 0 twice"}},
+      {"missing-string-ids",
+       "DROP TABLE StringIds",
+       "summary",
+       1,
+       {"dc trace without table StringIds", "re-record it with dc-collect"}},
+  };
+  for (const TraceCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::string trace = dir_ + "/corrupt-" + c.name + ".db";
+    const std::string out = dir_ + "/corrupt-" + c.name + ".dcplan";
+    std::filesystem::copy_file(dir_ + "/two.db", trace,
+                               std::filesystem::copy_options::overwrite_existing);
+    ExecSql(trace, c.sql);
+    std::string command = Tool("dc-trace") + " summary " + trace;
+    if (std::string(c.command) == "json") command += " --json";
+    if (std::string(c.command) == "plan") {
+      command = Tool("dc-plan") + " " + trace + " --no-cache -o " + out;
+    }
+    auto r = RunCommand(command);
+    EXPECT_EQ(r.exit_code, c.exit_code) << r.err;
+    for (const std::string& word : c.words) {
+      EXPECT_NE((r.out + r.err).find(word), std::string::npos) << word << "\n" << r.out << r.err;
+    }
+    if (c.exit_code != 0) {
+      EXPECT_EQ(Lines(r.err), 1) << r.err;
+      EXPECT_NE(r.err.find(trace + ": "), std::string::npos) << r.err;
+      EXPECT_FALSE(std::filesystem::exists(out));
+    }
+  }
+}
+
+TEST_F(BadInput, KinetoNumbersOutOfRange) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"traceEvents": [{"ph": "X", "cat": "kernel", "ts": 1e400, "dur": 1}]})",
+       "invalid JSON (number overflow"},
+      {R"({"traceEvents": [{"ph": "X", "cat": "kernel", "ts": 1e300, "dur": 1}]})",
+       "traceEvents[0]: ts 1.0000000000000001e+300 is out of range"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const std::string path = dir_ + "/kineto" + std::to_string(i) + ".json";
+    WriteFile(path, cases[i].first);
+    auto r = RunCommand(Tool("dc-trace") + " summary " + path);
+    EXPECT_EQ(r.exit_code, 1) << r.err;
+    EXPECT_EQ(Lines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find(path + ": "), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(cases[i].second), std::string::npos) << r.err;
+  }
 }
 
 // Plans and backends that do not match: one line naming the plan and saying how to re-plan,

@@ -1,6 +1,7 @@
 // dc-plan: read a trace, derive the profile, plan an optimized schedule (cached).
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -201,10 +202,15 @@ void PrintReport(const Profile& profile, const proto::Schedule& plan) {
     constexpr int kSamples = 16, kBarWidth = 40;
     size_t i = 0;
     for (int s = 0; s < kSamples; ++s) {
-      const int64_t t = t0 + (t1 - t0) * s / (kSamples - 1);
+      // In doubles: a span of 2^62 ns times the sample index, or live bytes times the bar
+      // width, leaves 64 bits (the reader's range rules allow both).
+      const int64_t t =
+          t0 + static_cast<int64_t>(static_cast<double>(t1 - t0) * s / (kSamples - 1));
       while (i + 1 < mem.points.size() && mem.points[i + 1].ts_ns <= t) ++i;
       const int64_t live = mem.points[i].total_bytes;
-      const int bar = static_cast<int>(kBarWidth * live / mem.peak_bytes);
+      const int bar = std::clamp(static_cast<int>(kBarWidth * static_cast<double>(live) /
+                                                  static_cast<double>(mem.peak_bytes)),
+                                 0, kBarWidth);
       std::printf("  %8.4f s |%-*s| %s\n", (t - t0) / 1e9, kBarWidth, std::string(bar, '#').c_str(),
                   FormatBytes(live).c_str());
     }
@@ -419,7 +425,17 @@ void PrintJson(const Flags& f, const Outcome& o) {
                            {"predicted_peak_bytes", p.predicted_peak_bytes()},
                            {"instructions", p.instructions()}});
   }
-  if (o.measured) j["measured_step_seconds"] = o.measured->step_seconds_median;
+  if (o.measured) {
+    j["measured_step_seconds"] = o.measured->step_seconds_median;
+    int64_t skipped_records = 0;
+    nlohmann::json skipped = nlohmann::json::array();
+    for (const SkippedRecords& r : o.measured->skipped) {
+      skipped_records += r.count;
+      skipped.push_back({{"source", r.source}, {"problem", r.problem}, {"count", r.count}});
+    }
+    j["skipped_records"] = skipped_records;
+    j["skipped"] = skipped;
+  }
   if (f.rounds.rounds > 0) j["rounds"] = o.rounds;
   j["device"] = plan.device();
   std::cout << j.dump() << "\n";
@@ -442,6 +458,12 @@ void PrintText(const Flags& f, const Outcome& o) {
   if (f.report && o.measured) PrintReport(*o.measured, plan);
   for (const auto& note : plan.notes()) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
   for (const auto& note : o.notes) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
+  if (o.measured) {
+    for (const SkippedRecords& r : o.measured->skipped) {
+      std::fprintf(stderr, "dc-plan: warning: %s: %s\n", o.measured->trace_path.c_str(),
+                   r.Text().c_str());
+    }
+  }
 }
 
 }  // namespace

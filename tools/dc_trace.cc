@@ -67,7 +67,12 @@ StatusOr<std::unique_ptr<Timeline>> Open(const std::vector<std::string>& inputs,
   return OpenTimeline(inputs, options);
 }
 
+// Notes, and the records the reader left out (the summary shows those itself).
 void PrintNotes(const Timeline& timeline) {
+  for (const SkippedRecords& skipped : timeline.skipped()) {
+    std::fprintf(stderr, "%s: warning: %s: %s\n", kProgram, timeline.path().c_str(),
+                 skipped.Text().c_str());
+  }
   for (const std::string& note : timeline.notes()) {
     std::fprintf(stderr, "%s: note: %s\n", kProgram, note.c_str());
   }

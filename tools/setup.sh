@@ -4,6 +4,8 @@
 #   tools/setup.sh test     check the format (tools/format.sh --check), then run every test (ctest;
 #                           python3-torch installed too, for the PyTorch parity tests)
 #   tools/setup.sh build    build only
+#   tools/setup.sh fuzz [S] build the libFuzzer harnesses (clang, build-fuzz/) and run each for S
+#                           seconds (default 60) over a scratch copy of its seed corpus
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-demo}
@@ -30,6 +32,26 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
+if [ "$mode" = fuzz ]; then
+  command -v clang++ >/dev/null || { echo "setup: fuzz needs clang (apt-get install clang)" >&2; exit 2; }
+  seconds=${2:-60}
+  CC=clang CXX=clang++ cmake -S . -B build-fuzz -DDC_FUZZERS=ON -DDC_CUDA=OFF -DDC_BUILD_TESTS=OFF \
+    -DDC_WERROR=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  fuzzers=()
+  for f in fuzz/*_fuzzer.cc; do fuzzers+=("$(basename "$f" .cc)"); done
+  cmake --build build-fuzz -j "$jobs" --target "${fuzzers[@]}"
+  for name in "${fuzzers[@]}"; do
+    corpus=$(mktemp -d /tmp/dc-fuzz-corpus-XXXXXX)
+    cp -r "fuzz/corpus/${name%_fuzzer}/." "$corpus/" 2>/dev/null || true
+    echo "== $name: $seconds s"
+    mkdir -p build-fuzz/artifacts
+    "build-fuzz/fuzz/$name" -max_total_time="$seconds" -timeout=30 -rss_limit_mb=4096 \
+      -print_final_stats=1 -artifact_prefix="build-fuzz/artifacts/$name-" "$corpus"
+    rm -rf "$corpus"
+  done
+  exit 0
+fi
+
 # The format check first: it takes a second, the build minutes.
 if [ "$mode" = test ]; then tools/format.sh --check; fi
 
@@ -53,5 +75,5 @@ case "$mode" in
     "$bin/dc-run" --backend cpu "$work/plan.dcplan" --steps 20
     echo "(files in $work)"
     ;;
-  *) echo "usage: tools/setup.sh [demo|test|build]" >&2; exit 2 ;;
+  *) echo "usage: tools/setup.sh [demo|test|build|fuzz [seconds]]" >&2; exit 2 ;;
 esac

@@ -17,6 +17,7 @@
 #include <unordered_set>
 
 #include "analyzer/kineto.h"
+#include "analyzer/limits.h"
 #include "analyzer/profile.h"
 #include "analyzer/trace.h"
 #include "machine/intervals.h"
@@ -232,6 +233,12 @@ StatusOr<std::unique_ptr<Timeline>> OpenTimeline(const std::vector<std::string>&
   DC_ASSIGN_OR_RETURN(PlanCosts costs, CostsForPlan(plan, options.profile_trace));
   StatusOr<SimResult> sim = Simulate(plan, costs.costs);
   if (!sim.ok()) return sim.status().Prefixed(path + ": cannot simulate the plan: ");
+  // Its times become nanoseconds under the range rules (analyzer/limits.h).
+  if (!(sim->step_seconds >= 0) ||
+      !TraceLimits::Scaled(sim->step_seconds, kNsPerSecond, 0, TraceLimits::kMaxAbsTimeNs)) {
+    return Status::Error(path + ": the simulated step takes " + Format("%g", sim->step_seconds) +
+                         " s, out of range; the plan or its costs are corrupt, re-plan");
+  }
   TimelineData data = PlanData(path, plan, *sim);
   data.notes.push_back(costs.note);
   return MakeTimeline(std::move(data));
@@ -313,6 +320,12 @@ std::vector<std::string> OrderKinds(const std::set<std::string>& seen) {
   return kinds;
 }
 
+Status LiveBytesError(const Timeline& timeline) {
+  return Status::Error(timeline.path() +
+                       ": live device memory passes 4 EiB; the trace's byte counts are corrupt, "
+                       "record it again");
+}
+
 size_t KindIndex(const std::vector<std::string>& kinds, const std::string& kind) {
   return static_cast<size_t>(std::find(kinds.begin(), kinds.end(), kind) - kinds.begin());
 }
@@ -325,6 +338,7 @@ StatusOr<MemoryReplay> MemoryReplay::Prepare(const Timeline& timeline) {
   // Frees of buffers never seen allocated, by rank and kind name.
   std::map<std::pair<int, std::string>, int64_t> before_capture;
   std::map<int, std::unordered_set<int64_t>> live;
+  bool overflow = false;
   DC_RETURN_IF_ERROR(timeline.ForEachMemoryEvent([&](const TimelineMemoryEvent& e) {
     ++replay.events_;
     seen.insert(e.kind);
@@ -332,8 +346,9 @@ StatusOr<MemoryReplay> MemoryReplay::Prepare(const Timeline& timeline) {
     std::unordered_set<int64_t>& addresses = live[e.rank_index];
     if (e.alloc) {
       addresses.insert(e.address);
-    } else if (addresses.erase(e.address) == 0) {
-      before_capture[{e.rank_index, e.kind}] += e.bytes;
+    } else if (addresses.erase(e.address) == 0 &&
+               !AddLiveBytes(&before_capture[{e.rank_index, e.kind}], e.bytes)) {
+      overflow = true;
     }
   }));
   replay.kinds_ = OrderKinds(seen);
@@ -341,8 +356,13 @@ StatusOr<MemoryReplay> MemoryReplay::Prepare(const Timeline& timeline) {
                              std::vector<int64_t>(replay.kinds_.size(), 0));
   for (const auto& [key, bytes] : before_capture) {
     if (key.first < 0 || key.first >= static_cast<int>(replay.preexisting_.size())) continue;
-    replay.preexisting_[key.first][KindIndex(replay.kinds_, key.second)] += bytes;
+    replay.preexisting_[key.first][KindIndex(replay.kinds_, key.second)] = bytes;
   }
+  for (const std::vector<int64_t>& level : replay.preexisting_) {
+    int64_t total = 0;
+    for (int64_t bytes : level) overflow = overflow || !AddLiveBytes(&total, bytes);
+  }
+  if (overflow) return LiveBytesError(timeline);
   return replay;
 }
 
@@ -368,18 +388,19 @@ Status MemoryReplay::Run(const Timeline& timeline,
     if (pending_ts) fn({rank, *pending_ts, total, &level});
     pending_ts.reset();
   };
+  bool overflow = false;
   auto apply = [&](size_t kind, int64_t delta) {
-    level[kind] += delta;
-    total += delta;
+    overflow = overflow || !AddLiveBytes(&level[kind], delta) || !AddLiveBytes(&total, delta);
   };
   DC_RETURN_IF_ERROR(timeline.ForEachMemoryEvent([&](const TimelineMemoryEvent& e) {
+    if (overflow) return;
     if (e.rank_index != rank) {
       report();
       rank = e.rank_index;
       level = preexisting(rank);
       level.resize(kinds_.size(), 0);
       total = 0;
-      for (int64_t bytes : level) total += bytes;
+      for (int64_t bytes : level) total += bytes;  // Prepare checked the sum
       live.clear();
     }
     if (pending_ts && *pending_ts != e.ts_ns) report();
@@ -401,6 +422,7 @@ Status MemoryReplay::Run(const Timeline& timeline,
       apply(kind, e.bytes);
     }
   }));
+  if (overflow) return LiveBytesError(timeline);
   report();
   return Status::Ok();
 }
@@ -516,14 +538,20 @@ struct StreamAccumulator {
   }
 };
 
-void AddName(std::map<std::string, NameStat>* stats, const std::string& name, ActivityClass kind,
+// False where a sum would leave 64 bits (only corrupt times or byte counts get there).
+bool AddName(std::map<std::string, NameStat>* stats, const std::string& name, ActivityClass kind,
              int64_t duration_ns, int64_t bytes) {
   NameStat& s = (*stats)[name];
   s.name = name;
   s.kind = kind;
   ++s.count;
-  s.total_ns += duration_ns;
-  s.bytes += bytes;
+  return CheckedAdd(s.total_ns, duration_ns, &s.total_ns) && CheckedAdd(s.bytes, bytes, &s.bytes);
+}
+
+Status SumError(const std::string& name) {
+  return Status::Error("the summed times or bytes of " + name +
+                       " pass 64 bits; the trace's times or byte counts are corrupt, record it "
+                       "again");
 }
 
 // By total time (then name), at most `top` (all when top < 0).
@@ -563,8 +591,10 @@ class RankAccumulator {
     ++activities_;
     const int64_t duration_ns = std::max<int64_t>(0, a.end_ns - a.start_ns);
     streams_[a.stream_id].Add(a.start_ns, a.end_ns);
-    AddName(a.kind == ActivityClass::kCopy ? &copies_ : &kernels_, a.name, a.kind, duration_ns,
-            a.bytes);
+    if (!AddName(a.kind == ActivityClass::kCopy ? &copies_ : &kernels_, a.name, a.kind, duration_ns,
+                 a.bytes)) {
+      return SumError(a.name);
+    }
     return true;
   }
 
@@ -760,12 +790,18 @@ StatusOr<Summary> Summarize(const Timeline& timeline, const SummaryOptions& opti
     if (!*measured || !options.by_instruction) return;
     const int64_t duration_ns = std::max<int64_t>(0, a.end_ns - a.start_ns);
     if (!schedule || a.instruction < 0) {
-      AddName(&by_instruction, a.name, a.kind, duration_ns, a.bytes);
+      if (!AddName(&by_instruction, a.name, a.kind, duration_ns, a.bytes)) {
+        bad = SumError(a.name).Prefixed(timeline.path() + ": ");
+      }
       return;
     }
     for (const InstructionPart& part : parts.Of(a.instruction)) {
-      AddName(&by_instruction, part.name, a.kind, std::llround(duration_ns * part.share),
-              std::llround(static_cast<double>(a.bytes) * part.share));
+      if (!AddName(&by_instruction, part.name, a.kind,
+                   std::llround(static_cast<double>(duration_ns) * part.share),
+                   std::llround(static_cast<double>(a.bytes) * part.share))) {
+        bad = SumError(part.name).Prefixed(timeline.path() + ": ");
+        return;
+      }
     }
   }));
   DC_RETURN_IF_ERROR(bad);
@@ -778,6 +814,7 @@ StatusOr<Summary> Summarize(const Timeline& timeline, const SummaryOptions& opti
   for (const auto& [name, stat] : by_instruction) summary.by_instruction.push_back(stat);
   AddTotals(&summary);
   summary.notes = timeline.notes();
+  summary.skipped = timeline.skipped();
   if (summary.report_only) {
     summary.notes.push_back(std::string("a foreign (") + TimelineFormatName(timeline.format()) +
                             ") trace: the analysis is report-only; there is no program to re-plan");
@@ -792,6 +829,12 @@ StatusOr<Summary> Summarize(const Timeline& timeline, const SummaryOptions& opti
 // ----- summary output -----
 
 namespace {
+
+int64_t SkippedRecordsOf(const Summary& s) {
+  int64_t total = 0;
+  for (const SkippedRecords& r : s.skipped) total += r.count;  // table row counts: the sum fits
+  return total;
+}
 
 nlohmann::json PeakJson(const PeakMemory& peak, int64_t window_start_ns) {
   nlohmann::json by_kind = nlohmann::json::object();
@@ -922,6 +965,12 @@ nlohmann::json SummaryJson(const Summary& summary) {
       {"exposed_communication_seconds_median", summary.exposed_communication_seconds_median},
       {"peak_memory_bytes", summary.peak_memory_bytes},
       {"notes", summary.notes}};
+  nlohmann::json skipped = nlohmann::json::array();
+  for (const SkippedRecords& s : summary.skipped) {
+    skipped.push_back({{"source", s.source}, {"problem", s.problem}, {"count", s.count}});
+  }
+  j["skipped_records"] = SkippedRecordsOf(summary);
+  j["skipped"] = skipped;
   j["ranks"] = nlohmann::json::array();
   for (const RankSummary& r : summary.ranks) j["ranks"].push_back(RankJson(r));
   return j;
@@ -938,6 +987,9 @@ std::string SummaryText(const Summary& summary) {
              Ms(summary.step_seconds_median).c_str(),
              Ms(summary.exposed_communication_seconds_median).c_str(),
              FormatBytes(summary.peak_memory_bytes).c_str());
+  for (const SkippedRecords& s : summary.skipped) {
+    AppendLine(&out, "warning: %s", s.Text().c_str());
+  }
   for (const RankSummary& r : summary.ranks) RankText(r, &out);
   for (const std::string& note : summary.notes) AppendLine(&out, "note: %s", note.c_str());
   return out;
@@ -959,6 +1011,7 @@ std::map<std::string, std::pair<ActivityClass, double>> PerWindow(const Summary&
 
 nlohmann::json SideJson(const Summary& s) {
   return {{"path", s.path},
+          {"skipped_records", SkippedRecordsOf(s)},
           {"format", TimelineFormatName(s.format)},
           {"measured_windows", s.measured_windows},
           {"step_seconds", s.step_seconds_median},
@@ -1060,6 +1113,12 @@ std::string DiffText(const Diff& diff) {
     AppendLine(&out, "  %10s %10s %+10.3f  %s", r.a_seconds >= 0 ? Ms(r.a_seconds).c_str() : "-",
                r.b_seconds >= 0 ? Ms(r.b_seconds).c_str() : "-", r.change_seconds * 1e3,
                r.name.c_str());
+  }
+  for (const SkippedRecords& r : diff.a.skipped) {
+    AppendLine(&out, "warning: A: %s", r.Text().c_str());
+  }
+  for (const SkippedRecords& r : diff.b.skipped) {
+    AppendLine(&out, "warning: B: %s", r.Text().c_str());
   }
   for (const std::string& n : diff.a.notes) AppendLine(&out, "note: A: %s", n.c_str());
   for (const std::string& n : diff.b.notes) AppendLine(&out, "note: B: %s", n.c_str());

@@ -119,6 +119,8 @@ struct Summary {
   TimelineFormat format = TimelineFormat::kDc;
   bool report_only = false;  // a foreign trace: no program to re-plan
   std::vector<std::string> notes;
+  // Records the reader left out (Timeline::skipped), shown as warnings.
+  std::vector<SkippedRecords> skipped;
   int64_t dropped_records = 0;
   int warmup_steps_excluded = 0;  // (rank, step) windows
   std::vector<RankSummary> ranks;

@@ -190,6 +190,7 @@ TEST(Summarize, OutOfOrderActivitiesAreAnError) {
     const std::vector<TimelineStep>& steps() const override { return steps_; }
     const proto::Schedule* schedule() const override { return nullptr; }
     const std::vector<std::string>& notes() const override { return notes_; }
+    const std::vector<SkippedRecords>& skipped() const override { return skipped_; }
     int64_t dropped_records() const override { return 0; }
     std::string StreamName(int, int64_t) const override { return ""; }
     Status ForEachActivity(const ActivityOptions&,
@@ -208,6 +209,7 @@ TEST(Summarize, OutOfOrderActivitiesAreAnError) {
     std::vector<TimelineRank> ranks_{{0, 0, "", 0}};
     std::vector<TimelineStep> steps_;
     std::vector<std::string> notes_;
+    std::vector<SkippedRecords> skipped_;
   };
   auto summary = Summarize(Unordered(), {});
   ASSERT_FALSE(summary.ok());
@@ -246,6 +248,70 @@ TEST(Summarize, DcTraceAgreesWithTheProfile) {
   // 30 B activation at 20 ns, all freed but a 10 B input by 40 ns; steps start at 10000 ns: 40 B.
   EXPECT_EQ(summary->ranks[0].steps[0].peak_memory->bytes, 40);
   EXPECT_EQ(timeline.value()->StreamName(0, proto::STREAM_GATHER), "gather");
+}
+
+// A corrupt row is left out and counted: a warning in the text and in the JSON (issue 13).
+TEST(Summarize, SkippedRowsAreWarningsInTextAndJson) {
+  testing::TempDir dir;
+  const std::string path = testing::WriteProfileTrace(dir);
+  ASSERT_FALSE(path.empty());
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  ASSERT_EQ(sqlite3_exec(db,
+                         "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET end = start - 1 WHERE rowid IN "
+                         "(1, 2); UPDATE CUDA_GPU_MEMORY_USAGE_EVENTS SET bytes = -8 WHERE "
+                         "rowid = 1",
+                         nullptr, nullptr, nullptr),
+            SQLITE_OK);
+  sqlite3_close(db);
+  auto timeline = OpenTraceTimeline(path);
+  ASSERT_TRUE(timeline.ok()) << timeline.status().message();
+  auto summary = Summarize(**timeline, {});
+  ASSERT_TRUE(summary.ok()) << summary.status().message();
+  const nlohmann::json j = SummaryJson(*summary);
+  EXPECT_EQ(j["skipped_records"], 3);
+  ASSERT_EQ(j["skipped"].size(), 2u);
+  EXPECT_EQ(j["skipped"][0]["source"], "CUPTI_ACTIVITY_KIND_KERNEL");
+  EXPECT_EQ(j["skipped"][0]["problem"], "end before start");
+  EXPECT_EQ(j["skipped"][0]["count"], 2);
+  const std::string text = SummaryText(*summary);
+  EXPECT_NE(text.find("warning: CUPTI_ACTIVITY_KIND_KERNEL: 2 record(s) skipped (end before "
+                      "start)"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("warning: CUDA_GPU_MEMORY_USAGE_EVENTS: 1 record(s) skipped"),
+            std::string::npos)
+      << text;
+}
+
+// Sums over many records are checked: corrupt values give an error, never a wrapped number.
+TEST(Summarize, SumsPastSixtyFourBitsAreAnError) {
+  TimelineData data;
+  data.path = "long";
+  data.ranks.push_back({0, 0, "", 0});
+  constexpr int64_t kLong = int64_t{1} << 61;
+  for (int i = 0; i < 5; ++i) {
+    TimelineActivity a;
+    a.name = "forever";
+    a.start_ns = -kLong + i;
+    a.end_ns = kLong;
+    data.activities.push_back(a);
+  }
+  auto summary = Summarize(*MakeTimeline(std::move(data)), {});
+  ASSERT_FALSE(summary.ok());
+  EXPECT_EQ(summary.status().message().rfind("long: the summed times or bytes of forever", 0), 0u)
+      << summary.status().message();
+
+  TimelineData memory = HandTimeline();
+  memory.path = "huge";
+  for (int i = 0; i < 5000; ++i) {
+    memory.memory_events.push_back(Mem(1, 1000 + i, int64_t{1} << 50, true, "activation"));
+  }
+  summary = Summarize(*MakeTimeline(std::move(memory)), {});
+  ASSERT_FALSE(summary.ok());
+  EXPECT_EQ(summary.status().message(),
+            "huge: live device memory passes 4 EiB; the trace's byte counts are corrupt, record "
+            "it again");
 }
 
 TEST(Summarize, DcTraceInstructionsByName) {

@@ -141,12 +141,16 @@ std::vector<MemoryChart::Point> Thin(std::vector<MemoryChart::Point> points, int
                                      int max_points) {
   if (static_cast<int>(points.size()) <= max_points || duration_ns <= 0) return points;
   const int64_t buckets = std::max(1, max_points / 2);
+  // In 128 bits: a time (up to 2^62 ns) times the buckets leaves 64.
+  auto bucket_of = [&](int64_t t_ns) {
+    return static_cast<__int128>(t_ns) * buckets / duration_ns;
+  };
   std::vector<MemoryChart::Point> thinned;
   size_t i = 0;
   while (i < points.size()) {
-    const int64_t bucket = points[i].t_ns * buckets / duration_ns;
+    const __int128 bucket = bucket_of(points[i].t_ns);
     size_t highest = i, end = i;
-    while (end < points.size() && points[end].t_ns * buckets / duration_ns == bucket) {
+    while (end < points.size() && bucket_of(points[end].t_ns) == bucket) {
       if (points[end].total_bytes > points[highest].total_bytes) highest = end;
       ++end;
     }
@@ -446,6 +450,12 @@ StatusOr<MemoryChart> BuildMemoryChart(const Timeline& timeline,
     return Status::Error(timeline.path() +
                          ": no memory events; nothing to draw (nsys: record with "
                          "--cuda-memory-usage=true; PyTorch: profile_memory=True)");
+  }
+  if (w.whole_span && (w.start_ns == kMinNs || w.end_ns == kMaxNs)) {
+    // Found by fuzzing: a rank whose rows were all left out has no span to draw over.
+    return Status::Error(timeline.path() + ": rank " +
+                         std::to_string(timeline.ranks()[w.rank_index].rank) +
+                         " has no activity or memory event to draw; pick another with --rank");
   }
   chart.title = timeline.path() + ": live device memory, rank " +
                 std::to_string(timeline.ranks()[w.rank_index].rank) + ", " + chart.window;

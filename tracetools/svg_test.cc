@@ -190,5 +190,20 @@ TEST(MemoryChart, ErrorsNameTheFile) {
   EXPECT_NE(empty.status().message().find("no memory events"), std::string::npos);
 }
 
+// Found by fuzzing (issue 13): a rank without steps, activity or memory events has no span; its
+// window once ran from INT64_MIN to INT64_MAX and the duration overflowed.
+TEST(MemoryChart, ARankWithNothingToDrawIsAnError) {
+  TimelineData data = OneStep();
+  data.steps.clear();
+  data.ranks.push_back({7, 77, "", 0});
+  MemoryChartOptions options;
+  options.rank = 7;
+  auto chart = BuildMemoryChart(*MakeTimeline(std::move(data)), options);
+  ASSERT_FALSE(chart.ok());
+  EXPECT_NE(chart.status().message().find("rank 7 has no activity or memory event to draw"),
+            std::string::npos)
+      << chart.status().message();
+}
+
 }  // namespace
 }  // namespace dc
