@@ -2,7 +2,6 @@
 
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <map>
 #include <set>
 
@@ -53,16 +52,13 @@ TEST(Model, TinyParamCountByHand) {
   EXPECT_EQ(ParamCount(Build("tiny")), layers * per_layer + 2 * v * h + h);
 }
 
-TEST(Model, BuildIsFastForLlama3_70b) {
+// How fast it builds is bench/speed_bench's to measure; tests never assert speed.
+TEST(Model, BuildsLlama3_70b) {
   auto config = MakeConfig("llama3-70b", {});
   ASSERT_TRUE(config.ok());
-  const auto start = std::chrono::steady_clock::now();
   auto program = BuildProgram(*config);
-  const auto elapsed = std::chrono::steady_clock::now() - start;
   ASSERT_TRUE(program.ok());
   EXPECT_GT(program->ops_size(), 3000);
-  // The target is well under 100 ms; the bound leaves room for a loaded CI machine.
-  EXPECT_LT(std::chrono::duration<double>(elapsed).count(), 0.5);
 }
 
 TEST(Model, SameConfigSameBytes) {

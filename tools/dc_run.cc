@@ -22,7 +22,9 @@ int main(int argc, char** argv) {
   int steps = 20, warmup = 0, nproc = 0, timeout_s = 60;
   int64_t device_memory = 0;
   bool json = false, quiet = false;
-  app.add_option("plan", plan_path, "plan file written by dc-plan")->required();
+  app.add_option("plan", plan_path, "plan file written by dc-plan")
+      ->required()
+      ->check(cli::NonEmptyPath());
   app.add_option("--steps", steps, "optimizer steps to train")
       ->check(CLI::Range(1, 100000000))
       ->capture_default_str();
@@ -42,18 +44,28 @@ int main(int argc, char** argv) {
       app, "--device-memory", &device_memory,
       "device memory capacity per rank, e.g. 1GiB (default: unlimited; on cuda, the "
       "device's own memory)");
-  app.add_option("--trace", trace_out, "also record a trace of the run to this file");
+  app.add_option("--trace", trace_out, "also record a trace of the run to this file")
+      ->check(cli::NonEmptyPath());
   app.add_option("--rendezvous", rendezvous,
                  "shared directory for ranks started by an outside launcher");
-  app.add_option("--timeout", timeout_s, "seconds to wait for other ranks")->capture_default_str();
+  app.add_option("--timeout", timeout_s, "seconds to wait for other ranks")
+      ->check(CLI::Range(1, cli::kMaxTimeoutSeconds))
+      ->capture_default_str();
   app.add_flag("--json", json,
                "print one JSON object (losses, step_seconds_median, tokens_per_second, ...)");
   app.add_flag("--quiet", quiet, "no per-step lines, only the summary");
-  CLI11_PARSE(app, argc, argv);
+  if (std::optional<int> exit_code = cli::Parse(app, argc, argv)) return *exit_code;
   if (Status distinct = CheckOutputIsNotAnInput(trace_out, {plan_path}); !distinct.ok()) {
     return cli::Fail("dc-run", distinct);
   }
 
+  if (IsRankProcess()) {  // the launcher's variables are read, and checked, before anything else
+    auto env = RankEnvFromEnvironment(rendezvous);
+    if (!env.ok()) return cli::Fail("dc-run", env.status());
+    if (Status s = CheckNprocAgainstEnvironment(nproc, *env); !s.ok()) {
+      return cli::Fail("dc-run", s);
+    }
+  }
   auto plan = LoadPlan(plan_path);
   if (!plan.ok()) return cli::Fail("dc-run", plan.status());
   // Decided before any rank starts, so a plan for the other backend is one line, not N.
