@@ -36,8 +36,8 @@ bool Time(const char* name, double target_seconds, const std::function<bool()>& 
       std::fprintf(stderr, "speed_bench: %s failed\n", name);
       return false;
     }
-    best = std::min(best,
-                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    best = std::min(
+        best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   std::printf("%-44s %8.3f s (target %.3f s) %s\n", name, best, target_seconds,
               best <= target_seconds ? "ok" : "OVER");

@@ -200,7 +200,8 @@ TEST(Executor, RefusesAnInconsistentScheduleBeforeTheFirstStep) {
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.message().rfind("the plan's schedule: instruction ", 0), 0u)
       << refused.message();
-  EXPECT_NE(refused.message().find(", which is not gathered; re-plan with dc-plan"), std::string::npos)
+  EXPECT_NE(refused.message().find(", which is not gathered; re-plan with dc-plan"),
+            std::string::npos)
       << refused.message();
   auto comm = Connect(RendezvousOptions{});
   ASSERT_TRUE(comm.ok());

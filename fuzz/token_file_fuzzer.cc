@@ -1,7 +1,7 @@
 // The token-file loader (executor/data.h, --data): the first 11 bytes choose seq (1..256), vocab
-// (2..65536) and a sample index (any int64 >= 0); the rest is the file. A file that opens is sampled as the executor
-// samples it, at the start and at the chosen index. A refusal is fine; a crash, a sanitizer report
-// or a token outside the vocabulary is a finding.
+// (2..65536) and a sample index (any int64 >= 0); the rest is the file. A file that opens is
+// sampled as the executor samples it, at the start and at the chosen index. A refusal is fine; a
+// crash, a sanitizer report or a token outside the vocabulary is a finding.
 #include <unistd.h>
 
 #include <cstddef>

@@ -663,7 +663,6 @@ std::vector<std::string> PresetNames() {
   return names;
 }
 
-
 StatusOr<proto::ModelConfig> MakeConfig(const std::string& preset,
                                         const ModelOverrides& overrides) {
   const Preset* found = nullptr;

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <map>
 #include <set>
 
@@ -399,7 +400,11 @@ TEST(Mixtral, BadExpertSettingsNameTheFlag) {
   EXPECT_EQ(BuildError("mixtral-tiny", no_experts), "--experts must be at least 1 (got 0)");
   ModelOverrides negative;
   negative.router_aux_coef = -1;
-  EXPECT_EQ(BuildError("mixtral-tiny", negative), "--router-aux-coef must not be negative");
+  EXPECT_EQ(BuildError("mixtral-tiny", negative),
+            "--router-aux-coef must not be negative (got -1)");
+  ModelOverrides nan;
+  nan.router_aux_coef = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_EQ(BuildError("mixtral-tiny", nan), "--router-aux-coef must be a finite number (got nan)");
   ModelOverrides four;
   four.experts = 4;
   four.top_k = 1;

@@ -53,8 +53,7 @@ Status CheckMicroSteps(const proto::Schedule& schedule) {
     const proto::Instruction& instr = schedule.instructions(i);
     if (instr.micro_step() < -1 || instr.micro_step() >= gas) {
       return Status::Error(InstructionWhere(i, instr) + " is in micro-step " +
-                           Str(instr.micro_step()) + ", outside the plan's " + Str(gas) +
-                           " (gas)");
+                           Str(instr.micro_step()) + ", outside the plan's " + Str(gas) + " (gas)");
     }
   }
   return Status::Ok();
@@ -67,9 +66,9 @@ int64_t PlacedBytes(const proto::Schedule& schedule, const proto::BufferPlacemen
   if (p.micro_step() == kComputeShardMicroStep) {
     return ComputeShardBytes(program, t, schedule.world_size());
   }
-  const bool shard = IsPersistentRole(t.role()) && p.micro_step() != kGatheredMicroStep &&
-                     (p.instruction() < 0 ||
-                      schedule.instructions(p.instruction()).kind() == proto::INSTR_RELOAD);
+  const bool shard =
+      IsPersistentRole(t.role()) && p.micro_step() != kGatheredMicroStep &&
+      (p.instruction() < 0 || schedule.instructions(p.instruction()).kind() == proto::INSTR_RELOAD);
   return shard ? ShardBytes(t, schedule.world_size()) : TransientBytes(program, t);
 }
 
@@ -100,8 +99,8 @@ Status CheckMemoryPlan(const proto::Schedule& schedule) {
     if (offset < 0 || offset % kPlacementAlignmentBytes != 0 || p.size_bytes() < bytes ||
         bytes > arena || offset > arena - bytes) {
       return Status::Error("the memory plan's place for " + t.name() + " (offset " + Str(offset) +
-                           ", " + Str(p.size_bytes()) + " bytes) does not hold its " +
-                           Str(bytes) + " bytes " + Str(kPlacementAlignmentBytes) +
+                           ", " + Str(p.size_bytes()) + " bytes) does not hold its " + Str(bytes) +
+                           " bytes " + Str(kPlacementAlignmentBytes) +
                            "-byte aligned inside the arena of " + Str(arena) + " bytes");
     }
   }

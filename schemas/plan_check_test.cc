@@ -125,9 +125,8 @@ TEST(ValidatePlan, RefusesBadIndices) {
                 "bad op id");
   ExpectRefused([&](proto::Schedule* s) { s->mutable_instructions(gather)->set_tensors(0, -7); },
                 "bad tensor id -7");
-  ExpectRefused(
-      [&](proto::Schedule* s) { s->mutable_instructions(gather)->add_tensors(1 << 30); },
-      "bad tensor id");
+  ExpectRefused([&](proto::Schedule* s) { s->mutable_instructions(gather)->add_tensors(1 << 30); },
+                "bad tensor id");
   ExpectRefused([&](proto::Schedule* s) { s->mutable_instructions(compute)->add_deps(compute); },
                 "does not come before it");
   ExpectRefused(
@@ -151,13 +150,11 @@ TEST(ValidatePlan, RefusesMicroStepsOutsideTheSteps) {
 }
 
 TEST(ValidatePlan, RefusesMemoryPlanPlacesOutsideTheArena) {
-  auto place = [](proto::Schedule* s) {
-    return s->mutable_memory_plan()->mutable_placements(0);
-  };
-  ExpectRefused([&](proto::Schedule* s) { place(s)->set_offset_bytes(-256); },
-                "does not hold its");
-  ExpectRefused([&](proto::Schedule* s) { place(s)->set_offset_bytes(place(s)->offset_bytes() + 4); },
-                "aligned inside the arena");
+  auto place = [](proto::Schedule* s) { return s->mutable_memory_plan()->mutable_placements(0); };
+  ExpectRefused([&](proto::Schedule* s) { place(s)->set_offset_bytes(-256); }, "does not hold its");
+  ExpectRefused(
+      [&](proto::Schedule* s) { place(s)->set_offset_bytes(place(s)->offset_bytes() + 4); },
+      "aligned inside the arena");
   // Near INT64_MAX, offset + size overflows a naive check and wrote anywhere.
   ExpectRefused(
       [&](proto::Schedule* s) {
@@ -189,8 +186,9 @@ TEST(ValidatePlan, RefusesAPlanLargerThanTheMemoryGiven) {
   // An arena of an exabyte is refused before anything allocates it.
   PlanLimits host;
   host.memory_bytes = int64_t{1} << 40;
-  ExpectRefused([](proto::Schedule* s) { s->mutable_memory_plan()->set_arena_bytes(int64_t{1} << 60); },
-                "this host has", host);
+  ExpectRefused(
+      [](proto::Schedule* s) { s->mutable_memory_plan()->set_arena_bytes(int64_t{1} << 60); },
+      "this host has", host);
 }
 
 TEST(ValidatePlan, RefusesBrokenBufferEffects) {

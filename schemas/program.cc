@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <sstream>
 #include <utility>
 
 #include "schemas/effects.h"
@@ -171,6 +172,13 @@ namespace {
 
 std::string Str(int64_t v) { return std::to_string(v); }
 
+// "-1", "0.5", "nan", "inf": shortest round-trip form.
+std::string Real(double v) {
+  std::ostringstream text;
+  text << v;
+  return text.str();
+}
+
 Status CheckSize(const char* flag, int64_t value, int64_t min = 1) {
   if (value < min) {
     return Status::Error(std::string(flag) + " must be at least " + Str(min) + " (got " +
@@ -186,16 +194,16 @@ Status CheckSize(const char* flag, int64_t value, int64_t min = 1) {
 Status CheckPositiveReal(const char* field, double value) {
   if (std::isfinite(value) && value > 0) return Status::Ok();
   return Status::Error(std::string("model config: ") + field + " must be a positive number (got " +
-                       std::to_string(value) + ")");
+                       Real(value) + ")");
 }
 
 // A finite number >= 0; `name` is the flag or field.
 Status CheckNonNegativeReal(const std::string& name, double value) {
   if (!std::isfinite(value)) {
-    return Status::Error(name + " must be a finite number (got " + std::to_string(value) + ")");
+    return Status::Error(name + " must be a finite number (got " + Real(value) + ")");
   }
   if (value < 0) {
-    return Status::Error(name + " must not be negative (got " + std::to_string(value) + ")");
+    return Status::Error(name + " must not be negative (got " + Real(value) + ")");
   }
   return Status::Ok();
 }

@@ -41,7 +41,7 @@ void SetAttr(proto::Op* op, const std::string& name, int64_t value);
 void SetAttrFloat(proto::Op* op, const std::string& name, double value);
 
 // The model families a config names (ModelConfig.family).
-inline constexpr char kFamilyLlama[] = "llama";    // dense
+inline constexpr char kFamilyLlama[] = "llama";      // dense
 inline constexpr char kFamilyMixtral[] = "mixtral";  // mixture-of-experts MLP
 // Every size in a config (layers, hidden, vocab, seq, seq * micro_batch, ...) is at most this, so
 // that products of two of them fit int64; and a vocabulary has at least two tokens (with one,
@@ -59,10 +59,10 @@ Status ValidateConfig(const proto::ModelConfig& config);
 inline constexpr int64_t kMaxTensorElements = int64_t{1} << 48;
 
 // Checks ids, references and the invariants the rewriter relies on (sizes under
-// kMaxTensorElements, ops in phase order, every
-// tensor produced at most once, every grad produced by exactly one backward op, every input of
-// an op produced earlier or a param / input / optimizer state, a recompute a backward op naming
-// a forward op of its kind). The message names the tensor or op.
+// kMaxTensorElements, ops in phase order, every tensor produced at most once, every grad produced
+// by exactly one backward op, every input of an op produced earlier or a param / input /
+// optimizer state, a recompute a backward op naming a forward op of its kind). The message names
+// the tensor or op.
 Status ValidateProgram(const proto::Program& program);
 
 // Device buffers, one accounting shared by the executor (which enforces a capacity) and the

@@ -42,7 +42,8 @@ StatusOr<int64_t> ParseBytes(const std::string& text) {
       const double bytes = value * scale;
       // int64 holds just under 8 EiB; the double comparison is exact at this power of two.
       if (bytes >= 9223372036854775808.0) {
-        return Status::Error("'" + text + "' is too large: byte sizes go up to 8EiB (minus a byte)");
+        return Status::Error("'" + text +
+                             "' is too large: byte sizes go up to 8EiB (minus a byte)");
       }
       return static_cast<int64_t>(std::llround(bytes));
     }

@@ -89,7 +89,8 @@ struct Row {
 };
 
 std::string Expand(std::string text, const std::string& dir) {
-  for (size_t at = text.find("$D"); at != std::string::npos; at = text.find("$D", at + dir.size())) {
+  for (size_t at = text.find("$D"); at != std::string::npos;
+       at = text.find("$D", at + dir.size())) {
     text.replace(at, 2, dir);
   }
   return text;
@@ -123,31 +124,49 @@ TEST_F(BadInput, EveryRowOfTheTable) {
   WriteFile(dir_ + "/offset.dcplan", SerializePlan(offset));
 
   const std::vector<Row> rows = {
-      {collect + " --model tiny --vocab 1 -o $D/v1.db", 1, {"--vocab must be at least 2"},
+      {collect + " --model tiny --vocab 1 -o $D/v1.db",
+       1,
+       {"--vocab must be at least 2"},
        {"v1.db"}},
-      {collect + " --model tiny --vocab 0 -o $D/v0.db", 1, {"--vocab must be at least 2"},
+      {collect + " --model tiny --vocab 0 -o $D/v0.db",
+       1,
+       {"--vocab must be at least 2"},
        {"v0.db"}},
-      {collect + " --model mixtral-tiny --router-aux-coef nan -o $D/nan.db", 1,
-       {"--router-aux-coef must be a finite number"}, {"nan.db"}},
+      {collect + " --model mixtral-tiny --router-aux-coef nan -o $D/nan.db",
+       1,
+       {"--router-aux-coef must be a finite number"},
+       {"nan.db"}},
       {collect + " --model tiny -o ''", 2, {"--output", "must not be empty"}, {}},
       {collect + " --model tiny --timeout -1 -o $D/t.db", 2, {"--timeout"}, {"t.db"}},
       {run + " $D/good.dcplan --timeout 0", 2, {"--timeout"}, {}},
-      {"WORLD_SIZE=abc RANK=0 " + run + " $D/good.dcplan", 1,
-       {"WORLD_SIZE='abc' is not a whole number"}, {}},
-      {"WORLD_SIZE=2 RANK=0 " + run + " $D/two.dcplan --nproc 4 --rendezvous $D/rdzv-never", 1,
-       {"--nproc 4 disagrees with the launcher's WORLD_SIZE 2"}, {}},
+      {"WORLD_SIZE=abc RANK=0 " + run + " $D/good.dcplan",
+       1,
+       {"WORLD_SIZE='abc' is not a whole number"},
+       {}},
+      {"WORLD_SIZE=2 RANK=0 " + run + " $D/two.dcplan --nproc 4 --rendezvous $D/rdzv-never",
+       1,
+       {"--nproc 4 disagrees with the launcher's WORLD_SIZE 2"},
+       {}},
       {run + " $D/a-directory", 1, {"$D/a-directory: is a directory"}, {}},
       {run + " $D/appended.dcplan", 1, {"$D/appended.dcplan", "after the end of the plan"}, {}},
-      {run + " $D/seq.dcplan", 1,
-       {"$D/seq.dcplan", "input tokens", "micro_batch and seq", "re-plan with dc-plan"}, {}},
-      {run + " $D/vocab0.dcplan", 1,
-       {"$D/vocab0.dcplan", "--vocab must be at least 2", "re-plan with dc-plan"}, {}},
+      {run + " $D/seq.dcplan",
+       1,
+       {"$D/seq.dcplan", "input tokens", "micro_batch and seq", "re-plan with dc-plan"},
+       {}},
+      {run + " $D/vocab0.dcplan",
+       1,
+       {"$D/vocab0.dcplan", "--vocab must be at least 2", "re-plan with dc-plan"},
+       {}},
       {run + " $D/offset.dcplan", 1, {"$D/offset.dcplan", "re-plan with dc-plan"}, {}},
       {run + " $D/good.dcplan --no-such-flag", 2, {"--no-such-flag"}, {}},
       {plan + " $D/good.db -o ''", 2, {"--output", "must not be empty"}, {}},
-      {plan + " $D/good.db --budget 10EiB -o $D/b.dcplan", 2, {"'10EiB' is too large"},
+      {plan + " $D/good.db --budget 10EiB -o $D/b.dcplan",
+       2,
+       {"'10EiB' is too large"},
        {"b.dcplan"}},
-      {plan + " $D/good.db --rounds 1 --round-steps 0 -o $D/r.dcplan", 2, {"--round-steps"},
+      {plan + " $D/good.db --rounds 1 --round-steps 0 -o $D/r.dcplan",
+       2,
+       {"--round-steps"},
        {"r.dcplan"}},
       {trace + " memory $D/good.db --rank -1 -o $D/m.svg", 2, {"--rank"}, {"m.svg"}},
   };

@@ -71,7 +71,9 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
 
 const CLI::Validator& NonEmptyPath() {
   static const CLI::Validator validator(
-      [](std::string& path) { return path.empty() ? std::string("must not be empty; name a file") : ""; },
+      [](std::string& path) {
+        return path.empty() ? std::string("must not be empty; name a file") : "";
+      },
       "PATH");
   return validator;
 }
