@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <string_view>
 
@@ -107,21 +108,26 @@ Status CheckMemoryPlan(const proto::Schedule& schedule) {
   return Status::Ok();
 }
 
-// The peak of live device bytes of a replay.
+// The peak of live device bytes of a replay. A hostile plan's sizes may sum past int64: the
+// count then sticks at the largest value (and is refused).
 class PeakListener : public BufferListener {
  public:
   void Allocated(int, const BufferKey&, int64_t size_bytes, BufferKind, bool, int) override {
-    live_bytes_ += size_bytes;
+    if (saturated_ || __builtin_add_overflow(live_bytes_, size_bytes, &live_bytes_)) {
+      saturated_ = true;
+      live_bytes_ = std::numeric_limits<int64_t>::max();
+    }
     peak_bytes_ = std::max(peak_bytes_, live_bytes_);
   }
   void Freed(int, const BufferKey&, int64_t size_bytes, BufferKind, bool, int) override {
-    live_bytes_ -= size_bytes;
+    if (!saturated_) live_bytes_ -= size_bytes;
   }
   int64_t peak_bytes() const { return peak_bytes_; }
 
  private:
   int64_t live_bytes_ = 0;
   int64_t peak_bytes_ = 0;
+  bool saturated_ = false;
 };
 
 }  // namespace
@@ -145,7 +151,18 @@ Status ValidatePlan(const proto::Schedule& schedule, const PlanLimits& limits) {
   PeakListener peak;
   DC_RETURN_IF_ERROR(BufferReplay(schedule, &peak).Run().Prefixed("the plan's schedule: "));
   if (limits.memory_bytes > 0) {
-    const int64_t needed = std::max(schedule.memory_plan().arena_bytes(), peak.peak_bytes());
+    // Device bytes, and the token ids of every micro-step staged in host memory beside them;
+    // a sum past int64 saturates (and is refused).
+    int64_t needed = std::max(schedule.memory_plan().arena_bytes(), peak.peak_bytes());
+    for (const proto::Tensor& t : program.tensors()) {
+      if (t.role() != proto::ROLE_INPUT) continue;
+      int64_t staged = 0;
+      if (__builtin_mul_overflow(SizeBytes(t), program.config().gas(), &staged) ||
+          __builtin_add_overflow(needed, staged, &needed)) {
+        needed = std::numeric_limits<int64_t>::max();
+        break;
+      }
+    }
     if (needed > limits.memory_bytes) {
       return Status::Error("the plan needs " + FormatBytes(needed) + " per rank (" + Str(needed) +
                            " bytes), more than the " + FormatBytes(limits.memory_bytes) +

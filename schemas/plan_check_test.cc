@@ -113,6 +113,9 @@ TEST(ValidatePlan, RefusesABadModelConfig) {
         s->mutable_program()->mutable_config()->set_lr(std::numeric_limits<double>::quiet_NaN());
       },
       "lr must be a finite number");
+  ExpectRefused(
+      [](proto::Schedule* s) { s->mutable_program()->mutable_config()->set_gas(1 << 20); },
+      "--gas 1048576 is over dc's limit");
   ExpectRefused([](proto::Schedule* s) { s->set_world_size(0); }, "world size 0");
 }
 

@@ -170,6 +170,9 @@ void SetAttrFloat(proto::Op* op, const std::string& name, double value) {
 
 namespace {
 
+// Micro-steps per optimizer step: a schedule unrolls every one, so this bounds its size.
+constexpr int64_t kMaxGas = 65536;
+
 std::string Str(int64_t v) { return std::to_string(v); }
 
 // "-1", "0.5", "nan", "inf": shortest round-trip form.
@@ -238,6 +241,10 @@ Status ValidateConfig(const proto::ModelConfig& c) {
   DC_RETURN_IF_ERROR(CheckSize("--seq", c.seq()));
   DC_RETURN_IF_ERROR(CheckSize("--micro-batch", c.micro_batch()));
   DC_RETURN_IF_ERROR(CheckSize("--gas", c.gas()));
+  if (c.gas() > kMaxGas) {
+    return Status::Error("--gas " + Str(c.gas()) + " is over dc's limit of " + Str(kMaxGas) +
+                         " micro-steps");
+  }
   if (c.seq() * c.micro_batch() > kMaxConfigDimension) {
     return Status::Error("--seq " + Str(c.seq()) + " times --micro-batch " + Str(c.micro_batch()) +
                          " is over dc's limit of " + Str(kMaxConfigDimension) +
