@@ -1,6 +1,7 @@
 #include "executor/layout.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -28,10 +29,37 @@ uint16_t FloatToBf16(float value) {
 }
 
 uint16_t FloatToF16(float value) {
+#ifdef __FLT16_MAX__
   const _Float16 half = static_cast<_Float16>(value);  // IEEE round to nearest even
   uint16_t bits;
   std::memcpy(&bits, &half, sizeof(bits));
   return bits;
+#else
+  // Compilers without _Float16 on this target (clang before 15 on x86: the fuzz build): the same
+  // rounding in integer and float steps (Maratyszcza's FP16 library); a NaN becomes the quiet NaN
+  // 0x7e00 with its sign.
+  const auto bits_of = [](float f) {
+    uint32_t w;
+    std::memcpy(&w, &f, sizeof(w));
+    return w;
+  };
+  const auto from_bits = [](uint32_t w) {
+    float f;
+    std::memcpy(&f, &w, sizeof(f));
+    return f;
+  };
+  constexpr float kScaleToInf = 0x1.0p+112f, kScaleToZero = 0x1.0p-110f;
+  float base = (std::fabs(value) * kScaleToInf) * kScaleToZero;
+  const uint32_t w = bits_of(value);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xff000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = from_bits((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = bits_of(base);
+  const uint32_t nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+#endif
 }
 
 void CastOnHost(const float* in, int64_t elements, proto::DType dtype, void* out) {
