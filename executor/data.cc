@@ -152,9 +152,12 @@ class FileTokenSource : public TokenSource {
   }
 
   // Windows start at index * seq, wrapping so that seq + 1 tokens always fit: consecutive
-  // samples read consecutive stretches of the file.
+  // samples read consecutive stretches of the file. The product in 128 bits: a long run's index
+  // times seq may pass int64.
   void Sample(int64_t index, int32_t* tokens, int32_t* targets) const override {
-    const int64_t start = (index * seq_) % (num_tokens_ - seq_);
+    const int64_t start =
+        static_cast<int64_t>(static_cast<unsigned __int128>(index) * static_cast<uint64_t>(seq_) %
+                             static_cast<uint64_t>(num_tokens_ - seq_));
     for (int64_t pos = 0; pos < seq_; ++pos) {
       tokens[pos] = TokenAt(start + pos);
       targets[pos] = TokenAt(start + pos + 1);

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -163,6 +164,22 @@ TEST_F(FileDataTest, ReadsWindowsInOrder) {
   EXPECT_EQ(s3.tokens, (std::vector<int32_t>{312, 313, 314, 315}));
   EXPECT_EQ(s3.targets, (std::vector<int32_t>{313, 314, 315, 316}));
   EXPECT_EQ(Take(**source, config, 4), s0);
+}
+
+// A long run's sample index times seq passes int64: the window's start is still the exact
+// (index * seq) mod (n - seq), without signed overflow.
+TEST_F(FileDataTest, HugeSampleIndicesWrapExactly) {
+  std::vector<uint16_t> tokens(21);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>(i);
+  const std::string path = Write("tokens.bin", tokens);
+  const proto::ModelConfig config = Config(path, 4, 1000);
+  auto source = TokenSource::Open(config);
+  ASSERT_TRUE(source.ok()) << source.status().message();
+  const int64_t index = std::numeric_limits<int64_t>::max();
+  // (2^63 - 1) * 4 mod 17, by hand: 2^63 - 1 = 17 * 542551296285575047 + 8, so 8 * 4 mod 17 = 15.
+  const int64_t start = 15;
+  const SampleTokens s = Take(**source, config, index);
+  EXPECT_EQ(s.tokens, (std::vector<int32_t>{start, start + 1, start + 2, start + 3}));
 }
 
 TEST_F(FileDataTest, ReadsTheHighByte) {

@@ -6,6 +6,7 @@
 #include "executor/cpu_device.h"
 #include "executor/interpreter.h"
 #include "schemas/effects.h"
+#include "schemas/plan_check.h"
 
 namespace dc {
 
@@ -40,15 +41,14 @@ Status CheckRunnable(const proto::Schedule& schedule, int world_size, const std:
                          " rank(s) and this run has " + std::to_string(world_size) +
                          "; pass --nproc " + std::to_string(schedule.world_size()) + " or re-plan");
   }
-  DC_RETURN_IF_ERROR(
-      ValidateProgram(schedule.program()).Prefixed("the plan's program is invalid: "));
-  // Every buffer effect (schemas/effects.h) holds before a backend touches a device: a plan
-  // edited by hand fails here with the planner's own message, not halfway through a step.
-  Status effects = CheckReferences(schedule);
-  if (effects.ok()) effects = BufferReplay(schedule, nullptr).Run();
-  if (!effects.ok()) {
-    return Status::Error("the plan's schedule is inconsistent: " + effects.message() +
-                         "; re-plan it");
+  // Every index, offset, shape and buffer effect holds before a backend touches a device (the
+  // plan file's reader checked the same, but a plan may come from memory): a plan edited by hand
+  // fails here with the planner's own message, not halfway through a step. On the cpu backend
+  // the device's memory is this host's.
+  PlanLimits limits;
+  if (backend == "cpu") limits.memory_bytes = PhysicalMemoryBytes();
+  if (Status valid = ValidatePlan(schedule, limits); !valid.ok()) {
+    return Status::Error(valid.message() + "; re-plan with dc-plan");
   }
   return Status::Ok();
 }

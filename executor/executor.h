@@ -79,8 +79,8 @@ struct RunResult {
 };
 
 // Checks that a plan can run here: made for `backend`, world size matching the communicator,
-// the program valid, every instruction's buffer effects consistent (schemas/effects.h). The
-// message names what differs and what to do.
+// and the plan valid (schemas/plan_check.h's ValidatePlan; on cpu within this host's memory).
+// The message names what differs and what to do.
 Status CheckRunnable(const proto::Schedule& schedule, int world_size,
                      const std::string& backend = "cpu");
 

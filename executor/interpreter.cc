@@ -357,7 +357,7 @@ StatusOr<Buffer*> Interpreter::Allocate(int index, const BufferKey& key, BufferK
                            " at instruction " + std::to_string(index) + "; re-plan it");
     }
     offset = it->second;
-    if (offset < 0 || offset + buffer.storage_bytes() > arena_bytes_) {
+    if (offset < 0 || offset > arena_bytes_ - buffer.storage_bytes()) {  // cannot overflow
       return Status::Error(what + ": the memory plan places " + t.name() +
                            " past the end of the arena; re-plan it");
     }

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <sstream>
 #include <thread>
 
@@ -21,13 +22,26 @@ constexpr const char* kLocalLaunchVar = "DC_LOCAL_LAUNCH";
 // are stopped.
 constexpr std::chrono::milliseconds kSettle{300};
 
-std::optional<int> EnvInt(const char* name) {
+bool EnvSet(const char* name) {
   const char* value = std::getenv(name);
-  if (!value || !*value) return std::nullopt;
+  return value != nullptr && *value != '\0';
+}
+
+// The variable as an int; nothing when unset or empty; an error naming it when it is set to
+// anything but a whole number in int's range ("WORLD_SIZE=abc" is a mistake, not "unset").
+StatusOr<std::optional<int>> EnvInt(const char* name) {
+  if (!EnvSet(name)) return std::optional<int>();
+  const char* value = std::getenv(name);
+  errno = 0;
   char* end = nullptr;
-  long parsed = std::strtol(value, &end, 10);
-  if (*end != '\0') return std::nullopt;
-  return static_cast<int>(parsed);
+  const long parsed = std::strtol(value, &end, 10);
+  if (*end != '\0' || errno == ERANGE || parsed < std::numeric_limits<int>::min() ||
+      parsed > std::numeric_limits<int>::max()) {
+    return Status::Error(std::string(name) + "='" + value +
+                         "' is not a whole number; set it as torchrun does (e.g. " + name +
+                         "=0) or unset it");
+  }
+  return std::optional<int>(static_cast<int>(parsed));
 }
 
 std::string LastLine(const std::string& path) {
@@ -49,20 +63,14 @@ std::string DescribeExit(int status) {
 
 }  // namespace
 
-bool IsRankProcess() {
-  return EnvInt("WORLD_SIZE").has_value() || EnvInt("SLURM_NTASKS").has_value();
-}
+bool IsRankProcess() { return EnvSet("WORLD_SIZE") || EnvSet("SLURM_NTASKS"); }
 
 StatusOr<RankEnv> RankEnvFromEnvironment(const std::string& rendezvous_flag) {
   RankEnv env;
-  auto world = EnvInt("WORLD_SIZE");
-  auto rank = EnvInt("RANK");
-  auto local = EnvInt("LOCAL_RANK");
-  if (!world) {
-    world = EnvInt("SLURM_NTASKS");
-    rank = EnvInt("SLURM_PROCID");
-    local = EnvInt("SLURM_LOCALID");
-  }
+  const bool torchrun = EnvSet("WORLD_SIZE");
+  DC_ASSIGN_OR_RETURN(std::optional<int> world, EnvInt(torchrun ? "WORLD_SIZE" : "SLURM_NTASKS"));
+  DC_ASSIGN_OR_RETURN(std::optional<int> rank, EnvInt(torchrun ? "RANK" : "SLURM_PROCID"));
+  DC_ASSIGN_OR_RETURN(std::optional<int> local, EnvInt(torchrun ? "LOCAL_RANK" : "SLURM_LOCALID"));
   if (!world) return env;
   if (!rank) return Status::Error("WORLD_SIZE is set but RANK is not; set both (as torchrun does)");
   if (*world < 1 || *rank < 0 || *rank >= *world) {
@@ -92,6 +100,16 @@ StatusOr<RankEnv> RankEnvFromEnvironment(const std::string& rendezvous_flag) {
   }
   env.under_local_launcher = std::getenv(kLocalLaunchVar) != nullptr;
   return env;
+}
+
+Status CheckNprocAgainstEnvironment(int nproc, const RankEnv& env) {
+  if (nproc <= 0 || env.under_local_launcher || !IsRankProcess() || nproc == env.world_size) {
+    return Status::Ok();
+  }
+  return Status::Error("--nproc " + std::to_string(nproc) + " disagrees with the launcher's " +
+                       "WORLD_SIZE " + std::to_string(env.world_size) +
+                       " (RANK/WORLD_SIZE or SLURM_* are set, so an outside launcher starts the "
+                       "ranks); drop --nproc, or unset those variables to start the ranks here");
 }
 
 int LaunchLocal(const LaunchOptions& options, const std::vector<std::string>& argv) {

@@ -23,11 +23,17 @@ struct RankEnv {
 // Reads RANK, WORLD_SIZE, LOCAL_RANK (or SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID), the
 // rendezvous directory (`rendezvous_flag`, else DC_RENDEZVOUS_DIR) and the address to listen
 // on (DC_BIND_ADDR; else MASTER_ADDR's loopback-ness decides: loopback or unset -> 127.0.0.1,
-// else this host's name). No variables: a world of one.
+// else this host's name). No variables: a world of one. A variable set to anything but a whole
+// number is an error naming it.
 StatusOr<RankEnv> RankEnvFromEnvironment(const std::string& rendezvous_flag);
 
-// True when this process was started by LaunchLocal or an outside launcher as one rank.
+// True when this process was started by LaunchLocal or an outside launcher as one rank
+// (WORLD_SIZE or SLURM_NTASKS set, to anything: RankEnvFromEnvironment checks the values).
 bool IsRankProcess();
+
+// The --nproc flag against the launcher's variables: outside LaunchLocal's ranks, an --nproc that
+// differs from WORLD_SIZE (or SLURM_NTASKS) is refused rather than ignored. `nproc` 0: not given.
+Status CheckNprocAgainstEnvironment(int nproc, const RankEnv& env);
 
 struct LaunchOptions {
   int nproc = 2;

@@ -1,6 +1,7 @@
 #include "executor/layout.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -15,44 +16,6 @@ int64_t AlignUp(int64_t bytes, int64_t alignment) {
 
 std::string Where(const proto::Schedule& schedule, int index) {
   return InstructionWhere(index, schedule.instructions(index));
-}
-
-Status CheckPlacements(const proto::Schedule& schedule) {
-  const proto::Program& program = schedule.program();
-  const proto::MemoryPlan& plan = schedule.memory_plan();
-  for (const proto::BufferPlacement& p : plan.placements()) {
-    if (p.tensor() < 0 || p.tensor() >= program.tensors_size()) {
-      return Status::Error("the memory plan places tensor id " + std::to_string(p.tensor()) +
-                           ", which the program lacks; re-plan it");
-    }
-    if (p.instruction() < -1 || p.instruction() >= schedule.instructions_size()) {
-      return Status::Error("the memory plan places a buffer at instruction " +
-                           std::to_string(p.instruction()) + ", which the plan lacks; re-plan it");
-    }
-    const proto::Tensor& t = program.tensors(p.tensor());
-    const bool compute_shard = p.micro_step() == kComputeShardMicroStep;
-    const bool shard = IsPersistentRole(t.role()) && p.micro_step() != kGatheredMicroStep &&
-                       !compute_shard &&
-                       (p.instruction() < 0 ||
-                        schedule.instructions(p.instruction()).kind() == proto::INSTR_RELOAD);
-    BufferShape shape = shard ? ShardShape(t, schedule.world_size()) : TransientShape(program, t);
-    if (compute_shard) {
-      shape = {program.config().compute_dtype(),
-               ShardElements(NumElements(t), schedule.world_size()),
-               ComputeShardBytes(program, t, schedule.world_size())};
-    }
-    if (p.offset_bytes() < 0 || p.offset_bytes() % kStagingAlignmentBytes != 0 ||
-        p.size_bytes() < shape.size_bytes ||
-        p.offset_bytes() + shape.size_bytes > plan.arena_bytes()) {
-      return Status::Error(
-          "the memory plan's place for " + t.name() + " (offset " +
-          std::to_string(p.offset_bytes()) + ", " + std::to_string(p.size_bytes()) +
-          " bytes) does not hold its " + std::to_string(shape.size_bytes) + " bytes " +
-          std::to_string(kStagingAlignmentBytes) + "-byte aligned inside the arena of " +
-          std::to_string(plan.arena_bytes()) + " bytes; re-plan it");
-    }
-  }
-  return Status::Ok();
 }
 
 }  // namespace
@@ -218,7 +181,6 @@ StatusOr<ScheduleLayout> MakeScheduleLayout(const proto::Schedule& schedule) {
       layout.host_shard_bytes[t] = ShardShape(program.tensors(t), world).size_bytes;
     }
   }
-  if (schedule.memory_plan().arena_bytes() > 0) DC_RETURN_IF_ERROR(CheckPlacements(schedule));
   return layout;
 }
 

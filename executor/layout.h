@@ -79,8 +79,8 @@ int64_t StagingBytes(const proto::Tensor& tensor, int world_size, proto::DType d
 // Derives the layout and checks what the interpreter relies on: every instruction on a known
 // stream and compute instructions on the compute stream (the kernels of one step share one
 // workspace and scratch) or, for an optimizer op, on the host, deps pointing to earlier
-// instructions, every reload preceded by an offload of the same tensor, and (with a memory plan)
-// every placement inside the arena, aligned, and as large as the buffer it holds. Messages name the
+// instructions, and every reload preceded by an offload of the same tensor. The memory plan's
+// placements are the plan validator's (schemas/plan_check.h), run before this. Messages name the
 // instruction and say re-plan.
 StatusOr<ScheduleLayout> MakeScheduleLayout(const proto::Schedule& schedule);
 

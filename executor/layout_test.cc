@@ -317,26 +317,5 @@ TEST(ScheduleLayout, RefusesWhatTheExecutorCannotRun) {
   ExpectRefused(reload, "no earlier instruction offloads");
 }
 
-TEST(ScheduleLayout, RefusesAMemoryPlanThatDoesNotHoldItsBuffers) {
-  TinyPlanOptions options;
-  options.world_size = 2;
-  options.policy = "dc";
-  const proto::Schedule good = Plan(options);
-  ASSERT_GT(good.memory_plan().placements_size(), 0);
-
-  proto::Schedule misaligned = good;
-  auto* p = misaligned.mutable_memory_plan()->mutable_placements(0);
-  p->set_offset_bytes(p->offset_bytes() + 4);
-  ExpectRefused(misaligned, "aligned inside the arena");
-
-  proto::Schedule small = good;
-  small.mutable_memory_plan()->mutable_placements(0)->set_size_bytes(1);
-  ExpectRefused(small, "does not hold");
-
-  proto::Schedule outside = good;
-  outside.mutable_memory_plan()->set_arena_bytes(256);
-  ExpectRefused(outside, "inside the arena of 256 bytes");
-}
-
 }  // namespace
 }  // namespace dc

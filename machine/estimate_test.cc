@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <string>
 
 #include "models/model.h"
@@ -216,19 +215,12 @@ TEST_F(Llama70bEstimateTest, CostModelFields) {
   EXPECT_DOUBLE_EQ(cpu.overlap_compute_slowdown, 1.0);
 }
 
-// The whole estimate of 70B (~3,300 ops) is cheap enough to redo for every plan.
-TEST_F(Llama70bEstimateTest, EstimateIsFast) {
+// How fast the 70B estimate runs (cheap enough to redo for every plan) is bench/speed_bench's to
+// measure; tests never assert speed.
+TEST_F(Llama70bEstimateTest, EstimatesEveryOp) {
   EXPECT_GT(program_->ops_size(), 3000);
-  const HardwareProfile hw = Hardware("h100-sxm");
-  double best_seconds = 1e9;
-  for (int attempt = 0; attempt < 3; ++attempt) {
-    const auto start = std::chrono::steady_clock::now();
-    const CostModel costs = EstimateCostModel(*program_, hw, cluster_);
-    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
-    ASSERT_EQ(costs.op_seconds.size(), static_cast<size_t>(program_->ops_size()));
-    best_seconds = std::min(best_seconds, took.count());
-  }
-  EXPECT_LT(best_seconds, 0.050);
+  const CostModel costs = EstimateCostModel(*program_, Hardware("h100-sxm"), cluster_);
+  EXPECT_EQ(costs.op_seconds.size(), static_cast<size_t>(program_->ops_size()));
 }
 
 // A small fp32 program on the cpu profile: matmuls at the fp32 rate.

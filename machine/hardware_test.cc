@@ -74,7 +74,7 @@ TEST(HardwareTest, AliasesAndCase) {
 TEST(HardwareTest, UnknownNameListsKnownNames) {
   const auto hw = FindHardware("tpu-v5");
   ASSERT_FALSE(hw.ok());
-  const std::string& message = hw.status().message();
+  const std::string message = hw.status().message();  // status() returns a copy
   EXPECT_NE(message.find("tpu-v5"), std::string::npos) << message;
   for (const std::string& name : HardwareNames()) {
     EXPECT_NE(message.find(name), std::string::npos) << message;

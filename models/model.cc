@@ -54,9 +54,6 @@ struct CommonDefaults {
   static constexpr double kRouterAuxCoef = 0.001;
 };
 
-constexpr char kFamilyLlama[] = "llama";
-constexpr char kFamilyMixtral[] = "mixtral";
-
 proto::ModelConfig ConfigFromPreset(const Preset& p) {
   proto::ModelConfig c;
   c.set_preset(p.name);
@@ -86,42 +83,6 @@ proto::ModelConfig ConfigFromPreset(const Preset& p) {
     c.set_router_aux_coef(CommonDefaults::kRouterAuxCoef);
   }
   return c;
-}
-
-std::string Str(int64_t v) { return std::to_string(v); }
-
-Status CheckPositive(const char* flag, int64_t value) {
-  if (value >= 1) return Status::Ok();
-  return Status::Error(std::string(flag) + " must be at least 1 (got " + Str(value) + ")");
-}
-
-Status CheckLearningRateSchedule(const proto::ModelConfig& c) {
-  if (!std::isfinite(c.lr()) || c.lr() < 0) {
-    return Status::Error("--lr " + std::to_string(c.lr()) + " must be a number of at least 0");
-  }
-  if (!std::isfinite(c.min_lr()) || c.min_lr() < 0 || c.min_lr() > c.lr()) {
-    return Status::Error("--min-lr " + std::to_string(c.min_lr()) +
-                         " must lie between 0 and --lr " + std::to_string(c.lr()));
-  }
-  if (c.lr_warmup_steps() < 0 || c.lr_decay_steps() < 0) {
-    return Status::Error("--warmup-steps and --decay-steps must not be negative");
-  }
-  if (c.lr_decay() != proto::LR_DECAY_CONSTANT && c.lr_decay_steps() == 0) {
-    return Status::Error("--lr-decay " +
-                         std::string(c.lr_decay() == proto::LR_DECAY_LINEAR ? "linear" : "cosine") +
-                         " needs --decay-steps, the steps it takes from --lr to --min-lr");
-  }
-  if (!proto::LrDecay_IsValid(c.lr_decay())) {
-    return Status::Error("model config: lr_decay " + std::to_string(c.lr_decay()) +
-                         " is unknown; re-plan with this dc");
-  }
-  return Status::Ok();
-}
-
-Status CheckPositiveReal(const char* field, double value) {
-  if (value > 0) return Status::Ok();
-  return Status::Error(std::string("model config: ") + field + " must be positive (got " +
-                       std::to_string(value) + ")");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -701,69 +662,6 @@ std::vector<std::string> PresetNames() {
   std::vector<std::string> names;
   for (const Preset& p : kPresets) names.push_back(p.name);
   return names;
-}
-
-Status ValidateConfig(const proto::ModelConfig& c) {
-  if (c.family() != kFamilyLlama && c.family() != kFamilyMixtral) {
-    return Status::Error("model config: family '" + c.family() + "' is not supported ('" +
-                         kFamilyLlama + "' or '" + kFamilyMixtral + "')");
-  }
-  if (c.family() == kFamilyLlama && (c.experts() != 0 || c.top_k() != 0)) {
-    return Status::Error("--experts and --top-k apply to the mixtral presets only (this is '" +
-                         c.preset() + "', a dense llama)");
-  }
-  if (c.family() == kFamilyMixtral) {
-    DC_RETURN_IF_ERROR(CheckPositive("--experts", c.experts()));
-    DC_RETURN_IF_ERROR(CheckPositive("--top-k", c.top_k()));
-    if (c.top_k() > c.experts()) {
-      return Status::Error("--top-k " + Str(c.top_k()) + " is more than --experts " +
-                           Str(c.experts()));
-    }
-    if (!(c.router_aux_coef() >= 0)) {
-      return Status::Error("--router-aux-coef must not be negative");
-    }
-  }
-  DC_RETURN_IF_ERROR(CheckPositive("--layers", c.layers()));
-  DC_RETURN_IF_ERROR(CheckPositive("--hidden", c.hidden()));
-  DC_RETURN_IF_ERROR(CheckPositive("--heads", c.heads()));
-  DC_RETURN_IF_ERROR(CheckPositive("--kv-heads", c.kv_heads()));
-  DC_RETURN_IF_ERROR(CheckPositive("--ffn", c.ffn()));
-  DC_RETURN_IF_ERROR(CheckPositive("--vocab", c.vocab()));
-  DC_RETURN_IF_ERROR(CheckPositive("--seq", c.seq()));
-  DC_RETURN_IF_ERROR(CheckPositive("--micro-batch", c.micro_batch()));
-  DC_RETURN_IF_ERROR(CheckPositive("--gas", c.gas()));
-  if (c.hidden() % c.heads() != 0) {
-    return Status::Error("--heads " + Str(c.heads()) + " does not divide --hidden " +
-                         Str(c.hidden()));
-  }
-  if (c.heads() % c.kv_heads() != 0) {
-    return Status::Error("--kv-heads " + Str(c.kv_heads()) + " does not divide --heads " +
-                         Str(c.heads()));
-  }
-  const int64_t head_dim = c.hidden() / c.heads();
-  if (head_dim % 2 != 0) {
-    return Status::Error("head dim " + Str(head_dim) + " (--hidden " + Str(c.hidden()) +
-                         " / --heads " + Str(c.heads()) + ") must be even for RoPE");
-  }
-  if (c.vocab() > std::numeric_limits<int32_t>::max()) {
-    return Status::Error("--vocab " + Str(c.vocab()) + " does not fit int32 token ids");
-  }
-  if (c.compute_dtype() != proto::DTYPE_F32 && c.compute_dtype() != proto::DTYPE_BF16 &&
-      c.compute_dtype() != proto::DTYPE_F16) {
-    return Status::Error(std::string("model config: compute dtype ") +
-                         DTypeName(c.compute_dtype()) + " is not a float type (f32, bf16, f16)");
-  }
-  DC_RETURN_IF_ERROR(CheckPositiveReal("rope_theta", c.rope_theta()));
-  DC_RETURN_IF_ERROR(CheckPositiveReal("norm_eps", c.norm_eps()));
-  DC_RETURN_IF_ERROR(CheckPositiveReal("init_std", c.init_std()));
-  DC_RETURN_IF_ERROR(CheckPositiveReal("adam_eps", c.adam_eps()));
-  if (c.lr() < 0 || c.weight_decay() < 0) {
-    return Status::Error("model config: lr and weight_decay must not be negative");
-  }
-  if (c.beta1() < 0 || c.beta1() >= 1 || c.beta2() < 0 || c.beta2() >= 1) {
-    return Status::Error("model config: beta1 and beta2 must lie in [0, 1)");
-  }
-  return CheckLearningRateSchedule(c);
 }
 
 // The schedule's flags onto `c`. A decay needs its steps; decay steps without a decay kind mean

@@ -37,9 +37,8 @@ std::vector<std::string> PresetNames();
 // divide heads, head dim even for RoPE, ...). Unknown preset: the message lists the known ones.
 StatusOr<proto::ModelConfig> MakeConfig(const std::string& preset, const ModelOverrides& overrides);
 
-// Checks a config (from MakeConfig or read back from a plan): sizes positive and consistent,
-// a float compute dtype, sane optimizer settings. Messages name the command-line flag.
-Status ValidateConfig(const proto::ModelConfig& config);
+// ValidateConfig, which checks a config, lives in schemas/program.h: a plan's reader checks the
+// config it carries without the builders.
 
 // One training step of the model: forward and backward of one micro-batch, then one AdamW op
 // per param. The result passes ValidateProgram. See op_kinds.h for the ops and conventions.

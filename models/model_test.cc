@@ -2,8 +2,8 @@
 
 #include <gtest/gtest.h>
 
-#include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -54,16 +54,13 @@ TEST(Model, TinyParamCountByHand) {
   EXPECT_EQ(ParamCount(Build("tiny")), layers * per_layer + 2 * v * h + h);
 }
 
-TEST(Model, BuildIsFastForLlama3_70b) {
+// How fast it builds is bench/speed_bench's to measure; tests never assert speed.
+TEST(Model, BuildsLlama3_70b) {
   auto config = MakeConfig("llama3-70b", {});
   ASSERT_TRUE(config.ok());
-  const auto start = std::chrono::steady_clock::now();
   auto program = BuildProgram(*config);
-  const auto elapsed = std::chrono::steady_clock::now() - start;
   ASSERT_TRUE(program.ok());
   EXPECT_GT(program->ops_size(), 3000);
-  // The target is well under 100 ms; the bound leaves room for a loaded CI machine.
-  EXPECT_LT(std::chrono::duration<double>(elapsed).count(), 0.5);
 }
 
 TEST(Model, SameConfigSameBytes) {
@@ -404,7 +401,11 @@ TEST(Mixtral, BadExpertSettingsNameTheFlag) {
   EXPECT_EQ(BuildError("mixtral-tiny", no_experts), "--experts must be at least 1 (got 0)");
   ModelOverrides negative;
   negative.router_aux_coef = -1;
-  EXPECT_EQ(BuildError("mixtral-tiny", negative), "--router-aux-coef must not be negative");
+  EXPECT_EQ(BuildError("mixtral-tiny", negative),
+            "--router-aux-coef must not be negative (got -1)");
+  ModelOverrides nan;
+  nan.router_aux_coef = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_EQ(BuildError("mixtral-tiny", nan), "--router-aux-coef must be a finite number (got nan)");
   ModelOverrides four;
   four.experts = 4;
   four.top_k = 1;
@@ -433,9 +434,9 @@ TEST(LearningRateFlags, SetTheScheduleAndRefuseWhatCannotBe) {
   cases[1].o.lr_decay = "step";
   cases[1].expect = "--lr-decay step is not a schedule";
   cases[2].o.min_lr = 1.0;
-  cases[2].expect = "--min-lr";
+  cases[2].expect = "--min-lr 1 is above --lr";
   cases[3].o.lr = std::nan("");
-  cases[3].expect = "--lr nan";
+  cases[3].expect = "--lr must be a finite number";
   cases[4].o.lr_warmup_steps = -1;
   cases[4].expect = "must not be negative";
   for (const Case& k : cases) {

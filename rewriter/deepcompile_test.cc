@@ -293,9 +293,8 @@ TEST_P(Llama70B, DcBeatsBaselineAndDeepCompileWithinTheBudget) {
                                   std::to_string(deepcompile.step_seconds));
   ::testing::Test::RecordProperty("dc_step_seconds", std::to_string(dc.step_seconds));
   ::testing::Test::RecordProperty("dc_plan_seconds", std::to_string(dc.plan_seconds));
-  // Planning takes well under a second in a Release build (bench/plan_bench measures it);
-  // this bound only catches a blow-up, on however loaded a machine.
-  EXPECT_LT(dc.plan_seconds, 60);
+  // Planning time is bench/plan_bench's and bench/speed_bench's to measure: tests never assert
+  // speed.
 }
 
 INSTANTIATE_TEST_SUITE_P(Gas, Llama70B, ::testing::Values(1, 16));

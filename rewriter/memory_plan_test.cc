@@ -566,8 +566,9 @@ TEST(MemoryPlan, RoundTripsThroughThePlanFile) {
 }
 
 // The scale the pass must handle: Llama-3 70B, GAS 16, 16 ranks (≈127k instructions, ≈83k
-// buffers).
-TEST(MemoryPlan, PlansLlama70bGas16InWellUnderASecond) {
+// buffers). How fast (0.2-0.4 s on one core) is bench/speed_bench's to measure: tests never
+// assert speed.
+TEST(MemoryPlan, PlansLlama70bGas16) {
   ModelOverrides overrides;
   overrides.seq = 1024;
   overrides.micro_batch = 1;
@@ -590,8 +591,6 @@ TEST(MemoryPlan, PlansLlama70bGas16InWellUnderASecond) {
     ASSERT_TRUE(plan.ok()) << plan.status().message();
     EXPECT_GT(stats.buffers, 50'000);
     EXPECT_GE(stats.arena_bytes, stats.live_peak_bytes);
-    // Generous for a loaded machine (0.2-0.4 s on one core of the development machine).
-    EXPECT_LT(seconds, 2.0);
     const bool in_order = options.lifetimes == MemoryPlanOptions::Lifetimes::kInstructionOrder;
     RecordProperty(in_order ? "instruction_order_seconds" : "simulated_time_seconds",
                    std::to_string(seconds));

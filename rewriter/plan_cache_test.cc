@@ -5,6 +5,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "tests/support/cuda_test_plans.h"
+
 namespace dc {
 namespace {
 
@@ -34,8 +36,13 @@ TEST(PlanCache, StoresLooksUpAndTreatsDamageAsAMiss) {
   const std::string dir = ::testing::TempDir() + "/dc-plan-cache-test";
   std::filesystem::remove_all(dir);
   PlanCache cache(dir);
-  proto::Schedule plan;
-  plan.set_world_size(2);
+  // A real plan: the cache reads entries back through the plan file's reader, which validates.
+  testing::TinyPlanOptions options;
+  options.backend = "cpu";
+  options.world_size = 2;
+  auto made = testing::TinyPlan(options);
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  proto::Schedule plan = *made;
   plan.set_cache_key("k1");
   EXPECT_FALSE(cache.Lookup("k1").has_value());
   ASSERT_TRUE(cache.Store("k1", plan).ok());
@@ -53,6 +60,11 @@ TEST(PlanCache, StoresLooksUpAndTreatsDamageAsAMiss) {
     std::ofstream damage(cache.PathFor("k1"), std::ios::binary | std::ios::trunc);
     damage << "garbage";
   }
+  EXPECT_FALSE(cache.Lookup("k1").has_value());
+  // An entry that is intact but not a valid plan (its digests recomputed) is a miss too.
+  proto::Schedule invalid = plan;
+  invalid.mutable_program()->mutable_config()->set_vocab(0);
+  ASSERT_TRUE(cache.Store("k1", invalid).ok());
   EXPECT_FALSE(cache.Lookup("k1").has_value());
 }
 

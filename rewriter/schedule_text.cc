@@ -1,5 +1,6 @@
 #include "rewriter/schedule_text.h"
 
+#include <charconv>
 #include <map>
 #include <sstream>
 
@@ -30,6 +31,14 @@ std::vector<std::string> Split(const std::string& s, char sep) {
     if (!part.empty()) parts.push_back(part);
   }
   return parts;
+}
+
+// The whole of `text` as an int; false for anything else (not a number, trailing characters, out
+// of int's range): the text comes from people and files, so no exception.
+bool ParseInt(const std::string& text, int* value) {
+  const char* end = text.data() + text.size();
+  const auto [at, error] = std::from_chars(text.data(), end, *value);
+  return error == std::errc() && at == end;
 }
 
 }  // namespace
@@ -113,17 +122,23 @@ Status ParseScheduleText(const std::string& text, proto::Schedule* schedule) {
     instr.set_op(-1);
     if (words[2] == "opt") {
       instr.set_micro_step(-1);
-    } else if (words[2].size() > 1 && words[2][0] == 'm') {
-      instr.set_micro_step(std::stoi(words[2].substr(1)));
+    } else if (int micro = 0;
+               words[2].size() > 1 && words[2][0] == 'm' && ParseInt(words[2].substr(1), &micro)) {
+      instr.set_micro_step(micro);
     } else {
       return fail("bad micro-step " + words[2]);
     }
     for (size_t w = 3; w < words.size(); ++w) {
       const std::string& word = words[w];
+      int number = 0;
       if (word.rfind("deps=", 0) == 0) {
-        for (const auto& d : Split(word.substr(5), ',')) instr.add_deps(std::stoi(d));
+        for (const auto& d : Split(word.substr(5), ',')) {
+          if (!ParseInt(d, &number)) return fail("bad dependency " + d);
+          instr.add_deps(number);
+        }
       } else if (word.rfind("bucket=", 0) == 0) {
-        instr.set_bucket(std::stoi(word.substr(7)));
+        if (!ParseInt(word.substr(7), &number)) return fail("bad bucket " + word.substr(7));
+        instr.set_bucket(number);
       } else if ((instr.kind() == proto::INSTR_COMPUTE || instr.kind() == proto::INSTR_RENAME) &&
                  instr.op() < 0) {
         if (!ops.count(word)) return fail("unknown op " + word);

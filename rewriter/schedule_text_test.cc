@@ -42,5 +42,19 @@ TEST(ScheduleText, ReportsTheBadLine) {
   EXPECT_FALSE(ParseScheduleText("5: compute compute m0\n", &s).ok());
 }
 
+// Numbers that are not numbers are refused with the line, not thrown (found by
+// fuzz/schedule_text_fuzzer: "m-" and "deps=x" ended the process with std::invalid_argument).
+TEST(ScheduleText, RefusesBadNumbersInOneLine) {
+  proto::Schedule s = TinyBaseline();
+  for (const char* bad :
+       {"all_gather gather m- [embed]\n", "all_gather gather mx [embed]\n",
+        "all_gather gather m99999999999 [embed]\n", "all_gather gather m0 [embed] deps=x\n",
+        "all_gather gather m0 [embed] bucket=\n", "all_gather gather m0 [embed] bucket=3z\n"}) {
+    const Status parsed = ParseScheduleText(bad, &s);
+    ASSERT_FALSE(parsed.ok()) << bad;
+    EXPECT_NE(parsed.message().find("line 1"), std::string::npos) << parsed.message();
+  }
+}
+
 }  // namespace
 }  // namespace dc

@@ -139,8 +139,10 @@ Status CheckReferences(const proto::Schedule& schedule) {
       return Status::Error(InstructionWhere(i, instr) + " has a bad stream");
     }
     if (instr.micro_step() < -1 || instr.micro_step() >= micro_steps) {
-      return Status::Error(InstructionWhere(i, instr) + " has a bad micro-step " +
-                           std::to_string(instr.micro_step()));
+      return Status::Error(InstructionWhere(i, instr) + " is in micro-step " +
+                           std::to_string(instr.micro_step()) + ", outside the plan's " +
+                           std::to_string(micro_steps) +
+                           (gas > 0 ? " (gas)" : " (dc's limit without a gas)"));
     }
     for (int d : instr.deps()) {
       if (d < 0 || d >= i) {

@@ -241,17 +241,19 @@ TEST(Effects, EveryMisuseIsRefusedWithItsMessage) {
       {"bad op id", [](proto::Schedule* s) { Add(s, proto::INSTR_COMPUTE, 99, {}); },
        "instruction 0 (compute) computes a bad op id 99"},
       {"bad micro-step", [](proto::Schedule* s) { Add(s, proto::INSTR_RELEASE, -1, {kA}, -5); },
-       "instruction 0 (release) has a bad micro-step -5"},
+       "instruction 0 (release) is in micro-step -5, outside the plan's 4096 (dc's limit without a "
+       "gas)"},
       // Issue 13: untrusted plans index per-micro-step tables and op operands.
       {"micro-step beyond any gas",
        [](proto::Schedule* s) { Add(s, proto::INSTR_RELEASE, -1, {kA}, 2147483647); },
-       "instruction 0 (release) has a bad micro-step 2147483647"},
+       "instruction 0 (release) is in micro-step 2147483647, outside the plan's 4096 (dc's limit "
+       "without a gas)"},
       {"micro-step beyond the program's gas",
        [](proto::Schedule* s) {
          s->mutable_program()->mutable_config()->set_gas(2);
          Add(s, proto::INSTR_RELEASE, -1, {kA}, 2);
        },
-       "instruction 0 (release) has a bad micro-step 2"},
+       "instruction 0 (release) is in micro-step 2, outside the plan's 2 (gas)"},
       {"op reading a bad tensor id",
        [](proto::Schedule* s) { s->mutable_program()->mutable_ops(kHead)->set_inputs(0, 12345); },
        "op 1 (head) names a bad tensor id 12345"},

@@ -13,6 +13,11 @@
 namespace dc {
 
 StatusOr<std::string> ReadFileBytes(const std::string& path) {
+  std::error_code error;
+  // A directory opens and reads as empty: say what it is instead.
+  if (std::filesystem::is_directory(path, error)) {
+    return Status::Error(path + ": is a directory; pass a file");
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status::Error(path + ": cannot open (" + std::strerror(errno) + ")");
   std::ostringstream bytes;

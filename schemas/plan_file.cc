@@ -4,6 +4,7 @@
 
 #include "schemas/digest.h"
 #include "schemas/files.h"
+#include "schemas/plan_check.h"
 
 namespace dc {
 namespace {
@@ -65,7 +66,12 @@ StatusOr<proto::Schedule> ParsePlan(const std::string& bytes, const std::string&
   }
   const uint64_t payload_size = GetLe(bytes.data() + sizeof(kMagic) + 4, 8);
   const std::string digest = bytes.substr(sizeof(kMagic) + 12, kDigestHexBytes);
-  if (bytes.size() - kHeaderBytes != payload_size) {
+  if (bytes.size() - kHeaderBytes > payload_size) {
+    return Status::Error(what + ": " + std::to_string(bytes.size() - kHeaderBytes - payload_size) +
+                         " byte(s) after the end of the plan (appended to, or not a plan file); "
+                         "re-run dc-plan");
+  }
+  if (bytes.size() - kHeaderBytes < payload_size) {
     return Status::Error(what + ": truncated plan (" + std::to_string(bytes.size() - kHeaderBytes) +
                          " of " + std::to_string(payload_size) + " payload bytes); re-run dc-plan");
   }
@@ -94,6 +100,10 @@ StatusOr<proto::Schedule> ParsePlan(const std::string& bytes, const std::string&
   }
   if (DigestOf(schedule.program()) != schedule.program_digest()) {
     return Status::Error(what + ": embedded program does not match its digest; re-run dc-plan");
+  }
+  // A matching digest says the file is as written, not that what was written is sound.
+  if (Status valid = ValidatePlan(schedule); !valid.ok()) {
+    return Status::Error(what + ": " + valid.message() + "; re-plan with dc-plan");
   }
   return schedule;
 }

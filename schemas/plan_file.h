@@ -14,7 +14,8 @@ namespace dc {
 Status SavePlan(const std::string& path, proto::Schedule schedule);
 
 // Reads and checks magic, size, digest, format version and the embedded program's digest and
-// format version. A plan of another format version is refused, an older one with "re-plan".
+// format version, then validates the plan (schemas/plan_check.h: a matching digest is not trust).
+// A plan of another format version is refused, an older one with "re-plan".
 StatusOr<proto::Schedule> LoadPlan(const std::string& path);
 
 // The same, over bytes already in memory (`what` names them in messages).

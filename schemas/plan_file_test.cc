@@ -7,9 +7,27 @@
 namespace dc {
 namespace {
 
+// The smallest plan the reader's validation (schemas/plan_check.h) accepts: a valid config, one
+// param, its all-gather.
 proto::Schedule SmallSchedule() {
   proto::Schedule s;
   s.set_world_size(2);
+  proto::ModelConfig* c = s.mutable_program()->mutable_config();
+  c->set_family(kFamilyLlama);
+  c->set_layers(1);
+  c->set_hidden(4);
+  c->set_heads(1);
+  c->set_kv_heads(1);
+  c->set_ffn(4);
+  c->set_vocab(8);
+  c->set_seq(4);
+  c->set_micro_batch(1);
+  c->set_gas(1);
+  c->set_compute_dtype(proto::DTYPE_F32);
+  c->set_rope_theta(10000);
+  c->set_norm_eps(1e-5);
+  c->set_init_std(0.02);
+  c->set_adam_eps(1e-8);
   s.set_budget_bytes(1 << 20);
   auto* t = s.mutable_program()->add_tensors();
   t->set_id(0);

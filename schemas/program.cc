@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <sstream>
 #include <utility>
 
 #include "schemas/effects.h"
@@ -167,6 +168,141 @@ void SetAttrFloat(proto::Op* op, const std::string& name, double value) {
   MutableAttr(op, name)->set_f(value);
 }
 
+namespace {
+
+// Micro-steps per optimizer step: a schedule unrolls every one, so this bounds its size.
+constexpr int64_t kMaxGas = 65536;
+
+std::string Str(int64_t v) { return std::to_string(v); }
+
+// "-1", "0.5", "nan", "inf": shortest round-trip form.
+std::string Real(double v) {
+  std::ostringstream text;
+  text << v;
+  return text.str();
+}
+
+Status CheckSize(const char* flag, int64_t value, int64_t min = 1) {
+  if (value < min) {
+    return Status::Error(std::string(flag) + " must be at least " + Str(min) + " (got " +
+                         Str(value) + ")");
+  }
+  if (value > kMaxConfigDimension) {
+    return Status::Error(std::string(flag) + " " + Str(value) + " is over dc's limit of " +
+                         Str(kMaxConfigDimension));
+  }
+  return Status::Ok();
+}
+
+Status CheckPositiveReal(const char* field, double value) {
+  if (std::isfinite(value) && value > 0) return Status::Ok();
+  return Status::Error(std::string("model config: ") + field + " must be a positive number (got " +
+                       Real(value) + ")");
+}
+
+// A finite number >= 0; `name` is the flag or field.
+Status CheckNonNegativeReal(const std::string& name, double value) {
+  if (!std::isfinite(value)) {
+    return Status::Error(name + " must be a finite number (got " + Real(value) + ")");
+  }
+  if (value < 0) {
+    return Status::Error(name + " must not be negative (got " + Real(value) + ")");
+  }
+  return Status::Ok();
+}
+
+// The learning-rate schedule's fields (LearningRate): a peak and a floor below it, step counts,
+// and a decay that has steps to decay over.
+Status CheckLearningRateSchedule(const proto::ModelConfig& c) {
+  DC_RETURN_IF_ERROR(CheckNonNegativeReal("--lr", c.lr()));
+  DC_RETURN_IF_ERROR(CheckNonNegativeReal("--min-lr", c.min_lr()));
+  if (c.min_lr() > c.lr()) {
+    return Status::Error("--min-lr " + Real(c.min_lr()) + " is above --lr " + Real(c.lr()) +
+                         "; the schedule decays from --lr down to --min-lr");
+  }
+  if (c.lr_warmup_steps() < 0 || c.lr_decay_steps() < 0) {
+    return Status::Error("--warmup-steps and --decay-steps must not be negative");
+  }
+  if (!proto::LrDecay_IsValid(c.lr_decay())) {
+    return Status::Error("model config: lr_decay " + Str(c.lr_decay()) +
+                         " is unknown; re-plan with this dc");
+  }
+  if (c.lr_decay() != proto::LR_DECAY_CONSTANT && c.lr_decay_steps() == 0) {
+    return Status::Error("--lr-decay " +
+                         std::string(c.lr_decay() == proto::LR_DECAY_LINEAR ? "linear" : "cosine") +
+                         " needs --decay-steps, the steps it takes from --lr to --min-lr");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ValidateConfig(const proto::ModelConfig& c) {
+  if (c.family() != kFamilyLlama && c.family() != kFamilyMixtral) {
+    return Status::Error("model config: family '" + c.family() + "' is not supported ('" +
+                         kFamilyLlama + "' or '" + kFamilyMixtral + "')");
+  }
+  if (c.family() == kFamilyLlama && (c.experts() != 0 || c.top_k() != 0)) {
+    return Status::Error("--experts and --top-k apply to the mixtral presets only (this is '" +
+                         c.preset() + "', a dense llama)");
+  }
+  if (c.family() == kFamilyMixtral) {
+    DC_RETURN_IF_ERROR(CheckSize("--experts", c.experts()));
+    DC_RETURN_IF_ERROR(CheckSize("--top-k", c.top_k()));
+    if (c.top_k() > c.experts()) {
+      return Status::Error("--top-k " + Str(c.top_k()) + " is more than --experts " +
+                           Str(c.experts()));
+    }
+    DC_RETURN_IF_ERROR(CheckNonNegativeReal("--router-aux-coef", c.router_aux_coef()));
+  }
+  DC_RETURN_IF_ERROR(CheckSize("--layers", c.layers()));
+  DC_RETURN_IF_ERROR(CheckSize("--hidden", c.hidden()));
+  DC_RETURN_IF_ERROR(CheckSize("--heads", c.heads()));
+  DC_RETURN_IF_ERROR(CheckSize("--kv-heads", c.kv_heads()));
+  DC_RETURN_IF_ERROR(CheckSize("--ffn", c.ffn()));
+  // One token: every target is that token and the loss is 0 from the first step; nothing learns.
+  DC_RETURN_IF_ERROR(CheckSize("--vocab", c.vocab(), kMinVocab));
+  DC_RETURN_IF_ERROR(CheckSize("--seq", c.seq()));
+  DC_RETURN_IF_ERROR(CheckSize("--micro-batch", c.micro_batch()));
+  DC_RETURN_IF_ERROR(CheckSize("--gas", c.gas()));
+  if (c.gas() > kMaxGas) {
+    return Status::Error("--gas " + Str(c.gas()) + " is over dc's limit of " + Str(kMaxGas) +
+                         " micro-steps");
+  }
+  if (c.seq() * c.micro_batch() > kMaxConfigDimension) {
+    return Status::Error("--seq " + Str(c.seq()) + " times --micro-batch " + Str(c.micro_batch()) +
+                         " is over dc's limit of " + Str(kMaxConfigDimension) +
+                         " tokens per micro-batch");
+  }
+  if (c.hidden() % c.heads() != 0) {
+    return Status::Error("--heads " + Str(c.heads()) + " does not divide --hidden " +
+                         Str(c.hidden()));
+  }
+  if (c.heads() % c.kv_heads() != 0) {
+    return Status::Error("--kv-heads " + Str(c.kv_heads()) + " does not divide --heads " +
+                         Str(c.heads()));
+  }
+  const int64_t head_dim = c.hidden() / c.heads();
+  if (head_dim % 2 != 0) {
+    return Status::Error("head dim " + Str(head_dim) + " (--hidden " + Str(c.hidden()) +
+                         " / --heads " + Str(c.heads()) + ") must be even for RoPE");
+  }
+  if (c.compute_dtype() != proto::DTYPE_F32 && c.compute_dtype() != proto::DTYPE_BF16 &&
+      c.compute_dtype() != proto::DTYPE_F16) {
+    return Status::Error(std::string("model config: compute dtype ") +
+                         DTypeName(c.compute_dtype()) + " is not a float type (f32, bf16, f16)");
+  }
+  DC_RETURN_IF_ERROR(CheckPositiveReal("rope_theta", c.rope_theta()));
+  DC_RETURN_IF_ERROR(CheckPositiveReal("norm_eps", c.norm_eps()));
+  DC_RETURN_IF_ERROR(CheckPositiveReal("init_std", c.init_std()));
+  DC_RETURN_IF_ERROR(CheckPositiveReal("adam_eps", c.adam_eps()));
+  DC_RETURN_IF_ERROR(CheckNonNegativeReal("model config: weight_decay", c.weight_decay()));
+  if (!(c.beta1() >= 0 && c.beta1() < 1 && c.beta2() >= 0 && c.beta2() < 1)) {
+    return Status::Error("model config: beta1 and beta2 must lie in [0, 1)");
+  }
+  return CheckLearningRateSchedule(c);
+}
+
 Status ValidateProgram(const proto::Program& program) {
   const int num_tensors = program.tensors_size();
   for (int i = 0; i < num_tensors; ++i) {
@@ -177,8 +313,13 @@ Status ValidateProgram(const proto::Program& program) {
     }
     if (DTypeSizeBytes(t.dtype()) == 0)
       return Status::Error("tensor " + t.name() + " has no dtype");
+    int64_t elements = 1;
     for (int64_t d : t.shape()) {
       if (d <= 0) return Status::Error("tensor " + t.name() + " has a non-positive dimension");
+      if (__builtin_mul_overflow(elements, d, &elements) || elements > kMaxTensorElements) {
+        return Status::Error("tensor " + t.name() + " has more than " + Str(kMaxTensorElements) +
+                             " elements");
+      }
     }
     if (t.role() == proto::ROLE_GRAD || t.role() == proto::ROLE_OPTIMIZER_STATE) {
       if (t.param() < 0 || t.param() >= num_tensors ||

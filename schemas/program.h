@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -39,10 +40,29 @@ double AttrFloat(const proto::Op& op, const std::string& name, double fallback);
 void SetAttr(proto::Op* op, const std::string& name, int64_t value);
 void SetAttrFloat(proto::Op* op, const std::string& name, double value);
 
-// Checks ids, references and the invariants the rewriter relies on (ops in phase order, every
-// tensor produced at most once, every grad produced by exactly one backward op, every input of
-// an op produced earlier or a param / input / optimizer state, a recompute a backward op naming
-// a forward op of its kind). The message names the tensor or op.
+// The model families a config names (ModelConfig.family).
+inline constexpr char kFamilyLlama[] = "llama";      // dense
+inline constexpr char kFamilyMixtral[] = "mixtral";  // mixture-of-experts MLP
+// Every size in a config (layers, hidden, vocab, seq, seq * micro_batch, ...) is at most this, so
+// that products of two of them fit int64; and a vocabulary has at least two tokens (with one,
+// every target is that token and the loss is 0 from the first step).
+inline constexpr int64_t kMaxConfigDimension = std::numeric_limits<int32_t>::max();
+inline constexpr int64_t kMinVocab = 2;
+
+// Checks a model config (built from flags or read back from a plan): sizes in range and
+// consistent, a float compute dtype, finite and sane optimizer settings. Messages name the
+// command-line flag.
+Status ValidateConfig(const proto::ModelConfig& config);
+
+// The most elements a program's tensor may have (2^48: 1 PiB of fp32), so that byte counts and
+// their sums over a program fit int64.
+inline constexpr int64_t kMaxTensorElements = int64_t{1} << 48;
+
+// Checks ids, references and the invariants the rewriter relies on (sizes under
+// kMaxTensorElements, ops in phase order, every tensor produced at most once, every grad produced
+// by exactly one backward op, every input of an op produced earlier or a param / input /
+// optimizer state, a recompute a backward op naming a forward op of its kind). The message names
+// the tensor or op.
 Status ValidateProgram(const proto::Program& program);
 
 // Device buffers, one accounting shared by the executor (which enforces a capacity) and the

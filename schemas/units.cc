@@ -14,10 +14,14 @@ StatusOr<int64_t> ParseBytes(const std::string& text) {
                                                           {"MiB", 1048576.0},
                                                           {"GiB", 1073741824.0},
                                                           {"TiB", 1099511627776.0},
+                                                          {"PiB", 1125899906842624.0},
+                                                          {"EiB", 1152921504606846976.0},
                                                           {"KB", 1e3},
                                                           {"MB", 1e6},
                                                           {"GB", 1e9},
                                                           {"TB", 1e12},
+                                                          {"PB", 1e15},
+                                                          {"EB", 1e18},
                                                           {"K", 1024.0},
                                                           {"M", 1048576.0},
                                                           {"G", 1073741824.0}};
@@ -36,7 +40,11 @@ StatusOr<int64_t> ParseBytes(const std::string& text) {
   for (const auto& [name, scale] : kUnits) {
     if (unit == name) {
       const double bytes = value * scale;
-      if (bytes > 9.2e18) return Status::Error("'" + text + "' is too large");
+      // int64 holds just under 8 EiB; the double comparison is exact at this power of two.
+      if (bytes >= 9223372036854775808.0) {
+        return Status::Error("'" + text +
+                             "' is too large: byte sizes go up to 8EiB (minus a byte)");
+      }
       return static_cast<int64_t>(std::llround(bytes));
     }
   }

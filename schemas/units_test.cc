@@ -21,6 +21,18 @@ TEST(Units, RejectsNonsense) {
   EXPECT_NE(ParseBytes("12XB").status().message().find("not a byte size"), std::string::npos);
 }
 
+// Sizes past what int64 holds say so, rather than "not a byte size" (or overflowing).
+TEST(Units, SaysWhenASizeIsTooLarge) {
+  EXPECT_EQ(*ParseBytes("1EiB"), int64_t{1} << 60);
+  EXPECT_EQ(*ParseBytes("2PiB"), int64_t{2} << 50);
+  for (const char* huge : {"10EiB", "8EiB", "9223372036854775808", "99999999999999999999"}) {
+    auto parsed = ParseBytes(huge);
+    ASSERT_FALSE(parsed.ok()) << huge;
+    EXPECT_NE(parsed.status().message().find("is too large"), std::string::npos)
+        << parsed.status().message();
+  }
+}
+
 TEST(Units, Formats) {
   EXPECT_EQ(FormatBytes(17), "17 B");
   EXPECT_EQ(FormatBytes(1536), "1.50 KiB");

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "schemas/plan_file.h"
 #include "tests/run_command.h"
 
 namespace dc {
@@ -77,6 +78,116 @@ class BadInput : public ::testing::Test {
   static std::string dir_;
 };
 std::string BadInput::dir_;
+
+// One row per bad input: the command (run by /bin/sh; $D is the test's directory), the exit code
+// (README, "Exit codes": 2 when the command line does not parse, 1 for every other error), words
+// the one error line must hold, and files that must not exist afterwards.
+struct Row {
+  std::string command;
+  int exit_code;
+  std::vector<std::string> words;
+  std::vector<std::string> absent;  // relative to $D
+};
+
+std::string Expand(std::string text, const std::string& dir) {
+  for (size_t at = text.find("$D"); at != std::string::npos;
+       at = text.find("$D", at + dir.size())) {
+    text.replace(at, 2, dir);
+  }
+  return text;
+}
+
+TEST_F(BadInput, EveryRowOfTheTable) {
+  const std::string collect = Tool("dc-collect") + " --backend cpu --steps 1 --warmup 0";
+  const std::string plan = Tool("dc-plan") + " --no-cache";
+  const std::string run = Tool("dc-run") + " --backend cpu --steps 1";
+  const std::string trace = Tool("dc-trace");
+  std::filesystem::create_directories(dir_ + "/a-directory");
+  const std::string good = ReadFile(dir_ + "/good.dcplan");
+  WriteFile(dir_ + "/appended.dcplan", good + "extra bytes");
+  // A plan whose config disagrees with its tokens tensor, its digests recomputed (as anyone
+  // can): the interpreter once wrote 16 KiB past a heap buffer for it.
+  auto parsed = ParsePlan(good, "good.dcplan");
+  ASSERT_TRUE(parsed.ok()) << parsed.status().message();
+  proto::Schedule seq = *parsed;
+  seq.mutable_program()->mutable_config()->set_seq(parsed->program().config().seq() * 2);
+  WriteFile(dir_ + "/seq.dcplan", SerializePlan(seq));
+  proto::Schedule vocab = *parsed;
+  vocab.mutable_program()->mutable_config()->set_vocab(0);
+  WriteFile(dir_ + "/vocab0.dcplan", SerializePlan(vocab));
+  proto::Schedule offset = *parsed;
+  if (offset.memory_plan().placements_size() > 0) {
+    offset.mutable_memory_plan()->mutable_placements(0)->set_offset_bytes(-256);
+  } else {
+    offset.add_instructions()->set_kind(proto::INSTR_ALL_GATHER);
+    offset.mutable_instructions(offset.instructions_size() - 1)->add_tensors(1 << 30);
+  }
+  WriteFile(dir_ + "/offset.dcplan", SerializePlan(offset));
+
+  const std::vector<Row> rows = {
+      {collect + " --model tiny --vocab 1 -o $D/v1.db",
+       1,
+       {"--vocab must be at least 2"},
+       {"v1.db"}},
+      {collect + " --model tiny --vocab 0 -o $D/v0.db",
+       1,
+       {"--vocab must be at least 2"},
+       {"v0.db"}},
+      {collect + " --model mixtral-tiny --router-aux-coef nan -o $D/nan.db",
+       1,
+       {"--router-aux-coef must be a finite number"},
+       {"nan.db"}},
+      {collect + " --model tiny -o ''", 2, {"--output", "must not be empty"}, {}},
+      {collect + " --model tiny --timeout -1 -o $D/t.db", 2, {"--timeout"}, {"t.db"}},
+      {run + " $D/good.dcplan --timeout 0", 2, {"--timeout"}, {}},
+      {"WORLD_SIZE=abc RANK=0 " + run + " $D/good.dcplan",
+       1,
+       {"WORLD_SIZE='abc' is not a whole number"},
+       {}},
+      {"WORLD_SIZE=2 RANK=0 " + run + " $D/two.dcplan --nproc 4 --rendezvous $D/rdzv-never",
+       1,
+       {"--nproc 4 disagrees with the launcher's WORLD_SIZE 2"},
+       {}},
+      {run + " $D/a-directory", 1, {"$D/a-directory: is a directory"}, {}},
+      {run + " $D/appended.dcplan", 1, {"$D/appended.dcplan", "after the end of the plan"}, {}},
+      {run + " $D/seq.dcplan",
+       1,
+       {"$D/seq.dcplan", "input tokens", "micro_batch and seq", "re-plan with dc-plan"},
+       {}},
+      {run + " $D/vocab0.dcplan",
+       1,
+       {"$D/vocab0.dcplan", "--vocab must be at least 2", "re-plan with dc-plan"},
+       {}},
+      {run + " $D/offset.dcplan", 1, {"$D/offset.dcplan", "re-plan with dc-plan"}, {}},
+      {run + " $D/good.dcplan --no-such-flag", 2, {"--no-such-flag"}, {}},
+      {plan + " $D/good.db -o ''", 2, {"--output", "must not be empty"}, {}},
+      {plan + " $D/good.db --budget 10EiB -o $D/b.dcplan",
+       2,
+       {"'10EiB' is too large"},
+       {"b.dcplan"}},
+      {plan + " $D/good.db --rounds 1 --round-steps 0 -o $D/r.dcplan",
+       2,
+       {"--round-steps"},
+       {"r.dcplan"}},
+      {trace + " memory $D/good.db --rank -1 -o $D/m.svg", 2, {"--rank"}, {"m.svg"}},
+  };
+  for (const Row& row : rows) {
+    const std::string command = Expand(row.command, dir_);
+    auto r = RunCommand(command);
+    EXPECT_EQ(r.exit_code, row.exit_code) << command << "\n" << r.err;
+    if (row.exit_code == 1) {
+      EXPECT_EQ(Lines(r.err), 1) << command << "\n" << r.err;
+    }
+    for (const std::string& word : row.words) {
+      EXPECT_NE(r.err.find(Expand(word, dir_)), std::string::npos)
+          << command << "\nmissing: " << Expand(word, dir_) << "\n"
+          << r.err;
+    }
+    for (const std::string& file : row.absent) {
+      EXPECT_FALSE(std::filesystem::exists(dir_ + "/" + file)) << command;
+    }
+  }
+}
 
 TEST_F(BadInput, MissingTrace) { ExpectPlanRefuses(dir_ + "/nope.db", "cannot open"); }
 

@@ -68,6 +68,26 @@ CLI::Option* AddBytesOption(CLI::App& app, const std::string& name, int64_t* byt
       help);
 }
 
+std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version are "errors" that exit 0; CLI11 prints them and usage errors alike.
+    const int code = app.exit(e);
+    return code == static_cast<int>(CLI::ExitCodes::Success) ? 0 : kUsageExitCode;
+  }
+  return std::nullopt;
+}
+
+const CLI::Validator& NonEmptyPath() {
+  static const CLI::Validator validator(
+      [](std::string& path) {
+        return path.empty() ? std::string("must not be empty; name a file") : "";
+      },
+      "PATH");
+  return validator;
+}
+
 int Fail(const std::string& program, const Status& status) {
   std::cerr << program << ": " << status.message() << "\n";
   return 1;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,21 @@ struct ModelFlags {
 // A byte-size option ("1073741824", "1GiB", "512MiB") stored into `*bytes`.
 CLI::Option* AddBytesOption(CLI::App& app, const std::string& name, int64_t* bytes,
                             const std::string& help);
+
+// The exit codes of every dc command (README, "Exit codes"): 0 on success, kUsageExitCode when the
+// command line does not parse (an unknown flag, a missing argument, a value of the wrong type or
+// outside its range: what CLI11 checks), 1 for every other error (Fail).
+inline constexpr int kUsageExitCode = 2;
+
+// The longest --timeout a command accepts: a day.
+inline constexpr int kMaxTimeoutSeconds = 24 * 3600;
+
+// Parses the command line. Returns nothing to go on, or the code to exit with: 0 after --help,
+// kUsageExitCode after CLI11's one-line message.
+std::optional<int> Parse(CLI::App& app, int argc, char** argv);
+
+// A path flag that names a file to write or read: an empty value ("") is refused.
+const CLI::Validator& NonEmptyPath();
 
 // Prints "<program>: <message>" on one line to stderr and returns 1.
 int Fail(const std::string& program, const Status& status);

@@ -47,10 +47,14 @@ int main(int argc, char** argv) {
       app, "--device-memory", &device_memory,
       "device memory capacity per rank, e.g. 1GiB (default: unlimited; on cuda, the "
       "device's own memory)");
-  app.add_option("-o,--output", out, "trace file to write (SQLite)")->required();
+  app.add_option("-o,--output", out, "trace file to write (SQLite)")
+      ->required()
+      ->check(cli::NonEmptyPath());
   app.add_option("--rendezvous", rendezvous,
                  "shared directory for ranks started by an outside launcher");
-  app.add_option("--timeout", timeout_s, "seconds to wait for other ranks")->capture_default_str();
+  app.add_option("--timeout", timeout_s, "seconds to wait for other ranks")
+      ->check(CLI::Range(1, cli::kMaxTimeoutSeconds))
+      ->capture_default_str();
   app.add_flag("--json", json, "print one JSON object instead of text");
   app.add_flag("--quiet", quiet, "no progress on stderr");
   bool attach = false;
@@ -65,7 +69,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "cudaProfilerApi", "all"}))
       ->capture_default_str();
   app.add_option("command", command, "with --attach: the program and its arguments, after --");
-  CLI11_PARSE(app, argc, argv);
+  if (std::optional<int> exit_code = cli::Parse(app, argc, argv)) return *exit_code;
   if (attach) {
 #ifdef DC_HAVE_CUPTI_ATTACH
     AttachOptions options;
@@ -83,6 +87,14 @@ int main(int argc, char** argv) {
     return cli::Fail("dc-collect", Status::Error("a command after -- needs --attach"));
   }
 
+  if (IsRankProcess()) {  // the launcher's variables are read, and checked, before anything else
+    auto env = RankEnvFromEnvironment(rendezvous);
+    if (!env.ok()) return cli::Fail("dc-collect", env.status());
+    const int nproc_given = app.count("--nproc") > 0 ? nproc : 0;
+    if (Status s = CheckNprocAgainstEnvironment(nproc_given, *env); !s.ok()) {
+      return cli::Fail("dc-collect", s);
+    }
+  }
   const BackendAvailability available = AvailableBackends();
   auto chosen = ResolveBackend(backend, available, "dc-collect");
   if (!chosen.ok()) return cli::Fail("dc-collect", chosen.status());

@@ -262,11 +262,14 @@ void AddFlags(CLI::App& app, Flags* f) {
       "plan a model on a hardware profile without a trace (roofline and NCCL-ring cost estimates), "
       "e.g. --synthetic --model llama3-70b --world 32 --hardware h100-sxm --gpus-per-node 8");
   f->model.Add(app);
-  app.add_option("--world", f->world, "ranks (--synthetic)")->capture_default_str();
+  app.add_option("--world", f->world, "ranks (--synthetic)")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
   app.add_option("--hardware", f->hardware,
                  "hardware profile (--synthetic): " + Join(HardwareNames(), ", "))
       ->capture_default_str();
   app.add_option("--gpus-per-node", f->gpus_per_node, "GPUs per node (--synthetic)")
+      ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
   app.add_flag("--explain", f->explain,
                "say per pass what it changed and what it bought (predicted seconds and bytes)");
@@ -276,6 +279,7 @@ void AddFlags(CLI::App& app, Flags* f) {
                  "best measured plan")
       ->check(CLI::Range(0, 100));
   app.add_option("--round-steps", f->rounds.steps, "measured steps per round")
+      ->check(CLI::Range(1, 1000000))
       ->capture_default_str();
   app.add_option(
       "--perfetto", f->perfetto,
@@ -304,7 +308,9 @@ void AddFlags(CLI::App& app, Flags* f) {
   app.add_option("--cache-dir", f->cache_dir,
                  "plan cache directory (default: $XDG_CACHE_HOME/dc or ~/.cache/dc)");
   app.add_flag("--no-cache", f->no_cache, "neither read nor write the plan cache");
-  app.add_option("-o,--output", f->out, "plan file to write")->capture_default_str();
+  app.add_option("-o,--output", f->out, "plan file to write")
+      ->check(cli::NonEmptyPath())
+      ->capture_default_str();
   app.add_flag("--report", f->report, "print the memory timeline and overlap summary");
   app.add_flag("--json", f->json, "print one JSON object");
   app.add_flag("--quiet", f->quiet,
@@ -477,7 +483,7 @@ int main(int argc, char** argv) {
       "dc-plan"};
   Flags flags;
   AddFlags(app, &flags);
-  CLI11_PARSE(app, argc, argv);
+  if (std::optional<int> exit_code = cli::Parse(app, argc, argv)) return *exit_code;
   if (flags.synthetic == !flags.trace_path.empty()) {
     return cli::Fail("dc-plan",
                      Status::Error("give a trace, or --synthetic with --model (see --help)"));

@@ -29,7 +29,9 @@ int main(int argc, char** argv) {
   int steps = 20, warmup = 0, nproc = 0, timeout_s = 60, save_every = 0, keep = 2;
   int64_t device_memory = 0;
   bool json = false, quiet = false;
-  app.add_option("plan", plan_path, "plan file written by dc-plan")->required();
+  app.add_option("plan", plan_path, "plan file written by dc-plan")
+      ->required()
+      ->check(cli::NonEmptyPath());
   app.add_option("--steps", steps,
                  "optimizer steps to train (0: none, e.g. --init-from DIR --export OUT)")
       ->check(CLI::Range(0, 100000000))
@@ -50,10 +52,13 @@ int main(int argc, char** argv) {
       app, "--device-memory", &device_memory,
       "device memory capacity per rank, e.g. 1GiB (default: unlimited; on cuda, the "
       "device's own memory)");
-  app.add_option("--trace", trace_out, "also record a trace of the run to this file");
+  app.add_option("--trace", trace_out, "also record a trace of the run to this file")
+      ->check(cli::NonEmptyPath());
   app.add_option("--rendezvous", rendezvous,
                  "shared directory for ranks started by an outside launcher");
-  app.add_option("--timeout", timeout_s, "seconds to wait for other ranks")->capture_default_str();
+  app.add_option("--timeout", timeout_s, "seconds to wait for other ranks")
+      ->check(CLI::Range(1, cli::kMaxTimeoutSeconds))
+      ->capture_default_str();
   app.add_option("--save", save_dir,
                  "write checkpoints (params and Adam states, each rank its shard) into this "
                  "directory: at the end, and every --save-every steps");
@@ -83,7 +88,7 @@ int main(int argc, char** argv) {
   app.add_option("--dump-grads", weights.dump_grads_dir,
                  "debugging: write the first step's full gradients (Hugging Face names) and "
                  "its settings to this new directory, for comparing with another framework");
-  CLI11_PARSE(app, argc, argv);
+  if (std::optional<int> exit_code = cli::Parse(app, argc, argv)) return *exit_code;
   if (Status distinct = CheckOutputIsNotAnInput(trace_out, {plan_path}); !distinct.ok()) {
     return cli::Fail("dc-run", distinct);
   }
@@ -97,6 +102,13 @@ int main(int argc, char** argv) {
                                              " needs --save DIR, the directory to save into"));
   }
 
+  if (IsRankProcess()) {  // the launcher's variables are read, and checked, before anything else
+    auto env = RankEnvFromEnvironment(rendezvous);
+    if (!env.ok()) return cli::Fail("dc-run", env.status());
+    if (Status s = CheckNprocAgainstEnvironment(nproc, *env); !s.ok()) {
+      return cli::Fail("dc-run", s);
+    }
+  }
   auto plan = LoadPlan(plan_path);
   if (!plan.ok()) return cli::Fail("dc-run", plan.status());
   // The token file: the plan's, unchanged (checked once, before any rank starts), or --data

@@ -187,7 +187,9 @@ int main(int argc, char** argv) {
       ->add_option("trace", summary_args.inputs,
                    "a dc trace, nsys export, plan, or PyTorch traces (files or a directory)")
       ->required();
-  summary->add_option("--top", summary_top, "kernels to list per rank")->capture_default_str();
+  summary->add_option("--top", summary_top, "kernels to list per rank")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   AddCommon(summary, &summary_args);
   summary->footer("Example: dc-trace summary trace.db --json");
 
@@ -199,7 +201,9 @@ int main(int argc, char** argv) {
                          "track per stream, memory counters, all-gather -> use flow arrows");
   perfetto->add_option("trace", perfetto_args.inputs, "a trace, plan or PyTorch traces")
       ->required();
-  perfetto->add_option("-o,--output", perfetto_out, "JSON file to write")->required();
+  perfetto->add_option("-o,--output", perfetto_out, "JSON file to write")
+      ->required()
+      ->check(cli::NonEmptyPath());
   AddCommon(perfetto, &perfetto_args);
   perfetto->footer(
       "Example: dc-trace perfetto trace.db -o trace.json   (then open it in "
@@ -213,11 +217,15 @@ int main(int argc, char** argv) {
       "draw live device memory by kind over one rank's step as an SVG (budget line, "
       "peak, all-gather / offload ticks)");
   memory->add_option("input", memory_in, "a trace or a plan")->required();
-  memory->add_option("-o,--output", memory_out, "SVG file to write")->required();
+  memory->add_option("-o,--output", memory_out, "SVG file to write")
+      ->required()
+      ->check(cli::NonEmptyPath());
   cli::AddBytesOption(*memory, "--budget", &memory_options.budget_bytes,
                       "draw this budget line, e.g. 2GiB (default: the plan's budget)");
-  memory->add_option("--rank", memory_options.rank, "rank to draw (default: the first)");
-  memory->add_option("--step", memory_options.step, "step to draw (default: the first measured)");
+  memory->add_option("--rank", memory_options.rank, "rank to draw (default: the first)")
+      ->check(CLI::NonNegativeNumber);
+  memory->add_option("--step", memory_options.step, "step to draw (default: the first measured)")
+      ->check(CLI::NonNegativeNumber);
   AddCommon(memory, &memory_args);
   memory->footer("Example: dc-trace memory plan.dcplan -o memory.svg --budget 1GiB");
 
@@ -230,11 +238,13 @@ int main(int argc, char** argv) {
       "communication, peak memory, and the instructions whose time changed most");
   diff->add_option("a", diff_a, "the first trace or plan")->required();
   diff->add_option("b", diff_b, "the second trace or plan")->required();
-  diff->add_option("--top", diff_top, "changed instructions to list")->capture_default_str();
+  diff->add_option("--top", diff_top, "changed instructions to list")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   AddCommon(diff, &diff_args);
   diff->footer("Example: dc-trace diff baseline.db optimized.db --top 20");
 
-  CLI11_PARSE(app, argc, argv);
+  if (std::optional<int> exit_code = cli::Parse(app, argc, argv)) return *exit_code;
 
   if (summary->parsed()) return RunSummary(summary_args, summary_top);
   if (perfetto->parsed()) {

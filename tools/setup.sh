@@ -4,17 +4,25 @@
 #   tools/setup.sh test     check the format (tools/format.sh --check), then run every test (ctest;
 #                           python3-torch installed too, for the PyTorch parity tests)
 #   tools/setup.sh build    build only
-#   tools/setup.sh fuzz [S] build the libFuzzer harnesses (clang, build-fuzz/) and run each for S
-#                           seconds (default 60) over a scratch copy of its seed corpus
+#   tools/setup.sh asan     build everything with ASan + UBSan (and float-cast-overflow, every report
+#                           fatal) in build-asan/, then run every test under it
+#   tools/setup.sh fuzz [S] build the libFuzzer harnesses (fuzz/, clang) in build-fuzz/ and run each
+#                           for S seconds (default 60) from its seed corpus in fuzz/corpus/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-demo}
-build_dir=${DC_BUILD_DIR:-build}
 jobs=${DC_JOBS:-$(nproc)}
+case "$mode" in
+  asan) build_dir=${DC_BUILD_DIR:-build-asan} ;;
+  fuzz) build_dir=${DC_BUILD_DIR:-build-fuzz} ;;
+  *) build_dir=${DC_BUILD_DIR:-build} ;;
+esac
 
 packages=(build-essential cmake pkg-config libprotobuf-dev protobuf-compiler libsqlite3-dev sqlite3
           libcli11-dev libgtest-dev libgloo-dev libopenblas-dev libssl-dev nlohmann-json3-dev zlib1g-dev
           libmimalloc-dev clang-format python3)
+# libFuzzer ships with clang.
+if [ "$mode" = fuzz ]; then packages+=(clang); fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -32,37 +40,53 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
-if [ "$mode" = fuzz ]; then
-  command -v clang++ >/dev/null || { echo "setup: fuzz needs clang (apt-get install clang)" >&2; exit 2; }
-  seconds=${2:-60}
-  CC=clang CXX=clang++ cmake -S . -B build-fuzz -DDC_FUZZERS=ON -DDC_CUDA=OFF -DDC_BUILD_TESTS=OFF \
-    -DDC_WERROR=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-  fuzzers=()
-  for f in fuzz/*_fuzzer.cc; do fuzzers+=("$(basename "$f" .cc)"); done
-  cmake --build build-fuzz -j "$jobs" --target "${fuzzers[@]}"
-  for name in "${fuzzers[@]}"; do
-    corpus=$(mktemp -d /tmp/dc-fuzz-corpus-XXXXXX)
-    cp -r "fuzz/corpus/${name%_fuzzer}/." "$corpus/" 2>/dev/null || true
-    echo "== $name: $seconds s"
-    mkdir -p build-fuzz/artifacts
-    "build-fuzz/fuzz/$name" -max_total_time="$seconds" -timeout=30 -rss_limit_mb=4096 \
-      -print_final_stats=1 -artifact_prefix="build-fuzz/artifacts/$name-" "$corpus"
-    rm -rf "$corpus"
-  done
-  exit 0
-fi
-
 # The format check first: it takes a second, the build minutes.
 if [ "$mode" = test ]; then tools/format.sh --check; fi
 
-cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$build_dir" -j "$jobs"
+case "$mode" in
+  asan)
+    # The CUDA path is left out: the CUDA runtime and ASan's shadow memory need special settings,
+    # and the GPU tests skip without a device anyway.
+    cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDC_SANITIZE=ON -DDC_CUDA=OFF \
+      >/dev/null
+    cmake --build "$build_dir" -j "$jobs"
+    ;;
+  fuzz)
+    # clang's warnings are not GCC's, which CI holds at -Werror; the fuzz build does not.
+    CC=clang CXX=clang++ cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DDC_FUZZERS=ON -DDC_BUILD_TESTS=OFF -DDC_WERROR=OFF -DDC_CUDA=OFF >/dev/null
+    cmake --build "$build_dir" -j "$jobs" --target dc_fuzzers
+    ;;
+  *)
+    cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release >/dev/null
+    cmake --build "$build_dir" -j "$jobs"
+    ;;
+esac
 
 case "$mode" in
   build) ;;
   test)
     cd "$build_dir"
     ctest --output-on-failure -j "$jobs" --timeout 600
+    ;;
+  asan)
+    cd "$build_dir"
+    export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:strict_string_checks=1:check_initialization_order=1}
+    export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1}
+    # Slower under the sanitizers: a longer limit per test.
+    ctest --output-on-failure -j "$jobs" --timeout 1800
+    ;;
+  fuzz)
+    seconds=${2:-60}
+    for fuzzer in "$build_dir"/fuzz/*_fuzzer; do
+      name=$(basename "$fuzzer" _fuzzer)
+      work="$build_dir/fuzz/corpus/$name" artifacts="$build_dir/fuzz/artifacts/$name"
+      mkdir -p "$work" "$artifacts"
+      echo "== $name: $seconds s"
+      # New inputs go to the work corpus; the seeds in the tree are only read.
+      "$fuzzer" -max_total_time="$seconds" -print_final_stats=1 -artifact_prefix="$artifacts/" \
+        "$work" "fuzz/corpus/$name"
+    done
     ;;
   demo)
     work=$(mktemp -d /tmp/dc-demo-XXXXXX)
@@ -75,5 +99,5 @@ case "$mode" in
     "$bin/dc-run" --backend cpu "$work/plan.dcplan" --steps 20
     echo "(files in $work)"
     ;;
-  *) echo "usage: tools/setup.sh [demo|test|build|fuzz [seconds]]" >&2; exit 2 ;;
+  *) echo "usage: tools/setup.sh [demo|test|build|asan|fuzz [seconds]]" >&2; exit 2 ;;
 esac
