@@ -20,23 +20,32 @@ echo "date: $(date -u +%Y-%m-%dT%H:%MZ)  machine: $(nproc) cores, $(uname -m)  m
 "$bin/dc-run" "$work/p.dcplan" --steps "$steps" --warmup 1 --save "$work/ck" --save-every 1 \
   --keep 2 --json >"$work/saving.json"
 now() { date +%s.%N; }
-t0=$(now); "$bin/dc-run" "$work/p.dcplan" --steps 1 --json >/dev/null; t1=$(now)
-"$bin/dc-run" "$work/p.dcplan" --steps $((steps + 2)) --resume "$work/ck" --json >"$work/resumed.json"
-t2=$(now)
-python3 - "$work/plain.json" "$work/saving.json" "$work/resumed.json" "$t0" "$t1" "$t2" <<'PY'
+# Three fresh 1-step runs and three 1-step runs resumed from the last checkpoint (at steps + 1),
+# alternating: the difference of the medians is what a resume adds to a start.
+: >"$work/fresh.txt"; : >"$work/resumes.txt"
+for _ in 1 2 3; do
+  t0=$(now); "$bin/dc-run" "$work/p.dcplan" --steps 1 --json >/dev/null; t1=$(now)
+  awk "BEGIN { print $t1 - $t0 }" >>"$work/fresh.txt"
+  t0=$(now)
+  "$bin/dc-run" "$work/p.dcplan" --steps $((steps + 2)) --resume "$work/ck" --json >"$work/resumed.json"
+  t1=$(now)
+  awk "BEGIN { print $t1 - $t0 }" >>"$work/resumes.txt"
+done
+python3 - "$work/plain.json" "$work/saving.json" "$work/resumed.json" "$work/fresh.txt" "$work/resumes.txt" <<'PY'
 import json, statistics, sys
 plain, saving, resumed = (json.load(open(p)) for p in sys.argv[1:4])
-t0, t1, t2 = map(float, sys.argv[4:7])
+fresh = statistics.median(float(x) for x in open(sys.argv[4]))
+resumes = statistics.median(float(x) for x in open(sys.argv[5]))
 saves = saving["saves"]
 gib = saves[-1]["bytes"] / 2**30
 save_s = statistics.median(s["seconds"] for s in saves)
 step = plain["step_seconds_median"]
 step_saving = saving["step_seconds_median"]
-# The resumed run trains 1 step more than the fresh one's 1 (its checkpoint is at steps+1).
-resume_s = (t2 - t1) - (t1 - t0) - resumed["step_seconds_median"]
+resume_s = resumes - fresh
 print(f"checkpoint: {saves[-1]['bytes'] / 2**20:.1f} MiB over {plain['world_size']} rank file(s), {len(saves)} saves")
 print(f"save: median {save_s:.3f} s = {save_s / gib:.2f} s/GiB = {save_s / step:.2f} steps")
-print(f"resume start-up over a fresh start: {resume_s:.3f} s = {resume_s / gib:.2f} s/GiB")
+print(f"resume: a 1-step run from the checkpoint {resumes:.3f} s, a fresh 1-step run {fresh:.3f} s "
+      f"(medians of 3): {resume_s:+.3f} s = {resume_s / gib:+.2f} s/GiB")
 print(f"step median: {step:.4f} s without saving, {step_saving:.4f} s with a save after every step "
       f"(the save runs between steps, outside the step's time: {step_saving / step:.2f}x)")
 wall_saving = sum(saving["step_seconds"]) + sum(s["seconds"] for s in saves)

@@ -15,7 +15,16 @@ void AddOptional(CLI::App& app, const std::string& name, std::optional<T>* targe
 }
 }  // namespace
 
+std::vector<std::string> ModelFlags::Given(const CLI::App& app) const {
+  std::vector<std::string> given;
+  for (const std::string& name : names_) {
+    if (app.count(name) > 0) given.push_back(name);
+  }
+  return given;
+}
+
 void ModelFlags::Add(CLI::App& app) {
+  const size_t before = app.get_options().size();
   app.add_option("--model", preset, "model preset: " + Join(PresetNames(), ", "))
       ->capture_default_str();
   AddOptional(app, "--layers", &overrides.layers, "override the number of decoder layers");
@@ -54,6 +63,11 @@ void ModelFlags::Add(CLI::App& app) {
   AddOptional(
       app, "--data", &overrides.data_path,
       "flat binary file of uint16 token ids (as nanoGPT writes them) instead of synthetic tokens");
+  const std::vector<CLI::Option*> options = app.get_options();
+  for (size_t k = before; k < options.size(); ++k) {
+    names_.push_back(options[k]->get_lnames().empty() ? options[k]->get_name()
+                                                      : "--" + options[k]->get_lnames().front());
+  }
 }
 
 CLI::Option* AddBytesOption(CLI::App& app, const std::string& name, int64_t* bytes,

@@ -16,6 +16,12 @@ struct ModelFlags {
   std::string preset = "tiny";
   ModelOverrides overrides;
   void Add(CLI::App& app);
+  // The model flags the command line gave (after parsing), e.g. to refuse them where the
+  // model comes from elsewhere (a trace).
+  std::vector<std::string> Given(const CLI::App& app) const;
+
+ private:
+  std::vector<std::string> names_;  // every flag Add registered
 };
 
 // A byte-size option ("1073741824", "1GiB", "512MiB") stored into `*bytes`.

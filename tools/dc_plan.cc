@@ -488,6 +488,28 @@ int main(int argc, char** argv) {
     return cli::Fail("dc-plan",
                      Status::Error("give a trace, or --synthetic with --model (see --help)"));
   }
+  if (!flags.synthetic) {
+    // A trace brings its own model, world and machine: flags that describe another would be
+    // silently ignored.
+    std::vector<std::string> ignored = flags.model.Given(app);
+    for (const char* name : {"--world", "--hardware", "--gpus-per-node"}) {
+      if (app.count(name) > 0) ignored.push_back(name);
+    }
+    if (!ignored.empty()) {
+      return cli::Fail("dc-plan", Status::Error(flags.trace_path + ": " + Join(ignored, ", ") +
+                                                " describe a model for --synthetic, and the trace "
+                                                "has its own; re-record it with dc-collect to "
+                                                "change the model, or drop them"));
+    }
+  }
+  for (size_t i = 0; i < flags.passes.size(); ++i) {
+    for (size_t k = 0; k < i; ++k) {
+      if (flags.passes[i] == flags.passes[k]) {
+        return cli::Fail("dc-plan", Status::Error("--passes names " + flags.passes[i] +
+                                                  " twice; each pass runs once"));
+      }
+    }
+  }
   for (const std::string& output : {flags.out, flags.perfetto}) {
     Status distinct = CheckOutputIsNotAnInput(output, {flags.trace_path, flags.from_plan});
     if (!distinct.ok()) return cli::Fail("dc-plan", distinct);
