@@ -109,8 +109,10 @@ StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const Session
     std::filesystem::remove(own_part, ec);
     // The message names the user's path, not the internal part file.
     std::string why = written.message();
-    for (size_t at; (at = why.find(own_part)) != std::string::npos;)
-      why.replace(at, own_part.size(), options.trace_path);
+    for (const std::string& internal : {TempPathBeside(own_part), own_part}) {
+      for (size_t at; (at = why.find(internal)) != std::string::npos;)
+        why.replace(at, internal.size(), options.trace_path);
+    }
     written = Status::Error(options.trace_path + ": cannot write the trace: " + why);
   }
   double failed = written.ok() ? 0 : 1;

@@ -431,6 +431,21 @@ TEST_F(Launcher, ARendezvousDirectoryCanBeReused) {
   }
 }
 
+// With --nproc 2 on a terminal rank 0's progress reaches it, as a one-rank run's does (the
+// ranks' own stderr goes to files). `script` gives the command a terminal.
+TEST_F(Launcher, ProgressReachesTheTerminalWithTwoRanks) {
+  if (RunCommand("command -v script").exit_code != 0) GTEST_SKIP() << "needs script(1)";
+  auto r = RunCommand("TMPDIR=" + tmp_ + " script -qec '" + Tool("dc-collect") +
+                      " --backend cpu --model tiny --nproc 2 --steps 2 --warmup 0 -o " + tmp_ +
+                      "/p.db' /dev/null");
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("dc-collect: step 2/2 loss"), std::string::npos) << r.out;
+  auto run = RunCommand("TMPDIR=" + tmp_ + " script -qec '" + Tool("dc-run") + " " + plan_ +
+                        " --backend cpu --steps 2' /dev/null");
+  EXPECT_EQ(run.exit_code, 0) << run.out << run.err;
+  EXPECT_NE(run.out.find("step   2  loss"), std::string::npos) << run.out;
+}
+
 // An output that cannot be written is refused before any step, and leaves nothing.
 TEST_F(Launcher, CollectChecksItsOutputFirst) {
   std::filesystem::create_directories(tmp_ + "/existing");
