@@ -347,6 +347,7 @@ Status WriteRecords(Database* db, const RankIdentity& identity, int64_t global_p
 Status HostTracer::WriteRankFile(const std::string& path) const {
   const ClockAnchor end{ClockNs(CLOCK_REALTIME), ClockNs(CLOCK_MONOTONIC), NowNs()};
   const std::string tmp = TempPathBeside(path);
+  const RemoveOnSignal remove_tmp(tmp);
   std::remove(tmp.c_str());
   Status status = [&]() -> Status {
     DC_ASSIGN_OR_RETURN(Database db, Database::Create(tmp));

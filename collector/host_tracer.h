@@ -83,7 +83,8 @@ struct MergeSummary {
 // and schedule as TC_BLOB rows with their digests and format versions, metadata
 // (META_DATA_EXPORT: producer, trace schema version), ANALYSIS_DETAILS and indexes, then
 // deletes the rank files. Strings are merged by value. On any error nothing is left at
-// `out_path` (nor its temp file), the rank files are kept, and the message names `out_path`.
+// `out_path` (nor its temp file, even when a stop signal ends the process mid-merge), the rank
+// files are left untouched for the caller to keep or remove, and the message names `out_path`.
 StatusOr<MergeSummary> MergeRankTraces(const std::vector<std::string>& rank_paths,
                                        const proto::Schedule& schedule,
                                        const std::string& out_path);

@@ -287,6 +287,7 @@ StatusOr<MergeSummary> MergeRankTraces(const std::vector<std::string>& rank_path
                                        const proto::Schedule& schedule,
                                        const std::string& out_path) {
   const std::string tmp = TempPathBeside(out_path);
+  const RemoveOnSignal remove_tmp(tmp);  // a run stopped mid-merge leaves no half-written file
   std::remove(tmp.c_str());
   StatusOr<MergeSummary> summary = MergeInto(tmp, rank_paths, schedule);
   if (summary.ok() && std::rename(tmp.c_str(), out_path.c_str()) != 0) {
@@ -294,8 +295,8 @@ StatusOr<MergeSummary> MergeRankTraces(const std::vector<std::string>& rank_path
   }
   if (!summary.ok()) {
     std::remove(tmp.c_str());
-    return Status::Error(out_path + ": merging the rank traces failed: " +
-                         summary.status().message() + "; the rank files were kept");
+    return Status::Error(out_path +
+                         ": merging the rank traces failed: " + summary.status().message());
   }
   for (const std::string& rank_path : rank_paths) std::remove(rank_path.c_str());
   return summary;

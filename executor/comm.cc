@@ -11,9 +11,13 @@
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <vector>
 
 namespace dc {
@@ -106,16 +110,67 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<gloo::rendezvous::Context> context_;
 };
 
+// Gloo's file store with this run's timeout on every wait (Gloo's own waits, in `get` and in
+// the key checks of a full-mesh connect, use a fixed 30 s otherwise), and a key of an earlier
+// run that died is replaced rather than refused ("File already exists").
+class RunFileStore : public gloo::rendezvous::FileStore {
+ public:
+  RunFileStore(const std::string& path, std::chrono::milliseconds timeout)
+      : FileStore(path), timeout_(timeout) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    const std::string path = objectPath(key);
+    ::unlink(path.c_str());
+    own_paths_.push_back(path);
+    FileStore::set(key, data);
+  }
+  std::vector<char> get(const std::string& key) override {
+    FileStore::wait({key}, timeout_);
+    return FileStore::get(key);
+  }
+  void wait(const std::vector<std::string>& keys) override { FileStore::wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    FileStore::wait(keys, timeout);
+  }
+  // Once every rank is connected no one reads the keys again, and after a failed rendezvous no
+  // one should: this rank's keys go, so that only a killed run leaves any for the next to read.
+  ~RunFileStore() override {
+    for (const std::string& path : own_paths_) ::unlink(path.c_str());
+  }
+
+ private:
+  std::chrono::milliseconds timeout_;
+  std::vector<std::string> own_paths_;
+};
+
+// The rendezvous directory must exist and take files; said plainly instead of a failed
+// rendezvous that blames the peers.
+Status CheckStoreDir(const RendezvousOptions& options) {
+  std::error_code ec;
+  std::filesystem::create_directories(options.store_dir, ec);
+  std::string probe = options.store_dir + "/.probe-XXXXXX";
+  const int fd = ::mkstemp(probe.data());
+  if (fd < 0) {
+    return Status::Error("rank " + std::to_string(options.rank) + ": the rendezvous directory " +
+                         options.store_dir + " is not writable (" + std::strerror(errno) +
+                         "); pass --rendezvous a directory every rank can write");
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return Status::Ok();
+}
+
 }  // namespace
 
 StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& options) {
   if (options.world_size <= 1) return std::unique_ptr<Communicator>(new LocalCommunicator());
+  DC_RETURN_IF_ERROR(CheckStoreDir(options));
   std::shared_ptr<gloo::rendezvous::Context> context;
   Status connected = Guarded("rendezvous", options.rank, [&] {
     gloo::transport::tcp::attr attr;
     attr.hostname = options.bind_host;
     auto device = gloo::transport::tcp::CreateDevice(attr);
-    gloo::rendezvous::FileStore file_store(options.store_dir);
+    RunFileStore file_store(options.store_dir, options.timeout);
     gloo::rendezvous::PrefixStore store(options.run_id, file_store);
     context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.world_size);
     context->setTimeout(options.timeout);

@@ -30,7 +30,7 @@ class Communicator {
 struct RendezvousOptions {
   int rank = 0;
   int world_size = 1;
-  std::string store_dir;                     // shared directory for the file store
+  std::string store_dir;  // shared directory for the file store, this run's own (created here)
   std::string bind_host = "127.0.0.1";       // address this rank listens on
   std::string run_id = "dc";                 // prefix of the store's keys
   std::chrono::milliseconds timeout{60000};  // rendezvous and each collective

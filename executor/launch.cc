@@ -1,9 +1,12 @@
 #include "executor/launch.h"
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +21,10 @@ namespace dc {
 namespace {
 
 constexpr const char* kLocalLaunchVar = "DC_LOCAL_LAUNCH";
+// Where LaunchLocal hands rank 0 its own stderr for progress lines.
+constexpr const char* kProgressFdVar = "DC_PROGRESS_FD";
+constexpr int kProgressFd = 3;
+constexpr const char* kRunIdVar = "DC_RUN_ID";
 // After the first rank fails, how long the others may take to fail on their own before they
 // are stopped.
 constexpr std::chrono::milliseconds kSettle{300};
@@ -61,9 +68,48 @@ std::string DescribeExit(int status) {
   return "exited with status " + std::to_string(WEXITSTATUS(status));
 }
 
+std::string SignalName(int sig) {
+  switch (sig) {
+    case SIGINT:
+      return "SIGINT";
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGHUP:
+      return "SIGHUP";
+    default:
+      return "signal " + std::to_string(sig);
+  }
+}
+
 }  // namespace
 
 bool IsRankProcess() { return EnvSet("WORLD_SIZE") || EnvSet("SLURM_NTASKS"); }
+
+std::string RunIdFromEnvironment() {
+  auto get = [](const char* name) -> std::string {
+    const char* value = std::getenv(name);
+    return value ? value : "";
+  };
+  std::string id = get(kRunIdVar);
+  // torchrun's default rendezvous id is "none", the same for every run.
+  if (id.empty() && !get("TORCHELASTIC_RUN_ID").empty() && get("TORCHELASTIC_RUN_ID") != "none") {
+    id = "torchrun-" + get("TORCHELASTIC_RUN_ID") + "-" + get("TORCHELASTIC_RESTART_COUNT");
+  }
+  if (id.empty() && !get("SLURM_JOB_ID").empty()) {
+    id = "slurm-" + get("SLURM_JOB_ID") + "-" + get("SLURM_STEP_ID");
+  }
+  for (char& c : id) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') c = '_';
+  }
+  return id;
+}
+
+int ProgressFd() {
+  if (std::getenv(kLocalLaunchVar) == nullptr) return STDERR_FILENO;
+  // A malformed value is the launcher's bug, not the user's: no progress rather than a failure.
+  const StatusOr<std::optional<int>> fd = EnvInt(kProgressFdVar);
+  return fd.ok() ? fd->value_or(-1) : -1;
+}
 
 StatusOr<RankEnv> RankEnvFromEnvironment(const std::string& rendezvous_flag) {
   RankEnv env;
@@ -112,29 +158,108 @@ Status CheckNprocAgainstEnvironment(int nproc, const RankEnv& env) {
                        "ranks); drop --nproc, or unset those variables to start the ranks here");
 }
 
+namespace {
+
+// The signal that asked the launcher to stop (SIGINT, SIGTERM, SIGHUP); 0 while none has.
+volatile sig_atomic_t g_stop_signal = 0;
+
+void RecordStopSignal(int sig) {
+  if (g_stop_signal == 0) g_stop_signal = sig;
+}
+
+// The launcher's own stop signals, recorded instead of acted on so that it can stop its ranks
+// and clean up; restored when LaunchLocal returns.
+class StopSignals {
+ public:
+  StopSignals() {
+    struct sigaction action {};
+    action.sa_handler = RecordStopSignal;
+    sigemptyset(&action.sa_mask);
+    for (size_t i = 0; i < kSignals.size(); ++i) ::sigaction(kSignals[i], &action, &saved_[i]);
+  }
+  ~StopSignals() {
+    for (size_t i = 0; i < kSignals.size(); ++i) ::sigaction(kSignals[i], &saved_[i], nullptr);
+  }
+  static constexpr std::array<int, 3> kSignals = {SIGINT, SIGTERM, SIGHUP};
+
+ private:
+  std::array<struct sigaction, 3> saved_{};
+};
+
+// $TMPDIR when set, else /tmp.
+std::string TempRoot() {
+  const char* tmpdir = std::getenv("TMPDIR");
+  return tmpdir && *tmpdir ? tmpdir : "/tmp";
+}
+
+// Sends `sig` to every rank still running.
+void SignalRanks(const std::vector<pid_t>& pids, int sig) {
+  for (pid_t p : pids) {
+    if (p > 0) ::kill(p, sig);
+  }
+}
+
+}  // namespace
+
 int LaunchLocal(const LaunchOptions& options, const std::vector<std::string>& argv) {
-  char dir_template[] = "/tmp/dc-rendezvous-XXXXXX";
-  if (!::mkdtemp(dir_template)) {
-    std::cerr << options.program << ": cannot create a rendezvous directory in /tmp ("
-              << std::strerror(errno) << ")\n";
+  const std::string root = TempRoot();
+  std::string dir_template = root + "/dc-rendezvous-XXXXXX";
+  if (!::mkdtemp(dir_template.data())) {
+    std::cerr << options.program << ": cannot create a rendezvous directory in " << root << " ("
+              << std::strerror(errno) << "); set TMPDIR to a writable directory\n";
     return 1;
   }
   const std::string dir = dir_template;
+  // Removed on every path out of here: success, a failed rank, a signal.
+  struct RemoveDir {
+    std::string dir;
+    ~RemoveDir() {
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+    }
+  } remove_dir{dir};
+  std::error_code ec;
+  std::filesystem::create_directories(dir + "/store", ec);
+  // A fresh identity per run: nothing in the store is ever from another run.
+  const std::string run_id = "local-" + std::to_string(::getpid());
+  const StopSignals stop_signals;
+  g_stop_signal = 0;
+  const pid_t launcher = ::getpid();
+  // Rank 0's progress lines go to the launcher's stderr (the ranks' own stderr is a file).
+  const int progress_fd = ::dup(STDERR_FILENO);
+
   std::vector<pid_t> pids(options.nproc, -1);
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
 
-  for (int r = 0; r < options.nproc; ++r) {
+  int running = 0;
+  std::string start_failure;
+  for (int r = 0; r < options.nproc && g_stop_signal == 0; ++r) {
     const std::string err_path = dir + "/rank" + std::to_string(r) + ".stderr";
     pid_t pid = ::fork();
+    if (pid < 0) {
+      start_failure =
+          "cannot start rank " + std::to_string(r) + " (fork: " + std::strerror(errno) + ")";
+      break;
+    }
     if (pid == 0) {
+      // A rank never outlives its launcher, even one killed with SIGKILL.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != launcher) std::_Exit(1);
+      for (int sig : StopSignals::kSignals) ::signal(sig, SIG_DFL);
       ::setenv("RANK", std::to_string(r).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(options.nproc).c_str(), 1);
       ::setenv("DC_RENDEZVOUS_DIR", (dir + "/store").c_str(), 1);
+      ::setenv(kRunIdVar, run_id.c_str(), 1);
       ::setenv(kLocalLaunchVar, "1", 1);
       ::setenv("OPENBLAS_NUM_THREADS", "1", 0);  // one core per rank; no idle thread pool
+      if (r == 0 && progress_fd >= 0) {
+        ::dup2(progress_fd, kProgressFd);
+        ::setenv(kProgressFdVar, std::to_string(kProgressFd).c_str(), 1);
+      }
+      if (progress_fd >= 0 && (r != 0 || progress_fd != kProgressFd)) ::close(progress_fd);
       FILE* err = std::freopen(err_path.c_str(), "w", stderr);
       (void)err;
       if (r != 0) std::freopen("/dev/null", "w", stdout);
@@ -143,14 +268,17 @@ int LaunchLocal(const LaunchOptions& options, const std::vector<std::string>& ar
       std::_Exit(127);
     }
     pids[r] = pid;
+    ++running;
   }
-  std::filesystem::create_directories(dir + "/store");
+  if (progress_fd >= 0) ::close(progress_fd);
 
-  int running = options.nproc;
   // Failures in the order they were reaped: (rank, status).
   std::vector<std::pair<int, int>> failures;
-  auto failed_at = std::chrono::steady_clock::time_point::max();
+  using Clock = std::chrono::steady_clock;
+  auto failed_at = Clock::time_point::max(), signalled_at = Clock::time_point::max();
+  if (!start_failure.empty()) failed_at = Clock::now() - kSettle;  // stop the rest at once
   bool killed = false, stopped = false;
+  int forwarded = 0;
   while (running > 0) {
     int status = 0;
     pid_t done = ::waitpid(-1, &status, WNOHANG);
@@ -161,29 +289,43 @@ int LaunchLocal(const LaunchOptions& options, const std::vector<std::string>& ar
         --running;
         if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
           failures.emplace_back(r, status);
-          if (failed_at == std::chrono::steady_clock::time_point::max()) {
-            failed_at = std::chrono::steady_clock::now();
-          }
+          if (failed_at == Clock::time_point::max()) failed_at = Clock::now();
         }
       }
       continue;
     }
-    const auto since_failure = std::chrono::steady_clock::now() - failed_at;
+    const auto now = Clock::now();
+    // A stop signal goes to every rank (a terminal's Ctrl-C reaches them already; `kill` on the
+    // launcher does not); ranks that have not stopped within the grace period are killed.
+    if (g_stop_signal != 0 && forwarded == 0) {
+      forwarded = g_stop_signal;
+      SignalRanks(pids, forwarded);
+      signalled_at = now;
+    }
+    const auto since_failure = now - failed_at;
     // Ranks that fail together (all out of memory at once) get a moment to say so before the
     // rest are stopped, so the root cause is among the failures read below.
-    if (!stopped && since_failure > kSettle) {
-      for (pid_t p : pids) {
-        if (p > 0) ::kill(p, SIGTERM);
-      }
+    if (!stopped && forwarded == 0 && since_failure > kSettle) {
+      SignalRanks(pids, SIGTERM);
       stopped = true;
     }
-    if (!killed && since_failure > options.grace) {
-      for (pid_t p : pids) {
-        if (p > 0) ::kill(p, SIGKILL);
-      }
+    if (!killed && (since_failure > options.grace || now - signalled_at > options.stop_grace)) {
+      SignalRanks(pids, SIGKILL);
       killed = true;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (g_stop_signal != 0) {
+    const int sig = g_stop_signal;
+    std::cerr << options.program << ": interrupted by " << SignalName(sig) << "; stopped the "
+              << options.nproc << " rank(s)" << (killed ? " (killed those that did not stop)" : "")
+              << " and removed their files\n";
+    return 128 + sig;
+  }
+  if (!start_failure.empty()) {
+    std::cerr << options.program << ": " << start_failure
+              << "; the ranks already started were stopped\n";
+    return 1;
   }
   // The root cause: the first failure that is not a consequence of another rank's (a peer gone,
   // a rendezvous abandoned, a rank we stopped).
@@ -199,19 +341,15 @@ int LaunchLocal(const LaunchOptions& options, const std::vector<std::string>& ar
     }
   }
 
-  int rc = 0;
   if (first_failed < 0) {
     std::ifstream err(dir + "/rank0.stderr");
     std::cerr << err.rdbuf();
-  } else {
-    const std::string why = LastLine(dir + "/rank" + std::to_string(first_failed) + ".stderr");
-    std::cerr << options.program << ": rank " << first_failed << " " << DescribeExit(first_status)
-              << (why.empty() ? std::string() : ": " + why) << "; the other ranks were stopped\n";
-    rc = 1;
+    return 0;
   }
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
-  return rc;
+  const std::string why = LastLine(dir + "/rank" + std::to_string(first_failed) + ".stderr");
+  std::cerr << options.program << ": rank " << first_failed << " " << DescribeExit(first_status)
+            << (why.empty() ? std::string() : ": " + why) << "; the other ranks were stopped\n";
+  return 1;
 }
 
 }  // namespace dc

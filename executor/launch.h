@@ -34,18 +34,32 @@ bool IsRankProcess();
 // The --nproc flag against the launcher's variables: outside LaunchLocal's ranks, an --nproc that
 // differs from WORLD_SIZE (or SLURM_NTASKS) is refused rather than ignored. `nproc` 0: not given.
 Status CheckNprocAgainstEnvironment(int nproc, const RankEnv& env);
+// This run's identity, so that a rendezvous directory used before holds nothing this run reads:
+// DC_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID (with its restart count), else Slurm's
+// SLURM_JOB_ID (with SLURM_STEP_ID); empty when none is set. Only [A-Za-z0-9._-] are kept.
+std::string RunIdFromEnvironment();
+
+// Where this process writes per-step progress lines: stderr, or for rank 0 under LaunchLocal
+// the launcher's stderr (its own is a file); -1 for the other ranks it starts.
+int ProgressFd();
 
 struct LaunchOptions {
   int nproc = 2;
   // After the first rank fails, how long the others get to stop before they are killed.
   std::chrono::milliseconds grace{10000};
+  // After SIGINT/SIGTERM/SIGHUP reach the launcher and are passed on to the ranks, how long they
+  // get to stop before they are killed.
+  std::chrono::milliseconds stop_grace{3000};
   std::string program = "dc";  // for messages
 };
 
-// Runs `argv` (this program's own arguments) as `nproc` ranks and waits for them. Rank 0's
-// stdout is passed through; every rank's stderr is kept, and on success rank 0's is replayed.
-// Returns 0 when every rank succeeded; otherwise prints one line naming the first rank that
-// failed and why, stops the rest, and returns 1.
+// Runs `argv` (this program's own arguments) as `nproc` ranks and waits for them, with a fresh
+// rendezvous directory in $TMPDIR (else /tmp) that is removed on every way out. Rank 0's stdout
+// is passed through; every rank's stderr is kept, and on success rank 0's is replayed. Returns 0
+// when every rank succeeded; otherwise prints one line naming the first rank that failed and
+// why, stops the rest, and returns 1. SIGINT, SIGTERM and SIGHUP are passed on to the ranks,
+// which are killed if they have not stopped after `stop_grace`; then it returns 128 + signal.
+// Ranks die with the launcher even when it is killed with SIGKILL.
 int LaunchLocal(const LaunchOptions& options, const std::vector<std::string>& argv);
 
 }  // namespace dc

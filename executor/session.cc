@@ -23,10 +23,35 @@ std::string Hostname() {
   return host;
 }
 
+// This run's own directory inside the rendezvous directory: a directory used by an earlier run
+// (the same --rendezvous for every torchrun job) holds nothing this run reads.
+std::string RunDir(const RankEnv& env) {
+  const std::string id = RunIdFromEnvironment();
+  return id.empty() ? env.rendezvous_dir : env.rendezvous_dir + "/run-" + id;
+}
+
 std::string RankPartPath(const RankEnv& env, const std::string& trace_path, int rank) {
-  const std::string base =
-      env.world_size > 1 ? env.rendezvous_dir + "/trace" : TempPathBeside(trace_path);
+  const std::string base = env.world_size > 1 ? RunDir(env) + "/trace" : TempPathBeside(trace_path);
   return base + ".rank" + std::to_string(rank) + ".part";
+}
+
+// After a failed merge, the rank files go beside the trace the user asked for ("t.db.rank0.part"),
+// out of the launcher's temporary directory, which is removed; says where they are.
+std::string KeepRankParts(const std::vector<std::string>& parts, const std::string& trace_path) {
+  std::string kept;
+  for (size_t r = 0; r < parts.size(); ++r) {
+    const std::string to = trace_path + ".rank" + std::to_string(r) + ".part";
+    std::error_code ec;
+    std::filesystem::rename(parts[r], to, ec);
+    if (ec) {
+      ec.clear();
+      std::filesystem::copy_file(parts[r], to, std::filesystem::copy_options::overwrite_existing,
+                                 ec);
+    }
+    if (ec) return "the rank files could not be kept (" + ec.message() + ")";
+    kept += (r == 0 ? "" : ", ") + to;
+  }
+  return "the rank files were kept: " + kept;
 }
 
 }  // namespace
@@ -44,14 +69,14 @@ StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const Session
   SessionResult result;
   DC_ASSIGN_OR_RETURN(result.env, RankEnvFromEnvironment(options.rendezvous_flag));
   const RankEnv& env = result.env;
-  if (env.world_size > 1) {
-    std::error_code ec;
-    std::filesystem::create_directories(env.rendezvous_dir, ec);
-  }
   RendezvousOptions rendezvous;
+  if (env.world_size > 1) {
+    std::error_code ec;  // an unwritable directory is reported by Connect
+    std::filesystem::create_directories(RunDir(env), ec);
+  }
   rendezvous.rank = env.rank;
   rendezvous.world_size = env.world_size;
-  rendezvous.store_dir = env.rendezvous_dir;
+  rendezvous.store_dir = RunDir(env);
   rendezvous.bind_host = env.bind_host;
   rendezvous.timeout = options.timeout;
   rendezvous.run_id = "dc-" + schedule.program_digest().substr(0, 12);
@@ -75,7 +100,21 @@ StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const Session
   DC_ASSIGN_OR_RETURN(result.run, backend->Run(schedule, options.run, comm.get(), tracer.get()));
   if (!tracer) return result;
 
+  const std::string own_part = RankPartPath(env, options.trace_path, env.rank);
+  // A stopped one-rank run leaves no part beside the trace.
+  const RemoveOnSignal remove_part(env.world_size > 1 ? std::string() : own_part);
   Status written = tracer->WriteRankFile();
+  if (!written.ok() && env.world_size == 1) {
+    std::error_code ec;
+    std::filesystem::remove(own_part, ec);
+    // The message names the user's path, not the internal part file.
+    std::string why = written.message();
+    for (const std::string& internal : {TempPathBeside(own_part), own_part}) {
+      for (size_t at; (at = why.find(internal)) != std::string::npos;)
+        why.replace(at, internal.size(), options.trace_path);
+    }
+    written = Status::Error(options.trace_path + ": cannot write the trace: " + why);
+  }
   double failed = written.ok() ? 0 : 1;
   DC_RETURN_IF_ERROR(comm->AllReduceSum(&failed, 1));  // every part written before the merge
   if (!written.ok()) return written;
@@ -84,7 +123,12 @@ StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const Session
     std::vector<std::string> parts;
     for (int r = 0; r < env.world_size; ++r)
       parts.push_back(RankPartPath(env, options.trace_path, r));
-    DC_ASSIGN_OR_RETURN(result.trace, MergeRankTraces(parts, schedule, options.trace_path));
+    auto merged = MergeRankTraces(parts, schedule, options.trace_path);
+    if (!merged.ok()) {
+      return Status::Error(merged.status().message() + "; " +
+                           KeepRankParts(parts, options.trace_path));
+    }
+    result.trace = *merged;
   }
   double done = 0;
   DC_RETURN_IF_ERROR(comm->AllReduceSum(&done, 1));  // ranks leave together

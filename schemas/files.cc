@@ -1,6 +1,7 @@
 #include "schemas/files.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -24,6 +25,74 @@ StatusOr<std::string> ReadFileBytes(const std::string& path) {
   bytes << in.rdbuf();
   if (in.bad()) return Status::Error(path + ": read failed");
   return bytes.str();
+}
+
+Status CheckOutputWritable(const std::string& path) {
+  if (path.empty()) return Status::Error("the output path is empty; name a file to write");
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return Status::Error(path + ": is a directory; name a file to write, e.g. " + path +
+                         "/trace.db");
+  }
+  const std::string probe = TempPathBeside(path);
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return Status::Error(path + ": cannot write here (" + std::strerror(errno) +
+                         "); check that its directory exists and is writable");
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return Status::Ok();
+}
+
+namespace {
+
+// The paths RemoveOnSignal guards, read by the signal handler: fixed storage, no allocation.
+constexpr size_t kMaxGuardedPathBytes = 4096;
+char g_guarded[RemoveOnSignal::kMaxRemoveOnSignal][kMaxGuardedPathBytes];
+volatile sig_atomic_t g_guarded_used[RemoveOnSignal::kMaxRemoveOnSignal];
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
+
+void RemoveGuardedAndDie(int sig) {
+  for (int i = 0; i < RemoveOnSignal::kMaxRemoveOnSignal; ++i) {
+    if (g_guarded_used[i]) ::unlink(g_guarded[i]);
+  }
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+void InstallRemoveHandlerOnce() {
+  static const bool installed = [] {
+    for (int sig : kStopSignals) {
+      struct sigaction old {};
+      ::sigaction(sig, nullptr, &old);
+      if (old.sa_handler != SIG_DFL) continue;  // ignored, or someone else's: leave it
+      struct sigaction action {};
+      action.sa_handler = RemoveGuardedAndDie;
+      sigemptyset(&action.sa_mask);
+      ::sigaction(sig, &action, nullptr);
+    }
+    return true;
+  }();
+  (void)installed;
+}
+
+}  // namespace
+
+RemoveOnSignal::RemoveOnSignal(const std::string& path) {
+  if (path.empty() || path.size() >= kMaxGuardedPathBytes) return;
+  InstallRemoveHandlerOnce();
+  for (int i = 0; i < kMaxRemoveOnSignal; ++i) {
+    if (g_guarded_used[i]) continue;
+    std::memcpy(g_guarded[i], path.c_str(), path.size() + 1);
+    g_guarded_used[i] = 1;
+    slot_ = i;
+    return;
+  }
+}
+
+RemoveOnSignal::~RemoveOnSignal() {
+  if (slot_ >= 0) g_guarded_used[slot_] = 0;
 }
 
 std::string TempPathBeside(const std::string& path) {

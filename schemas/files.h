@@ -36,6 +36,25 @@ class AtomicFileWriter {
 // (SQLite) before renaming it.
 std::string TempPathBeside(const std::string& path);
 
+// Checks before any work that `path` can be written: not empty, not a directory, and a file can
+// be created beside it. "t.db: cannot write here (No such file or directory); ..." otherwise.
+Status CheckOutputWritable(const std::string& path);
+
+// While it lives, `path` is removed if this process is stopped by SIGINT, SIGTERM or SIGHUP
+// (which then ends the process as it would have): for temporary files that a stopped run must
+// not leave behind. At most kMaxRemoveOnSignal at once (more are not guarded); not thread-safe.
+class RemoveOnSignal {
+ public:
+  static constexpr int kMaxRemoveOnSignal = 8;
+  explicit RemoveOnSignal(const std::string& path);
+  ~RemoveOnSignal();
+  RemoveOnSignal(const RemoveOnSignal&) = delete;
+  RemoveOnSignal& operator=(const RemoveOnSignal&) = delete;
+
+ private:
+  int slot_ = -1;
+};
+
 // Refuses to write `output` over one of `inputs` (the same file by path or by link): "t.db:
 // the output is also the input t.db; write it to another file". Empty paths are ignored.
 Status CheckOutputIsNotAnInput(const std::string& output, const std::vector<std::string>& inputs);

@@ -3,8 +3,12 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sqlite3.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -494,6 +498,256 @@ TEST_F(BadInput, KinetoNumbersOutOfRange) {
   }
 }
 
+// The launcher and its ranks: each case runs with a private TMPDIR, which must be empty
+// afterwards (no dc-rendezvous-* left), and names its plan uniquely so that a surviving rank can
+// be found by it.
+class Launcher : public BadInput {
+ protected:
+  void SetUp() override {
+    tmp_ = FreshDir(std::string("tmp-") +
+                    ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    plan_ = tmp_ + "-" + "unique.dcplan";
+    std::filesystem::copy_file(dir_ + "/two.dcplan", plan_,
+                               std::filesystem::copy_options::overwrite_existing);
+  }
+  void TearDown() override {
+    for (pid_t pid : Processes(plan_)) ::kill(pid, SIGKILL);
+    std::filesystem::remove_all(tmp_);
+    for (const char* suffix : {"-unique.dcplan", ".out", ".err"}) {
+      std::filesystem::remove(tmp_ + suffix);
+    }
+  }
+
+  // Live processes whose command line names `unique` (read from /proc: a pgrep run by a shell
+  // would find the shell).
+  static std::vector<pid_t> Processes(const std::string& unique) {
+    std::vector<pid_t> found;
+    for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+      const std::string name = e.path().filename();
+      if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+      std::string cmdline = ReadFile(e.path().string() + "/cmdline");
+      std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
+      if (cmdline.find(unique) != std::string::npos) found.push_back(std::stoi(name));
+    }
+    return found;
+  }
+  static int Surviving(const std::string& unique) {
+    return static_cast<int>(Processes(unique).size());
+  }
+  // Waits up to `limit` for no process to name `unique`.
+  static bool AllGone(const std::string& unique, std::chrono::seconds limit) {
+    const auto start = std::chrono::steady_clock::now();
+    while (Surviving(unique) > 0) {
+      if (std::chrono::steady_clock::now() - start > limit) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return true;
+  }
+  std::vector<std::string> Leftovers() const {
+    std::vector<std::string> left;
+    for (const auto& e : std::filesystem::directory_iterator(tmp_)) left.push_back(e.path());
+    return left;
+  }
+
+  // Starts `args` (argv[0] first) in the background with TMPDIR set; stdout and stderr to files.
+  pid_t Start(const std::vector<std::string>& args) {
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      ::setenv("TMPDIR", tmp_.c_str(), 1);
+      std::freopen((tmp_ + ".out").c_str(), "w", stdout);
+      std::freopen((tmp_ + ".err").c_str(), "w", stderr);
+      std::vector<char*> argv;
+      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      std::_Exit(127);
+    }
+    return pid;
+  }
+  // Waits up to `limit` for `pid` to end; its wait status, or -1 (then it is killed).
+  static int WaitFor(pid_t pid, std::chrono::seconds limit) {
+    const auto start = std::chrono::steady_clock::now();
+    int status = 0;
+    while (::waitpid(pid, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() - start > limit) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, nullptr, 0);
+        return -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return status;
+  }
+  // Waits until the run has trained a step (rank 0's stdout is passed through).
+  bool WaitForAStep() {
+    const auto start = std::chrono::steady_clock::now();
+    while (ReadFile(tmp_ + ".out").find("step") == std::string::npos) {
+      if (std::chrono::steady_clock::now() - start > std::chrono::seconds(60)) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return true;
+  }
+
+  void ExpectStopsOn(int sig, const std::string& name) {
+    const pid_t launcher =
+        Start({Tool("dc-run"), plan_, "--backend", "cpu", "--nproc", "2", "--steps", "100000"});
+    ASSERT_TRUE(WaitForAStep()) << ReadFile(tmp_ + ".err");
+    ASSERT_EQ(Surviving(plan_), 3);  // the launcher and two ranks
+    ASSERT_EQ(::kill(launcher, sig), 0);
+    const int status = WaitFor(launcher, std::chrono::seconds(10));
+    ASSERT_NE(status, -1) << "the launcher was still running 10 s after " << name;
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + sig) << status;
+    const std::string err = ReadFile(tmp_ + ".err");
+    EXPECT_EQ(Lines(err), 1) << err;
+    EXPECT_NE(err.find("dc-run: interrupted by " + name + "; stopped the 2 rank(s)"),
+              std::string::npos)
+        << err;
+    EXPECT_TRUE(AllGone(plan_, std::chrono::seconds(2))) << "a rank outlived its launcher";
+    EXPECT_TRUE(Leftovers().empty()) << Leftovers().front();
+  }
+
+  std::string tmp_, plan_;
+};
+
+TEST_F(Launcher, SigtermStopsTheRanksAndCleansUp) { ExpectStopsOn(SIGTERM, "SIGTERM"); }
+TEST_F(Launcher, SigintStopsTheRanksAndCleansUp) { ExpectStopsOn(SIGINT, "SIGINT"); }
+
+// A launcher killed outright takes its ranks with it.
+TEST_F(Launcher, RanksDieWithAKilledLauncher) {
+  const pid_t launcher =
+      Start({Tool("dc-run"), plan_, "--backend", "cpu", "--nproc", "2", "--steps", "100000"});
+  ASSERT_TRUE(WaitForAStep()) << ReadFile(tmp_ + ".err");
+  ASSERT_EQ(::kill(launcher, SIGKILL), 0);
+  ::waitpid(launcher, nullptr, 0);
+  EXPECT_TRUE(AllGone(plan_, std::chrono::seconds(5))) << "a rank outlived its killed launcher";
+}
+
+// dc-collect stopped mid-run writes no trace, keeps no temporary file and no rank part.
+TEST_F(Launcher, SigtermToCollectLeavesNoTrace) {
+  const std::string out = tmp_ + "-trace.db";
+  const pid_t launcher = Start({Tool("dc-collect"), "--backend", "cpu", "--model", "tiny",
+                                "--nproc", "2", "--steps", "100000", "-o", out});
+  // Running once the rendezvous directory has both ranks' stderr.
+  const auto start = std::chrono::steady_clock::now();
+  while (Surviving(out) < 3 && std::chrono::steady_clock::now() - start < std::chrono::seconds(30))
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  ASSERT_EQ(::kill(launcher, SIGTERM), 0);
+  const int status = WaitFor(launcher, std::chrono::seconds(10));
+  ASSERT_NE(status, -1);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << status;
+  EXPECT_TRUE(AllGone(out, std::chrono::seconds(2)));
+  EXPECT_FALSE(std::filesystem::exists(out));
+  for (const auto& e :
+       std::filesystem::directory_iterator(std::filesystem::path(tmp_).parent_path()))
+    EXPECT_EQ(e.path().string().find(out + "."), std::string::npos) << e.path();
+  EXPECT_TRUE(Leftovers().empty()) << Leftovers().front();
+}
+
+// A rank that cannot be started (fork fails: a process limit) fails the launch at once, in one
+// line, and the rank already started is stopped. Needs root to drop to a user whose process
+// count the limit can bound.
+TEST_F(Launcher, AFailedForkFailsAtOnce) {
+  if (::geteuid() != 0 || RunCommand("command -v setpriv && command -v prlimit").exit_code != 0) {
+    GTEST_SKIP() << "needs root, setpriv and prlimit";
+  }
+  std::filesystem::permissions(tmp_, std::filesystem::perms::all);
+  std::filesystem::permissions(plan_, std::filesystem::perms::all);
+  const auto start = std::chrono::steady_clock::now();
+  auto r = RunCommand("TMPDIR=" + tmp_ +
+                      " OPENBLAS_NUM_THREADS=1 timeout 60 setpriv --reuid 65534 --regid 65534 "
+                      "--clear-groups prlimit --nproc=2 " +
+                      Tool("dc-run") + " " + plan_ + " --backend cpu --nproc 2 --steps 3");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_EQ(Lines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find("dc-run: cannot start rank 1 (fork: "), std::string::npos) << r.err;
+  EXPECT_TRUE(AllGone(plan_, std::chrono::seconds(2)));
+  EXPECT_TRUE(Leftovers().empty()) << Leftovers().front();
+}
+
+// Rendezvous as an outside launcher meets it: RANK/WORLD_SIZE and --rendezvous.
+std::string RankCommand(int rank, const std::string& rest) {
+  return "RANK=" + std::to_string(rank) + " WORLD_SIZE=2 " + Tool("dc-run") + " " + rest;
+}
+
+// --timeout holds for every rank, not only rank 0 (Gloo's own 30 s used to win).
+TEST_F(Launcher, RendezvousTimeoutHoldsForEveryRank) {
+  const auto start = std::chrono::steady_clock::now();
+  auto r = RunCommand(RankCommand(
+      1, plan_ + " --backend cpu --steps 1 --timeout 3 --rendezvous " + tmp_ + "/rdzv"));
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("rank 1: could not meet the other 1 rank(s)"), std::string::npos) << r.err;
+  EXPECT_LT(took, std::chrono::seconds(15));
+}
+
+TEST_F(Launcher, AnUnwritableRendezvousDirectoryIsNamed) {
+  WriteFile(tmp_ + "/file", "");
+  auto r = RunCommand(RankCommand(
+      0, plan_ + " --backend cpu --steps 1 --timeout 5 --rendezvous " + tmp_ + "/file/rdzv"));
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_EQ(Lines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find("the rendezvous directory " + tmp_ + "/file/rdzv is not writable"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("could not meet"), std::string::npos) << r.err;
+}
+
+// The same --rendezvous directory for run after run (as the README's torchrun line does), after
+// a run whose rank 0 gave up waiting: every run meets.
+TEST_F(Launcher, ARendezvousDirectoryCanBeReused) {
+  const std::string rdzv = " --rendezvous " + tmp_ + "/rdzv";
+  auto alone = RunCommand(RankCommand(0, plan_ + " --backend cpu --steps 1 --timeout 2" + rdzv));
+  ASSERT_EQ(alone.exit_code, 1) << alone.err;
+  for (const std::string run_id : {"", "DC_RUN_ID=a ", "DC_RUN_ID=a "}) {
+    auto r = RunCommand(
+        "( " + run_id + RankCommand(1, plan_ + " --backend cpu --steps 1" + rdzv) + " & " + run_id +
+        RankCommand(0, plan_ + " --backend cpu --steps 1 --quiet" + rdzv) + " && wait $! )");
+    EXPECT_EQ(r.exit_code, 0) << run_id << r.err;
+  }
+}
+
+// With --nproc 2 on a terminal rank 0's progress reaches it, as a one-rank run's does (the
+// ranks' own stderr goes to files). `script` gives the command a terminal.
+TEST_F(Launcher, ProgressReachesTheTerminalWithTwoRanks) {
+  if (RunCommand("command -v script").exit_code != 0) GTEST_SKIP() << "needs script(1)";
+  auto r = RunCommand("TMPDIR=" + tmp_ + " script -qec '" + Tool("dc-collect") +
+                      " --backend cpu --model tiny --nproc 2 --steps 2 --warmup 0 -o " + tmp_ +
+                      "/p.db' /dev/null");
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("dc-collect: step 2/2 loss"), std::string::npos) << r.out;
+  auto run = RunCommand("TMPDIR=" + tmp_ + " script -qec '" + Tool("dc-run") + " " + plan_ +
+                        " --backend cpu --steps 2' /dev/null");
+  EXPECT_EQ(run.exit_code, 0) << run.out << run.err;
+  EXPECT_NE(run.out.find("step   2  loss"), std::string::npos) << run.out;
+}
+
+// An output that cannot be written is refused before any step, and leaves nothing.
+TEST_F(Launcher, CollectChecksItsOutputFirst) {
+  std::filesystem::create_directories(tmp_ + "/existing");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {tmp_ + "/nodir/t.db", tmp_ + "/nodir/t.db: cannot write here"},
+      {tmp_ + "/existing", tmp_ + "/existing: is a directory"},
+  };
+  for (const auto& [out, expect] : cases) {
+    for (const std::string nproc : {"1", "2"}) {
+      const auto start = std::chrono::steady_clock::now();
+      auto r =
+          RunCommand("TMPDIR=" + tmp_ + " " + Tool("dc-collect") +
+                     " --backend cpu --model tiny --steps 100000 --nproc " + nproc + " -o " + out);
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+      EXPECT_EQ(r.exit_code, 1) << r.err;
+      EXPECT_EQ(Lines(r.err), 1) << r.err;
+      EXPECT_NE(r.err.find("dc-collect: " + expect), std::string::npos) << r.err;
+    }
+  }
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(tmp_))
+    left.push_back(e.path());
+  EXPECT_EQ(left, std::vector<std::string>{tmp_ + "/existing"});
+}
+
 // Plans and backends that do not match: one line naming the plan and saying how to re-plan,
 // before any rank starts. What this host has decides which message; the test finds out by
 // asking dc-run --backend auto which backend it picks for a cpu plan.
@@ -547,14 +801,13 @@ TEST_F(BackendMismatch, ACudaPlanWhereAutoPicksCpu) {
 }
 
 TEST_F(BackendMismatch, ACpuPlanOnTheCudaBackend) {
-  ExpectRefused(
-      dir_ + "/cpu.dcplan --backend cuda",
-      {dir_ +
-           "/cpu.dcplan: the plan is for the cpu backend and this run uses cuda (--backend cuda); "
-           "re-plan for cuda",
-       "--backend cuda: no CUDA device is visible to dc-run",
-       "--backend cuda: this dc-run was built "
-       "without the CUDA toolkit"});
+  ExpectRefused(dir_ + "/cpu.dcplan --backend cuda",
+                {dir_ + "/cpu.dcplan: the plan is for the cpu backend and this run uses cuda "
+                        "(--backend cuda); "
+                        "re-plan for cuda",
+                 "--backend cuda: no CUDA device is visible to dc-run",
+                 "--backend cuda: this dc-run was built "
+                 "without the CUDA toolkit"});
 }
 
 TEST_F(BackendMismatch, CollectOnCudaWithoutADevice) {

@@ -14,6 +14,7 @@
 #include "executor/launch.h"
 #include "executor/session.h"
 #include "rewriter/planner.h"
+#include "schemas/files.h"
 #include "tools/cli.h"
 
 int main(int argc, char** argv) {
@@ -87,9 +88,10 @@ int main(int argc, char** argv) {
     return cli::Fail("dc-collect", Status::Error("a command after -- needs --attach"));
   }
 
-  if (IsRankProcess()) {  // the launcher's variables are read, and checked, before anything else
-    auto env = RankEnvFromEnvironment(rendezvous);
-    if (!env.ok()) return cli::Fail("dc-collect", env.status());
+  // The launcher's variables are read, and checked, before anything else.
+  auto env = RankEnvFromEnvironment(rendezvous);
+  if (!env.ok()) return cli::Fail("dc-collect", env.status());
+  if (IsRankProcess()) {
     const int nproc_given = app.count("--nproc") > 0 ? nproc : 0;
     if (Status s = CheckNprocAgainstEnvironment(nproc_given, *env); !s.ok()) {
       return cli::Fail("dc-collect", s);
@@ -98,6 +100,12 @@ int main(int argc, char** argv) {
   const BackendAvailability available = AvailableBackends();
   auto chosen = ResolveBackend(backend, available, "dc-collect");
   if (!chosen.ok()) return cli::Fail("dc-collect", chosen.status());
+  // Before any step: a trace that cannot be written is one line now, not after the whole run.
+  if (env->rank == 0) {
+    if (Status writable = CheckOutputWritable(out); !writable.ok()) {
+      return cli::Fail("dc-collect", writable);
+    }
+  }
   if (nproc > 1 && !IsRankProcess()) {
     LaunchOptions launch;
     launch.nproc = nproc;
@@ -109,8 +117,6 @@ int main(int argc, char** argv) {
   if (Status data = RecordDataFile(&*config); !data.ok()) return cli::Fail("dc-collect", data);
   auto program = BuildProgram(*config);
   if (!program.ok()) return cli::Fail("dc-collect", program.status());
-  auto env = RankEnvFromEnvironment(rendezvous);
-  if (!env.ok()) return cli::Fail("dc-collect", env.status());
 
   // The baseline schedule is what gets recorded; dc-plan improves on it.
   PlanRequest request;
@@ -132,12 +138,13 @@ int main(int argc, char** argv) {
   session.trace_path = out;
   session.rendezvous_flag = rendezvous;
   session.timeout = std::chrono::seconds(timeout_s);
-  const bool progress = !quiet && !json && ::isatty(STDERR_FILENO);
+  // Rank 0 under --nproc writes to the launcher's terminal, not its own stderr file.
+  const int progress_fd = ProgressFd();
+  const bool progress = !quiet && !json && progress_fd >= 0 && ::isatty(progress_fd);
   if (progress) {
-    session.run.on_step = [&](int step, double loss, double seconds) {
-      std::fprintf(stderr, "\rdc-collect: step %d/%d loss %.4f (%.3f s)", step + 1, steps + warmup,
-                   loss, seconds);
-      if (step + 1 == steps + warmup) std::fprintf(stderr, "\n");
+    session.run.on_step = [&, progress_fd](int step, double loss, double seconds) {
+      ::dprintf(progress_fd, "\rdc-collect: step %d/%d loss %.4f (%.3f s)%s", step + 1,
+                steps + warmup, loss, seconds, step + 1 == steps + warmup ? "\n" : "");
     };
   }
   auto result = RunAsRank(*schedule, session);

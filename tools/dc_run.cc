@@ -92,6 +92,11 @@ int main(int argc, char** argv) {
   if (Status distinct = CheckOutputIsNotAnInput(trace_out, {plan_path}); !distinct.ok()) {
     return cli::Fail("dc-run", distinct);
   }
+  if (!trace_out.empty() && !IsRankProcess()) {
+    if (Status writable = CheckOutputWritable(trace_out); !writable.ok()) {
+      return cli::Fail("dc-run", writable);
+    }
+  }
   if (!resume_dir.empty() && !weights.init_from_dir.empty()) {
     return cli::Fail("dc-run", Status::Error("--resume " + resume_dir + " and --init-from " +
                                              weights.init_from_dir +
