@@ -15,6 +15,7 @@
 namespace dc {
 namespace {
 
+using testing::ExecSql;
 using testing::TempDir;
 
 const std::string kNsysSaxpy = DC_SOURCE_DIR "/../shared/data/nsys/saxpy-mpi-cuda.sqlite";
@@ -27,16 +28,6 @@ void WriteBytes(const std::string& path, const std::string& bytes) {
 std::string ReadBytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
-void ExecSql(const std::string& path, const std::string& sql) {
-  sqlite3* db = nullptr;
-  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
-  char* error = nullptr;
-  EXPECT_EQ(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &error), SQLITE_OK)
-      << (error ? error : "");
-  sqlite3_free(error);
-  sqlite3_close(db);
 }
 
 // Opening `path` fails with exactly one line that names the file and contains `want`.

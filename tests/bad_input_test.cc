@@ -2,7 +2,6 @@
 // half-written left behind.
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <sqlite3.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,10 +16,12 @@
 
 #include "schemas/plan_file.h"
 #include "tests/run_command.h"
+#include "tests/support/test_traces.h"
 
 namespace dc {
 namespace {
 
+using testing::ExecSql;
 using testing::FreshDir;
 using testing::RunCommand;
 using testing::Tool;
@@ -354,16 +355,6 @@ struct TraceCase {
   int exit_code;
   std::vector<std::string> words;  // in stdout + stderr
 };
-
-void ExecSql(const std::string& path, const std::string& sql) {
-  sqlite3* db = nullptr;
-  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
-  char* error = nullptr;
-  EXPECT_EQ(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &error), SQLITE_OK)
-      << (error ? error : "");
-  sqlite3_free(error);
-  sqlite3_close(db);
-}
 
 #define DC_LOOSEN(table)                                             \
   "CREATE TABLE loose AS SELECT * FROM " table "; DROP TABLE " table \

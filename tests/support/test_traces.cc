@@ -1,5 +1,7 @@
 #include "tests/support/test_traces.h"
 
+#include <gtest/gtest.h>
+#include <sqlite3.h>
 #include <stdlib.h>
 
 #include <filesystem>
@@ -119,6 +121,16 @@ std::string WriteProfileTrace(const TempDir& dir) {
   }
   const std::string out = dir.File("trace.db");
   return MergeRankTraces(rank_paths, ProfileSchedule(), out).ok() ? out : "";
+}
+
+void ExecSql(const std::string& path, const std::string& sql) {
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  char* error = nullptr;
+  EXPECT_EQ(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &error), SQLITE_OK)
+      << (error ? error : "");
+  sqlite3_free(error);
+  sqlite3_close(db);
 }
 
 }  // namespace dc::testing

@@ -1,4 +1,5 @@
-// Test fixtures for the analyzer: temp directories and dc traces written with the collector.
+// Test fixtures for the trace readers: temp directories, dc traces written with the collector, and
+// SQL run on them.
 #pragma once
 
 #include <string>
@@ -38,5 +39,9 @@ proto::Schedule ProfileSchedule();
 // 30, free 99 (50 B shard, never allocated) and alloc 3 (10 B input) at 40.
 // Returns the merged trace's path in `dir`.
 std::string WriteProfileTrace(const TempDir& dir);
+
+// Runs `sql` on the SQLite file at `path` (a test's way to corrupt a copy of a good trace); a
+// failure is a test failure naming SQLite's error.
+void ExecSql(const std::string& path, const std::string& sql);
 
 }  // namespace dc::testing
