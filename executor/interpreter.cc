@@ -111,6 +111,7 @@ class Interpreter : public TrainingState {
   int64_t ShardOf(int tensor) const {
     return ShardElements(NumElements(program_.tensors(tensor)), world_);
   }
+  // What the kernels of step `step` take; made once per step (RunStep), not per op.
   OpArgs ArgsFor(int64_t step) const {
     OpArgs args;
     args.config = &program_.config();
@@ -198,6 +199,7 @@ class Interpreter : public TrainingState {
   std::unique_ptr<HostBuffer> host_optimizer_staging_;  // a host optimizer op's grads and casts
   std::vector<char> is_loss_term_;  // by tensor id: the cross-entropy and the MoE aux losses
   int64_t steps_done_;
+  OpArgs step_args_;  // ArgsFor the step being run
 };
 
 Interpreter::~Interpreter() {
@@ -546,7 +548,7 @@ Status Interpreter::Compute(const proto::Instruction& instr, int index, int64_t 
     outputs.push_back(buffer->View({t.shape().begin(), t.shape().end()}));
   }
   if (optimizer) DC_RETURN_IF_ERROR(HandOverGrads(op, stream, step, what));
-  DC_RETURN_IF_ERROR(device_->RunOp(op, inputs, outputs, ArgsFor(step)).Prefixed(what + ": "));
+  DC_RETURN_IF_ERROR(device_->RunOp(op, inputs, outputs, step_args_).Prefixed(what + ": "));
   if (optimizer) {
     for (int tensor : op.inputs()) {
       if (program_.tensors(tensor).role() != proto::ROLE_PARAM) continue;
@@ -616,7 +618,7 @@ Status Interpreter::HostOptimizerStep(const proto::Instruction& instr, int index
     }
     inputs.push_back(ref);
   }
-  DC_RETURN_IF_ERROR(RunCpuOp(op, inputs, {}, CpuKernelContext(ArgsFor(step), options_.num_threads))
+  DC_RETURN_IF_ERROR(RunCpuOp(op, inputs, {}, CpuKernelContext(step_args_, options_.num_threads))
                          .Prefixed(what + ": "));
   for (int tensor : op.inputs()) {
     if (program_.tensors(tensor).role() != proto::ROLE_PARAM) continue;
@@ -786,6 +788,7 @@ Status Interpreter::ReturnReloadedShards(const std::string& what) {
 Status Interpreter::RunStep(int64_t step, bool warmup, double* loss, double* seconds) {
   const auto wall_start = std::chrono::steady_clock::now();
   const int64_t start_ns = Now();
+  step_args_ = ArgsFor(step);
   for (int i = 0; i < schedule_.instructions_size(); ++i) DC_RETURN_IF_ERROR(Execute(i, step));
   for (const auto& [key, buffer] : live_) {
     if (key.slot != BufferSlot::kPersistent && key.slot != BufferSlot::kComputeShard) {
