@@ -288,37 +288,9 @@ Status CudaDevice::Prepare(const proto::Schedule& schedule, const ScheduleLayout
   return Status::Ok();
 }
 
-// One scratch buffer for every compute op: ops run in order on the compute stream, so the
-// largest need is enough, and nothing grows (which would wait for the device) during a step.
 Status CudaDevice::InitKernelScratch(const proto::Schedule& schedule) {
-  const proto::Program& program = schedule.program();
-  int64_t most = 0;
-  for (int i = 0; i < schedule.instructions_size(); ++i) {
-    const proto::Instruction& instr = schedule.instructions(i);
-    if (instr.kind() != proto::INSTR_COMPUTE) continue;
-    const proto::Op& op = program.ops(instr.op());
-    const bool optimizer = op.phase() == proto::PHASE_OPTIMIZER;
-    std::vector<DeviceTensor> inputs, outputs;
-    for (int t : op.inputs()) {
-      const proto::Tensor& tensor = program.tensors(t);
-      if (optimizer) {
-        const BufferShape shape = ShardShape(tensor, world_);
-        inputs.push_back(MakeTensor(nullptr, shape.dtype, {shape.elements}));
-      } else {
-        inputs.push_back(MakeTensor(nullptr, TransientShape(program, tensor).dtype,
-                                    {tensor.shape().begin(), tensor.shape().end()}));
-      }
-    }
-    for (int t : op.outputs()) {
-      const proto::Tensor& tensor = program.tensors(t);
-      outputs.push_back(MakeTensor(nullptr, TransientShape(program, tensor).dtype,
-                                   {tensor.shape().begin(), tensor.shape().end()}));
-    }
-    auto bytes = CudaScratchBytes(op, inputs, outputs);
-    if (!bytes.ok()) return bytes.status().Prefixed(DescribeInstruction(schedule, i, rank_) + ": ");
-    most = std::max(most, *bytes);
-  }
-  DC_ASSIGN_OR_RETURN(kernel_scratch_, DeviceBuffer::Create(most, "kernel scratch"));
+  DC_ASSIGN_OR_RETURN(const int64_t bytes, KernelScratchBytes(schedule, rank_));
+  DC_ASSIGN_OR_RETURN(kernel_scratch_, DeviceBuffer::Create(bytes, "kernel scratch"));
   return Status::Ok();
 }
 
@@ -410,6 +382,40 @@ Status CudaDevice::ReduceScatterAdd(std::span<const ReduceScatterItem> items, pr
 }
 
 }  // namespace
+
+// One scratch buffer for every compute op: ops run in order on the compute stream, so the
+// largest need is enough, and nothing grows (which would wait for the device) during a step.
+StatusOr<int64_t> KernelScratchBytes(const proto::Schedule& schedule, int rank) {
+  const int world = schedule.world_size();
+  const proto::Program& program = schedule.program();
+  int64_t most = 0;
+  for (int i = 0; i < schedule.instructions_size(); ++i) {
+    const proto::Instruction& instr = schedule.instructions(i);
+    if (instr.kind() != proto::INSTR_COMPUTE) continue;
+    const proto::Op& op = program.ops(instr.op());
+    const bool optimizer = op.phase() == proto::PHASE_OPTIMIZER;
+    std::vector<DeviceTensor> inputs, outputs;
+    for (int t : op.inputs()) {
+      const proto::Tensor& tensor = program.tensors(t);
+      if (optimizer) {
+        const BufferShape shape = ShardShape(tensor, world);
+        inputs.push_back(MakeTensor(nullptr, shape.dtype, {shape.elements}));
+      } else {
+        inputs.push_back(MakeTensor(nullptr, TransientShape(program, tensor).dtype,
+                                    {tensor.shape().begin(), tensor.shape().end()}));
+      }
+    }
+    for (int t : op.outputs()) {
+      const proto::Tensor& tensor = program.tensors(t);
+      outputs.push_back(MakeTensor(nullptr, TransientShape(program, tensor).dtype,
+                                   {tensor.shape().begin(), tensor.shape().end()}));
+    }
+    auto bytes = CudaScratchBytes(op, inputs, outputs);
+    if (!bytes.ok()) return bytes.status().Prefixed(DescribeInstruction(schedule, i, rank) + ": ");
+    most = std::max(most, *bytes);
+  }
+  return most;
+}
 
 StatusOr<RunResult> RunScheduleOnCuda(const proto::Schedule& schedule, const RunOptions& options,
                                       const CudaRunOptions& cuda, NcclCommunicator* comm,

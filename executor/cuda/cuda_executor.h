@@ -38,4 +38,9 @@ StatusOr<RunResult> RunScheduleOnCuda(const proto::Schedule& schedule, const Run
                                       const CudaRunOptions& cuda, NcclCommunicator* comm,
                                       CuptiCollector* tracer);
 
+// The kernel scratch one rank of `schedule` needs: the largest CudaScratchBytes of its compute
+// instructions, sized from the operands' shapes before any buffer exists (host only). Errors name
+// the instruction, as a run's would.
+StatusOr<int64_t> KernelScratchBytes(const proto::Schedule& schedule, int rank);
+
 }  // namespace dc

@@ -112,6 +112,25 @@ void ExpectLossFalls(const std::vector<double>& losses) {
   EXPECT_LT(losses.back(), 0.8 * losses.front());
 }
 
+// Host only: the kernel scratch is sized before any buffer exists, from shapes alone, for every
+// kind that needs scratch (cross-entropy, the norms', attention's and every MoE kind's backward).
+TEST(CudaExecutor, KernelScratchIsSizedWithoutBuffers) {
+  for (const char* preset : {"tiny", "mixtral-tiny"}) {
+    for (proto::DType dtype : {proto::DTYPE_F32, proto::DTYPE_BF16}) {
+      TinyPlanOptions options;
+      options.preset = preset;
+      options.compute_dtype = dtype;
+      options.world_size = 2;
+      const proto::Schedule plan = Plan(options);
+      auto bytes = KernelScratchBytes(plan, 1);
+      ASSERT_TRUE(bytes.ok()) << preset << ": " << bytes.status().message();
+      // At least cross-entropy's per-row double.
+      const proto::ModelConfig& c = plan.program().config();
+      EXPECT_GE(*bytes, c.micro_batch() * c.seq() * static_cast<int64_t>(sizeof(double))) << preset;
+    }
+  }
+}
+
 TEST(CudaExecutor, TinyPresetMatchesTheCpuBackend) {
   DC_REQUIRE_DEVICE();
   TinyPlanOptions options;  // the tiny preset: fp32, one rank, gas 2

@@ -86,6 +86,12 @@ bool ToFloatType(proto::DType dtype, ck::FloatType* type) {
 class Checker {
  public:
   explicit Checker(const proto::Op& op) : op_(op) {}
+  // For sizing scratch before any buffer exists: every check but the data pointers'.
+  static Checker ShapesOnly(const proto::Op& op) {
+    Checker check(op);
+    check.check_data_ = false;
+    return check;
+  }
 
   Status Error(const std::string& message) const { return OpError(op_, message); }
 
@@ -183,11 +189,14 @@ class Checker {
 
  private:
   Status Data(const DeviceTensor& t, const Operand& what) const {
-    if (t.data == nullptr && t.NumElements() > 0) return Error(what.Label() + " has no data");
+    if (check_data_ && t.data == nullptr && t.NumElements() > 0) {
+      return Error(what.Label() + " has no data");
+    }
     return Status::Ok();
   }
 
   const proto::Op& op_;
+  bool check_data_ = true;
   bool type_set_ = false;
   ck::FloatType type_ = ck::FloatType::kF32;
   std::string type_from_;
@@ -1328,42 +1337,42 @@ using Kernel = Status (*)(Call);
 using ScratchBytes = StatusOr<int64_t> (*)(const proto::Op&, Tensors, Tensors);
 
 StatusOr<int64_t> EmbeddingBackwardScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
-  Checker check(op);
+  Checker check = Checker::ShapesOnly(op);
   EmbeddingDims d{};
   DC_RETURN_IF_ERROR(CheckEmbedding(in, out, true, &check, &d));
   return EmbeddingBackwardScratch(d);
 }
 
 StatusOr<int64_t> RmsNormBackwardScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
-  Checker check(op);
+  Checker check = Checker::ShapesOnly(op);
   NormDims d{};
   DC_RETURN_IF_ERROR(CheckNorm(in, out, true, &check, &d));
   return RmsNormBackwardScratch(d);
 }
 
 StatusOr<int64_t> AttentionBackwardScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
-  Checker check(op);
+  Checker check = Checker::ShapesOnly(op);
   ck::AttentionDims d{};
   DC_RETURN_IF_ERROR(CheckAttentionBackward(in, out, &check, CudaDeviceInfo{}, &d));
   return AttentionBackwardScratch(d);
 }
 
 StatusOr<int64_t> CrossEntropyScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
-  Checker check(op);
+  Checker check = Checker::ShapesOnly(op);
   CrossEntropyDims d{};
   DC_RETURN_IF_ERROR(CheckCrossEntropy(in, out, false, &check, &d));
   return CrossEntropyScratch(d);
 }
 
 StatusOr<int64_t> MoeRouterScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
-  Checker check(op);
+  Checker check = Checker::ShapesOnly(op);
   RouterDims d;
   DC_RETURN_IF_ERROR(CheckMoeRouter(in, out, &check, &d));
   return MoeRouterScratch(d);
 }
 
 StatusOr<int64_t> MoeRouterBackwardScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
-  Checker check(op);
+  Checker check = Checker::ShapesOnly(op);
   RouterDims d;
   DC_RETURN_IF_ERROR(CheckMoeRouterBackward(in, out, &check, &d));
   return MoeLayoutScratch(d.slots(), d.experts);
@@ -1371,7 +1380,7 @@ StatusOr<int64_t> MoeRouterBackwardScratchBytes(const proto::Op& op, Tensors in,
 
 template <bool kBackward>
 StatusOr<int64_t> MoeDispatchScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
-  Checker check(op);
+  Checker check = Checker::ShapesOnly(op);
   TokenSideDims d;
   DC_RETURN_IF_ERROR(CheckMoeDispatch(in, out, kBackward, &check, &d));
   return MoeLayoutScratch(d.slots(), d.experts);
@@ -1379,21 +1388,21 @@ StatusOr<int64_t> MoeDispatchScratchBytes(const proto::Op& op, Tensors in, Tenso
 
 template <bool kBackward>
 StatusOr<int64_t> MoeCombineScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
-  Checker check(op);
+  Checker check = Checker::ShapesOnly(op);
   TokenSideDims d;
   DC_RETURN_IF_ERROR(CheckMoeCombine(in, out, kBackward, &check, &d));
   return MoeLayoutScratch(d.slots(), d.experts);
 }
 
 StatusOr<int64_t> GroupedMatmulScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
-  Checker check(op);
+  Checker check = Checker::ShapesOnly(op);
   GroupedMatmulDims d;
   DC_RETURN_IF_ERROR(CheckGroupedMatmul(in, out, &check, &d));
   return MoeLayoutScratch(d.rows, d.experts);
 }
 
 StatusOr<int64_t> GroupedMatmulBackwardScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
-  Checker check(op);
+  Checker check = Checker::ShapesOnly(op);
   GroupedMatmulDims d;
   DC_RETURN_IF_ERROR(CheckGroupedMatmulBackward(in, out, &check, &d));
   return MoeLayoutScratch(d.rows, d.experts);

@@ -14,6 +14,7 @@
 namespace dc::testing {
 
 struct TinyPlanOptions {
+  std::string preset = "tiny";  // or mixtral-tiny
   std::string backend = "cuda";
   std::string policy = "baseline";
   std::vector<std::string> passes;  // non-empty: these instead of the policy's (--passes)
@@ -28,7 +29,7 @@ inline StatusOr<proto::Schedule> TinyPlan(const TinyPlanOptions& options) {
   ModelOverrides overrides;
   overrides.gas = options.gas;
   overrides.recompute_layers = options.recompute;
-  DC_ASSIGN_OR_RETURN(proto::ModelConfig config, MakeConfig("tiny", overrides));
+  DC_ASSIGN_OR_RETURN(proto::ModelConfig config, MakeConfig(options.preset, overrides));
   config.set_compute_dtype(options.compute_dtype);
   DC_ASSIGN_OR_RETURN(proto::Program program, BuildProgram(config));
   constexpr int kGpusPerNode = 8;

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """dc against the PyTorch reference (dc_reference.py) on one model, world size and accumulation:
 
-    parity_test.py BUILD_DIR PRESET WORLD GAS [bf16-weights]
+    parity_test.py BUILD_DIR PRESET WORLD GAS [bf16-weights] [--backend cuda]
 
 Plans PRESET with dc-plan --synthetic on a small seeded token file, trains one step from dc's
 seeded init and exports it (W0, so no param is at its initial value), then from W0 trains 5
@@ -9,6 +9,8 @@ more with --dump-grads and --export, and has the reference check the first step'
 gradients (1e-5 relative) and the weights after 5 AdamW steps (dc_reference.py's tolerances).
 With bf16-weights the start is W0 rounded to bf16 and saved in HF's sharded layout (index and
 two files), as a published bf16 checkpoint is: dc widens bf16 exactly, so the same tolerances.
+With --backend cuda the plan is for an H100 in fp32 (--dtype f32) and dc-run trains on the GPU:
+the same reference and tolerances hold the cuda kernels to PyTorch.
 """
 import json
 import os
@@ -69,8 +71,18 @@ def to_bf16_shards(src, dst):
 
 
 def main():
-    build, preset, world, gas = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-    bf16 = len(sys.argv) > 5 and sys.argv[5] == "bf16-weights"
+    args = sys.argv[1:]
+    backend = "cpu"
+    if "--backend" in args:
+        i = args.index("--backend")
+        backend = args[i + 1]
+        del args[i:i + 2]
+    if backend not in ("cpu", "cuda"):
+        sys.exit(f"parity_test.py: --backend {backend}: expected cpu or cuda")
+    build, preset, world, gas = args[0], args[1], args[2], args[3]
+    bf16 = len(args) > 4 and args[4] == "bf16-weights"
+    hardware = ["--hardware", "cpu"] if backend == "cpu" else ["--hardware", "h100-sxm",
+                                                              "--dtype", "f32"]
     steps = "5"
     tools = os.path.join(build, "tools")
     with tempfile.TemporaryDirectory(prefix=f"dc-parity-{preset}-") as d:
@@ -83,10 +95,10 @@ def main():
         with open(data, "wb") as f:
             f.write(struct.pack(f"<{TOKENS}H", *tokens))
         plan = os.path.join(d, "plan.dcplan")
-        run([f"{tools}/dc-plan", "--synthetic", "--hardware", "cpu", "--model", preset,
-             "--world", world, "--gas", gas, "--data", data, "--no-cache", "--quiet", "-o", plan])
+        run([f"{tools}/dc-plan", "--synthetic", *hardware, "--model", preset, "--world", world,
+             "--gas", gas, "--data", data, "--no-cache", "--quiet", "-o", plan])
         w0, w5, grads = (os.path.join(d, n) for n in ("w0", "w5", "grads"))
-        dc_run = [f"{tools}/dc-run", "--backend", "cpu", plan, "--json"]
+        dc_run = [f"{tools}/dc-run", "--backend", backend, plan, "--json"]
         run(dc_run + ["--steps", "1", "--export", w0])
         if bf16:  # the start as a bf16 checkpoint in HF's sharded layout
             to_bf16_shards(w0, w0 + "-bf16")
