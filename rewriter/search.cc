@@ -26,20 +26,22 @@ std::optional<int64_t> SmallestBudget(PlanRequest request, const BudgetSearchOpt
   return hi;
 }
 
-StatusOr<proto::Schedule> PlanInRounds(PlanRequest request, proto::Schedule plan, int rounds,
-                                       const MeasureFn& measure,
-                                       const std::function<void(const RoundRecord&)>& on_round) {
-  proto::Schedule best = plan;
-  double best_seconds = std::numeric_limits<double>::infinity();
+StatusOr<RoundsResult> PlanInRounds(PlanRequest request, proto::Schedule plan, int rounds,
+                                    const MeasureFn& measure,
+                                    const std::function<void(const RoundRecord&)>& on_round) {
+  RoundsResult best;
+  best.plan = plan;
+  best.kept_step_seconds = std::numeric_limits<double>::infinity();
   for (int round = 1; round <= rounds; ++round) {
     DC_ASSIGN_OR_RETURN(RoundMeasurement measured, measure(round, plan));
     if (on_round) {
       on_round({round, plan.prediction().step_seconds(), measured.step_seconds,
                 plan.instructions_size()});
     }
-    if (measured.step_seconds < best_seconds) {
-      best_seconds = measured.step_seconds;
-      best = plan;
+    if (measured.step_seconds < best.kept_step_seconds) {
+      best.kept_step_seconds = measured.step_seconds;
+      best.kept_round = round;
+      best.plan = plan;
     }
     if (round == rounds) break;
     request.costs = measured.costs;

@@ -47,11 +47,18 @@ struct RoundRecord {
   int instructions = 0;
 };
 
+// The plan profile-guided rounds kept: the one whose measured step was fastest.
+struct RoundsResult {
+  proto::Schedule plan;
+  int kept_round = 0;  // 1-based
+  double kept_step_seconds = 0;
+};
+
 // Profile-guided rounds: measures `plan`, re-plans `request` with the measured costs, and so on
-// for `rounds` rounds; returns the plan whose measured step was fastest (ties: the earliest).
+// for `rounds` rounds; keeps the plan whose measured step was fastest (ties: the earliest).
 // `on_round` (optional) hears each round as it ends.
-StatusOr<proto::Schedule> PlanInRounds(PlanRequest request, proto::Schedule plan, int rounds,
-                                       const MeasureFn& measure,
-                                       const std::function<void(const RoundRecord&)>& on_round);
+StatusOr<RoundsResult> PlanInRounds(PlanRequest request, proto::Schedule plan, int rounds,
+                                    const MeasureFn& measure,
+                                    const std::function<void(const RoundRecord&)>& on_round);
 
 }  // namespace dc

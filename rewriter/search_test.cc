@@ -58,7 +58,9 @@ TEST(Search, RoundsReplanWithWhatWasMeasuredAndKeepTheFastest) {
                            [&](const RoundRecord& r) { records.push_back(r); });
   ASSERT_TRUE(best.ok()) << best.status().message();
   // Round 2 measured fastest; its plan was made from round 1's measurement.
-  EXPECT_EQ(best->profile_digest(), "round-1");
+  EXPECT_EQ(best->plan.profile_digest(), "round-1");
+  EXPECT_EQ(best->kept_round, 2);
+  EXPECT_DOUBLE_EQ(best->kept_step_seconds, 0.1);
   EXPECT_EQ(planned_from, (std::vector<std::string>{"", "round-1", "round-2"}));
   ASSERT_EQ(records.size(), 3u);
   EXPECT_EQ(records[1].round, 2);

@@ -10,6 +10,7 @@
 #include <set>
 #include <tuple>
 
+#include "schemas/files.h"
 #include "tests/run_command.h"
 
 namespace dc {
@@ -148,6 +149,11 @@ TEST_F(EndToEnd, ProfileGuidedRoundsReportPredictedAndMeasured) {
     EXPECT_GT(round["measured_step_seconds"].get<double>(), 0);
     EXPECT_GT(round["predicted_step_seconds"].get<double>(), 0);
   }
+  // The kept round is the one measured fastest, and the text says so.
+  const int kept = j["kept_round"];
+  ASSERT_TRUE(kept == 1 || kept == 2) << j.dump();
+  EXPECT_LE(j["rounds"][kept - 1]["measured_step_seconds"].get<double>(),
+            j["rounds"][2 - kept]["measured_step_seconds"].get<double>());
   // Only the chosen plan remains: the rounds' plans and traces are cleaned up.
   int files = 0;
   for (const auto& entry : std::filesystem::directory_iterator(rounds_dir)) {
@@ -155,6 +161,35 @@ TEST_F(EndToEnd, ProfileGuidedRoundsReportPredictedAndMeasured) {
     ++files;
   }
   EXPECT_EQ(files, 1);
+}
+
+// A cache that cannot be written (here a file where the directory should be) costs the next run
+// a re-plan, never this run its plan: a warning, exit 0, the -o plan written.
+TEST_F(EndToEnd, UnwritablePlanCacheWarnsAndStillWritesThePlan) {
+  const std::string dir = FreshDir("cache-file");
+  ASSERT_TRUE(WriteFileAtomic(dir + "/cache", "not a directory").ok());
+  auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --cache-dir " + dir +
+                         "/cache --json -o " + dir + "/plan.dcplan");
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/plan.dcplan"));
+  EXPECT_NE(plan.err.find("dc-plan: warning: the plan is written but not cached: " + dir +
+                          "/cache: cannot create the plan cache"),
+            std::string::npos)
+      << plan.err;
+  EXPECT_EQ(ParseJson(plan.out)["warnings"].size(), 1u);
+}
+
+// --report without a trace reports the simulated step instead of nothing.
+TEST_F(EndToEnd, SyntheticReportIsThePrediction) {
+  const std::string dir = FreshDir("synthetic-report");
+  auto plan = RunCommand(Tool("dc-plan") +
+                         " --synthetic --model tiny --world 2 --hardware cpu --no-cache --report "
+                         "-o " +
+                         dir + "/plan.dcplan");
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  EXPECT_NE(plan.out.find("the report is the simulator's prediction"), std::string::npos)
+      << plan.out;
+  EXPECT_NE(plan.out.find("median step"), std::string::npos) << plan.out;
 }
 
 TEST_F(EndToEnd, TooSmallDeviceMemoryFailsLikeAnOom) {

@@ -25,6 +25,7 @@
 #include "schemas/units.h"
 #include "tools/cli.h"
 #include "tracetools/perfetto.h"
+#include "tracetools/report.h"
 
 namespace {
 
@@ -324,7 +325,11 @@ struct Outcome {
   bool cache_hit = false;
   std::optional<Profile> measured;
   std::vector<std::string> notes;
+  std::vector<std::string> warnings;
   nlohmann::json rounds = nlohmann::json::array();
+  int kept_round = 0;  // with --rounds: the round whose plan was written
+  double kept_step_seconds = 0;
+  CostModel costs;  // what the plan was predicted with
 };
 
 // The request the flags describe: the trace's (or the synthetic model's) program and costs, the
@@ -389,22 +394,50 @@ StatusOr<Outcome> Plan(const Flags& f) {
       return failed;
     }
     plan = std::move(made).value();
-    if (!f.no_cache) DC_RETURN_IF_ERROR(cache.Store(outcome.cache_key, WithoutTimings(*plan)));
+    if (!f.no_cache) {
+      // The cache only saves time: a cache that cannot be written costs the next run a re-plan,
+      // never this run its plan.
+      if (Status stored = cache.Store(outcome.cache_key, WithoutTimings(*plan)); !stored.ok()) {
+        outcome.warnings.push_back("the plan is written but not cached: " + stored.message());
+      }
+    }
   }
   if (f.rounds.rounds > 0) {
     if (f.synthetic) return Status::Error("--rounds needs a trace to start from, not --synthetic");
     const bool progress = !f.quiet && ::isatty(STDERR_FILENO);
-    DC_ASSIGN_OR_RETURN(plan, PlanInRounds(request, *plan, f.rounds.rounds,
-                                           MeasureByRunning(f.rounds, request.backend, f.out),
-                                           ReportRounds(&outcome.rounds, progress)));
+    DC_ASSIGN_OR_RETURN(RoundsResult kept,
+                        PlanInRounds(request, *plan, f.rounds.rounds,
+                                     MeasureByRunning(f.rounds, request.backend, f.out),
+                                     ReportRounds(&outcome.rounds, progress)));
+    plan = std::move(kept.plan);
+    outcome.kept_round = kept.kept_round;
+    outcome.kept_step_seconds = kept.kept_step_seconds;
   }
   DC_RETURN_IF_ERROR(SavePlan(f.out, WithoutTimings(*plan)));
   if (!f.perfetto.empty()) {
     DC_ASSIGN_OR_RETURN(SimResult sim, Simulate(*plan, request.costs));
     DC_RETURN_IF_ERROR(WritePlanPerfettoFile(*plan, sim, f.perfetto).status());
   }
+  outcome.costs = request.costs;
   outcome.plan = std::move(*plan);
   return outcome;
+}
+
+// --report without a trace (--synthetic): the simulated step, as dc-trace summary shows a plan.
+void PrintPredictedReport(const Outcome& o) {
+  auto sim = Simulate(o.plan, o.costs);
+  if (!sim.ok()) {
+    std::fprintf(stderr, "dc-plan: --report: %s\n", sim.status().message().c_str());
+    return;
+  }
+  const std::unique_ptr<Timeline> timeline = PlanTimeline("predicted step", o.plan, *sim);
+  auto summary = Summarize(*timeline, SummaryOptions{});
+  if (!summary.ok()) {
+    std::fprintf(stderr, "dc-plan: --report: %s\n", summary.status().message().c_str());
+    return;
+  }
+  std::printf("no trace (--synthetic): the report is the simulator's prediction\n%s",
+              SummaryText(*summary).c_str());
 }
 
 void PrintJson(const Flags& f, const Outcome& o) {
@@ -442,7 +475,11 @@ void PrintJson(const Flags& f, const Outcome& o) {
     j["skipped_records"] = skipped_records;
     j["skipped"] = skipped;
   }
-  if (f.rounds.rounds > 0) j["rounds"] = o.rounds;
+  if (f.rounds.rounds > 0) {
+    j["rounds"] = o.rounds;
+    j["kept_round"] = o.kept_round;
+  }
+  j["warnings"] = o.warnings;
   j["device"] = plan.device();
   std::cout << j.dump() << "\n";
 }
@@ -460,8 +497,19 @@ void PrintText(const Flags& f, const Outcome& o) {
                 round["predicted_step_seconds"].get<double>(),
                 round["measured_step_seconds"].get<double>());
   }
+  if (o.kept_round > 0) {
+    std::printf("kept round %d's plan: measured %.6f s per step, the fastest of %zu round(s)\n",
+                o.kept_round, o.kept_step_seconds, o.rounds.size());
+  }
   if (f.explain) PrintExplain(plan);
-  if (f.report && o.measured) PrintReport(*o.measured, plan);
+  if (f.report) {
+    if (o.measured) {
+      PrintReport(*o.measured, plan);
+    } else {
+      PrintPredictedReport(o);
+    }
+  }
+
   for (const auto& note : plan.notes()) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
   for (const auto& note : o.notes) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
   if (o.measured) {
@@ -520,6 +568,9 @@ int main(int argc, char** argv) {
     PrintJson(flags, *outcome);
   } else {
     PrintText(flags, *outcome);
+  }
+  for (const auto& warning : outcome->warnings) {
+    std::fprintf(stderr, "dc-plan: warning: %s\n", warning.c_str());
   }
   return 0;
 }
