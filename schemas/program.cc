@@ -172,6 +172,11 @@ namespace {
 
 // Micro-steps per optimizer step: a schedule unrolls every one, so this bounds its size.
 constexpr int64_t kMaxGas = 65536;
+// Decoder layers times micro-steps: a schedule has about 70 instructions per pair (Llama 3 405B
+// at GAS 16: 2016 pairs, 140k instructions), and planning's memory grows with the square of the
+// instruction count (1000 pairs of a small model: 1.4 GB; 2000: 5.5 GB). Past this, planning
+// would need hundreds of GB and hours, so the config is refused before anything is built.
+constexpr int64_t kMaxLayerMicroSteps = 8192;
 
 std::string Str(int64_t v) { return std::to_string(v); }
 
@@ -268,6 +273,13 @@ Status ValidateConfig(const proto::ModelConfig& c) {
   if (c.gas() > kMaxGas) {
     return Status::Error("--gas " + Str(c.gas()) + " is over dc's limit of " + Str(kMaxGas) +
                          " micro-steps");
+  }
+  if (c.layers() * c.gas() > kMaxLayerMicroSteps) {
+    return Status::Error("--layers " + Str(c.layers()) + " times --gas " + Str(c.gas()) + " is " +
+                         Str(c.layers() * c.gas()) + " layer micro-steps, over dc's limit of " +
+                         Str(kMaxLayerMicroSteps) +
+                         " for one schedule; use fewer layers or micro-steps (a larger "
+                         "--micro-batch)");
   }
   if (c.seq() * c.micro_batch() > kMaxConfigDimension) {
     return Status::Error("--seq " + Str(c.seq()) + " times --micro-batch " + Str(c.micro_batch()) +

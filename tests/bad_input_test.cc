@@ -184,6 +184,19 @@ TEST_F(BadInput, EveryRowOfTheTable) {
        {"--round-steps"},
        {"r.dcplan"}},
       {trace + " memory $D/good.db --rank -1 -o $D/m.svg", 2, {"--rank"}, {"m.svg"}},
+      // Sizes are checked before anything is built or allocated.
+      {plan + " --synthetic --model tiny --layers 1000000 --world 2 --hardware cpu -o $D/l.dcplan",
+       1,
+       {"--layers 1000000 times --gas 1 is 1000000 layer micro-steps, over dc's limit of 8192"},
+       {"l.dcplan"}},
+      {collect + " --model tiny --hidden 2000000000 -o $D/h.db",
+       1,
+       {"layers.0.attn.wq has more than"},
+       {"h.db"}},
+      {collect + " --model tiny --hidden 32768 -o $D/big.db",
+       1,
+       {"the plan needs", "GiB per rank", "this host has"},
+       {"big.db"}},
   };
   for (const Row& row : rows) {
     const std::string command = Expand(row.command, dir_);
