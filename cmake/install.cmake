@@ -6,7 +6,7 @@ include(GNUInstallDirs)
 
 set(DC_EXPORTED_LIBRARIES dc_source_root dc_proto dc_schemas_base dc_schemas dc_models dc_weights dc_sqlite_writer
     dc_collector dc_analyzer dc_machine
-    dc_rewriter dc_data dc_cpu_kernels dc_executor)
+    dc_rewriter dc_data dc_cpu_kernels dc_tcp_store dc_executor)
 if(TARGET dc_trace_tools)
   list(APPEND DC_EXPORTED_LIBRARIES dc_trace_tools)
 endif()

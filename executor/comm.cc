@@ -20,6 +20,8 @@
 #include <filesystem>
 #include <vector>
 
+#include "executor/tcp_store.h"
+
 namespace dc {
 namespace {
 
@@ -143,6 +145,33 @@ class RunFileStore : public gloo::rendezvous::FileStore {
   std::vector<std::string> own_paths_;
 };
 
+// The TCP store (executor/tcp_store.h) as Gloo's store, with this run's timeout on every wait.
+class GlooTcpStore : public gloo::rendezvous::Store {
+ public:
+  GlooTcpStore(TcpStore* store, std::chrono::milliseconds timeout)
+      : store_(store), timeout_(timeout) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    Check(store_->Set(key, data));
+  }
+  std::vector<char> get(const std::string& key) override {
+    StatusOr<std::vector<char>> value = store_->Get(key, timeout_);
+    Check(value.status());
+    return *std::move(value);
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    for (const std::string& key : keys) Check(store_->Get(key, timeout).status());
+  }
+
+ private:
+  static void Check(const Status& status) {
+    if (!status.ok()) throw gloo::IoException(status.message());
+  }
+  TcpStore* store_;
+  std::chrono::milliseconds timeout_;
+};
+
 // The rendezvous directory must exist and take files; said plainly instead of a failed
 // rendezvous that blames the peers.
 Status CheckStoreDir(const RendezvousOptions& options) {
@@ -162,16 +191,50 @@ Status CheckStoreDir(const RendezvousOptions& options) {
 
 }  // namespace
 
+StatusOr<std::unique_ptr<TcpStoreServer>> ServeRendezvous(const RendezvousOptions& options) {
+  if (options.rank != 0) return std::unique_ptr<TcpStoreServer>();
+  auto server = TcpStoreServer::Start(options.master_port, options.run_id, options.world_size);
+  if (server.ok()) return server;
+  return Status::Error("rank 0: " + server.status().message() +
+                       "; set MASTER_PORT (or DC_MASTER_PORT) to a free port");
+}
+
+StatusOr<std::unique_ptr<TcpStore>> ConnectRendezvous(const RendezvousOptions& options) {
+  auto store = TcpStore::Connect(options.master_addr, options.master_port, options.run_id,
+                                 options.world_size, options.timeout);
+  if (store.ok()) return store;
+  return store.status().Prefixed("rank " + std::to_string(options.rank) + ": ");
+}
+
 StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& options) {
   if (options.world_size <= 1) return std::unique_ptr<Communicator>(new LocalCommunicator());
-  DC_RETURN_IF_ERROR(CheckStoreDir(options));
+  const bool tcp = options.store_dir.empty();
+  if (tcp && (options.master_addr.empty() || options.master_port <= 0)) {
+    return Status::Error("rank " + std::to_string(options.rank) +
+                         ": no rendezvous; set MASTER_ADDR and MASTER_PORT, or pass --rendezvous "
+                         "a directory every rank can reach");
+  }
+  // Rank 0 serves the TCP rendezvous until every rank has connected (the barrier below).
+  std::unique_ptr<TcpStoreServer> server;
+  std::unique_ptr<TcpStore> tcp_store;
+  if (tcp) {
+    DC_ASSIGN_OR_RETURN(server, ServeRendezvous(options));
+    DC_ASSIGN_OR_RETURN(tcp_store, ConnectRendezvous(options));
+  } else {
+    DC_RETURN_IF_ERROR(CheckStoreDir(options));
+  }
   std::shared_ptr<gloo::rendezvous::Context> context;
   Status connected = Guarded("rendezvous", options.rank, [&] {
     gloo::transport::tcp::attr attr;
     attr.hostname = options.bind_host;
     auto device = gloo::transport::tcp::CreateDevice(attr);
-    RunFileStore file_store(options.store_dir, options.timeout);
-    gloo::rendezvous::PrefixStore store(options.run_id, file_store);
+    std::unique_ptr<gloo::rendezvous::Store> base;
+    if (tcp) {
+      base = std::make_unique<GlooTcpStore>(tcp_store.get(), options.timeout);
+    } else {
+      base = std::make_unique<RunFileStore>(options.store_dir, options.timeout);
+    }
+    gloo::rendezvous::PrefixStore store(options.run_id, *base);
     context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.world_size);
     context->setTimeout(options.timeout);
     context->connectFullMesh(store, device);
@@ -181,11 +244,13 @@ StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& options
     gloo::barrier(barrier);
   });
   if (!connected.ok()) {
+    const std::string through =
+        tcp ? options.master_addr + ":" + std::to_string(options.master_port) : options.store_dir;
     return Status::Error("rank " + std::to_string(options.rank) + ": could not meet the other " +
-                         std::to_string(options.world_size - 1) + " rank(s) through " +
-                         options.store_dir + " within " +
-                         std::to_string(options.timeout.count() / 1000) +
-                         " s; are all ranks started with the same rendezvous directory? (" +
+                         std::to_string(options.world_size - 1) + " rank(s) through " + through +
+                         " within " + std::to_string(options.timeout.count() / 1000) +
+                         " s; are all ranks started with the same " +
+                         (tcp ? "MASTER_ADDR and MASTER_PORT" : "rendezvous directory") + "? (" +
                          connected.message() + ")");
   }
   return std::unique_ptr<Communicator>(new GlooCommunicator(std::move(context)));

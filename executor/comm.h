@@ -1,5 +1,6 @@
 // Collectives between the ranks of a run. The cpu backend's implementation is Gloo over TCP
-// (file-store rendezvous); a world of one needs no transport. Calls are blocking and must be
+// (rendezvous through a TCP store at MASTER_ADDR:MASTER_PORT or a file store in a shared
+// directory); a world of one needs no transport. Calls are blocking and must be
 // made in the same order on every rank. Not thread-safe.
 #pragma once
 
@@ -30,9 +31,14 @@ class Communicator {
 struct RendezvousOptions {
   int rank = 0;
   int world_size = 1;
-  std::string store_dir;  // shared directory for the file store, this run's own (created here)
-  std::string bind_host = "127.0.0.1";       // address this rank listens on
-  std::string run_id = "dc";                 // prefix of the store's keys
+  // Where the ranks meet: a shared directory for the file store, this run's own (created here),
+  // or, when empty, the TCP store that rank 0 serves at master_addr:master_port
+  // (executor/tcp_store.h).
+  std::string store_dir;
+  std::string master_addr;
+  int master_port = 0;
+  std::string bind_host = "127.0.0.1";  // address this rank listens on
+  std::string run_id = "dc";            // prefix of the store's keys; the TCP store's run identity
   std::chrono::milliseconds timeout{60000};  // rendezvous and each collective
 };
 

@@ -131,9 +131,28 @@ StatusOr<RankEnv> RankEnvFromEnvironment(const std::string& rendezvous_flag) {
     if (const char* dir = std::getenv("DC_RENDEZVOUS_DIR")) env.rendezvous_dir = dir;
   }
   if (env.world_size > 1 && env.rendezvous_dir.empty()) {
-    return Status::Error("rank " + std::to_string(env.rank) +
-                         ": no rendezvous directory; pass --rendezvous DIR or set "
-                         "DC_RENDEZVOUS_DIR to a directory every rank can reach");
+    // No shared directory: the ranks meet over TCP where the launcher says (torchrun and Slurm
+    // scripts set MASTER_ADDR and MASTER_PORT). torchrun's agent may serve its own store on
+    // MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), so dc's takes the next port there.
+    const char* addr = std::getenv("MASTER_ADDR");
+    const bool dc_port = EnvSet("DC_MASTER_PORT");
+    DC_ASSIGN_OR_RETURN(std::optional<int> port,
+                        EnvInt(dc_port ? "DC_MASTER_PORT" : "MASTER_PORT"));
+    if (addr == nullptr || *addr == '\0' || !port) {
+      return Status::Error("rank " + std::to_string(env.rank) +
+                           ": no rendezvous; set MASTER_ADDR and MASTER_PORT (as torchrun does), "
+                           "or pass --rendezvous DIR (or DC_RENDEZVOUS_DIR) naming a directory "
+                           "every rank can reach");
+    }
+    const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+    const int shift = !dc_port && agent_store && std::string(agent_store) == "True" ? 1 : 0;
+    constexpr int kMaxPort = 65535;
+    if (*port < 1 || *port + shift > kMaxPort) {
+      return Status::Error(std::string(dc_port ? "DC_MASTER_PORT" : "MASTER_PORT") + "=" +
+                           std::to_string(*port) + " is not a TCP port (1 to 65535)");
+    }
+    env.master_addr = addr;
+    env.master_port = *port + shift;
   }
   if (const char* bind = std::getenv("DC_BIND_ADDR"); bind && *bind) {
     env.bind_host = bind;

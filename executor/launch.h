@@ -15,13 +15,17 @@ struct RankEnv {
   int rank = 0;
   int local_rank = 0;
   int world_size = 1;
-  std::string rendezvous_dir;  // empty for a world of one
+  std::string rendezvous_dir;  // the file store's shared directory; empty for TCP or one rank
+  std::string master_addr;     // the TCP rendezvous, where rendezvous_dir is empty
+  int master_port = 0;
   std::string bind_host = "127.0.0.1";
   bool under_local_launcher = false;  // started by LaunchLocal (stderr goes to a file)
 };
 
 // Reads RANK, WORLD_SIZE, LOCAL_RANK (or SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID), the
-// rendezvous directory (`rendezvous_flag`, else DC_RENDEZVOUS_DIR) and the address to listen
+// rendezvous directory (`rendezvous_flag`, else DC_RENDEZVOUS_DIR), else the TCP rendezvous
+// (MASTER_ADDR and DC_MASTER_PORT, else MASTER_PORT, plus one under torchrun's agent store),
+// and the address to listen
 // on (DC_BIND_ADDR; else MASTER_ADDR's loopback-ness decides: loopback or unset -> 127.0.0.1,
 // else this host's name). No variables: a world of one. A variable set to anything but a whole
 // number is an error naming it.

@@ -30,9 +30,13 @@ std::string RunDir(const RankEnv& env) {
   return id.empty() ? env.rendezvous_dir : env.rendezvous_dir + "/run-" + id;
 }
 
+// Where each rank writes its part of the trace for rank 0 to merge: the shared rendezvous
+// directory; over the TCP rendezvous, beside the trace (one host, or a shared file system for it).
 std::string RankPartPath(const RankEnv& env, const std::string& trace_path, int rank) {
-  const std::string base = env.world_size > 1 ? RunDir(env) + "/trace" : TempPathBeside(trace_path);
-  return base + ".rank" + std::to_string(rank) + ".part";
+  const std::string suffix = ".rank" + std::to_string(rank) + ".part";
+  if (env.world_size == 1) return TempPathBeside(trace_path) + suffix;
+  if (env.rendezvous_dir.empty()) return trace_path + suffix + ".tmp";
+  return RunDir(env) + "/trace" + suffix;
 }
 
 // After a failed merge, the rank files go beside the trace the user asked for ("t.db.rank0.part"),
@@ -70,13 +74,15 @@ StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const Session
   DC_ASSIGN_OR_RETURN(result.env, RankEnvFromEnvironment(options.rendezvous_flag));
   const RankEnv& env = result.env;
   RendezvousOptions rendezvous;
-  if (env.world_size > 1) {
+  if (env.world_size > 1 && !env.rendezvous_dir.empty()) {
     std::error_code ec;  // an unwritable directory is reported by Connect
     std::filesystem::create_directories(RunDir(env), ec);
+    rendezvous.store_dir = RunDir(env);
   }
   rendezvous.rank = env.rank;
   rendezvous.world_size = env.world_size;
-  rendezvous.store_dir = RunDir(env);
+  rendezvous.master_addr = env.master_addr;
+  rendezvous.master_port = env.master_port;
   rendezvous.bind_host = env.bind_host;
   rendezvous.timeout = options.timeout;
   rendezvous.run_id = "dc-" + schedule.program_digest().substr(0, 12);

@@ -1,7 +1,10 @@
 // Bad input to the commands: one clear line naming the file, a non-zero exit, nothing
 // half-written left behind.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -10,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -710,6 +714,82 @@ TEST_F(Launcher, ARendezvousDirectoryCanBeReused) {
         RankCommand(0, plan_ + " --backend cpu --steps 1 --quiet" + rdzv) + " && wait $! )");
     EXPECT_EQ(r.exit_code, 0) << run_id << r.err;
   }
+}
+
+// A free TCP port on this host (the kernel's choice; closed again for the ranks to take).
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t length = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Two ranks started as torchrun starts them (MASTER_ADDR, MASTER_PORT, no shared directory).
+std::string TcpRanks(const std::string& env, const std::string& rest) {
+  return "( " + env + " " + RankCommand(1, rest + " --quiet") + " & " + env + " " +
+         RankCommand(0, rest) + "; s=$?; wait $! && exit $s )";
+}
+
+// Ranks meet over TCP at MASTER_ADDR:MASTER_PORT, with no directory: the same losses as the
+// launcher's own ranks; and again on the same port at once (nothing stale in between).
+TEST_F(Launcher, RanksMeetOverTcpWithoutADirectory) {
+  auto local = RunCommand(Tool("dc-run") + " " + plan_ + " --backend cpu --steps 2 --json");
+  ASSERT_EQ(local.exit_code, 0) << local.err;
+  const std::string env =
+      "MASTER_ADDR=localhost MASTER_PORT=" + std::to_string(FreePort()) + " TMPDIR=" + tmp_;
+  for (int run = 0; run < 2; ++run) {
+    auto r = RunCommand(TcpRanks(env, plan_ + " --backend cpu --steps 2 --json"));
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(nlohmann::json::parse(r.out)["losses"], nlohmann::json::parse(local.out)["losses"]);
+  }
+  EXPECT_TRUE(Leftovers().empty()) << Leftovers().front();
+}
+
+// Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True) MASTER_PORT is the agent's:
+// dc serves on the next port. Here a listener stands in for the agent.
+TEST_F(Launcher, TorchrunsAgentStoreKeepsItsPort) {
+  const int agent = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  ASSERT_EQ(::bind(agent, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(agent, 4), 0);
+  socklen_t length = sizeof(addr);
+  ::getsockname(agent, reinterpret_cast<sockaddr*>(&addr), &length);
+  const std::string port = std::to_string(ntohs(addr.sin_port));
+  auto taken = RunCommand("MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + " " +
+                          RankCommand(0, plan_ + " --backend cpu --steps 1"));
+  EXPECT_EQ(taken.exit_code, 1);
+  EXPECT_NE(taken.err.find("cannot serve the rendezvous on port " + port), std::string::npos)
+      << taken.err;
+  auto r = RunCommand(
+      TcpRanks("TORCHELASTIC_USE_AGENT_STORE=True MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port,
+               plan_ + " --backend cpu --steps 1"));
+  ::close(agent);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
+// Without a directory or MASTER_ADDR/MASTER_PORT, and with a bad port: one line saying what to set.
+TEST_F(Launcher, NoRendezvousSaysWhatToSet) {
+  auto none = RunCommand(RankCommand(0, plan_ + " --backend cpu --steps 1"));
+  EXPECT_EQ(none.exit_code, 1);
+  EXPECT_EQ(Lines(none.err), 1) << none.err;
+  EXPECT_NE(none.err.find("no rendezvous; set MASTER_ADDR and MASTER_PORT"), std::string::npos)
+      << none.err;
+  auto bad = RunCommand("MASTER_ADDR=localhost MASTER_PORT=70000 " +
+                        RankCommand(0, plan_ + " --backend cpu --steps 1"));
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.err.find("MASTER_PORT=70000 is not a TCP port"), std::string::npos) << bad.err;
+  // A rank 1 whose rank 0 never comes names the address it waited at.
+  auto alone = RunCommand("MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(FreePort()) + " " +
+                          RankCommand(1, plan_ + " --backend cpu --steps 1 --timeout 2"));
+  EXPECT_EQ(alone.exit_code, 1);
+  EXPECT_NE(alone.err.find("no rendezvous answered at 127.0.0.1:"), std::string::npos) << alone.err;
 }
 
 // With --nproc 2 on a terminal rank 0's progress reaches it, as a one-rank run's does (the

@@ -10,7 +10,9 @@
 // (a temporary file, then rename); the other ranks poll for it within the timeout; rank 0 removes
 // it once all have joined. A rendezvous directory serves one run at a time (a run that died
 // during the rendezvous can leave a stale nccl-id behind), as LaunchLocal's private directories
-// do. NCCL picks its own network interface (NCCL_SOCKET_IFNAME); bind_host is not used.
+// do. Without a directory the id goes through the TCP store rank 0 serves at
+// MASTER_ADDR:MASTER_PORT (executor/tcp_store.h) while the ranks join. NCCL picks its own network
+// interface (NCCL_SOCKET_IFNAME); bind_host is not used.
 //
 // Not thread-safe; calls must be made in the same order on every rank.
 #pragma once
