@@ -68,7 +68,8 @@ void PutU32(std::string* out, uint32_t v) {
 
 uint32_t GetU32(const char* p) {
   uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  for (int i = 0; i < 4; ++i)
+    v |= static_cast<uint32_t>(static_cast<unsigned char>(p[i])) << (8 * i);
   return v;
 }
 
@@ -238,8 +239,8 @@ TcpStoreServer::~TcpStoreServer() {
 int TcpStoreServer::port() const { return state_->port; }
 
 StatusOr<std::unique_ptr<TcpStoreServer>> TcpStoreServer::Start(int port, const std::string& run_id,
-                                                                 int world_size,
-                                                                 const TcpStoreLimits& limits) {
+                                                                int world_size,
+                                                                const TcpStoreLimits& limits) {
   auto state = std::make_unique<State>();
   state->limits = limits;
   state->run_id = run_id;
@@ -275,9 +276,9 @@ StatusOr<std::unique_ptr<TcpStoreServer>> TcpStoreServer::Start(int port, const 
   sockaddr_storage local{};
   socklen_t length = sizeof(local);
   ::getsockname(listen_fd, reinterpret_cast<sockaddr*>(&local), &length);
-  state->port = ntohs(local.ss_family == AF_INET6
-                          ? reinterpret_cast<sockaddr_in6*>(&local)->sin6_port
-                          : reinterpret_cast<sockaddr_in*>(&local)->sin_port);
+  state->port =
+      ntohs(local.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&local)->sin6_port
+                                        : reinterpret_cast<sockaddr_in*>(&local)->sin_port);
   state->listen_fd = listen_fd;
   State* raw = state.get();
   state->acceptor = std::thread([raw] { raw->Accept(); });

@@ -108,9 +108,9 @@ TEST(TcpStore, TimeOutsNameTheKeyOrTheAddress) {
   server.reset();
   auto nobody = TcpStore::Connect("127.0.0.1", port, "run-a", 2, milliseconds(300));
   ASSERT_FALSE(nobody.ok());
-  EXPECT_NE(nobody.status().message().find("no rendezvous answered at 127.0.0.1:" +
-                                           std::to_string(port)),
-            std::string::npos)
+  EXPECT_NE(
+      nobody.status().message().find("no rendezvous answered at 127.0.0.1:" + std::to_string(port)),
+      std::string::npos)
       << nobody.status().message();
 }
 
@@ -141,8 +141,8 @@ TEST(TcpStore, HostilePeersDoNotStopTheServer) {
     ::close(fd);
   };
   raw("GET / HTTP/1.1\r\n\r\n");
-  raw(std::string("\xff\xff\xff\x7f", 4));         // a 2 GiB message
-  raw(std::string("\x10\x00\x00\x00\x02", 5));     // cut off
+  raw(std::string("\xff\xff\xff\x7f", 4));                      // a 2 GiB message
+  raw(std::string("\x10\x00\x00\x00\x02", 5));                  // cut off
   raw(std::string("\x05\x00\x00\x00\x02\xff\xff\xff\xff", 9));  // a field past its message
   auto a = Client(server->port());
   auto b = Client(server->port());

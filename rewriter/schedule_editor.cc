@@ -4,6 +4,7 @@
 #include <google/protobuf/util/field_mask_util.h>
 
 #include <algorithm>
+#include <array>
 #include <functional>
 #include <string>
 
@@ -36,16 +37,29 @@ void ScheduleEditor::Drop(int old, std::vector<int> targets) {
   drop_targets_.push_back(std::move(targets));
 }
 
-void ScheduleEditor::Resolve(int old, std::vector<int>* out) {
+void ScheduleEditor::Resolve(int old, std::vector<int>* out) const {
   if (new_of_old_[old] >= 0) {
     out->push_back(new_of_old_[old]);
-    return;
+  } else if (drop_of_old_[old] >= 0) {
+    const std::vector<int>& waits = drop_waits_[drop_of_old_[old]];
+    out->insert(out->end(), waits.begin(), waits.end());
   }
-  if (drop_of_old_[old] < 0) return;
-  // Targets of a drop point to earlier instructions, so this terminates.
-  for (int target : drop_targets_[drop_of_old_[old]]) {
-    if (target < old) Resolve(target, out);
+}
+
+void ScheduleEditor::LatestPerStream(std::vector<int>* deps) const {
+  std::sort(deps->begin(), deps->end(), std::greater<int>());
+  deps->erase(std::unique(deps->begin(), deps->end()), deps->end());
+  std::array<bool, proto::Stream_ARRAYSIZE> seen{};
+  size_t kept = 0;
+  for (int d : *deps) {
+    const int stream = d < out_->size() ? out_->Get(d).stream() : 0;
+    const bool known = stream >= 0 && stream < proto::Stream_ARRAYSIZE;
+    if (known && seen[stream]) continue;  // a later instruction of its stream is kept already
+    if (known) seen[stream] = true;
+    (*deps)[kept++] = d;
   }
+  deps->resize(kept);
+  std::reverse(deps->begin(), deps->end());
 }
 
 Status ScheduleEditor::Finish() {
@@ -54,6 +68,17 @@ Status ScheduleEditor::Finish() {
       return Status::Error("internal: instruction " + std::to_string(old) +
                            " was neither kept nor dropped by the pass");
     }
+  }
+  // Each drop's waits, in index order: its targets are earlier, so already resolved.
+  drop_waits_.assign(drop_targets_.size(), {});
+  for (int old = 0; old < static_cast<int>(drop_of_old_.size()); ++old) {
+    const int drop = drop_of_old_[old];
+    if (drop < 0 || new_of_old_[old] >= 0) continue;
+    std::vector<int>& waits = drop_waits_[drop];
+    for (int target : drop_targets_[drop]) {
+      if (target >= 0 && target < old) Resolve(target, &waits);
+    }
+    LatestPerStream(&waits);
   }
   std::vector<int> deps;
   for (int i = 0; i < out_->size(); ++i) {
@@ -69,20 +94,20 @@ Status ScheduleEditor::Finish() {
       for (int k = 0; k < instr.deps_size(); ++k) instr.set_deps(k, deps[k]);
       continue;
     }
-    std::sort(deps.begin(), deps.end());
-    deps.erase(std::unique(deps.begin(), deps.end()), deps.end());
-    instr.clear_deps();
+    deps.erase(std::remove(deps.begin(), deps.end(), i), deps.end());  // merged with its wait
     for (int d : deps) {
-      if (d == i) continue;  // merged with what it waited for
       if (d > i) {
         return Status::Error("internal: new instruction " + std::to_string(i) +
                              " would depend on the later instruction " + std::to_string(d));
       }
-      instr.add_deps(d);
     }
+    LatestPerStream(&deps);
+    instr.clear_deps();
+    for (int d : deps) instr.add_deps(d);
   }
   return Status::Ok();
 }
+
 proto::Schedule* ScheduleShell(proto::Schedule* schedule, google::protobuf::Arena* arena) {
   google::protobuf::RepeatedPtrField<proto::Instruction> saved;
   saved.Swap(schedule->mutable_instructions());
