@@ -4,13 +4,15 @@
 #include <filesystem>
 #include <system_error>
 
+#include "rewriter/planner_sources.h"
 #include "schemas/digest.h"
 #include "schemas/plan_file.h"
 
 namespace dc {
 
-// Bumped whenever planning changes what it produces for the same inputs.
-static constexpr const char* kPlannerVersion = "dc-planner-1";
+// The planner that makes the plans: its sources' digest (rewriter/CMakeLists.txt), so that a plan
+// cached by another build of dc is a miss, never a plan this build would not make.
+static constexpr const char* kPlannerVersion = "dc-planner-2 " DC_PLANNER_SOURCES_DIGEST;
 
 std::string PlanCacheKey(const PlanKeyInputs& in) {
   const std::string text = std::string(kPlannerVersion) + "\nprogram=" + in.program_digest +
