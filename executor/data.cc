@@ -205,6 +205,33 @@ std::unique_ptr<TokenSource> TokenSource::Synthetic(const proto::ModelConfig& co
   return std::make_unique<SyntheticTokenSource>(config, options);
 }
 
+namespace {
+
+// What identifies a file's content without reading it, for a launcher's digest to stand for
+// it: "<size> <modification time in ns> <path>".
+std::string FileIdentity(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return "";
+  const int64_t mtime_ns =
+      static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  return std::to_string(st.st_size) + " " + std::to_string(mtime_ns) + " " + path;
+}
+
+// The digest a launcher left in kDataDigestVar for `path`, if it is for this file as it is now.
+std::string LaunchersDigest(const std::string& path) {
+  const char* note = std::getenv(kDataDigestVar);
+  if (note == nullptr) return "";
+  const std::string text = note;
+  constexpr size_t kHexDigits = 64;
+  if (text.size() <= kHexDigits + 1 || text[kHexDigits] != ' ') return "";
+  const std::string sha256 = text.substr(0, kHexDigits);
+  if (sha256.find_first_not_of("0123456789abcdef") != std::string::npos) return "";
+  const std::string identity = FileIdentity(path);
+  return !identity.empty() && text.substr(kHexDigits + 1) == identity ? sha256 : "";
+}
+
+}  // namespace
+
 Status RecordDataFile(proto::ModelConfig* config) {
   if (config->data_path().empty()) return Status::Ok();
   std::error_code error;
@@ -212,9 +239,18 @@ Status RecordDataFile(proto::ModelConfig* config) {
   if (error) return Status::Error(config->data_path() + ": " + error.message());
   config->set_data_path(absolute.lexically_normal().string());
   DC_RETURN_IF_ERROR(TokenSource::Open(*config).status());
-  DC_ASSIGN_OR_RETURN(const std::string sha256, Sha256OfFile(config->data_path()));
+  std::string sha256 = LaunchersDigest(config->data_path());
+  if (sha256.empty()) {
+    DC_ASSIGN_OR_RETURN(sha256, Sha256OfFile(config->data_path()));
+  }
   config->set_data_sha256(sha256);
   return Status::Ok();
+}
+
+std::string DataDigestNote(const proto::ModelConfig& config) {
+  if (config.data_path().empty() || config.data_sha256().empty()) return "";
+  const std::string identity = FileIdentity(config.data_path());
+  return identity.empty() ? "" : config.data_sha256() + " " + identity;
 }
 
 Status CheckDataFile(const proto::ModelConfig& config) {

@@ -36,6 +36,11 @@ class TokenSource {
 // Records the token file of `config` (data_path, if any) as a plan keeps it: the path made
 // absolute, the file checked as TokenSource::Open checks it, and its SHA-256 in data_sha256.
 Status RecordDataFile(proto::ModelConfig* config);
+// A launcher that recorded the file hashes it once for all its ranks: it sets kDataDigestVar to
+// DataDigestNote(config), and RecordDataFile in a rank takes that digest instead of reading the
+// file again, if the file's size, modification time and path are still those of the note.
+inline constexpr char kDataDigestVar[] = "DC_DATA_DIGEST";
+std::string DataDigestNote(const proto::ModelConfig& config);
 // Checks that the token file of `config` is the one it recorded (its SHA-256); the message
 // names the file and says to re-plan or to pass the file with --data to train on it as it is.
 // Configs without a recorded digest (synthetic data, older programs) pass.

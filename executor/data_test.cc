@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -230,6 +231,35 @@ proto::Tensor ParamTensor(const std::string& name, std::vector<int64_t> shape) {
   t.set_dtype(proto::DTYPE_F32);
   t.set_role(proto::ROLE_PARAM);
   return t;
+}
+
+// A launcher's digest stands for the file only while the file is as the launcher saw it.
+TEST_F(FileDataTest, RanksTakeTheLaunchersDigestOfAnUnchangedFile) {
+  const std::string path = Write("tokens.bin", std::vector<uint16_t>(4096, 7));
+  proto::ModelConfig launcher = Config(path, 32, 256);
+  ASSERT_TRUE(RecordDataFile(&launcher).ok());
+  const std::string real = launcher.data_sha256();
+  ASSERT_EQ(real.size(), 64u);
+  // A note whose digest differs from the file's shows which one a rank took.
+  std::string note = DataDigestNote(launcher);
+  ASSERT_EQ(note.substr(0, 64), real);
+  note.replace(0, 64, std::string(64, 'a'));
+  ::setenv(kDataDigestVar, note.c_str(), 1);
+  proto::ModelConfig rank = Config(path, 32, 256);
+  ASSERT_TRUE(RecordDataFile(&rank).ok());
+  EXPECT_EQ(rank.data_sha256(), std::string(64, 'a'));  // taken, not read again
+  // The file changed (another size): the note no longer stands for it.
+  Write("tokens.bin", std::vector<uint16_t>(4097, 7));
+  proto::ModelConfig changed = Config(path, 32, 256);
+  ASSERT_TRUE(RecordDataFile(&changed).ok());
+  EXPECT_NE(changed.data_sha256(), std::string(64, 'a'));
+  EXPECT_NE(changed.data_sha256(), real);
+  // A malformed note is ignored.
+  ::setenv(kDataDigestVar, "not a digest", 1);
+  proto::ModelConfig malformed = Config(path, 32, 256);
+  ASSERT_TRUE(RecordDataFile(&malformed).ok());
+  EXPECT_EQ(malformed.data_sha256(), changed.data_sha256());
+  ::unsetenv(kDataDigestVar);
 }
 
 TEST(InitParamSlice, SliceEqualsTheSameRangeOfTheWhole) {

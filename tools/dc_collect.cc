@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
@@ -106,15 +107,19 @@ int main(int argc, char** argv) {
       return cli::Fail("dc-collect", writable);
     }
   }
+  auto config = MakeConfig(model.preset, model.overrides);
+  if (!config.ok()) return cli::Fail("dc-collect", config.status());
+  if (Status data = RecordDataFile(&*config); !data.ok()) return cli::Fail("dc-collect", data);
   if (nproc > 1 && !IsRankProcess()) {
+    // The token file is hashed once, here, for every rank.
+    if (const std::string note = DataDigestNote(*config); !note.empty()) {
+      ::setenv(kDataDigestVar, note.c_str(), 1);
+    }
     LaunchOptions launch;
     launch.nproc = nproc;
     launch.program = "dc-collect";
     return LaunchLocal(launch, cli::Args(argc, argv));
   }
-  auto config = MakeConfig(model.preset, model.overrides);
-  if (!config.ok()) return cli::Fail("dc-collect", config.status());
-  if (Status data = RecordDataFile(&*config); !data.ok()) return cli::Fail("dc-collect", data);
   auto program = BuildProgram(*config);
   if (!program.ok()) return cli::Fail("dc-collect", program.status());
 
