@@ -419,6 +419,14 @@ DC_AVX2 void Avx2SoftmaxBackwardRow(const float* p, float* ds, int64_t n) {
   for (; i < n; ++i) ds[i] = p[i] * (ds[i] - dot);
 }
 
+// Lanes [0, count) set, for a tail of fewer than kLanes elements.
+DC_AVX2 inline __m256i TailMask(int64_t count) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), lane);
+}
+
+// The tail goes through the same vector arithmetic (masked loads and stores): an element's
+// update does not depend on where the shard starts, so every world size computes the same bits.
 DC_AVX2 void Avx2AdamW(float* p, const float* g, float* m, float* v, int64_t n,
                        const AdamCoefficients& c) {
   const __m256 b1 = _mm256_set1_ps(c.beta1), b2 = _mm256_set1_ps(c.beta2);
@@ -426,20 +434,19 @@ DC_AVX2 void Avx2AdamW(float* p, const float* g, float* m, float* v, int64_t n,
   const __m256 mc = _mm256_set1_ps(c.m_correction), vc = _mm256_set1_ps(c.v_correction);
   const __m256 eps = _mm256_set1_ps(c.eps), lr = _mm256_set1_ps(c.lr);
   const __m256 decay = _mm256_set1_ps(c.decay);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const __m256 gi = _mm256_loadu_ps(g + i);
-    const __m256 mi = _mm256_fmadd_ps(b1, _mm256_loadu_ps(m + i), _mm256_mul_ps(ob1, gi));
-    const __m256 vi =
-        _mm256_fmadd_ps(b2, _mm256_loadu_ps(v + i), _mm256_mul_ps(ob2, _mm256_mul_ps(gi, gi)));
-    _mm256_storeu_ps(m + i, mi);
-    _mm256_storeu_ps(v + i, vi);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __m256i mask = TailMask(n - i);  // all lanes but in the tail
+    const __m256 gi = _mm256_maskload_ps(g + i, mask);
+    const __m256 mi = _mm256_fmadd_ps(b1, _mm256_maskload_ps(m + i, mask), _mm256_mul_ps(ob1, gi));
+    const __m256 vi = _mm256_fmadd_ps(b2, _mm256_maskload_ps(v + i, mask),
+                                      _mm256_mul_ps(ob2, _mm256_mul_ps(gi, gi)));
+    _mm256_maskstore_ps(m + i, mask, mi);
+    _mm256_maskstore_ps(v + i, mask, vi);
     const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(vi, vc)), eps);
     const __m256 update = _mm256_div_ps(_mm256_mul_ps(mi, mc), denom);
-    _mm256_storeu_ps(p + i,
-                     _mm256_fmsub_ps(_mm256_loadu_ps(p + i), decay, _mm256_mul_ps(lr, update)));
+    const __m256 pi = _mm256_maskload_ps(p + i, mask);
+    _mm256_maskstore_ps(p + i, mask, _mm256_fmsub_ps(pi, decay, _mm256_mul_ps(lr, update)));
   }
-  BaseAdamW(p + i, g + i, m + i, v + i, n - i, c);
 }
 
 constexpr Kernels kAvx2 = {

@@ -68,7 +68,8 @@ struct Kernels {
                           int64_t n);
   // ds[i] = p[i] (ds[i] - sum_j p[j] ds[j]): the softmax backward of one row.
   void (*softmax_backward_row)(const float* p, float* ds, int64_t n);
-  // AdamW over n elements in place (p, m, v), one pass.
+  // AdamW over n elements in place (p, m, v), one pass. Each element's result depends only on
+  // its own values, not on its position (a rank's shard of any world size gives the same bits).
   void (*adamw)(float* p, const float* g, float* m, float* v, int64_t n, const AdamCoefficients& c);
 };
 

@@ -288,6 +288,27 @@ TEST(CpuSimdTest, AdamWMatchesDouble) {
   }
 }
 
+// A rank's shard starts anywhere: AdamW over [0, n) and over two pieces split off the lanes'
+// boundary give the same bits (dc-run's exports are byte-identical on any world size).
+TEST(CpuSimdTest, AdamWDoesNotDependOnWhereTheShardStarts) {
+  const AdamCoefficients coef = {0.9f, 0.95f, 0.1f, 0.05f, 3.69f, 7.0f, 1e-8f, 1e-3f, 0.9999f};
+  constexpr int64_t n = 1027, split = 513;
+  for (const Kernels* k : Builds()) {
+    SCOPED_TRACE(k->name);
+    std::vector<float> p = Values(n, 22), g = Values(n, 23, 1e-2f), m = Values(n, 24, 1e-3f);
+    std::vector<float> v = Values(n, 25, 1e-4f);
+    for (float& vi : v) vi = vi * vi;
+    std::vector<float> p2 = p, m2 = m, v2 = v;
+    k->adamw(p.data(), g.data(), m.data(), v.data(), n, coef);
+    k->adamw(p2.data(), g.data(), m2.data(), v2.data(), split, coef);
+    k->adamw(p2.data() + split, g.data() + split, m2.data() + split, v2.data() + split, n - split,
+             coef);
+    EXPECT_EQ(p, p2);
+    EXPECT_EQ(m, m2);
+    EXPECT_EQ(v, v2);
+  }
+}
+
 // The two builds agree to fp32 rounding, where this CPU has both.
 TEST(CpuSimdTest, Avx2AgreesWithBaseline) {
   const Kernels* avx2 = Avx2Kernels();
