@@ -3,6 +3,7 @@
 
     torch_peer.py [--config DIR/config.json] [--layers N --hidden N ...] --micro-batch B --gas G
                   [--device cpu|cuda] [--dtype f32|bf16] [--steps N] [--warmup N] [--threads N]
+                  [--ddp N]
 
 The model is dc's (models/model.cc, as tests/torch_reference/dc_reference.py computes it): token
 embedding, per layer RMSNorm, grouped-query attention with rotary embeddings ("rotate half"),
@@ -11,6 +12,10 @@ come from a Hugging Face config.json (dc-run --export writes one) and/or the fla
 dc's names. PyTorch runs it as a user would: fp32 parameters, bf16 under autocast on cuda,
 scaled_dot_product_attention where this PyTorch has it, fused AdamW on cuda. Prints one JSON line:
 tokens_per_second, step_seconds_median, the losses and the peak device memory.
+
+--ddp N runs N processes on this machine under DistributedDataParallel (gloo on cpu, nccl on
+cuda), each its own --micro-batch per micro-step, as dc-run --nproc N runs a data-parallel plan;
+tokens_per_second then counts all ranks' tokens and rank 0 prints the line.
 """
 import argparse
 import json
@@ -20,6 +25,8 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 
@@ -115,6 +122,9 @@ def parse():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--ddp", type=int, default=0,
+                   help="ranks under DistributedDataParallel on this machine (0: one process)")
+    p.add_argument("--port", type=int, default=29517, help="rendezvous port of --ddp")
     a = p.parse_args()
     cfg = {}
     if a.config:
@@ -132,25 +142,43 @@ def parse():
         p.error("no value for " + ", ".join(missing) + ": give --config or the flags")
     if c.hidden % c.heads or c.heads % c.kv_heads:
         p.error("--hidden must divide by --heads and --heads by --kv-heads")
+    if a.ddp < 0:
+        p.error("--ddp must be 0 (one process) or a rank count")
     return a, c
 
 
 def main():
     a, c = parse()
+    if a.ddp > 0:
+        mp.spawn(run, args=(a, c), nprocs=a.ddp, join=True)
+    else:
+        run(0, a, c)
+
+
+def run(rank, a, c):
+    world = max(1, a.ddp)
+    if a.ddp > 0:
+        import os
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(a.port))
+        dist.init_process_group("nccl" if a.device == "cuda" else "gloo", rank=rank,
+                                world_size=world)
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("torch_peer.py: --device cuda: this PyTorch sees no CUDA device")
-    dev = torch.device(a.device)
+    dev = torch.device(a.device, rank) if a.device == "cuda" and a.ddp else torch.device(a.device)
     torch.manual_seed(0)
     model = Llama(c).to(dev)
+    if a.ddp > 0:
+        model = torch.nn.parallel.DistributedDataParallel(model)
     fused = {"fused": True} if a.device == "cuda" else {}
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             **fused)
     step_fn = model
     if a.compile:
         step_fn = torch.compile(model)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(1 + rank)
     batches = [torch.randint(0, c.vocab, (a.micro_batch, c.seq + 1), generator=gen).to(dev)
                for _ in range(a.gas)]
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if a.dtype == "bf16"
@@ -177,12 +205,16 @@ def main():
         if step >= a.warmup:
             seconds.append(time.perf_counter() - start)
             losses.append(total)
+    if a.ddp > 0:
+        dist.destroy_process_group()
+    if rank != 0:
+        return
     median = statistics.median(seconds)
     print(json.dumps({
         "framework": f"pytorch {torch.__version__} eager" + (" compiled" if a.compile else ""),
-        "device": a.device, "dtype": a.dtype, "steps": a.steps,
+        "device": a.device, "dtype": a.dtype, "steps": a.steps, "world_size": world,
         "step_seconds_median": median,
-        "tokens_per_second": a.micro_batch * a.gas * c.seq / median,
+        "tokens_per_second": world * a.micro_batch * a.gas * c.seq / median,
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if a.device == "cuda" else None,
         "losses": losses}))
 

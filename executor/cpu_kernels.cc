@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 
+#include "executor/cpu_simd.h"
 #include "executor/moe_layout.h"
 #include "schemas/op_kinds.h"
 
@@ -203,8 +204,7 @@ Status EmbeddingBackward(const proto::Op& op, Refs in, Refs out, const KernelCon
 
 // 1 / sqrt(mean(x^2) + eps) of one row.
 float InvRms(const float* x, int64_t n, double eps) {
-  double sum_sq = 0;
-  for (int64_t i = 0; i < n; ++i) sum_sq += static_cast<double>(x[i]) * x[i];
+  const double sum_sq = simd::SimdKernels().sum_squares(x, n);
   return static_cast<float>(1.0 / std::sqrt(sum_sq / static_cast<double>(n) + eps));
 }
 
@@ -225,11 +225,10 @@ Status RmsNorm(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
   DC_RETURN_IF_ERROR(CheckF32Shape(op, y, x.shape, Out(0, "y")));
   double eps = 0;
   DC_RETURN_IF_ERROR(RequireFloatAttr(op, op_attr::kEps, &eps));
+  const simd::Kernels& k = simd::SimdKernels();
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x.f32 + r * hidden;
-    float* yr = y.f32 + r * hidden;
-    const float inv_rms = InvRms(xr, hidden, eps);
-    for (int64_t i = 0; i < hidden; ++i) yr[i] = xr[i] * inv_rms * w.f32[i];
+    k.rms_norm_row(xr, w.f32, InvRms(xr, hidden, eps), y.f32 + r * hidden, hidden);
   }
   return Status::Ok();
 }
@@ -245,20 +244,16 @@ Status RmsNormBackward(const proto::Op& op, Refs in, Refs out, const KernelConte
   DC_RETURN_IF_ERROR(CheckF32Shape(op, dw, w.shape, Out(1, "dw")));
   double eps = 0;
   DC_RETURN_IF_ERROR(RequireFloatAttr(op, op_attr::kEps, &eps));
-  std::fill_n(dw.f32, hidden, 0.0f);
-  for (int64_t r = 0; r < rows; ++r) {
+  const simd::Kernels& k = simd::SimdKernels();
+  for (int64_t r = 0; r < rows; ++r) {  // the first row writes dw, the others add to it
     const float* xr = x.f32 + r * hidden;
     const float* dyr = dy.f32 + r * hidden;
-    float* dxr = dx.f32 + r * hidden;
     const float inv_rms = InvRms(xr, hidden, eps);
-    double dot = 0;  // sum(dy * w * x)
-    for (int64_t i = 0; i < hidden; ++i) dot += static_cast<double>(dyr[i]) * w.f32[i] * xr[i];
+    const double dot = k.dot3(dyr, w.f32, xr, hidden);  // sum(dy * w * x)
     const float coef =
         static_cast<float>(dot / static_cast<double>(hidden)) * inv_rms * inv_rms * inv_rms;
-    for (int64_t i = 0; i < hidden; ++i) {
-      dxr[i] = inv_rms * dyr[i] * w.f32[i] - xr[i] * coef;
-      dw.f32[i] += dyr[i] * xr[i] * inv_rms;
-    }
+    k.rms_norm_backward_row(dyr, xr, w.f32, inv_rms, coef, dx.f32 + r * hidden, dw.f32, r > 0,
+                            hidden);
   }
   return Status::Ok();
 }
@@ -337,17 +332,14 @@ void ApplyRope(const RopeDims& d, const float* x, float* y, float sign) {
     }
   }
   const int64_t width = d.heads * d.head_dim;
+  const simd::Kernels& k = simd::SimdKernels();
   for (int64_t b = 0; b < d.batch; ++b) {
     for (int64_t s = 0; s < d.seq; ++s) {
       const float* c = cos_table.data() + s * half;
       const float* sn = sin_table.data() + s * half;
       for (int64_t h = 0; h < d.heads; ++h) {
         const int64_t base = (b * d.seq + s) * width + h * d.head_dim;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = x[base + i], x2 = x[base + half + i];
-          y[base + i] = x1 * c[i] - x2 * sn[i];
-          y[base + half + i] = x1 * sn[i] + x2 * c[i];
-        }
+        k.rope_row(x + base, x + base + half, c, sn, y + base, y + base + half, half);
       }
     }
   }
@@ -405,17 +397,13 @@ void AttentionProbs(const AttentionDims& d, const float* q, const float* k, int6
                     float scale, float* probs) {
   Gemm(false, true, d.seq, d.seq, d.head_dim, scale, q + d.QOffset(b, h), d.q_width(),
        k + d.KvOffset(b, h), d.kv_width(), 0.0f, probs, d.seq);
+  const simd::Kernels& kernels = simd::SimdKernels();
   for (int64_t i = 0; i < d.seq; ++i) {
     float* row = probs + i * d.seq;
-    const float max = *std::max_element(row, row + i + 1);
-    double sum = 0;
-    for (int64_t j = 0; j <= i; ++j) {
-      row[j] = std::exp(row[j] - max);
-      sum += row[j];
-    }
-    const float inv_sum = static_cast<float>(1.0 / sum);
-    for (int64_t j = 0; j <= i; ++j) row[j] *= inv_sum;
-    std::fill(row + i + 1, row + d.seq, 0.0f);
+    const float max = kernels.max_value(row, i + 1);
+    const float sum = kernels.exp_sum(row, row, i + 1, max);
+    kernels.scale(row, i + 1, 1.0f / sum);
+    std::fill(row + i + 1, row + d.seq, 0.0f);  // the next GEMM reads whole rows
   }
 }
 
@@ -452,30 +440,29 @@ Status AttentionBackward(const proto::Op& op, Refs in, Refs out, const KernelCon
   DC_RETURN_IF_ERROR(CheckF32Shape(op, dq, q.shape, Out(0, "dq")));
   DC_RETURN_IF_ERROR(CheckF32Shape(op, dk, k.shape, Out(1, "dk")));
   DC_RETURN_IF_ERROR(CheckF32Shape(op, dv, v.shape, Out(2, "dv")));
-  std::fill_n(dk.f32, dk.NumElements(), 0.0f);
-  std::fill_n(dv.f32, dv.NumElements(), 0.0f);
   const float scale = SoftmaxScale(d);
+  const int64_t group = d.heads / d.kv_heads;
+  const simd::Kernels& kernels = simd::SimdKernels();
   std::vector<float> probs(d.seq * d.seq), dprobs(d.seq * d.seq);
   for (int64_t b = 0; b < d.batch; ++b) {
     for (int64_t h = 0; h < d.heads; ++h) {
       const int64_t qo = d.QOffset(b, h), kvo = d.KvOffset(b, h);
+      // The first query head of a kv head writes its dk and dv, the group's others add.
+      const float kv_beta = h % group == 0 ? 0.0f : 1.0f;
       AttentionProbs(d, q.f32, k.f32, b, h, scale, probs.data());
       Gemm(false, true, d.seq, d.seq, d.head_dim, 1.0f, d_o.f32 + qo, d.q_width(), v.f32 + kvo,
            d.kv_width(), 0.0f, dprobs.data(), d.seq);
       Gemm(true, false, d.seq, d.head_dim, d.seq, 1.0f, probs.data(), d.seq, d_o.f32 + qo,
-           d.q_width(), 1.0f, dv.f32 + kvo, d.kv_width());
+           d.q_width(), kv_beta, dv.f32 + kvo, d.kv_width());
       for (int64_t i = 0; i < d.seq; ++i) {
-        const float* p = probs.data() + i * d.seq;
         float* ds = dprobs.data() + i * d.seq;
-        double dot = 0;
-        for (int64_t j = 0; j <= i; ++j) dot += static_cast<double>(p[j]) * ds[j];
-        for (int64_t j = 0; j <= i; ++j) ds[j] = p[j] * (ds[j] - static_cast<float>(dot));
-        std::fill(ds + i + 1, ds + d.seq, 0.0f);
+        kernels.softmax_backward_row(probs.data() + i * d.seq, ds, i + 1);
+        std::fill(ds + i + 1, ds + d.seq, 0.0f);  // the next GEMMs read whole rows
       }
       Gemm(false, false, d.seq, d.head_dim, d.seq, scale, dprobs.data(), d.seq, k.f32 + kvo,
            d.kv_width(), 0.0f, dq.f32 + qo, d.q_width());
       Gemm(true, false, d.seq, d.head_dim, d.seq, scale, dprobs.data(), d.seq, q.f32 + qo,
-           d.q_width(), 1.0f, dk.f32 + kvo, d.kv_width());
+           d.q_width(), kv_beta, dk.f32 + kvo, d.kv_width());
     }
   }
   return Status::Ok();
@@ -484,23 +471,17 @@ Status AttentionBackward(const proto::Op& op, Refs in, Refs out, const KernelCon
 // ---------------------------------------------------------------------------------------------
 // swiglu
 
-float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
-
 Status Swiglu(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
   DC_RETURN_IF_ERROR(CheckArity(op, in, out, 2, 1));
   const TensorRef &gate = in[0], &up = in[1], &y = out[0];
   DC_RETURN_IF_ERROR(CheckF32Rank(op, gate, 1, In(0, "gate")));
   DC_RETURN_IF_ERROR(CheckF32Shape(op, up, gate.shape, In(1, "up")));
   DC_RETURN_IF_ERROR(CheckF32Shape(op, y, gate.shape, Out(0, "y")));
-  const int64_t n = gate.NumElements();
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = gate.f32[i];
-    y.f32[i] = g * Sigmoid(g) * up.f32[i];
-  }
+  simd::SimdKernels().swiglu(gate.f32, up.f32, y.f32, gate.NumElements());
   return Status::Ok();
 }
 
-// silu'(g) = s (1 + g (1 - s)) with s = sigmoid(g).
+// silu'(g) = s (1 + g (1 - s)) with s = sigmoid(g) (cpu_simd.cc).
 Status SwigluBackward(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
   DC_RETURN_IF_ERROR(CheckArity(op, in, out, 3, 2));
   const TensorRef &dy = in[0], &gate = in[1], &up = in[2], &dgate = out[0], &dup = out[1];
@@ -509,12 +490,8 @@ Status SwigluBackward(const proto::Op& op, Refs in, Refs out, const KernelContex
   DC_RETURN_IF_ERROR(CheckF32Shape(op, up, gate.shape, In(2, "up")));
   DC_RETURN_IF_ERROR(CheckF32Shape(op, dgate, gate.shape, Out(0, "dgate")));
   DC_RETURN_IF_ERROR(CheckF32Shape(op, dup, gate.shape, Out(1, "dup")));
-  const int64_t n = gate.NumElements();
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = gate.f32[i], s = Sigmoid(g);
-    dgate.f32[i] = dy.f32[i] * up.f32[i] * s * (1.0f + g * (1.0f - s));
-    dup.f32[i] = dy.f32[i] * g * s;
-  }
+  simd::SimdKernels().swiglu_backward(dy.f32, gate.f32, up.f32, dgate.f32, dup.f32,
+                                      gate.NumElements());
   return Status::Ok();
 }
 
@@ -534,8 +511,16 @@ Status Add(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
   DC_RETURN_IF_ERROR(CheckF32Shape(op, out[0], in[0].shape, Out(0, "sum")));
   const int64_t n = in[0].NumElements();
   float* y = out[0].f32;
-  // y may alias an input: read every input at i before writing y[i].
-  for (int64_t i = 0; i < n; ++i) {
+  // y may alias an input. Pairwise adds into y are safe unless y is an input after the second.
+  bool aliases_later_input = false;
+  for (size_t j = 2; j < in.size(); ++j) aliases_later_input |= in[j].f32 == y;
+  if (!aliases_later_input) {
+    const simd::Kernels& k = simd::SimdKernels();
+    k.add(in[0].f32, in[1].f32, y, n);
+    for (size_t j = 2; j < in.size(); ++j) k.add(y, in[j].f32, y, n);
+    return Status::Ok();
+  }
+  for (int64_t i = 0; i < n; ++i) {  // read every input at i before writing y[i]
     float sum = in[0].f32[i];
     for (size_t j = 1; j < in.size(); ++j) sum += in[j].f32[i];
     y[i] = sum;
@@ -562,12 +547,11 @@ Status CheckCrossEntropy(const proto::Op& op, const TensorRef& logits, const Ten
   return Status::Ok();
 }
 
-// log(sum(exp(row))), stably.
+// log(sum(exp(row))), stably: fp32 exps and partial sums, the log in double.
 double LogSumExp(const float* row, int64_t n) {
-  const float max = *std::max_element(row, row + n);
-  double sum = 0;
-  for (int64_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(row[i] - max));
-  return max + std::log(sum);
+  const simd::Kernels& k = simd::SimdKernels();
+  const float max = k.max_value(row, n);
+  return static_cast<double>(max) + std::log(static_cast<double>(k.sum_exp(row, n, max)));
 }
 
 Status CrossEntropy(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
@@ -589,15 +573,16 @@ Status CrossEntropyBackward(const proto::Op& op, Refs in, Refs out, const Kernel
   int64_t rows = 0, vocab = 0;
   DC_RETURN_IF_ERROR(CheckCrossEntropy(op, in[0], in[1], &rows, &vocab));
   DC_RETURN_IF_ERROR(CheckF32Shape(op, out[0], in[0].shape, Out(0, "dlogits")));
-  const double scale = context.grad_scale;
+  // softmax(row) * scale - scale * onehot(target): one exp per logit, written as it is summed,
+  // then one scaling pass (the log-sum-exp is not recomputed).
+  const float scale = static_cast<float>(context.grad_scale);
+  const simd::Kernels& k = simd::SimdKernels();
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = in[0].f32 + r * vocab;
     float* grad = out[0].f32 + r * vocab;
-    const double lse = LogSumExp(row, vocab);
-    for (int64_t i = 0; i < vocab; ++i) {
-      grad[i] = static_cast<float>(std::exp(static_cast<double>(row[i]) - lse) * scale);
-    }
-    grad[in[1].i32[r]] -= static_cast<float>(scale);
+    const float sum = k.exp_sum(row, grad, vocab, k.max_value(row, vocab));
+    k.scale(grad, vocab, static_cast<float>(context.grad_scale / static_cast<double>(sum)));
+    grad[in[1].i32[r]] -= scale;
   }
   return Status::Ok();
 }
@@ -652,19 +637,19 @@ Status AdamW(const proto::Op& op, Refs in, Refs out, const KernelContext& contex
   const double step = static_cast<double>(context.adam_step);
   const double m_correction = 1.0 / (1.0 - std::pow(s.beta1, step));
   const double v_correction = 1.0 / (1.0 - std::pow(s.beta2, step));
-  const double decay = 1.0 - s.lr * s.weight_decay;
-  float *p = in[0].f32, *m = in[2].f32, *v = in[3].f32;
-  const float* g = in[1].f32;
-  const int64_t n = in[0].NumElements();
-  for (int64_t i = 0; i < n; ++i) {
-    const double grad = g[i];
-    const double mi = s.beta1 * m[i] + (1.0 - s.beta1) * grad;
-    const double vi = s.beta2 * v[i] + (1.0 - s.beta2) * grad * grad;
-    m[i] = static_cast<float>(mi);
-    v[i] = static_cast<float>(vi);
-    const double update = (mi * m_correction) / (std::sqrt(vi * v_correction) + s.eps);
-    p[i] = static_cast<float>(p[i] * decay - s.lr * update);
-  }
+  // The constants in double, the pass in fp32 (as PyTorch's fp32 AdamW).
+  const simd::AdamCoefficients c = {
+      static_cast<float>(s.beta1),
+      static_cast<float>(s.beta2),
+      static_cast<float>(1.0 - s.beta1),
+      static_cast<float>(1.0 - s.beta2),
+      static_cast<float>(m_correction),
+      static_cast<float>(v_correction),
+      static_cast<float>(s.eps),
+      static_cast<float>(s.lr),
+      static_cast<float>(1.0 - s.lr * s.weight_decay),
+  };
+  simd::SimdKernels().adamw(in[0].f32, in[1].f32, in[2].f32, in[3].f32, in[0].NumElements(), c);
   return Status::Ok();
 }
 

@@ -1,6 +1,11 @@
 #include "tools/cli.h"
 
+#include <sched.h>
+
+#include <algorithm>
+#include <cstdlib>
 #include <iostream>
+#include <thread>
 
 #include "schemas/units.h"
 
@@ -91,6 +96,43 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
     return code == static_cast<int>(CLI::ExitCodes::Success) ? 0 : kUsageExitCode;
   }
   return std::nullopt;
+}
+
+namespace {
+// CLI11's range for --threads-per-rank; what this host allows is checked by Resolve.
+constexpr int kMaxThreadsPerRank = 4096;
+}  // namespace
+
+void ThreadsPerRankFlag::Add(CLI::App& app) {
+  app.add_option("--threads-per-rank", threads,
+                 "BLAS threads in each rank (cpu backend; default: the cores available, " +
+                     std::to_string(AvailableCores()) +
+                     " here, divided by the ranks on this host); results are bit-identical "
+                     "across runs and world sizes at equal threads per rank")
+      ->check(CLI::Range(1, kMaxThreadsPerRank));
+}
+
+StatusOr<int> ThreadsPerRankFlag::Resolve(int world_size) const {
+  const int cores = AvailableCores();
+  if (threads > cores) {
+    return Status::Error("--threads-per-rank " + std::to_string(threads) + " is more than the " +
+                         std::to_string(cores) + " core(s) this process may run on; give at most " +
+                         std::to_string(cores) + " (or drop it for the default)");
+  }
+  if (threads > 0) return threads;
+  int ranks_on_host = std::max(1, world_size);
+  if (const char* local = std::getenv("LOCAL_WORLD_SIZE")) {
+    const int n = std::atoi(local);
+    if (n > 0) ranks_on_host = n;
+  }
+  return std::max(1, cores / ranks_on_host);
+}
+
+int AvailableCores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 }
 
 const CLI::Validator& NonEmptyPath() {

@@ -28,6 +28,19 @@ struct ModelFlags {
 CLI::Option* AddBytesOption(CLI::App& app, const std::string& name, int64_t* bytes,
                             const std::string& help);
 
+// --threads-per-rank: BLAS (OpenBLAS) threads in each rank of the cpu backend.
+struct ThreadsPerRankFlag {
+  int threads = 0;  // 0: not given, use the default
+  void Add(CLI::App& app);
+  // The flag's value, or the default: the cores this process may run on (its affinity mask)
+  // shared by the ranks on this host (LOCAL_WORLD_SIZE where a launcher sets it, else
+  // `world_size`), at least 1. A value above those cores is an error naming both.
+  StatusOr<int> Resolve(int world_size) const;
+};
+
+// The cores this process may run on: its affinity mask's, else std::thread's count, at least 1.
+int AvailableCores();
+
 // The exit codes of every dc command (README, "Exit codes"): 0 on success, kUsageExitCode when the
 // command line does not parse (an unknown flag, a missing argument, a value of the wrong type or
 // outside its range: what CLI11 checks), 1 for every other error (Fail).

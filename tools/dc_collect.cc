@@ -11,6 +11,7 @@
 #include "collector/cupti/attach.h"
 #endif
 #include "executor/backends.h"
+#include "executor/cpu_simd.h"
 #include "executor/data.h"
 #include "executor/launch.h"
 #include "executor/session.h"
@@ -31,6 +32,8 @@ int main(int argc, char** argv) {
   std::string backend = "auto", out, rendezvous;
   int64_t device_memory = 0;
   bool json = false, quiet = false;
+  cli::ThreadsPerRankFlag threads_per_rank;
+  threads_per_rank.Add(app);
   app.add_option("--nproc", nproc, "ranks to start on this machine")
       ->check(CLI::Range(1, 256))
       ->capture_default_str();
@@ -98,6 +101,9 @@ int main(int argc, char** argv) {
       return cli::Fail("dc-collect", s);
     }
   }
+  const StatusOr<int> blas_threads =
+      threads_per_rank.Resolve(env->world_size > 1 ? env->world_size : nproc);
+  if (!blas_threads.ok()) return cli::Fail("dc-collect", blas_threads.status());
   const BackendAvailability available = AvailableBackends();
   auto chosen = ResolveBackend(backend, available, "dc-collect");
   if (!chosen.ok()) return cli::Fail("dc-collect", chosen.status());
@@ -140,6 +146,7 @@ int main(int argc, char** argv) {
   session.run.steps = steps;
   session.run.warmup_steps = warmup;
   session.run.device_memory_bytes = device_memory;
+  session.run.num_threads = *blas_threads;
   session.trace_path = out;
   session.rendezvous_flag = rendezvous;
   session.timeout = std::chrono::seconds(timeout_s);
@@ -169,6 +176,10 @@ int main(int argc, char** argv) {
     j["step_seconds_median"] = result->run.step_seconds_median;
     j["peak_device_bytes"] = result->run.peak_device_bytes;
     j["backend"] = *chosen;
+    if (*chosen == "cpu") {
+      j["cpu_kernels"] = simd::SimdKernels().name;
+      j["threads_per_rank"] = *blas_threads;
+    }
     std::cout << j.dump() << "\n";
   } else {
     std::printf(

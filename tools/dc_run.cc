@@ -8,6 +8,7 @@
 
 #include "executor/backends.h"
 #include "executor/checkpoint.h"
+#include "executor/cpu_simd.h"
 #include "executor/data.h"
 #include "executor/launch.h"
 #include "executor/session.h"
@@ -78,6 +79,8 @@ int main(int argc, char** argv) {
   app.add_flag("--json", json,
                "print one JSON object (losses, step_seconds_median, tokens_per_second, ...)");
   app.add_flag("--quiet", quiet, "no per-step lines, only the summary");
+  cli::ThreadsPerRankFlag threads_per_rank;
+  threads_per_rank.Add(app);
   WeightsIoOptions weights;
   app.add_option("--init-from", weights.init_from_dir,
                  "start from this model directory (config.json + safetensors, as --export or "
@@ -135,6 +138,9 @@ int main(int argc, char** argv) {
   if (!chosen.ok()) return cli::Fail("dc-run", chosen.status());
   const Status matches = CheckPlanBackend(plan_path, *plan, *chosen, backend, available);
   if (!matches.ok()) return cli::Fail("dc-run", matches);
+  const StatusOr<int> blas_threads =
+      threads_per_rank.Resolve(nproc > 0 ? nproc : plan->world_size());
+  if (!blas_threads.ok()) return cli::Fail("dc-run", blas_threads.status());
   const int64_t total_steps = static_cast<int64_t>(warmup) + steps;
   // Checked before any rank starts, so what cannot be resumed is one line, not N.
   std::string resumed_from;
@@ -205,6 +211,7 @@ int main(int argc, char** argv) {
     session.run.after_step = CheckpointSaver(saving);
   }
   session.run.device_memory_bytes = device_memory;
+  session.run.num_threads = *blas_threads;
   session.trace_path = trace_out;
   session.rendezvous_flag = rendezvous;
   session.timeout = std::chrono::seconds(timeout_s);
@@ -237,6 +244,10 @@ int main(int argc, char** argv) {
     j["predicted_peak_device_bytes"] = plan->prediction().peak_device_bytes();
     j["world_size"] = run.world_size;
     j["backend"] = *chosen;
+    if (*chosen == "cpu") {
+      j["cpu_kernels"] = simd::SimdKernels().name;  // the build the start-up chose
+      j["threads_per_rank"] = *blas_threads;
+    }
     j["first_step"] = session.run.first_step;
     if (!resumed_from.empty()) j["resumed_from"] = resumed_from;
     if (!save_dir.empty()) j["saved"] = save_dir + "/" + CheckpointDirName(total_steps);
@@ -251,6 +262,10 @@ int main(int argc, char** argv) {
         run.tokens_per_second, FormatBytes(run.peak_device_bytes).c_str(),
         plan->prediction().step_seconds(),
         FormatBytes(plan->prediction().peak_device_bytes()).c_str());
+    if (*chosen == "cpu") {
+      std::printf("cpu kernels: %s, %d BLAS thread(s) per rank\n", simd::SimdKernels().name,
+                  *blas_threads);
+    }
     if (!resumed_from.empty()) {
       std::printf("resumed from %s (step %lld)\n", resumed_from.c_str(),
                   static_cast<long long>(session.run.first_step));

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# dc-run against PyTorch eager (bench/torch_peer.py) on the same model and shapes, one thread per
+# process, runs alternated (dc, PyTorch, dc, PyTorch, ...) so the machine's noise falls on both.
+#   bench/torch_compare.sh [build-dir] [pairs] [config ...]
+# configs: tiny-1 small-1 wide-1 (one core each, both pinned to cpu 0 with taskset) and small-2
+# wide-2 (dc-run --nproc 2 against PyTorch DDP on 2 gloo ranks); default all five. `wide` is
+# --layers 4 --hidden 512 --heads 8 --kv-heads 4 --ffn 1376 --vocab 4096 --seq 256 --micro-batch 2.
+# Prints each pair's tokens/s, then per config both medians, their ratio (dc / PyTorch) and the
+# load average before and after. Python: $PYTHON, default /usr/bin/python3 (needs torch).
+set -euo pipefail
+build=${1:-build}
+pairs=${2:-5}
+shift $(($# < 2 ? $# : 2))
+configs=("$@")
+[ ${#configs[@]} -gt 0 ] || configs=(tiny-1 small-1 wide-1 small-2 wide-2)
+python=${PYTHON:-/usr/bin/python3}
+here=$(cd "$(dirname "$0")" && pwd)
+bin="$build/tools"
+work=$(mktemp -d /tmp/dc-torch-compare-XXXXXX)
+trap 'rm -rf "$work"' EXIT
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
+
+# dc-run's own flag for BLAS threads, where this build has it (older builds use 1 thread).
+dc_threads=()
+if "$bin/dc-run" --help | grep -q -- --threads-per-rank; then dc_threads=(--threads-per-rank 1); fi
+
+# Model flags (dc-plan's names, which torch_peer.py shares), measured steps, warm-up steps.
+model_flags() {
+  case "$1" in
+    tiny) echo "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 256 --seq 32 --micro-batch 2" ;;
+    small) echo "--layers 4 --hidden 256 --heads 8 --kv-heads 4 --ffn 688 --vocab 2048 --seq 128 --micro-batch 4" ;;
+    wide) echo "--layers 4 --hidden 512 --heads 8 --kv-heads 4 --ffn 1376 --vocab 4096 --seq 256 --micro-batch 2" ;;
+    *) echo "torch_compare.sh: unknown model '$1'; use tiny, small or wide" >&2; exit 2 ;;
+  esac
+}
+steps_for() {
+  case "$1" in
+    tiny) echo 60 ;;
+    small) echo 10 ;;
+    *) echo 6 ;;
+  esac
+}
+
+field() { "$python" -c 'import json,sys; print(json.loads(sys.stdin.read().strip().splitlines()[-1])[sys.argv[1]])' "$1"; }
+
+echo "date: $(date -u +%Y-%m-%dT%H:%MZ)  machine: $(getconf _NPROCESSORS_ONLN) cores, $(uname -m), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
+echo "torch: $("$python" -c 'import torch; print(torch.__version__)')  dc: $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo unknown)  pairs: $pairs"
+summary=()
+for config in "${configs[@]}"; do
+  model=${config%-*}
+  world=${config##*-}
+  # shellcheck disable=SC2207  # the flags are words
+  flags=($(model_flags "$model"))
+  steps=$(steps_for "$model")
+  warmup=2
+  pin=()
+  ddp=()
+  if [ "$world" = 1 ]; then pin=(taskset -c 0); else ddp=(--ddp "$world"); fi
+  "$bin/dc-plan" --synthetic --hardware cpu "${flags[@]}" --world "$world" -o "$work/$config.dcplan" >/dev/null
+  load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+  dc_runs=()
+  torch_runs=()
+  for ((i = 1; i <= pairs; i++)); do
+    dc=$("${pin[@]}" "$bin/dc-run" "$work/$config.dcplan" --steps "$steps" --warmup "$warmup" "${dc_threads[@]}" --json --quiet | field tokens_per_second)
+    torch=$("${pin[@]}" "$python" "$here/torch_peer.py" "${flags[@]}" --steps "$steps" --warmup "$warmup" --threads 1 "${ddp[@]}" | field tokens_per_second)
+    dc_runs+=("$dc")
+    torch_runs+=("$torch")
+    printf "%-8s pair %d: dc %10.1f tokens/s  pytorch %10.1f tokens/s\n" "$config" "$i" "$dc" "$torch"
+  done
+  load_after=$(cut -d' ' -f1-3 /proc/loadavg)
+  summary+=("$("$python" - "$config" "${dc_runs[*]}" "${torch_runs[*]}" "$load_before" "$load_after" <<'PY'
+import statistics, sys
+config, dc, torch, before, after = sys.argv[1:]
+dc = statistics.median(map(float, dc.split()))
+torch = statistics.median(map(float, torch.split()))
+print(f"| {config} | {dc:.1f} | {torch:.1f} | {dc / torch:.2f}x | {before} -> {after} |")
+PY
+)")
+done
+echo
+echo "| config | dc tokens/s (median) | PyTorch tokens/s (median) | dc / PyTorch | load average |"
+echo "|---|---|---|---|---|"
+printf "%s\n" "${summary[@]}"
