@@ -279,6 +279,30 @@ TEST(Synthetic, PlansLlama3_70bOn32H100sWithoutATrace) {
     EXPECT_GT(pass["instructions"].get<int>(), 0);
     EXPECT_GT(pass["predicted_step_seconds"].get<double>(), 0);
   }
+  // The lower bound stands beside the prediction (machine/lower_bound.h).
+  const double bound = j["bound"]["step_seconds"].get<double>();
+  EXPECT_GT(bound, 0.3);
+  EXPECT_LE(bound, j["predicted"]["step_seconds"].get<double>());
+  EXPECT_NEAR(j["bound"]["gap"].get<double>(),
+              j["predicted"]["step_seconds"].get<double>() / bound - 1, 1e-9);
+  EXPECT_FALSE(j["bound"]["binding"].get<std::string>().empty());
+}
+
+// Issue 14's case: dc's own pipelines predict 0.1781 s and DeepCompile's rules 0.1672 s; dc keeps
+// the rules' plan, and the summary and --explain say so beside the bound.
+TEST(Synthetic, DcKeepsARulesPlanWhereItIsFaster) {
+  const std::string dir = FreshDir("synthetic-rival");
+  auto plan = RunCommand(
+      Tool("dc-plan") +
+      " --synthetic --model llama-1b --layers 4 --hidden 4096 --heads 32 --kv-heads 2 --ffn 8192 "
+      "--vocab 128256 --seq 512 --micro-batch 3 --gas 4 --world 8 --gpus-per-node 8 --hardware "
+      "h100-sxm --budget 4954009965 --no-cache --explain -o " +
+      dir + "/p.dcplan");
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  EXPECT_NE(plan.out.find("predicted step 0.1672 s (bound "), std::string::npos) << plan.out;
+  EXPECT_NE(plan.out.find("chosen: kept deepcompile's plan: 0.1672 s < dc's 0.1781 s"),
+            std::string::npos)
+      << plan.out;
 }
 
 // Mixtral 8x7B on 32 H100s at GAS 16 (DeepCompile's own setting): dc keeps expert weights

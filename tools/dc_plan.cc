@@ -14,6 +14,7 @@
 #include "executor/data.h"
 #include "machine/estimate.h"
 #include "machine/hardware.h"
+#include "machine/lower_bound.h"
 #include "machine/simulator.h"
 #include "rewriter/plan_cache.h"
 #include "rewriter/planner.h"
@@ -41,6 +42,28 @@ nlohmann::json PredictionJson(const proto::Prediction& p) {
   for (const auto& k : p.peak_by_kind()) by_kind[k.kind()] = k.bytes();
   j["peak_by_kind"] = by_kind;
   return j;
+}
+
+// The lower bound beside a predicted step: its seconds, the gap, the term that binds and each
+// term (machine/lower_bound.h).
+nlohmann::json BoundJson(const StepBound& bound, double step_seconds) {
+  return {{"step_seconds", bound.seconds},
+          {"gap", BoundGap(step_seconds, bound.seconds)},
+          {"binding", bound.binding},
+          {"terms",
+           {{"compute_seconds", bound.compute_seconds},
+            {"compute_and_host_optimizer_seconds", bound.compute_host_seconds},
+            {"communication_seconds", bound.communication_seconds},
+            {"overlap_seconds", bound.overlap_seconds},
+            {"serial_seconds", bound.serial_seconds}}}};
+}
+
+// "bound 0.94 s, gap 20%"
+std::string BoundText(const StepBound& bound, double step_seconds) {
+  char text[96];
+  std::snprintf(text, sizeof(text), "bound %.4f s, gap %.0f%%", bound.seconds,
+                100 * BoundGap(step_seconds, bound.seconds));
+  return text;
 }
 
 Status SyntheticRequest(const cli::ModelFlags& model, const std::string& hardware, int world,
@@ -222,7 +245,7 @@ void PrintReport(const Profile& profile, const proto::Schedule& plan) {
               FormatBytes(plan.baseline().peak_device_bytes()).c_str());
 }
 
-void PrintExplain(const proto::Schedule& plan) {
+void PrintExplain(const proto::Schedule& plan, const StepBound& bound) {
   std::printf("passes (%s):\n", plan.policy().c_str());
   double previous_seconds = plan.baseline().step_seconds();
   int64_t previous_peak = plan.baseline().peak_device_bytes();
@@ -239,6 +262,26 @@ void PrintExplain(const proto::Schedule& plan) {
   }
   const double base = plan.baseline().step_seconds(), now = plan.prediction().step_seconds();
   if (now > 0) std::printf("  speed-up over the zero3 baseline: %.3fx\n", base / now);
+  // Which candidate won: a rival policy's plan or a fallback says so in a note.
+  bool noted = false;
+  for (const auto& note : plan.notes()) {
+    if (note.rfind("kept ", 0) == 0 || note.find("planned with") != std::string::npos) {
+      std::printf("  chosen: %s\n", note.c_str());
+      noted = true;
+    }
+  }
+  if (!noted) std::printf("  chosen: %s's own pipeline\n", plan.policy().c_str());
+  std::printf(
+      "  predicted step %.4f s, %s (%s binds; no schedule of this program on this profile is "
+      "faster)\n",
+      now, BoundText(bound, now).c_str(), bound.binding.c_str());
+  std::printf(
+      "  bound terms: compute %.4f s, compute and host optimizer %.4f s, communication %.4f s, "
+      "under the overlap slowdown %.4f s",
+      bound.compute_seconds, bound.compute_host_seconds, bound.communication_seconds,
+      bound.overlap_seconds);
+  if (bound.serial_seconds > 0) std::printf(", serial streams %.4f s", bound.serial_seconds);
+  std::printf("\n");
 }
 
 // What the command line asks for.
@@ -324,6 +367,7 @@ struct Outcome {
   bool cache_hit = false;
   std::optional<Profile> measured;
   std::vector<std::string> notes;
+  StepBound bound;  // of the plan's program, world and costs
   nlohmann::json rounds = nlohmann::json::array();
 };
 
@@ -403,6 +447,7 @@ StatusOr<Outcome> Plan(const Flags& f) {
     DC_ASSIGN_OR_RETURN(SimResult sim, Simulate(*plan, request.costs));
     DC_RETURN_IF_ERROR(WritePlanPerfettoFile(*plan, sim, f.perfetto).status());
   }
+  outcome.bound = StepLowerBound(plan->program(), plan->world_size(), request.costs);
   outcome.plan = std::move(*plan);
   return outcome;
 }
@@ -421,6 +466,7 @@ void PrintJson(const Flags& f, const Outcome& o) {
   j["notes"] = std::vector<std::string>(plan.notes().begin(), plan.notes().end());
   j["predicted"] = PredictionJson(plan.prediction());
   j["baseline"] = PredictionJson(plan.baseline());
+  j["bound"] = BoundJson(o.bound, plan.prediction().step_seconds());
   j["passes"] = nlohmann::json::array();
   for (const auto& p : plan.passes()) {
     j["passes"].push_back({{"name", p.name()},
@@ -450,17 +496,19 @@ void PrintJson(const Flags& f, const Outcome& o) {
 void PrintText(const Flags& f, const Outcome& o) {
   const proto::Schedule& plan = o.plan;
   std::printf(
-      "plan %s: cache %s, %d instructions for %d rank(s), predicted step %.4f s, peak %s (budget "
-      "%s)\n",
+      "plan %s: cache %s, %d instructions for %d rank(s), predicted step %.4f s (%s), peak %s "
+      "(budget %s)\n",
       f.out.c_str(), o.cache_hit ? "hit" : "miss", plan.instructions_size(), plan.world_size(),
-      plan.prediction().step_seconds(), FormatBytes(plan.prediction().peak_device_bytes()).c_str(),
+      plan.prediction().step_seconds(),
+      BoundText(o.bound, plan.prediction().step_seconds()).c_str(),
+      FormatBytes(plan.prediction().peak_device_bytes()).c_str(),
       plan.budget_bytes() ? FormatBytes(plan.budget_bytes()).c_str() : "unlimited");
   for (const auto& round : o.rounds) {
     std::printf("round %d: predicted %.6f s, measured %.6f s per step\n", round["round"].get<int>(),
                 round["predicted_step_seconds"].get<double>(),
                 round["measured_step_seconds"].get<double>());
   }
-  if (f.explain) PrintExplain(plan);
+  if (f.explain) PrintExplain(plan, o.bound);
   if (f.report && o.measured) PrintReport(*o.measured, plan);
   for (const auto& note : plan.notes()) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
   for (const auto& note : o.notes) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
