@@ -2,9 +2,11 @@
 #include <gtest/gtest.h>
 #include <sqlite3.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -329,6 +331,39 @@ TEST(Synthetic, MixtralAtGas16BeatsDeepCompileInsideTheGpu) {
   for (const auto& pass : dc["passes"])
     unsharded = unsharded || (pass["name"] == "unshard" && pass["changed"] == true);
   EXPECT_TRUE(unsharded) << dc["passes"].dump();
+}
+
+// A profile printed to a file and planned with gives the plan the built-in profile gives, byte
+// for byte; a bad constant in the file is one line naming the file and the constant.
+TEST(Synthetic, HardwareProfileFromAFile) {
+  const std::string dir = FreshDir("synthetic-hardware-file");
+  auto printed = RunCommand(Tool("dc-plan") + " --hardware a100-80gb --print-hardware");
+  ASSERT_EQ(printed.exit_code, 0) << printed.err;
+  const std::string file = dir + "/a100.json";
+  std::ofstream(file) << printed.out;
+  const std::string flags =
+      " --synthetic --model llama-1b --layers 2 --world 16 --gpus-per-node 8 --no-cache -o ";
+  auto builtin = RunCommand(Tool("dc-plan") + flags + dir + "/builtin.dcplan --hardware a100-80gb");
+  ASSERT_EQ(builtin.exit_code, 0) << builtin.err;
+  auto from_file = RunCommand(Tool("dc-plan") + flags + dir + "/file.dcplan --hardware " + file);
+  ASSERT_EQ(from_file.exit_code, 0) << from_file.err;
+  std::ifstream a(dir + "/builtin.dcplan", std::ios::binary),
+      b(dir + "/file.dcplan", std::ios::binary);
+  const std::string plan_a{std::istreambuf_iterator<char>(a), {}};
+  const std::string plan_b{std::istreambuf_iterator<char>(b), {}};
+  EXPECT_FALSE(plan_a.empty());
+  EXPECT_EQ(plan_a, plan_b);
+
+  std::string bad = printed.out;
+  const std::string unit = "\"unit\": \"bytes/s\"";
+  bad.replace(bad.find(unit), unit.size(), "\"unit\": \"GB/s\"");
+  std::ofstream(dir + "/bad.json") << bad;
+  auto refused =
+      RunCommand(Tool("dc-plan") + flags + dir + "/bad.dcplan --hardware " + dir + "/bad.json");
+  EXPECT_EQ(refused.exit_code, 1);
+  EXPECT_EQ(std::count(refused.err.begin(), refused.err.end(), '\n'), 1) << refused.err;
+  EXPECT_NE(refused.err.find("bad.json"), std::string::npos) << refused.err;
+  EXPECT_NE(refused.err.find("memory_bandwidth_bytes_per_s"), std::string::npos) << refused.err;
 }
 
 TEST(Synthetic, BadHardwareAndClusterAreOneClearLine) {

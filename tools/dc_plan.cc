@@ -71,7 +71,7 @@ Status SyntheticRequest(const cli::ModelFlags& model, const std::string& hardwar
   DC_ASSIGN_OR_RETURN(proto::ModelConfig config, MakeConfig(model.preset, model.overrides));
   DC_RETURN_IF_ERROR(RecordDataFile(&config));
   DC_ASSIGN_OR_RETURN(proto::Program program, BuildProgram(config));
-  DC_ASSIGN_OR_RETURN(HardwareProfile hw, FindHardware(hardware));
+  DC_ASSIGN_OR_RETURN(HardwareProfile hw, ResolveHardware(hardware));
   DC_ASSIGN_OR_RETURN(ClusterShape cluster, MakeCluster(world, gpus_per_node));
   DC_RETURN_IF_ERROR(ValidateCluster(hw, cluster));
   request->world_size = world;
@@ -289,7 +289,7 @@ struct Flags {
   std::string trace_path, out = "plan.dcplan", cache_dir, policy = "dc", from_plan;
   int64_t budget = 0;
   bool no_cache = false, report = false, json = false, synthetic = false, explain = false;
-  bool quiet = false;
+  bool quiet = false, print_hardware = false;
   std::string hardware = "h100-sxm", dump_after, perfetto;
   int world = 8, gpus_per_node = 8;
   cli::ModelFlags model;
@@ -309,11 +309,15 @@ void AddFlags(CLI::App& app, Flags* f) {
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
   app.add_option("--hardware", f->hardware,
-                 "hardware profile (--synthetic): " + Join(HardwareNames(), ", "))
+                 "hardware profile (--synthetic): " + Join(HardwareNames(), ", ") +
+                     ", or a profile file (FILE.json, as --print-hardware writes)")
       ->capture_default_str();
   app.add_option("--gpus-per-node", f->gpus_per_node, "GPUs per node (--synthetic)")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
+  app.add_flag("--print-hardware", f->print_hardware,
+               "print the --hardware profile as a file (each constant's value, unit and source) "
+               "to edit and pass back as --hardware FILE.json, and exit");
   app.add_flag("--explain", f->explain,
                "say per pass what it changed and what it bought (predicted seconds and bytes)");
   app.add_option("--rounds", f->rounds.rounds,
@@ -532,6 +536,12 @@ int main(int argc, char** argv) {
   Flags flags;
   AddFlags(app, &flags);
   if (std::optional<int> exit_code = cli::Parse(app, argc, argv)) return *exit_code;
+  if (flags.print_hardware) {
+    StatusOr<HardwareProfile> hw = ResolveHardware(flags.hardware);
+    if (!hw.ok()) return cli::Fail("dc-plan", hw.status());
+    std::cout << HardwareProfileJson(*hw);
+    return 0;
+  }
   if (flags.synthetic == !flags.trace_path.empty()) {
     return cli::Fail("dc-plan",
                      Status::Error("give a trace, or --synthetic with --model (see --help)"));
