@@ -288,6 +288,16 @@ TEST(Synthetic, PlansLlama3_70bOn32H100sWithoutATrace) {
   EXPECT_NEAR(j["bound"]["gap"].get<double>(),
               j["predicted"]["step_seconds"].get<double>() / bound - 1, 1e-9);
   EXPECT_FALSE(j["bound"]["binding"].get<std::string>().empty());
+  // The range over h100-sxm's five assumed constants holds the prediction.
+  EXPECT_EQ(j["range"]["assumed"].size(), 5u) << j["range"].dump();
+  const double step = j["predicted"]["step_seconds"].get<double>();
+  EXPECT_LE(j["range"]["step_seconds"]["min"].get<double>(), step);
+  EXPECT_GE(j["range"]["step_seconds"]["max"].get<double>(), step);
+  EXPECT_LT(j["range"]["step_seconds"]["min"].get<double>(),
+            j["range"]["step_seconds"]["max"].get<double>());
+  const double speedup = j["baseline"]["step_seconds"].get<double>() / step;
+  EXPECT_LE(j["range"]["speedup_over_baseline"]["min"].get<double>(), speedup);
+  EXPECT_GE(j["range"]["speedup_over_baseline"]["max"].get<double>(), speedup);
 }
 
 // Issue 14's case: dc's own pipelines predict 0.1781 s and DeepCompile's rules 0.1672 s; dc keeps

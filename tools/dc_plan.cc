@@ -16,10 +16,12 @@
 #include "machine/hardware.h"
 #include "machine/lower_bound.h"
 #include "machine/simulator.h"
+#include "machine/uncertainty.h"
 #include "rewriter/plan_cache.h"
 #include "rewriter/planner.h"
 #include "rewriter/schedule_text.h"
 #include "rewriter/search.h"
+#include "rewriter/zero3.h"
 #include "schemas/digest.h"
 #include "schemas/files.h"
 #include "schemas/plan_file.h"
@@ -66,8 +68,53 @@ std::string BoundText(const StepBound& bound, double step_seconds) {
   return text;
 }
 
+// A synthetic plan's machine: the profile and the cluster its costs were estimated for.
+struct Machine {
+  HardwareProfile hw;
+  ClusterShape cluster;
+};
+
+// The range of a prediction over the profile's assumed constants (machine/uncertainty.h): the
+// plan and the zero3 baseline re-simulated on every variant of the profile.
+struct PredictionRange {
+  std::vector<std::string> assumed;  // the constants' keys
+  double min_step_seconds = 0, max_step_seconds = 0;
+  double min_speedup = 0, max_speedup = 0;  // baseline step over the plan's, per variant
+};
+
+StatusOr<std::optional<PredictionRange>> RangeOf(const proto::Schedule& plan,
+                                                 const Machine& machine) {
+  const std::vector<ProfileVariant> variants = AssumptionVariants(machine.hw);
+  if (variants.empty()) return std::optional<PredictionRange>();
+  proto::Schedule baseline;
+  baseline.set_world_size(plan.world_size());
+  *baseline.mutable_program() = plan.program();
+  Zero3Pass zero3;
+  DC_RETURN_IF_ERROR(zero3.Run(&baseline, PassContext{nullptr, 0}).status());
+  PredictionRange range;
+  for (const AssumedRange& r : AssumedRanges(machine.hw)) range.assumed.push_back(r.key);
+  SimOptions options;
+  options.memory_timeline = false;
+  // The range holds the prediction itself (every constant at its value).
+  range.min_step_seconds = range.max_step_seconds = plan.prediction().step_seconds();
+  range.min_speedup = range.max_speedup =
+      plan.baseline().step_seconds() / plan.prediction().step_seconds();
+  for (const ProfileVariant& variant : variants) {
+    const CostModel costs = EstimateCostModel(plan.program(), variant.profile, machine.cluster);
+    DC_ASSIGN_OR_RETURN(SimResult ours, Simulate(plan, costs, options));
+    DC_ASSIGN_OR_RETURN(SimResult base, Simulate(baseline, costs, options));
+    const double speedup = base.step_seconds / ours.step_seconds;
+    range.min_step_seconds = std::min(range.min_step_seconds, ours.step_seconds);
+    range.max_step_seconds = std::max(range.max_step_seconds, ours.step_seconds);
+    range.min_speedup = std::min(range.min_speedup, speedup);
+    range.max_speedup = std::max(range.max_speedup, speedup);
+  }
+  return std::optional<PredictionRange>(range);
+}
+
 Status SyntheticRequest(const cli::ModelFlags& model, const std::string& hardware, int world,
-                        int gpus_per_node, int64_t budget, PlanRequest* request) {
+                        int gpus_per_node, int64_t budget, PlanRequest* request,
+                        std::optional<Machine>* machine) {
   DC_ASSIGN_OR_RETURN(proto::ModelConfig config, MakeConfig(model.preset, model.overrides));
   DC_RETURN_IF_ERROR(RecordDataFile(&config));
   DC_ASSIGN_OR_RETURN(proto::Program program, BuildProgram(config));
@@ -82,6 +129,7 @@ Status SyntheticRequest(const cli::ModelFlags& model, const std::string& hardwar
   request->profile_digest = Sha256Hex(CostModelText(request->costs));
   request->budget_bytes = budget > 0 ? budget : hw.device_memory_bytes;
   request->program = std::move(program);
+  *machine = Machine{std::move(hw), cluster};
   return Status::Ok();
 }
 
@@ -371,7 +419,11 @@ struct Outcome {
   bool cache_hit = false;
   std::optional<Profile> measured;
   std::vector<std::string> notes;
-  StepBound bound;  // of the plan's program, world and costs
+  StepBound bound;                 // of the plan's program, world and costs
+  std::optional<Machine> machine;  // --synthetic: the profile the costs came from
+  // --synthetic: the prediction's range over the profile's assumed constants (none where the
+  // profile assumes nothing).
+  std::optional<PredictionRange> range;
   nlohmann::json rounds = nlohmann::json::array();
 };
 
@@ -380,7 +432,7 @@ struct Outcome {
 StatusOr<PlanRequest> RequestOf(const Flags& f, Outcome* outcome) {
   PlanRequest request;
   DC_RETURN_IF_ERROR(f.synthetic ? SyntheticRequest(f.model, f.hardware, f.world, f.gpus_per_node,
-                                                    f.budget, &request)
+                                                    f.budget, &request, &outcome->machine)
                                  : TraceRequest(f.trace_path, f.from_plan, f.budget, &request,
                                                 &outcome->measured, &outcome->notes));
   request.policy = f.passes.empty() ? f.policy : "custom";
@@ -452,6 +504,9 @@ StatusOr<Outcome> Plan(const Flags& f) {
     DC_RETURN_IF_ERROR(WritePlanPerfettoFile(*plan, sim, f.perfetto).status());
   }
   outcome.bound = StepLowerBound(plan->program(), plan->world_size(), request.costs);
+  if (outcome.machine && f.rounds.rounds == 0 && (f.json || f.explain)) {
+    DC_ASSIGN_OR_RETURN(outcome.range, RangeOf(*plan, *outcome.machine));
+  }
   outcome.plan = std::move(*plan);
   return outcome;
 }
@@ -471,6 +526,12 @@ void PrintJson(const Flags& f, const Outcome& o) {
   j["predicted"] = PredictionJson(plan.prediction());
   j["baseline"] = PredictionJson(plan.baseline());
   j["bound"] = BoundJson(o.bound, plan.prediction().step_seconds());
+  if (o.range) {
+    j["range"] = {
+        {"assumed", o.range->assumed},
+        {"step_seconds", {{"min", o.range->min_step_seconds}, {"max", o.range->max_step_seconds}}},
+        {"speedup_over_baseline", {{"min", o.range->min_speedup}, {"max", o.range->max_speedup}}}};
+  }
   j["passes"] = nlohmann::json::array();
   for (const auto& p : plan.passes()) {
     j["passes"].push_back({{"name", p.name()},
@@ -512,7 +573,18 @@ void PrintText(const Flags& f, const Outcome& o) {
                 round["predicted_step_seconds"].get<double>(),
                 round["measured_step_seconds"].get<double>());
   }
-  if (f.explain) PrintExplain(plan, o.bound);
+  if (f.explain) {
+    PrintExplain(plan, o.bound);
+    if (o.range) {
+      std::printf(
+          "  range over the profile's %zu assumed constants (%s; machine/HARDWARE.md): step "
+          "%.4f-%.4f s, speed-up over the zero3 baseline %.3f-%.3fx\n",
+          o.range->assumed.size(), Join(o.range->assumed, ", ").c_str(), o.range->min_step_seconds,
+          o.range->max_step_seconds, o.range->min_speedup, o.range->max_speedup);
+    } else if (o.machine) {
+      std::printf("  no range: the profile assumes none of its constants\n");
+    }
+  }
   if (f.report && o.measured) PrintReport(*o.measured, plan);
   for (const auto& note : plan.notes()) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
   for (const auto& note : o.notes) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
