@@ -22,6 +22,7 @@
 
 #include "machine/estimate.h"
 #include "machine/hardware.h"
+#include "machine/lower_bound.h"
 #include "models/model.h"
 #include "rewriter/planner.h"
 
@@ -53,6 +54,8 @@ struct PolicyRun {
   std::string error;
   double step_seconds = 0, plan_seconds = 0;
   int64_t peak_bytes = 0;
+  std::string
+      kept;  // the rule whose plan dc kept (its note "kept deepcompile's plan: ..."), if any
 };
 
 struct Row {
@@ -62,6 +65,7 @@ struct Row {
   std::string base_policy;
   double flops_per_rank_step = 0;  // forward and backward of every micro-step, one rank
   int64_t tokens_per_rank_step = 0;
+  double bound_seconds = 0;  // no schedule's step is shorter (machine/lower_bound.h)
   std::map<std::string, PolicyRun> runs;
 };
 
@@ -110,6 +114,9 @@ PolicyRun Plan(const dc::proto::Program& program, const dc::CostModel& costs, in
   run.ok = true;
   run.step_seconds = plan->prediction().step_seconds();
   run.peak_bytes = plan->prediction().peak_device_bytes();
+  for (const std::string& note : plan->notes()) {
+    if (note.rfind("kept ", 0) == 0) run.kept = note.substr(5, note.find("'s plan") - 5);
+  }
   return run;
 }
 
@@ -130,6 +137,7 @@ StatusOr<Row> Measure(const Config& config, const dc::HardwareProfile& hw,
   const dc::CostModel costs = dc::EstimateCostModel(program, hw, cluster);
   Row row;
   row.config = config;
+  row.bound_seconds = dc::StepLowerBound(program, cluster.world_size(), costs).seconds;
   // The model's flops (MFU): recomputed ops are work the step does twice, not model flops.
   for (const auto& op : program.ops()) {
     if (op.phase() == dc::proto::PHASE_OPTIMIZER) continue;
@@ -198,12 +206,16 @@ void Print(const std::vector<Row>& rows, const dc::HardwareProfile& hw) {
       "offload); \"paper\" is DeepCompile's published best speed-up for that model and setting. "
       "Where plain ZeRO-3 does not fit, the speed-ups are over ZeRO-3 offload (zero3-offload: "
       "masters and Adam states in host memory, Adam on the host as DeepSpeed's CPU Adam runs "
-      "it), as its users would run it.\n\n",
+      "it), as its users would run it. \"bound s\" is a step no schedule of the row's program "
+      "beats on this profile at any budget (machine/lower_bound.h); \"gap\" is the policy's "
+      "step over it, less 1.\n\n",
       hw.name.c_str(), kGpusPerNode, static_cast<double>(hw.device_memory_bytes) / kGiB,
       hw.peak_bf16_flops_per_s / 1e12);
   std::printf(
-      "| setting | policy | step s | tokens/s/GPU | MFU | peak GiB | x base | paper | plan s |\n");
-  std::printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+      "| setting | policy | step s | bound s | gap | tokens/s/GPU | MFU | peak GiB | x base | "
+      "paper "
+      "| plan s |\n");
+  std::printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   Footnotes notes;
   for (const Row& row : rows) {
     const PolicyRun& base = row.runs.at(row.base_policy);
@@ -215,7 +227,7 @@ void Print(const std::vector<Row>& rows, const dc::HardwareProfile& hw) {
       const PolicyRun& run = row.runs.at(policy);
       const std::string label = policy == order.front() ? row.config.label : "";
       if (!run.ok) {
-        std::printf("| %s | %s | refused %s | | | | | | %s |\n", label.c_str(), policy.c_str(),
+        std::printf("| %s | %s | refused %s | | | | | | | | %s |\n", label.c_str(), policy.c_str(),
                     notes.Cite(policy + ": " + run.error).c_str(),
                     Format("%.2f", run.plan_seconds).c_str());
         continue;
@@ -227,9 +239,14 @@ void Print(const std::vector<Row>& rows, const dc::HardwareProfile& hw) {
           compared ? Format("%.2fx", base.step_seconds / run.step_seconds) : "";
       const std::string paper =
           compared && policy == "dc" ? Format("%.2fx", row.config.paper_speedup) : "";
-      std::printf("| %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", label.c_str(), policy.c_str(),
-                  Format("%.3f", run.step_seconds).c_str(), Format("%.0f", tokens).c_str(),
-                  Format("%.1f%%", 100 * mfu).c_str(),
+      std::printf("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", label.c_str(),
+                  policy.c_str(),
+                  (Format("%.3f", run.step_seconds) +
+                   (run.kept.empty() ? "" : " (" + run.kept + "'s plan)"))
+                      .c_str(),
+                  Format("%.3f", row.bound_seconds).c_str(),
+                  Format("%.0f%%", 100 * dc::BoundGap(run.step_seconds, row.bound_seconds)).c_str(),
+                  Format("%.0f", tokens).c_str(), Format("%.1f%%", 100 * mfu).c_str(),
                   Format("%.2f", static_cast<double>(run.peak_bytes) / kGiB).c_str(),
                   speedup.c_str(), paper.c_str(), Format("%.2f", run.plan_seconds).c_str());
     }

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "machine/estimate.h"
+#include "machine/lower_bound.h"
 #include "machine/simulator.h"
 #include "models/model.h"
 #include "rewriter/planner.h"
@@ -160,6 +161,8 @@ struct PolicyRun {
   double compute_seconds = 0;                // the plan's compute, as the simulator unions it
   double exposed_communication_seconds = 0;  // its communication not hidden by compute
   std::vector<dc::proto::PassRecord> passes;
+  std::string
+      kept;  // the rule whose plan dc kept (its note "kept deepcompile's plan: ..."), if any
 };
 
 struct Row {
@@ -168,6 +171,7 @@ struct Row {
   int64_t budget_bytes = 0;
   int64_t baseline_unbounded_peak_bytes = 0;
   double baseline_unbounded_step_seconds = 0;
+  double bound_seconds = 0;               // no schedule's step is shorter (machine/lower_bound.h)
   std::map<std::string, PolicyRun> runs;  // by policy
 };
 
@@ -209,6 +213,9 @@ PolicyRun Plan(const Model& model, const std::string& policy, int64_t budget_byt
   run.ok = true;
   run.step_seconds = plan->prediction().step_seconds();
   run.peak_bytes = plan->prediction().peak_device_bytes();
+  for (const std::string& note : plan->notes()) {
+    if (note.rfind("kept ", 0) == 0) run.kept = note.substr(5, note.find("'s plan") - 5);
+  }
   run.compute_seconds = plan->prediction().compute_seconds();
   run.exposed_communication_seconds = plan->prediction().exposed_communication_seconds();
   run.passes.assign(plan->passes().begin(), plan->passes().end());
@@ -259,15 +266,17 @@ void PrintTable(const std::vector<Row>& rows, const dc::HardwareProfile& hw) {
       "so offloading must act; where even all of the optimizer state on the host is not enough, "
       "every policy refuses and the footnotes say why). Steps in seconds, peaks in GiB per rank. "
       "Speed-ups are the other policy's step over dc's; where the baseline does not fit, dc's is "
-      "taken over zero3-offload (ZeRO-3's own answer to the budget) and marked *. dc plan s: "
-      "wall-clock seconds of MakePlan for dc.\n\n",
+      "taken over zero3-offload (ZeRO-3's own answer to the budget) and marked *. bound: a step "
+      "no schedule of the program beats on this profile at any budget (machine/lower_bound.h); dc "
+      "gap: dc's step over it, less 1. \"(deepcompile's plan)\" after dc's step: a rule's plan was "
+      "faster than dc's own and dc kept it. dc plan s: wall-clock seconds of MakePlan for dc.\n\n",
       hw.name.c_str(), kGpusPerNode, static_cast<long long>(kSeq),
       GiB(hw.device_memory_bytes).c_str(), kTightShareOfBaselinePeak);
   std::printf(
       "| model | ranks | GAS | budget GiB | baseline step | baseline peak | zero3-offload step | "
-      "deepcompile step | deepcompile peak | dc step | dc peak | dc / baseline | "
+      "deepcompile step | deepcompile peak | dc step | dc peak | bound | dc gap | dc / baseline | "
       "dc / deepcompile | dc plan s |\n");
-  std::printf("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::printf("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   Footnotes notes;
   for (const Row& row : rows) {
     const PolicyRun& base = row.runs.at("baseline");
@@ -294,14 +303,17 @@ void PrintTable(const std::vector<Row>& rows, const dc::HardwareProfile& hw) {
     if (dc.ok && deep.ok) over_deep = Fixed(deep.step_seconds / dc.step_seconds, 3) + "x";
     const std::string offload_step = step("zero3-offload", offload);
     const std::string deep_step = step("deepcompile", deep);
-    const std::string dc_step = step("dc", dc);
-    std::printf("| %s | %d | %d | %s %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n",
-                row.config.preset.c_str(), row.config.ranks, row.config.gas,
-                row.budget_name.c_str(), GiB(row.budget_bytes).c_str(), base_step.c_str(),
-                base_peak.c_str(), offload_step.c_str(), deep_step.c_str(),
-                deep.ok ? GiB(deep.peak_bytes).c_str() : "—", dc_step.c_str(),
-                dc.ok ? GiB(dc.peak_bytes).c_str() : "—", over_base.c_str(), over_deep.c_str(),
-                Fixed(dc.plan_seconds, 3).c_str());
+    std::string dc_step = step("dc", dc);
+    if (dc.ok && !dc.kept.empty()) dc_step += " (" + dc.kept + "'s plan)";
+    const std::string gap =
+        dc.ok ? Fixed(100 * dc::BoundGap(dc.step_seconds, row.bound_seconds), 0) + "%" : "—";
+    std::printf(
+        "| %s | %d | %d | %s %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n",
+        row.config.preset.c_str(), row.config.ranks, row.config.gas, row.budget_name.c_str(),
+        GiB(row.budget_bytes).c_str(), base_step.c_str(), base_peak.c_str(), offload_step.c_str(),
+        deep_step.c_str(), deep.ok ? GiB(deep.peak_bytes).c_str() : "—", dc_step.c_str(),
+        dc.ok ? GiB(dc.peak_bytes).c_str() : "—", Fixed(row.bound_seconds, 4).c_str(), gap.c_str(),
+        over_base.c_str(), over_deep.c_str(), Fixed(dc.plan_seconds, 3).c_str());
   }
   std::printf("\n");
   notes.Print();
@@ -450,6 +462,7 @@ int Standard(bool quick, const dc::HardwareProfile& hw) {
       row.budget_bytes = budget;
       row.baseline_unbounded_peak_bytes = unbounded.peak_bytes;
       row.baseline_unbounded_step_seconds = unbounded.step_seconds;
+      row.bound_seconds = dc::StepLowerBound(model->program, model->world, model->costs).seconds;
       for (const std::string& policy : dc::PolicyNames()) {
         row.runs[policy] = Plan(*model, policy, budget);
       }

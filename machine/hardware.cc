@@ -9,6 +9,8 @@
 #include <type_traits>
 #include <variant>
 
+#include "schemas/files.h"
+
 namespace dc {
 
 namespace hardware_internal {
@@ -31,39 +33,45 @@ enum class Range {
   kBoolean,      // true or false
 };
 
-// One constant of a profile: its key in the file, where it goes, and its valid values.
+// One constant of a profile: its key in the file, where it goes, its valid values and its unit
+// (the one its key names; a file must say it, so that a value in GB/s is not read as bytes/s).
 struct Field {
   const char* key;
   std::variant<double HardwareProfile::*, int64_t HardwareProfile::*, int HardwareProfile::*,
                bool HardwareProfile::*>
       member;
   Range range;
+  const char* unit;
 };
 
 const Field kFields[] = {
-    {"peak_bf16_flops_per_s", &HardwareProfile::peak_bf16_flops_per_s, Range::kPositive},
-    {"peak_fp32_flops_per_s", &HardwareProfile::peak_fp32_flops_per_s, Range::kPositive},
-    {"device_memory_bytes", &HardwareProfile::device_memory_bytes, Range::kNonNegative},
+    {"peak_bf16_flops_per_s", &HardwareProfile::peak_bf16_flops_per_s, Range::kPositive, "flop/s"},
+    {"peak_fp32_flops_per_s", &HardwareProfile::peak_fp32_flops_per_s, Range::kPositive, "flop/s"},
+    {"device_memory_bytes", &HardwareProfile::device_memory_bytes, Range::kNonNegative, "bytes"},
     {"memory_bandwidth_bytes_per_s", &HardwareProfile::memory_bandwidth_bytes_per_s,
-     Range::kPositive},
-    {"matmul_efficiency", &HardwareProfile::matmul_efficiency, Range::kFraction},
-    {"memory_efficiency", &HardwareProfile::memory_efficiency, Range::kFraction},
+     Range::kPositive, "bytes/s"},
+    {"matmul_efficiency", &HardwareProfile::matmul_efficiency, Range::kFraction, "fraction"},
+    {"memory_efficiency", &HardwareProfile::memory_efficiency, Range::kFraction, "fraction"},
     {"intra_node_bus_bandwidth_bytes_per_s", &HardwareProfile::intra_node_bus_bandwidth_bytes_per_s,
-     Range::kPositive},
+     Range::kPositive, "bytes/s"},
     {"inter_node_bandwidth_per_gpu_bytes_per_s",
-     &HardwareProfile::inter_node_bandwidth_per_gpu_bytes_per_s, Range::kPositive},
-    {"collective_base_latency_s", &HardwareProfile::collective_base_latency_s, Range::kNonNegative},
-    {"intra_node_step_latency_s", &HardwareProfile::intra_node_step_latency_s, Range::kNonNegative},
-    {"inter_node_step_latency_s", &HardwareProfile::inter_node_step_latency_s, Range::kNonNegative},
+     &HardwareProfile::inter_node_bandwidth_per_gpu_bytes_per_s, Range::kPositive, "bytes/s"},
+    {"collective_base_latency_s", &HardwareProfile::collective_base_latency_s, Range::kNonNegative,
+     "s"},
+    {"intra_node_step_latency_s", &HardwareProfile::intra_node_step_latency_s, Range::kNonNegative,
+     "s"},
+    {"inter_node_step_latency_s", &HardwareProfile::inter_node_step_latency_s, Range::kNonNegative,
+     "s"},
     {"host_link_bandwidth_bytes_per_s", &HardwareProfile::host_link_bandwidth_bytes_per_s,
-     Range::kPositive},
-    {"host_link_latency_s", &HardwareProfile::host_link_latency_s, Range::kNonNegative},
+     Range::kPositive, "bytes/s"},
+    {"host_link_latency_s", &HardwareProfile::host_link_latency_s, Range::kNonNegative, "s"},
     {"host_optimizer_elements_per_s", &HardwareProfile::host_optimizer_elements_per_s,
-     Range::kNonNegative},
-    {"kernel_launch_seconds", &HardwareProfile::kernel_launch_seconds, Range::kNonNegative},
-    {"overlap_compute_slowdown", &HardwareProfile::overlap_compute_slowdown, Range::kAtLeastOne},
-    {"serial_streams", &HardwareProfile::serial_streams, Range::kBoolean},
-    {"max_gpus_per_node", &HardwareProfile::max_gpus_per_node, Range::kNonNegative},
+     Range::kNonNegative, "elements/s"},
+    {"kernel_launch_seconds", &HardwareProfile::kernel_launch_seconds, Range::kNonNegative, "s"},
+    {"overlap_compute_slowdown", &HardwareProfile::overlap_compute_slowdown, Range::kAtLeastOne,
+     "ratio"},
+    {"serial_streams", &HardwareProfile::serial_streams, Range::kBoolean, "boolean"},
+    {"max_gpus_per_node", &HardwareProfile::max_gpus_per_node, Range::kNonNegative, "gpus"},
 };
 
 bool InRange(double v, Range range) {
@@ -107,18 +115,30 @@ std::string Lower(std::string s) {
 
 // Sets one constant from its {"value": ..., "source": "..."} entry.
 Status ParseField(const Field& field, const Json& entry, HardwareProfile* profile) {
-  if (!entry.is_object()) return Status::Error("is not an object {\"value\", \"source\"}");
+  if (!entry.is_object()) {
+    return Status::Error("is not an object {\"value\", \"unit\", \"source\"}");
+  }
   for (auto it = entry.begin(); it != entry.end(); ++it) {
-    if (it.key() != "value" && it.key() != "source") {
-      return Status::Error("unknown key '" + it.key() + "' (expected \"value\" and \"source\")");
+    if (it.key() != "value" && it.key() != "unit" && it.key() != "source") {
+      return Status::Error("has an unknown key '" + it.key() +
+                           "' (expected \"value\", \"unit\" and \"source\")");
     }
   }
   const auto source = entry.find("source");
   if (source == entry.end() || !source->is_string() || source->get<std::string>().empty()) {
     return Status::Error("has no \"source\": say where the number comes from");
   }
+  const auto unit = entry.find("unit");
+  if (unit == entry.end() || !unit->is_string()) {
+    return Status::Error(std::string("has no \"unit\"; add \"unit\": \"") + field.unit + "\"");
+  }
+  if (unit->get<std::string>() != field.unit) {
+    return Status::Error("is in " + unit->dump() + ", not \"" + field.unit +
+                         "\"; give the value in " + field.unit);
+  }
   const auto value = entry.find("value");
   if (value == entry.end()) return Status::Error("has no \"value\"");
+  profile->sources[field.key] = source->get<std::string>();
   return std::visit(
       [&](auto member) -> Status {
         using T = std::remove_reference_t<decltype(profile->*member)>;
@@ -217,9 +237,23 @@ const StatusOr<std::vector<HardwareProfile>>& EmbeddedProfiles() {
 
 StatusOr<std::vector<HardwareProfile>> ParseHardwareProfiles(const std::string& json_text,
                                                              const std::string& origin) {
-  const Json root = Json::parse(json_text, nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded()) return Status::Error(origin + ": not valid JSON");
+  Json root;
+  try {
+    root = Json::parse(json_text);
+  } catch (const Json::exception& e) {
+    // e.what() is "[json.exception.parse_error.101] parse error at line 3, column 5: ...";
+    // a number out of range is "[json.exception.out_of_range.406] number overflow ...".
+    std::string why = e.what();
+    if (const size_t at = why.find("] "); at != std::string::npos) why = why.substr(at + 2);
+    return Status::Error(origin + ": not valid JSON (" + why + "); fix the syntax");
+  }
   if (!root.is_object()) return Status::Error(origin + ": the top level is not an object");
+  for (auto it = root.begin(); it != root.end(); ++it) {
+    if (it.key() != "format" && it.key() != "comment" && it.key() != "profiles") {
+      return Status::Error(origin + ": unknown top-level key '" + it.key() +
+                           "' (expected \"format\", \"comment\" and \"profiles\")");
+    }
+  }
   const auto format = root.find("format");
   if (format == root.end() || !format->is_string() || format->get<std::string>() != kFormat) {
     return Status::Error(origin + ": \"format\" is not \"" + kFormat + "\"");
@@ -271,6 +305,54 @@ StatusOr<HardwareProfile> FindHardware(const std::string& name) {
   }
   return Status::Error("--hardware: unknown hardware '" + name + "'; known: " + known +
                        " (machine/hardware_profiles.json)");
+}
+
+StatusOr<HardwareProfile> LoadHardwareFile(const std::string& path) {
+  StatusOr<std::string> text = ReadFileBytes(path);
+  if (!text.ok()) return text.status().Prefixed("--hardware: ");
+  DC_ASSIGN_OR_RETURN(std::vector<HardwareProfile> profiles, ParseHardwareProfiles(*text, path));
+  if (profiles.size() != 1) {
+    return Status::Error(path + ": holds " + std::to_string(profiles.size()) +
+                         " profiles; --hardware takes a file of one (dc-plan --hardware NAME "
+                         "--print-hardware writes one)");
+  }
+  return std::move(profiles.front());
+}
+
+bool IsHardwareFile(const std::string& name_or_path) {
+  return name_or_path.find('/') != std::string::npos ||
+         (name_or_path.size() > 5 &&
+          Lower(name_or_path.substr(name_or_path.size() - 5)) == ".json");
+}
+
+StatusOr<HardwareProfile> ResolveHardware(const std::string& name_or_path) {
+  return IsHardwareFile(name_or_path) ? LoadHardwareFile(name_or_path) : FindHardware(name_or_path);
+}
+
+std::string HardwareProfileJson(const HardwareProfile& profile) {
+  using Ordered = nlohmann::ordered_json;
+  Ordered constants = Ordered::object();
+  for (const Field& field : kFields) {
+    Ordered entry = Ordered::object();
+    std::visit([&](auto member) { entry["value"] = profile.*member; }, field.member);
+    entry["unit"] = field.unit;
+    const auto source = profile.sources.find(field.key);
+    entry["source"] = source != profile.sources.end() ? source->second : std::string("unknown");
+    constants[field.key] = std::move(entry);
+  }
+  Ordered one = Ordered::object();
+  one["name"] = profile.name;
+  one["aliases"] = profile.aliases;
+  one["description"] = profile.description;
+  one["constants"] = std::move(constants);
+  Ordered root = Ordered::object();
+  root["format"] = kFormat;
+  root["comment"] =
+      "A dc hardware profile (machine/HARDWARE.md): each constant's value in its unit, and where "
+      "it comes from. Replace a value by a measurement of your machine and say so in its source; "
+      "plan with dc-plan --synthetic --hardware THIS_FILE.json.";
+  root["profiles"] = Ordered::array({std::move(one)});
+  return root.dump(2) + "\n";
 }
 
 StatusOr<ClusterShape> MakeCluster(int world, int gpus_per_node) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,10 @@ struct HardwareProfile {
   bool serial_streams = false;
   // GPUs in one NVLink domain; 0 = no limit.
   int max_gpus_per_node = 0;
+
+  // Where each constant's value comes from, by its key in the file ("ASSUMPTION: ..." marks one
+  // to be replaced by a measurement).
+  std::map<std::string, std::string> sources;
 };
 
 // Ranks spread evenly over nodes: rank r is on node r / gpus_per_node.
@@ -78,6 +83,23 @@ StatusOr<std::vector<HardwareProfile>> HardwareProfiles();
 // the text in messages.
 StatusOr<std::vector<HardwareProfile>> ParseHardwareProfiles(const std::string& json_text,
                                                              const std::string& origin);
+
+// The one profile of a file in the hardware_profiles.json format (dc-plan --hardware FILE.json).
+// Messages name the file and the key: not JSON (with line and column), unknown or missing keys,
+// a unit other than the constant's, a value of the wrong type, negative or non-finite, or a file
+// of more than one profile.
+StatusOr<HardwareProfile> LoadHardwareFile(const std::string& path);
+
+// Whether --hardware names a file (a path with '/' or a name ending in .json) rather than a
+// built-in profile.
+bool IsHardwareFile(const std::string& name_or_path);
+
+// The profile --hardware names: LoadHardwareFile for a file, else FindHardware.
+StatusOr<HardwareProfile> ResolveHardware(const std::string& name_or_path);
+
+// `profile` as a file of one profile in the hardware_profiles.json format, every constant with its
+// value, unit and source (dc-plan --print-hardware). LoadHardwareFile of it gives the same profile.
+std::string HardwareProfileJson(const HardwareProfile& profile);
 
 // `world` ranks with `gpus_per_node` per node. A world smaller than one node is one partial node;
 // otherwise the world must be a whole number of nodes. Messages name the command-line flags.

@@ -2,7 +2,12 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <string>
+
+#include "machine/cost_model.h"
+#include "machine/estimate.h"
+#include "models/model.h"
 
 namespace dc {
 namespace {
@@ -85,24 +90,24 @@ constexpr char kOneProfileHead[] = R"({"format": "dc.hardware_profiles/1", "prof
   {"name": "toy", "description": "a toy", "constants": {)";
 constexpr char kOneProfileTail[] = "}}]}";
 constexpr char kToyConstants[] = R"(
-  "peak_bf16_flops_per_s": {"value": 1e12, "source": "s"},
-  "peak_fp32_flops_per_s": {"value": 1e11, "source": "s"},
-  "device_memory_bytes": {"value": 1024, "source": "s"},
-  "memory_bandwidth_bytes_per_s": {"value": 1e11, "source": "s"},
-  "matmul_efficiency": {"value": 0.5, "source": "s"},
-  "memory_efficiency": {"value": 0.5, "source": "s"},
-  "intra_node_bus_bandwidth_bytes_per_s": {"value": 1e10, "source": "s"},
-  "inter_node_bandwidth_per_gpu_bytes_per_s": {"value": 1e9, "source": "s"},
-  "collective_base_latency_s": {"value": 1e-5, "source": "s"},
-  "intra_node_step_latency_s": {"value": 1e-6, "source": "s"},
-  "inter_node_step_latency_s": {"value": 1e-5, "source": "s"},
-  "host_link_bandwidth_bytes_per_s": {"value": 1e10, "source": "s"},
-  "host_link_latency_s": {"value": 1e-5, "source": "s"},
-  "host_optimizer_elements_per_s": {"value": 1e8, "source": "s"},
-  "kernel_launch_seconds": {"value": 1e-6, "source": "s"},
-  "overlap_compute_slowdown": {"value": 1.0, "source": "s"},
-  "serial_streams": {"value": false, "source": "s"},
-  "max_gpus_per_node": {"value": 4, "source": "s"})";
+  "peak_bf16_flops_per_s": {"value": 1e12, "unit": "flop/s", "source": "s"},
+  "peak_fp32_flops_per_s": {"value": 1e11, "unit": "flop/s", "source": "s"},
+  "device_memory_bytes": {"value": 1024, "unit": "bytes", "source": "s"},
+  "memory_bandwidth_bytes_per_s": {"value": 1e11, "unit": "bytes/s", "source": "s"},
+  "matmul_efficiency": {"value": 0.5, "unit": "fraction", "source": "s"},
+  "memory_efficiency": {"value": 0.5, "unit": "fraction", "source": "s"},
+  "intra_node_bus_bandwidth_bytes_per_s": {"value": 1e10, "unit": "bytes/s", "source": "s"},
+  "inter_node_bandwidth_per_gpu_bytes_per_s": {"value": 1e9, "unit": "bytes/s", "source": "s"},
+  "collective_base_latency_s": {"value": 1e-5, "unit": "s", "source": "s"},
+  "intra_node_step_latency_s": {"value": 1e-6, "unit": "s", "source": "s"},
+  "inter_node_step_latency_s": {"value": 1e-5, "unit": "s", "source": "s"},
+  "host_link_bandwidth_bytes_per_s": {"value": 1e10, "unit": "bytes/s", "source": "s"},
+  "host_link_latency_s": {"value": 1e-5, "unit": "s", "source": "s"},
+  "host_optimizer_elements_per_s": {"value": 1e8, "unit": "elements/s", "source": "s"},
+  "kernel_launch_seconds": {"value": 1e-6, "unit": "s", "source": "s"},
+  "overlap_compute_slowdown": {"value": 1.0, "unit": "ratio", "source": "s"},
+  "serial_streams": {"value": false, "unit": "boolean", "source": "s"},
+  "max_gpus_per_node": {"value": 4, "unit": "gpus", "source": "s"})";
 
 std::string ToyJson(const std::string& constants) {
   return std::string(kOneProfileHead) + constants + kOneProfileTail;
@@ -115,7 +120,7 @@ TEST(HardwareTest, ParseErrorsNameTheConstant) {
   EXPECT_EQ(good->at(0).max_gpus_per_node, 4);
 
   std::string no_source = kToyConstants;
-  no_source.replace(no_source.find("\"s\"}"), 4, "\"\"}");
+  no_source.replace(no_source.find("\"source\": \"s\"}"), 14, "\"source\": \"\"}");
   const auto unsourced = ParseHardwareProfiles(ToyJson(no_source), "toy.json");
   ASSERT_FALSE(unsourced.ok());
   EXPECT_NE(unsourced.status().message().find("peak_bf16_flops_per_s"), std::string::npos)
@@ -129,9 +134,10 @@ TEST(HardwareTest, ParseErrorsNameTheConstant) {
   EXPECT_NE(out_of_range.status().message().find("matmul_efficiency"), std::string::npos)
       << out_of_range.status().message();
 
-  const auto typo = ParseHardwareProfiles(
-      ToyJson(std::string(kToyConstants) + R"(, "peak_bf61": {"value": 1, "source": "s"})"),
-      "toy.json");
+  const auto typo =
+      ParseHardwareProfiles(ToyJson(std::string(kToyConstants) +
+                                    R"(, "peak_bf61": {"value": 1, "unit": "s", "source": "s"})"),
+                            "toy.json");
   ASSERT_FALSE(typo.ok());
   EXPECT_NE(typo.status().message().find("peak_bf61"), std::string::npos);
 
@@ -172,6 +178,148 @@ TEST(HardwareTest, ValidateCluster) {
   const auto cpu = FindHardware("cpu");
   ASSERT_TRUE(cpu.ok());
   EXPECT_TRUE(ValidateCluster(*cpu, ClusterShape{1, 64}).ok());
+}
+
+// ----- profiles from files (dc-plan --hardware FILE.json, --print-hardware) -----
+
+std::string WriteTemp(const std::string& name, const std::string& text) {
+  const std::string path = ::testing::TempDir() + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+// Every built-in profile printed and loaded back is the same profile: the same constants, units
+// and sources, and the same cost model (so the same plans: tests/e2e_test.cc plans both).
+TEST(HardwareFileTest, PrintThenLoadIsTheSameProfile) {
+  auto config = MakeConfig("tiny", ModelOverrides{});
+  ASSERT_TRUE(config.ok());
+  auto program = BuildProgram(*config);
+  ASSERT_TRUE(program.ok());
+  for (const std::string& name : HardwareNames()) {
+    auto builtin = FindHardware(name);
+    ASSERT_TRUE(builtin.ok());
+    const std::string printed = HardwareProfileJson(*builtin);
+    const std::string path = WriteTemp(name + ".json", printed);
+    auto loaded = LoadHardwareFile(path);
+    ASSERT_TRUE(loaded.ok()) << loaded.status().message();
+    EXPECT_EQ(HardwareProfileJson(*loaded), printed) << name;
+    EXPECT_EQ(loaded->sources, builtin->sources) << name;
+    EXPECT_EQ(loaded->aliases, builtin->aliases) << name;
+    const ClusterShape cluster{1, 2};
+    EXPECT_EQ(CostModelText(EstimateCostModel(*program, *loaded, cluster)),
+              CostModelText(EstimateCostModel(*program, *builtin, cluster)))
+        << name;
+    auto resolved = ResolveHardware(path);
+    ASSERT_TRUE(resolved.ok()) << resolved.status().message();
+    EXPECT_EQ(resolved->name, name);
+  }
+  EXPECT_TRUE(IsHardwareFile("my.json"));
+  EXPECT_TRUE(IsHardwareFile("profiles/h100"));
+  EXPECT_FALSE(IsHardwareFile("h100-sxm"));
+}
+
+// Each way a file can be wrong is one line naming the file and the key, and what to do.
+TEST(HardwareFileTest, ErrorsNameTheFileAndTheKey) {
+  auto h100 = FindHardware("h100-sxm");
+  ASSERT_TRUE(h100.ok());
+  const std::string good = HardwareProfileJson(*h100);
+  struct Case {
+    const char* what;
+    std::string from, to;             // the edit to the printed profile
+    std::vector<std::string> wanted;  // in the message
+  };
+  const std::string bf16 = R"("peak_bf16_flops_per_s": {
+          "value": 989000000000000.0,
+          "unit": "flop/s",)";
+  const Case cases[] = {
+      {"unknown constant",
+       R"("constants": {)",
+       R"("constants": {"peak_bf61": 1,)",
+       {"unknown constant 'peak_bf61'"}},
+      {"unknown key of a constant",
+       bf16,
+       R"("peak_bf16_flops_per_s": {"value": 989e12, "unit": "flop/s", "note": "x",)",
+       {"peak_bf16_flops_per_s", "unknown key 'note'"}},
+      {"unknown key of a profile",
+       R"("description":)",
+       R"("vendor": "x", "description":)",
+       {"unknown key 'vendor'"}},
+      {"unknown top-level key",
+       R"("comment":)",
+       R"("formats": 2, "comment":)",
+       {"unknown top-level key 'formats'"}},
+      {"missing constant",
+       bf16,
+       R"("peak_bf16_flops_pers": {"value": 1, "unit": "flop/s",)",
+       {"constant 'peak_bf16_flops_per_s' is missing"}},
+      {"missing unit",
+       bf16,
+       R"("peak_bf16_flops_per_s": {"value": 989e12,)",
+       {"peak_bf16_flops_per_s", "no \"unit\"", "flop/s"}},
+      {"missing value",
+       bf16,
+       R"("peak_bf16_flops_per_s": {"unit": "flop/s",)",
+       {"peak_bf16_flops_per_s", "no \"value\""}},
+      {"wrong unit",
+       bf16,
+       R"("peak_bf16_flops_per_s": {"value": 989, "unit": "TFLOP/s",)",
+       {"peak_bf16_flops_per_s", "\"TFLOP/s\"", "give the value in flop/s"}},
+      {"negative rate",
+       bf16,
+       R"("peak_bf16_flops_per_s": {"value": -1, "unit": "flop/s",)",
+       {"peak_bf16_flops_per_s", "out of range", "> 0"}},
+      {"non-finite rate",
+       bf16,
+       R"("peak_bf16_flops_per_s": {"value": 1e999, "unit": "flop/s",)",
+       {"not valid JSON", "1e999"}},
+      {"wrong type",
+       bf16,
+       R"("peak_bf16_flops_per_s": {"value": "989e12", "unit": "flop/s",)",
+       {"peak_bf16_flops_per_s", "not a number"}},
+      {"fraction for an integer",
+       R"("value": 85520809984,)",
+       R"("value": 85520809984.5,)",
+       {"device_memory_bytes", "not an integer"}},
+      {"string for a boolean",
+       R"("value": false,)",
+       R"("value": "false",)",
+       {"serial_streams", "not true or false"}},
+      {"not JSON", R"("constants": {)", R"("constants": {{)", {"not valid JSON", "line"}},
+  };
+  for (const Case& c : cases) {
+    std::string text = good;
+    const size_t at = text.find(c.from);
+    ASSERT_NE(at, std::string::npos) << c.what;
+    text.replace(at, c.from.size(), c.to);
+    const std::string path = WriteTemp("bad.json", text);
+    auto loaded = LoadHardwareFile(path);
+    ASSERT_FALSE(loaded.ok()) << c.what;
+    const std::string message = loaded.status().message();
+    EXPECT_EQ(message.rfind(path, 0), 0u) << c.what << ": " << message;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << c.what << ": " << message;
+    for (const std::string& wanted : c.wanted) {
+      EXPECT_NE(message.find(wanted), std::string::npos) << c.what << ": " << message;
+    }
+  }
+  // A file of two profiles, and a file that is not there.
+  std::string two = good;
+  const size_t list = two.find(R"("profiles": [)") + 13;
+  const size_t end = two.rfind(']');
+  std::string other = two.substr(list, end - list);
+  for (const char* name : {"\"h100", "\"dgx-h100"}) {
+    for (size_t at = other.find(name); at != std::string::npos; at = other.find(name, at + 4)) {
+      other.insert(at + 1, "my-");
+    }
+  }
+  two.insert(end, "," + other);
+  auto doubled = LoadHardwareFile(WriteTemp("two.json", two));
+  ASSERT_FALSE(doubled.ok());
+  EXPECT_NE(doubled.status().message().find("holds 2 profiles"), std::string::npos)
+      << doubled.status().message();
+  auto missing = LoadHardwareFile(::testing::TempDir() + "no-such-profile.json");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("no-such-profile.json"), std::string::npos)
+      << missing.status().message();
 }
 
 }  // namespace

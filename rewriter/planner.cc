@@ -1,8 +1,10 @@
 #include "rewriter/planner.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <optional>
 
+#include "machine/lower_bound.h"
 #include "machine/simulator.h"
 #include "rewriter/memory_plan.h"
 #include "rewriter/plan_cache.h"
@@ -26,6 +28,17 @@ StatusOr<std::unique_ptr<Pipeline>> PipelineFor(const PlanRequest& request) {
         pipeline->DumpAfter(request.dump_after, request.dump).Prefixed("--dump-after: "));
   }
   if (request.on_pass) pipeline->OnPass(request.on_pass);
+  return pipeline;
+}
+
+// The pipeline of the rival policy `name` as `request` would run it: the passes it disables
+// that the rival has are disabled there too.
+StatusOr<std::unique_ptr<Pipeline>> RivalPipeline(const PlanRequest& request,
+                                                  const std::string& name) {
+  DC_ASSIGN_OR_RETURN(auto pipeline, MakePipeline(name));
+  for (const auto& disabled : request.disabled_passes) {
+    if (pipeline->Has(disabled)) DC_RETURN_IF_ERROR(pipeline->Disable(disabled));
+  }
   return pipeline;
 }
 
@@ -62,6 +75,15 @@ StatusOr<std::string> KeyOf(const PlanRequest& request, const std::string& progr
   inputs.budget_bytes = request.budget_bytes;
   inputs.policy = request.policy;
   inputs.pass_options = pipeline->OptionsText();
+  // A policy that keeps a rival's plan where it is faster makes other plans than it did before
+  // it had rivals: the rivals' pipelines are part of what decides its plan.
+  if (request.passes.empty()) {
+    DC_ASSIGN_OR_RETURN(const Policy* policy, FindPolicy(request.policy));
+    for (const std::string& rival : policy->rivals) {
+      DC_ASSIGN_OR_RETURN(auto rival_pipeline, RivalPipeline(request, rival));
+      inputs.pass_options += "rival " + rival + "{" + rival_pipeline->OptionsText() + "};";
+    }
+  }
   inputs.profile_digest = request.profile_digest;
   return PlanCacheKey(inputs);
 }
@@ -178,6 +200,68 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
   return Status::Ok();
 }
 
+// Never worse than a rule: plans each of `policy`'s rivals under the same budget (their own
+// pipelines, unrelaxed) and replaces *planned (failed, or slower) with the fastest of them,
+// noting which plan was kept and why. Ties keep the policy's own plan. A rival that cannot beat
+// the plan in hand is not planned: the baseline (a pipeline of zero3 alone) is judged by the
+// baseline's simulation, a policy with every optimizer step on the host by the host's optimizer
+// time, and none is planned where the plan in hand meets the lower bound.
+Status KeepBestOfRivals(const PlanRequest& request, const std::string& program_digest,
+                        const PassContext& context, const Policy& policy,
+                        const SimResult& baseline_sim, StatusOr<proto::Schedule>* planned) {
+  const std::string own_failure = planned->ok() ? "" : planned->status().message();
+  std::string kept;  // the rival whose plan is in *planned, if any
+  double own_step = planned->ok() ? (*planned)->prediction().step_seconds() : 0;
+  PassContext rival_context = context;
+  rival_context.relaxed_budget_bytes = 0;
+  const StepBound bound = StepLowerBound(request.program, request.world_size, request.costs);
+  for (const std::string& rival : policy.rivals) {
+    DC_ASSIGN_OR_RETURN(const Policy* rules, FindPolicy(rival));
+    const bool baseline_only = rules->passes == std::vector<std::string>{"zero3"};
+    if (baseline_only) {
+      const bool fits =
+          request.budget_bytes == 0 || baseline_sim.peak_device_bytes <= request.budget_bytes;
+      if (!fits) continue;
+      if (planned->ok() && baseline_sim.step_seconds >= (*planned)->prediction().step_seconds()) {
+        continue;
+      }
+    }
+    // A plan in hand at or below what the rival's plan must take (machine/lower_bound.h) cannot
+    // lose to it.
+    if (planned->ok()) {
+      const double own = (*planned)->prediction().step_seconds();
+      if (own <= bound.seconds) break;
+      if (rules->optimizer_on_host &&
+          own <= HostOptimizerSeconds(request.program, request.world_size, request.costs)) {
+        continue;
+      }
+    }
+    DC_ASSIGN_OR_RETURN(auto pipeline, RivalPipeline(request, rival));
+    StatusOr<proto::Schedule> candidate =
+        RunPipeline(request, program_digest, *pipeline, rival_context);
+    if (!candidate.ok()) continue;
+    if (planned->ok() &&
+        candidate->prediction().step_seconds() >= (*planned)->prediction().step_seconds()) {
+      continue;
+    }
+    *planned = std::move(candidate);
+    kept = rival;
+  }
+  if (kept.empty()) return Status::Ok();
+  char text[256];
+  if (own_failure.empty()) {
+    std::snprintf(text, sizeof(text), "kept %s's plan: %.4f s < %s's %.4f s", kept.c_str(),
+                  (*planned)->prediction().step_seconds(), policy.name.c_str(), own_step);
+    (*planned)->add_notes(text);
+  } else {
+    std::snprintf(text, sizeof(text), "kept %s's plan (%.4f s): ", kept.c_str(),
+                  (*planned)->prediction().step_seconds());
+    (*planned)->add_notes(text + policy.name + "'s own pipelines did not fit the budget (" +
+                          own_failure + ")");
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
@@ -235,6 +319,10 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   };
   if (policy && !policy->fallbacks.empty() && (!planned.ok() || slower_than_baseline(*planned))) {
     DC_RETURN_IF_ERROR(TryFallbacks(request, program_digest, context, *policy, &planned));
+  }
+  if (policy && !policy->rivals.empty()) {
+    DC_RETURN_IF_ERROR(
+        KeepBestOfRivals(request, program_digest, context, *policy, *baseline_sim, &planned));
   }
   if (!planned.ok()) return planned.status();
   proto::Schedule schedule = std::move(planned).value();

@@ -58,6 +58,14 @@ struct Policy {
   // baseline; the fastest plan wins (ties: the first). Where the persistent shards alone exceed
   // the budget, only those with the optimizer step on the host are tried.
   std::vector<FallbackPipeline> fallbacks;
+  // Other policies (by name) whose plans this one also makes under the same budget: the fastest
+  // of its own plan and theirs wins (ties: its own), so it is never slower than any of them and
+  // never refuses a budget one of them meets. The plan keeps this policy's name and notes which
+  // rival's plan it kept.
+  std::vector<std::string> rivals;
+  // Every optimizer step runs on the host (ZeRO-3 offload): its step is at least the host's
+  // optimizer time, so a rival's plan already faster needs no planning of it.
+  bool optimizer_on_host = false;
   SearchOptions search;
 };
 

@@ -1,7 +1,8 @@
 // Property tests of the planner: random small programs (the tiny preset with random shapes), world
 // sizes, hardware and budgets, every policy. Whatever the input, a policy either returns a plan
-// that re-verifies, fits its budget and (for dc) is no slower than the baseline, or says that the
-// budget is too small, and only where it is. The same request gives the same plan twice.
+// that re-verifies, fits its budget, is no faster than the lower bound and (for dc) is no slower
+// than any rule's, or says that the budget is too small, and only where it is. The same request
+// gives the same plan twice.
 //
 // The cases come from one fixed seed (std::mt19937_64 is specified bit for bit by the standard;
 // draws use it directly, not the implementation-defined distributions), so a failure names a
@@ -20,6 +21,7 @@
 
 #include "machine/estimate.h"
 #include "machine/hardware.h"
+#include "machine/lower_bound.h"
 #include "machine/simulator.h"
 #include "models/model.h"
 #include "rewriter/planner.h"
@@ -239,6 +241,10 @@ TEST_P(PlanProperties, Holds) {
       continue;
     }
     ++counts.planned;
+    // No plan beats the lower bound (machine/lower_bound.h).
+    const StepBound bound = StepLowerBound(*program, c.world, request.costs);
+    EXPECT_LE(bound.seconds, plan->prediction().step_seconds() * (1 + kStepSlack))
+        << policy << ": the lower bound (" << bound.binding << ") is above the plan's step";
     const PassContext context{&request.costs, budget};
     const Status verified = VerifySchedule(*plan, context);
     EXPECT_TRUE(verified.ok()) << policy << ": " << verified.message();
@@ -267,6 +273,18 @@ TEST_P(PlanProperties, Holds) {
         << "dc is slower than the baseline";
   } else if (baseline.ok() && !(known_seen && std::string(known_seen->policy) == "dc")) {
     ADD_FAILURE() << "dc fails where the baseline plans: " << dc.status().message();
+  }
+
+  // dc keeps the fastest of its own plans and every rule's (rewriter/policy.h's rivals).
+  for (const char* rule : {"zero3-offload", "deepcompile"}) {
+    const auto& plan = plans.at(rule);
+    if (!plan.ok()) continue;
+    if (!dc.ok()) {
+      ADD_FAILURE() << "dc fails where " << rule << " plans: " << dc.status().message();
+      continue;
+    }
+    EXPECT_LE(dc->prediction().step_seconds(), plan->prediction().step_seconds() * (1 + kStepSlack))
+        << "dc is slower than " << rule;
   }
 
   for (const KnownFailure& known : kKnownFailures) {

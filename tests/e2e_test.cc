@@ -2,9 +2,11 @@
 #include <gtest/gtest.h>
 #include <sqlite3.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -314,6 +316,40 @@ TEST(Synthetic, PlansLlama3_70bOn32H100sWithoutATrace) {
     EXPECT_GT(pass["instructions"].get<int>(), 0);
     EXPECT_GT(pass["predicted_step_seconds"].get<double>(), 0);
   }
+  // The lower bound stands beside the prediction (machine/lower_bound.h).
+  const double bound = j["bound"]["step_seconds"].get<double>();
+  EXPECT_GT(bound, 0.3);
+  EXPECT_LE(bound, j["predicted"]["step_seconds"].get<double>());
+  EXPECT_NEAR(j["bound"]["gap"].get<double>(),
+              j["predicted"]["step_seconds"].get<double>() / bound - 1, 1e-9);
+  EXPECT_FALSE(j["bound"]["binding"].get<std::string>().empty());
+  // The range over h100-sxm's five assumed constants holds the prediction.
+  EXPECT_EQ(j["range"]["assumed"].size(), 5u) << j["range"].dump();
+  const double step = j["predicted"]["step_seconds"].get<double>();
+  EXPECT_LE(j["range"]["step_seconds"]["min"].get<double>(), step);
+  EXPECT_GE(j["range"]["step_seconds"]["max"].get<double>(), step);
+  EXPECT_LT(j["range"]["step_seconds"]["min"].get<double>(),
+            j["range"]["step_seconds"]["max"].get<double>());
+  const double speedup = j["baseline"]["step_seconds"].get<double>() / step;
+  EXPECT_LE(j["range"]["speedup_over_baseline"]["min"].get<double>(), speedup);
+  EXPECT_GE(j["range"]["speedup_over_baseline"]["max"].get<double>(), speedup);
+}
+
+// Issue 14's case: dc's own pipelines predict 0.1781 s and DeepCompile's rules 0.1672 s; dc keeps
+// the rules' plan, and the summary and --explain say so beside the bound.
+TEST(Synthetic, DcKeepsARulesPlanWhereItIsFaster) {
+  const std::string dir = FreshDir("synthetic-rival");
+  auto plan = RunCommand(
+      Tool("dc-plan") +
+      " --synthetic --model llama-1b --layers 4 --hidden 4096 --heads 32 --kv-heads 2 --ffn 8192 "
+      "--vocab 128256 --seq 512 --micro-batch 3 --gas 4 --world 8 --gpus-per-node 8 --hardware "
+      "h100-sxm --budget 4954009965 --no-cache --explain -o " +
+      dir + "/p.dcplan");
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  EXPECT_NE(plan.out.find("predicted step 0.1672 s (bound "), std::string::npos) << plan.out;
+  EXPECT_NE(plan.out.find("chosen: kept deepcompile's plan: 0.1672 s < dc's 0.1781 s"),
+            std::string::npos)
+      << plan.out;
 }
 
 // Mixtral 8x7B on 32 H100s at GAS 16 (DeepCompile's own setting): dc keeps expert weights
@@ -340,6 +376,39 @@ TEST(Synthetic, MixtralAtGas16BeatsDeepCompileInsideTheGpu) {
   for (const auto& pass : dc["passes"])
     unsharded = unsharded || (pass["name"] == "unshard" && pass["changed"] == true);
   EXPECT_TRUE(unsharded) << dc["passes"].dump();
+}
+
+// A profile printed to a file and planned with gives the plan the built-in profile gives, byte
+// for byte; a bad constant in the file is one line naming the file and the constant.
+TEST(Synthetic, HardwareProfileFromAFile) {
+  const std::string dir = FreshDir("synthetic-hardware-file");
+  auto printed = RunCommand(Tool("dc-plan") + " --hardware a100-80gb --print-hardware");
+  ASSERT_EQ(printed.exit_code, 0) << printed.err;
+  const std::string file = dir + "/a100.json";
+  std::ofstream(file) << printed.out;
+  const std::string flags =
+      " --synthetic --model llama-1b --layers 2 --world 16 --gpus-per-node 8 --no-cache -o ";
+  auto builtin = RunCommand(Tool("dc-plan") + flags + dir + "/builtin.dcplan --hardware a100-80gb");
+  ASSERT_EQ(builtin.exit_code, 0) << builtin.err;
+  auto from_file = RunCommand(Tool("dc-plan") + flags + dir + "/file.dcplan --hardware " + file);
+  ASSERT_EQ(from_file.exit_code, 0) << from_file.err;
+  std::ifstream a(dir + "/builtin.dcplan", std::ios::binary),
+      b(dir + "/file.dcplan", std::ios::binary);
+  const std::string plan_a{std::istreambuf_iterator<char>(a), {}};
+  const std::string plan_b{std::istreambuf_iterator<char>(b), {}};
+  EXPECT_FALSE(plan_a.empty());
+  EXPECT_EQ(plan_a, plan_b);
+
+  std::string bad = printed.out;
+  const std::string unit = "\"unit\": \"bytes/s\"";
+  bad.replace(bad.find(unit), unit.size(), "\"unit\": \"GB/s\"");
+  std::ofstream(dir + "/bad.json") << bad;
+  auto refused =
+      RunCommand(Tool("dc-plan") + flags + dir + "/bad.dcplan --hardware " + dir + "/bad.json");
+  EXPECT_EQ(refused.exit_code, 1);
+  EXPECT_EQ(std::count(refused.err.begin(), refused.err.end(), '\n'), 1) << refused.err;
+  EXPECT_NE(refused.err.find("bad.json"), std::string::npos) << refused.err;
+  EXPECT_NE(refused.err.find("memory_bandwidth_bytes_per_s"), std::string::npos) << refused.err;
 }
 
 TEST(Synthetic, BadHardwareAndClusterAreOneClearLine) {

@@ -14,11 +14,14 @@
 #include "executor/data.h"
 #include "machine/estimate.h"
 #include "machine/hardware.h"
+#include "machine/lower_bound.h"
 #include "machine/simulator.h"
+#include "machine/uncertainty.h"
 #include "rewriter/plan_cache.h"
 #include "rewriter/planner.h"
 #include "rewriter/schedule_text.h"
 #include "rewriter/search.h"
+#include "rewriter/zero3.h"
 #include "schemas/digest.h"
 #include "schemas/files.h"
 #include "schemas/plan_file.h"
@@ -44,12 +47,79 @@ nlohmann::json PredictionJson(const proto::Prediction& p) {
   return j;
 }
 
+// The lower bound beside a predicted step: its seconds, the gap, the term that binds and each
+// term (machine/lower_bound.h).
+nlohmann::json BoundJson(const StepBound& bound, double step_seconds) {
+  return {{"step_seconds", bound.seconds},
+          {"gap", BoundGap(step_seconds, bound.seconds)},
+          {"binding", bound.binding},
+          {"terms",
+           {{"compute_seconds", bound.compute_seconds},
+            {"compute_and_host_optimizer_seconds", bound.compute_host_seconds},
+            {"communication_seconds", bound.communication_seconds},
+            {"overlap_seconds", bound.overlap_seconds},
+            {"serial_seconds", bound.serial_seconds}}}};
+}
+
+// "bound 0.94 s, gap 20%"
+std::string BoundText(const StepBound& bound, double step_seconds) {
+  char text[96];
+  std::snprintf(text, sizeof(text), "bound %.4f s, gap %.0f%%", bound.seconds,
+                100 * BoundGap(step_seconds, bound.seconds));
+  return text;
+}
+
+// A synthetic plan's machine: the profile and the cluster its costs were estimated for.
+struct Machine {
+  HardwareProfile hw;
+  ClusterShape cluster;
+};
+
+// The range of a prediction over the profile's assumed constants (machine/uncertainty.h): the
+// plan and the zero3 baseline re-simulated on every variant of the profile.
+struct PredictionRange {
+  std::vector<std::string> assumed;  // the constants' keys
+  double min_step_seconds = 0, max_step_seconds = 0;
+  double min_speedup = 0, max_speedup = 0;  // baseline step over the plan's, per variant
+};
+
+StatusOr<std::optional<PredictionRange>> RangeOf(const proto::Schedule& plan,
+                                                 const Machine& machine) {
+  const std::vector<ProfileVariant> variants = AssumptionVariants(machine.hw);
+  if (variants.empty()) return std::optional<PredictionRange>();
+  proto::Schedule baseline;
+  baseline.set_world_size(plan.world_size());
+  *baseline.mutable_program() = plan.program();
+  Zero3Pass zero3;
+  DC_RETURN_IF_ERROR(zero3.Run(&baseline, PassContext{nullptr, 0}).status());
+  PredictionRange range;
+  for (const AssumedRange& r : AssumedRanges(machine.hw)) range.assumed.push_back(r.key);
+  SimOptions options;
+  options.memory_timeline = false;
+  // The range holds the prediction itself (every constant at its value).
+  range.min_step_seconds = range.max_step_seconds = plan.prediction().step_seconds();
+  range.min_speedup = range.max_speedup =
+      plan.baseline().step_seconds() / plan.prediction().step_seconds();
+  for (const ProfileVariant& variant : variants) {
+    const CostModel costs = EstimateCostModel(plan.program(), variant.profile, machine.cluster);
+    DC_ASSIGN_OR_RETURN(SimResult ours, Simulate(plan, costs, options));
+    DC_ASSIGN_OR_RETURN(SimResult base, Simulate(baseline, costs, options));
+    const double speedup = base.step_seconds / ours.step_seconds;
+    range.min_step_seconds = std::min(range.min_step_seconds, ours.step_seconds);
+    range.max_step_seconds = std::max(range.max_step_seconds, ours.step_seconds);
+    range.min_speedup = std::min(range.min_speedup, speedup);
+    range.max_speedup = std::max(range.max_speedup, speedup);
+  }
+  return std::optional<PredictionRange>(range);
+}
+
 Status SyntheticRequest(const cli::ModelFlags& model, const std::string& hardware, int world,
-                        int gpus_per_node, int64_t budget, PlanRequest* request) {
+                        int gpus_per_node, int64_t budget, PlanRequest* request,
+                        std::optional<Machine>* machine) {
   DC_ASSIGN_OR_RETURN(proto::ModelConfig config, MakeConfig(model.preset, model.overrides));
   DC_RETURN_IF_ERROR(RecordDataFile(&config));
   DC_ASSIGN_OR_RETURN(proto::Program program, BuildProgram(config));
-  DC_ASSIGN_OR_RETURN(HardwareProfile hw, FindHardware(hardware));
+  DC_ASSIGN_OR_RETURN(HardwareProfile hw, ResolveHardware(hardware));
   DC_ASSIGN_OR_RETURN(ClusterShape cluster, MakeCluster(world, gpus_per_node));
   DC_RETURN_IF_ERROR(ValidateCluster(hw, cluster));
   request->world_size = world;
@@ -60,6 +130,7 @@ Status SyntheticRequest(const cli::ModelFlags& model, const std::string& hardwar
   request->profile_digest = Sha256Hex(CostModelText(request->costs));
   request->budget_bytes = budget > 0 ? budget : hw.device_memory_bytes;
   request->program = std::move(program);
+  *machine = Machine{std::move(hw), cluster};
   return Status::Ok();
 }
 
@@ -223,7 +294,7 @@ void PrintReport(const Profile& profile, const proto::Schedule& plan) {
               FormatBytes(plan.baseline().peak_device_bytes()).c_str());
 }
 
-void PrintExplain(const proto::Schedule& plan) {
+void PrintExplain(const proto::Schedule& plan, const StepBound& bound) {
   std::printf("passes (%s):\n", plan.policy().c_str());
   double previous_seconds = plan.baseline().step_seconds();
   int64_t previous_peak = plan.baseline().peak_device_bytes();
@@ -240,6 +311,26 @@ void PrintExplain(const proto::Schedule& plan) {
   }
   const double base = plan.baseline().step_seconds(), now = plan.prediction().step_seconds();
   if (now > 0) std::printf("  speed-up over the zero3 baseline: %.3fx\n", base / now);
+  // Which candidate won: a rival policy's plan or a fallback says so in a note.
+  bool noted = false;
+  for (const auto& note : plan.notes()) {
+    if (note.rfind("kept ", 0) == 0 || note.find("planned with") != std::string::npos) {
+      std::printf("  chosen: %s\n", note.c_str());
+      noted = true;
+    }
+  }
+  if (!noted) std::printf("  chosen: %s's own pipeline\n", plan.policy().c_str());
+  std::printf(
+      "  predicted step %.4f s, %s (%s binds; no schedule of this program on this profile is "
+      "faster)\n",
+      now, BoundText(bound, now).c_str(), bound.binding.c_str());
+  std::printf(
+      "  bound terms: compute %.4f s, compute and host optimizer %.4f s, communication %.4f s, "
+      "under the overlap slowdown %.4f s",
+      bound.compute_seconds, bound.compute_host_seconds, bound.communication_seconds,
+      bound.overlap_seconds);
+  if (bound.serial_seconds > 0) std::printf(", serial streams %.4f s", bound.serial_seconds);
+  std::printf("\n");
 }
 
 // What the command line asks for.
@@ -247,7 +338,7 @@ struct Flags {
   std::string trace_path, out = "plan.dcplan", cache_dir, policy = "dc", from_plan;
   int64_t budget = 0;
   bool no_cache = false, report = false, json = false, synthetic = false, explain = false;
-  bool quiet = false;
+  bool quiet = false, print_hardware = false;
   std::string hardware = "h100-sxm", dump_after, perfetto;
   int world = 8, gpus_per_node = 8;
   cli::ModelFlags model;
@@ -267,11 +358,15 @@ void AddFlags(CLI::App& app, Flags* f) {
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
   app.add_option("--hardware", f->hardware,
-                 "hardware profile (--synthetic): " + Join(HardwareNames(), ", "))
+                 "hardware profile (--synthetic): " + Join(HardwareNames(), ", ") +
+                     ", or a profile file (FILE.json, as --print-hardware writes)")
       ->capture_default_str();
   app.add_option("--gpus-per-node", f->gpus_per_node, "GPUs per node (--synthetic)")
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
+  app.add_flag("--print-hardware", f->print_hardware,
+               "print the --hardware profile as a file (each constant's value, unit and source) "
+               "to edit and pass back as --hardware FILE.json, and exit");
   app.add_flag("--explain", f->explain,
                "say per pass what it changed and what it bought (predicted seconds and bytes)");
   app.add_option("--rounds", f->rounds.rounds,
@@ -326,6 +421,11 @@ struct Outcome {
   std::optional<Profile> measured;
   std::vector<std::string> notes;
   std::vector<std::string> warnings;
+  StepBound bound;                 // of the plan's program, world and costs
+  std::optional<Machine> machine;  // --synthetic: the profile the costs came from
+  // --synthetic: the prediction's range over the profile's assumed constants (none where the
+  // profile assumes nothing).
+  std::optional<PredictionRange> range;
   nlohmann::json rounds = nlohmann::json::array();
   int kept_round = 0;  // with --rounds: the round whose plan was written
   double kept_step_seconds = 0;
@@ -337,7 +437,7 @@ struct Outcome {
 StatusOr<PlanRequest> RequestOf(const Flags& f, Outcome* outcome) {
   PlanRequest request;
   DC_RETURN_IF_ERROR(f.synthetic ? SyntheticRequest(f.model, f.hardware, f.world, f.gpus_per_node,
-                                                    f.budget, &request)
+                                                    f.budget, &request, &outcome->machine)
                                  : TraceRequest(f.trace_path, f.from_plan, f.budget, &request,
                                                 &outcome->measured, &outcome->notes));
   request.policy = f.passes.empty() ? f.policy : "custom";
@@ -419,6 +519,10 @@ StatusOr<Outcome> Plan(const Flags& f) {
     DC_RETURN_IF_ERROR(WritePlanPerfettoFile(*plan, sim, f.perfetto).status());
   }
   outcome.costs = request.costs;
+  outcome.bound = StepLowerBound(plan->program(), plan->world_size(), request.costs);
+  if (outcome.machine && f.rounds.rounds == 0 && (f.json || f.explain)) {
+    DC_ASSIGN_OR_RETURN(outcome.range, RangeOf(*plan, *outcome.machine));
+  }
   outcome.plan = std::move(*plan);
   return outcome;
 }
@@ -454,6 +558,13 @@ void PrintJson(const Flags& f, const Outcome& o) {
   j["notes"] = std::vector<std::string>(plan.notes().begin(), plan.notes().end());
   j["predicted"] = PredictionJson(plan.prediction());
   j["baseline"] = PredictionJson(plan.baseline());
+  j["bound"] = BoundJson(o.bound, plan.prediction().step_seconds());
+  if (o.range) {
+    j["range"] = {
+        {"assumed", o.range->assumed},
+        {"step_seconds", {{"min", o.range->min_step_seconds}, {"max", o.range->max_step_seconds}}},
+        {"speedup_over_baseline", {{"min", o.range->min_speedup}, {"max", o.range->max_speedup}}}};
+  }
   j["passes"] = nlohmann::json::array();
   for (const auto& p : plan.passes()) {
     j["passes"].push_back({{"name", p.name()},
@@ -487,10 +598,12 @@ void PrintJson(const Flags& f, const Outcome& o) {
 void PrintText(const Flags& f, const Outcome& o) {
   const proto::Schedule& plan = o.plan;
   std::printf(
-      "plan %s: cache %s, %d instructions for %d rank(s), predicted step %.4f s, peak %s (budget "
-      "%s)\n",
+      "plan %s: cache %s, %d instructions for %d rank(s), predicted step %.4f s (%s), peak %s "
+      "(budget %s)\n",
       f.out.c_str(), o.cache_hit ? "hit" : "miss", plan.instructions_size(), plan.world_size(),
-      plan.prediction().step_seconds(), FormatBytes(plan.prediction().peak_device_bytes()).c_str(),
+      plan.prediction().step_seconds(),
+      BoundText(o.bound, plan.prediction().step_seconds()).c_str(),
+      FormatBytes(plan.prediction().peak_device_bytes()).c_str(),
       plan.budget_bytes() ? FormatBytes(plan.budget_bytes()).c_str() : "unlimited");
   for (const auto& round : o.rounds) {
     std::printf("round %d: predicted %.6f s, measured %.6f s per step\n", round["round"].get<int>(),
@@ -501,7 +614,18 @@ void PrintText(const Flags& f, const Outcome& o) {
     std::printf("kept round %d's plan: measured %.6f s per step, the fastest of %zu round(s)\n",
                 o.kept_round, o.kept_step_seconds, o.rounds.size());
   }
-  if (f.explain) PrintExplain(plan);
+  if (f.explain) {
+    PrintExplain(plan, o.bound);
+    if (o.range) {
+      std::printf(
+          "  range over the profile's %zu assumed constants (%s; machine/HARDWARE.md): step "
+          "%.4f-%.4f s, speed-up over the zero3 baseline %.3f-%.3fx\n",
+          o.range->assumed.size(), Join(o.range->assumed, ", ").c_str(), o.range->min_step_seconds,
+          o.range->max_step_seconds, o.range->min_speedup, o.range->max_speedup);
+    } else if (o.machine) {
+      std::printf("  no range: the profile assumes none of its constants\n");
+    }
+  }
   if (f.report) {
     if (o.measured) {
       PrintReport(*o.measured, plan);
@@ -509,7 +633,6 @@ void PrintText(const Flags& f, const Outcome& o) {
       PrintPredictedReport(o);
     }
   }
-
   for (const auto& note : plan.notes()) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
   for (const auto& note : o.notes) std::fprintf(stderr, "dc-plan: note: %s\n", note.c_str());
   if (o.measured) {
@@ -532,6 +655,12 @@ int main(int argc, char** argv) {
   Flags flags;
   AddFlags(app, &flags);
   if (std::optional<int> exit_code = cli::Parse(app, argc, argv)) return *exit_code;
+  if (flags.print_hardware) {
+    StatusOr<HardwareProfile> hw = ResolveHardware(flags.hardware);
+    if (!hw.ok()) return cli::Fail("dc-plan", hw.status());
+    std::cout << HardwareProfileJson(*hw);
+    return 0;
+  }
   if (flags.synthetic == !flags.trace_path.empty()) {
     return cli::Fail("dc-plan",
                      Status::Error("give a trace, or --synthetic with --model (see --help)"));
