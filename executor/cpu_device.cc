@@ -11,6 +11,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -158,9 +159,19 @@ class CpuDevice : public RankDevice {
     if (serial_) return;
     for (int s = 0; s < kNumDeviceStreams; ++s) {
       streams_[s].jitter.seed(options_.jitter_seed * kNumDeviceStreams + s);
-      streams_[s].thread = std::thread([this, s] { Loop(s); });
+      try {
+        streams_[s].thread = std::thread([this, s] { Loop(s); });
+      } catch (const std::system_error& e) {  // a process or thread limit
+        started_ =
+            Status::Error("rank " + Rank() + ": could not start the cpu device's stream threads (" +
+                          e.what() + "); raise the process limit or set DC_CPU_STREAMS=serial");
+        return;
+      }
     }
   }
+
+  // Whether the constructor started every stream's thread.
+  const Status& started() const { return started_; }
 
   ~CpuDevice() override {
     {
@@ -508,6 +519,7 @@ class CpuDevice : public RankDevice {
   ExecutionTracer* tracer_;
   const bool serial_;
   const proto::Schedule* schedule_ = nullptr;
+  Status started_;
 
   std::vector<std::byte> arena_;
   std::mutex owned_mu_;
@@ -560,10 +572,12 @@ KernelContext CpuKernelContext(const OpArgs& args, int num_threads) {
   return context;
 }
 
-std::unique_ptr<RankDevice> MakeCpuDevice(Communicator* comm, int num_threads,
-                                          const CpuDeviceOptions& options,
-                                          ExecutionTracer* tracer) {
-  return std::make_unique<CpuDevice>(comm, num_threads, options, tracer);
+StatusOr<std::unique_ptr<RankDevice>> MakeCpuDevice(Communicator* comm, int num_threads,
+                                                    const CpuDeviceOptions& options,
+                                                    ExecutionTracer* tracer) {
+  auto device = std::make_unique<CpuDevice>(comm, num_threads, options, tracer);
+  if (!device->started().ok()) return device->started();
+  return std::unique_ptr<RankDevice>(std::move(device));
 }
 
 }  // namespace dc

@@ -45,8 +45,9 @@ KernelContext CpuKernelContext(const OpArgs& args, int num_threads);
 
 // `comm` is the rank's communicator; `num_threads` the kernels' BLAS threads; `tracer` (may be
 // null) is told when each instruction's work ran on its stream (ExecutionTracer::InstructionRan).
-std::unique_ptr<RankDevice> MakeCpuDevice(Communicator* comm, int num_threads,
-                                          const CpuDeviceOptions& options = {},
-                                          ExecutionTracer* tracer = nullptr);
+// Fails when the streams' threads cannot be started.
+StatusOr<std::unique_ptr<RankDevice>> MakeCpuDevice(Communicator* comm, int num_threads,
+                                                    const CpuDeviceOptions& options = {},
+                                                    ExecutionTracer* tracer = nullptr);
 
 }  // namespace dc

@@ -24,7 +24,11 @@ namespace {
 struct Case {
   Case(std::string m, int w, std::string p, double b = 0, int64_t g = 1,
        std::vector<std::string> ps = {})
-      : model(std::move(m)), world(w), policy(std::move(p)), budget_fraction(b), gas(g),
+      : model(std::move(m)),
+        world(w),
+        policy(std::move(p)),
+        budget_fraction(b),
+        gas(g),
         passes(std::move(ps)) {}
   std::string model;
   int world = 1;
@@ -36,8 +40,8 @@ struct Case {
 
 std::string Name(const Case& c) {
   return c.model + " x" + std::to_string(c.world) + " " + c.policy +
-         (c.budget_fraction > 0 ? " budget " + std::to_string(c.budget_fraction) : "") +
-         " gas " + std::to_string(c.gas) + (c.passes.empty() ? "" : " passes " + Join(c.passes, ","));
+         (c.budget_fraction > 0 ? " budget " + std::to_string(c.budget_fraction) : "") + " gas " +
+         std::to_string(c.gas) + (c.passes.empty() ? "" : " passes " + Join(c.passes, ","));
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << Name(c); }
@@ -77,14 +81,16 @@ StatusOr<Outcome> RunRank(const proto::Schedule& plan, int rank, const std::stri
   DC_RETURN_IF_ERROR(CheckRunnable(plan, comm->world_size()));
   RunOptions options;
   options.steps = 3;
-  std::unique_ptr<RankDevice> device = MakeCpuDevice(comm.get(), 1, streams);
-  DC_ASSIGN_OR_RETURN(RunResult result, Interpret(plan, options, device.get(), comm.get(), nullptr));
+  DC_ASSIGN_OR_RETURN(std::unique_ptr<RankDevice> device, MakeCpuDevice(comm.get(), 1, streams));
+  DC_ASSIGN_OR_RETURN(RunResult result,
+                      Interpret(plan, options, device.get(), comm.get(), nullptr));
   return Outcome{result.losses, result.params_digest, result.peak_device_bytes};
 }
 
 // Every rank of `plan` as a thread of this process; rank 0's outcome (the figures are agreed
 // over the ranks).
-Outcome RunPlan(const proto::Schedule& plan, const CpuDeviceOptions& streams, const std::string& tag) {
+Outcome RunPlan(const proto::Schedule& plan, const CpuDeviceOptions& streams,
+                const std::string& tag) {
   static int runs = 0;
   const std::string store = ::testing::TempDir() + "/cpu_device_test_" +
                             std::to_string(::getpid()) + "_" + std::to_string(runs++) + "_" + tag;
@@ -143,13 +149,13 @@ TEST_P(Streams, ShakenThreadsGiveTheSerialResultsBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(
     Plans, Streams,
-    ::testing::Values(Case{"tiny", 1, "baseline"}, Case{"tiny", 1, "dc"},
-                      Case{"tiny", 2, "baseline"}, Case{"tiny", 2, "dc"},
-                      Case{"tiny", 2, "dc", 0.0, 2}, Case{"tiny", 2, "dc", 0.75},
-                      // Offloads and reloads on the host-copy streams, in the arena.
-                      Case{"tiny", 2, "dc", 1.15, 1, {"zero3", "prefetch", "offload-all", "memory-plan"}},
-                      Case{"tiny", 2, "zero3-offload"}, Case{"mixtral-tiny", 1, "dc"},
-                      Case{"mixtral-tiny", 2, "baseline"}, Case{"mixtral-tiny", 2, "dc"}));
+    ::testing::Values(
+        Case{"tiny", 1, "baseline"}, Case{"tiny", 1, "dc"}, Case{"tiny", 2, "baseline"},
+        Case{"tiny", 2, "dc"}, Case{"tiny", 2, "dc", 0.0, 2}, Case{"tiny", 2, "dc", 0.75},
+        // Offloads and reloads on the host-copy streams, in the arena.
+        Case{"tiny", 2, "dc", 1.15, 1, {"zero3", "prefetch", "offload-all", "memory-plan"}},
+        Case{"tiny", 2, "zero3-offload"}, Case{"mixtral-tiny", 1, "dc"},
+        Case{"mixtral-tiny", 2, "baseline"}, Case{"mixtral-tiny", 2, "dc"}));
 
 TEST(CpuDeviceOptions, ComeFromTheEnvironment) {
   ::setenv("DC_CPU_STREAMS", "serial", 1);

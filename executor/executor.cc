@@ -57,7 +57,8 @@ StatusOr<RunResult> RunSchedule(const proto::Schedule& schedule, const RunOption
                                 Communicator* comm, ExecutionTracer* tracer) {
   DC_RETURN_IF_ERROR(CheckRunnable(schedule, comm->world_size()));
   DC_ASSIGN_OR_RETURN(const CpuDeviceOptions streams, CpuDeviceOptionsFromEnv());
-  std::unique_ptr<RankDevice> device = MakeCpuDevice(comm, options.num_threads, streams, tracer);
+  DC_ASSIGN_OR_RETURN(std::unique_ptr<RankDevice> device,
+                      MakeCpuDevice(comm, options.num_threads, streams, tracer));
   return Interpret(schedule, options, device.get(), comm, tracer);
 }
 
