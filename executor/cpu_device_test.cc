@@ -12,6 +12,7 @@
 
 #include "executor/executor.h"
 #include "executor/interpreter.h"
+#include "executor/layout.h"
 #include "machine/estimate.h"
 #include "machine/hardware.h"
 #include "models/model.h"
@@ -156,6 +157,89 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"tiny", 2, "dc", 1.15, 1, {"zero3", "prefetch", "offload-all", "memory-plan"}},
         Case{"tiny", 2, "zero3-offload"}, Case{"mixtral-tiny", 1, "dc"},
         Case{"mixtral-tiny", 2, "baseline"}, Case{"mixtral-tiny", 2, "dc"}));
+
+// A kernel that fails on the compute stream's thread: the call that enqueued it returns at once,
+// the failure comes back at the next synchronization, naming the instruction, and every later
+// call refuses.
+TEST(CpuDevice, AWorkerErrorComesBackNamingTheInstruction) {
+  auto plan = Plan(Case("tiny", 1, "baseline"), 0);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  auto layout = MakeScheduleLayout(*plan);
+  ASSERT_TRUE(layout.ok());
+  auto comm = Connect(RendezvousOptions{});
+  ASSERT_TRUE(comm.ok());
+  auto device = MakeCpuDevice(comm->get(), 1);
+  ASSERT_TRUE(device.ok()) << device.status().message();
+  RankDevice& d = **device;
+  ASSERT_TRUE(d.Prepare(*plan, *layout).ok());
+  ASSERT_TRUE(d.AfterInstruction(2, proto::STREAM_COMPUTE).ok());  // issuing instruction 3 now
+  proto::Op op;
+  op.set_name("broken");
+  op.set_kind("no-such-kind");
+  EXPECT_TRUE(d.RunOp(op, {}, {}, OpArgs{}).ok());  // enqueued, not run yet
+  const Status synced = d.Synchronize("checking");
+  ASSERT_FALSE(synced.ok());
+  EXPECT_NE(synced.message().find("checking on rank 0: " + DescribeInstruction(*plan, 3, 0)),
+            std::string::npos)
+      << synced.message();
+  EXPECT_NE(synced.message().find("no-such-kind"), std::string::npos) << synced.message();
+  const Status later = d.Zero(nullptr, 0, proto::STREAM_GATHER, "later");
+  ASSERT_FALSE(later.ok());
+  EXPECT_NE(later.message().find("earlier work failed"), std::string::npos) << later.message();
+}
+
+// A wait for an event that will never be recorded (here: the host waiting) ends with Abort.
+TEST(CpuDevice, AbortEndsAWaitForAnEventNeverRecorded) {
+  auto plan = Plan(Case("tiny", 1, "baseline"), 0);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  auto layout = MakeScheduleLayout(*plan);
+  ASSERT_TRUE(layout.ok());
+  auto comm = Connect(RendezvousOptions{});
+  ASSERT_TRUE(comm.ok());
+  auto device = MakeCpuDevice(comm->get(), 1);
+  ASSERT_TRUE(device.ok()) << device.status().message();
+  RankDevice& d = **device;
+  ASSERT_TRUE(d.Prepare(*plan, *layout).ok());
+  // A stream waiting too: Abort drops it and the drain ends.
+  ASSERT_TRUE(d.Wait(1, 0, proto::STREAM_GATHER).ok());
+  Status waited;
+  std::thread host([&] { waited = d.Wait(1, 0, proto::STREAM_HOST); });
+  d.Abort();
+  host.join();
+  EXPECT_FALSE(waited.ok());
+  EXPECT_FALSE(d.Synchronize("after the abort").ok());
+}
+
+// An event recorded in one step does not satisfy the same wait in the next: the wait holds the
+// stream until the next step's record, in stream order, so work queued behind it sees the
+// record's stream's work of that step.
+TEST(CpuDevice, EventsBelongToTheirStep) {
+  auto plan = Plan(Case("tiny", 1, "baseline"), 0);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  auto layout = MakeScheduleLayout(*plan);
+  ASSERT_TRUE(layout.ok());
+  auto comm = Connect(RendezvousOptions{});
+  ASSERT_TRUE(comm.ok());
+  CpuDeviceOptions shaken;
+  shaken.jitter_seed = 5;
+  auto device = MakeCpuDevice(comm->get(), 1, shaken);
+  ASSERT_TRUE(device.ok()) << device.status().message();
+  RankDevice& d = **device;
+  ASSERT_TRUE(d.Prepare(*plan, *layout).ok());
+  std::vector<float> a(1), b(1);
+  for (int step = 0; step < 20; ++step) {
+    // The gather stream writes a, records 0; the reduce stream waits for 0 and copies a to b.
+    const float value = static_cast<float>(step + 1);
+    ASSERT_TRUE(d.Zero(a.data(), sizeof(float), proto::STREAM_GATHER, "zero").ok());
+    ASSERT_TRUE(d.CopyToDevice(a.data(), &value, sizeof(float), proto::STREAM_GATHER, "w").ok());
+    ASSERT_TRUE(d.Record(0, proto::STREAM_GATHER).ok());
+    ASSERT_TRUE(d.Wait(1, 0, proto::STREAM_REDUCE).ok());
+    ASSERT_TRUE(d.CopyOnDevice(b.data(), a.data(), sizeof(float), proto::STREAM_REDUCE, "r").ok());
+    ASSERT_TRUE(d.JoinStreams("join").ok());
+    ASSERT_TRUE(d.FinishStep(step).ok());
+    EXPECT_EQ(b[0], value) << "step " << step;
+  }
+}
 
 TEST(CpuDeviceOptions, ComeFromTheEnvironment) {
   ::setenv("DC_CPU_STREAMS", "serial", 1);
