@@ -15,15 +15,16 @@
 #include "executor/comm.h"
 #include "executor/cpu_kernels.h"
 #include "executor/device.h"
+#include "executor/layout.h"
 #include "executor/tracer.h"
 #include "schemas/status.h"
 
 namespace dc {
 
 // The communicator channels the cpu device's streams use: channel 1 + DeviceStreamIndex(s) for
-// stream s (executor/layout.h), channel 0 staying the interpreter's. A communicator with fewer
-// channels (and more than one rank) makes the device run its streams serially.
-inline constexpr int kCpuDeviceChannels = 6;
+// stream s, channel 0 staying the interpreter's. A communicator with fewer channels (and more
+// than one rank) makes the device run its streams serially.
+inline constexpr int kCpuDeviceChannels = 1 + kNumDeviceStreams;
 
 struct CpuDeviceOptions {
   // Runs every call at once on the calling thread, in issue order (the order the plan's streams
