@@ -158,19 +158,48 @@ StatusOr<int64_t> HostTracer::EndInstruction(const InstructionRef& ref, int64_t 
                          std::to_string(ref.instruction) + " (an executor bug; please report it)");
   }
   const TracedInstruction& traced = described_[ref.instruction];
+  if (recorded_.size() < described_.size()) recorded_.resize(described_.size());
+  Recorded& recorded = recorded_[ref.instruction];
+  recorded.step = ref.step;
+  recorded.kernels_begin = records_->kernels.size();
+  recorded.collectives_begin = records_->collectives.size();
+  recorded.copies_begin = records_->copies.size();
+  int64_t id = 0;
   switch (traced.kind) {
     case proto::INSTR_COMPUTE:
-      return Kernel(traced.op_name, traced.stream, start_ns, end_ns, ref);
+      id = Kernel(traced.op_name, traced.stream, start_ns, end_ns, ref);
+      break;
     case proto::INSTR_OFFLOAD:
     case proto::INSTR_RELOAD:
-      return Copy(traced.kind, traced.stream, start_ns, end_ns, traced.bytes, ref);
+      id = Copy(traced.kind, traced.stream, start_ns, end_ns, traced.bytes, ref);
+      break;
     case proto::INSTR_ALL_GATHER:
     case proto::INSTR_REDUCE_SCATTER:
-      return Collective(traced.kind, traced.stream, start_ns, end_ns, traced.bytes, traced.tensors,
-                        traced.bucket, ref);
+      id = Collective(traced.kind, traced.stream, start_ns, end_ns, traced.bytes, traced.tensors,
+                      traced.bucket, ref);
+      break;
     default:
-      return 0;  // releases and renames only change memory
+      break;  // releases and renames only change memory
   }
+  recorded.kernels_end = records_->kernels.size();
+  recorded.collectives_end = records_->collectives.size();
+  recorded.copies_end = records_->copies.size();
+  return id;
+}
+
+void HostTracer::InstructionRan(const InstructionRef& ref, int64_t start_ns, int64_t end_ns) {
+  if (ref.instruction < 0 || static_cast<size_t>(ref.instruction) >= recorded_.size()) return;
+  const Recorded& recorded = recorded_[ref.instruction];
+  if (recorded.step != ref.step) return;
+  auto retime = [&](auto& records, size_t begin, size_t end) {
+    for (size_t i = begin; i < end && i < records.size(); ++i) {
+      records[i].start_ns = start_ns;
+      records[i].end_ns = end_ns;
+    }
+  };
+  retime(records_->kernels, recorded.kernels_begin, recorded.kernels_end);
+  retime(records_->collectives, recorded.collectives_begin, recorded.collectives_end);
+  retime(records_->copies, recorded.copies_begin, recorded.copies_end);
 }
 
 int64_t HostTracer::Kernel(const std::string& name, proto::Stream stream, int64_t start_ns,

@@ -34,6 +34,9 @@ class HostTracer : public ExecutionTracer {
   Status BeginInstruction(const InstructionRef& ref) override;
   StatusOr<int64_t> EndInstruction(const InstructionRef& ref, int64_t start_ns,
                                    int64_t end_ns) override;
+  // Moves the activity EndInstruction recorded for `ref` (the latest of its instruction, in the
+  // same step) to the times its work ran.
+  void InstructionRan(const InstructionRef& ref, int64_t start_ns, int64_t end_ns) override;
 
   // Each returns the activity's correlation id (unique within the rank).
   int64_t Kernel(const std::string& name, proto::Stream stream, int64_t start_ns, int64_t end_ns,
@@ -70,6 +73,13 @@ class HostTracer : public ExecutionTracer {
   int64_t global_pid_;  // (rank << 48) | (pid << 24), nsys's packing
   std::unique_ptr<Records> records_;
   std::vector<TracedInstruction> described_;  // by instruction index
+  // By instruction index: the step and the records of its latest EndInstruction.
+  struct Recorded {
+    int step = -1;
+    size_t kernels_begin = 0, kernels_end = 0, collectives_begin = 0, collectives_end = 0,
+           copies_begin = 0, copies_end = 0;
+  };
+  std::vector<Recorded> recorded_;
 };
 
 struct MergeSummary {

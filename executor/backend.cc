@@ -1,6 +1,9 @@
 #include "executor/backend.h"
 
+#include <algorithm>
+
 #include "collector/host_tracer.h"
+#include "executor/cpu_device.h"
 
 namespace dc {
 namespace {
@@ -90,7 +93,9 @@ class CpuBackend : public RankBackend {
 
   StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& rendezvous,
                                                   const RankEnv& /*env*/) override {
-    return dc::Connect(rendezvous);
+    RendezvousOptions channels = rendezvous;  // one for each of the device's streams
+    channels.channels = std::max(channels.channels, kCpuDeviceChannels);
+    return dc::Connect(channels);
   }
 
   StatusOr<std::unique_ptr<RankTracer>> MakeTracer(const RankTraceOptions& options) override {

@@ -13,11 +13,14 @@
 #include <gloo/transport/tcp/device.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <limits>
 #include <vector>
 
 #include "executor/tcp_store.h"
@@ -40,6 +43,9 @@ class LocalCommunicator : public Communicator {
   Status AllReduceSum(double*, int64_t) override { return Status::Ok(); }
   Status AllReduceMax(double*, int64_t) override { return Status::Ok(); }
   Status Broadcast(int64_t*, int) override { return Status::Ok(); }
+  // A world of one has nothing to wait for: every channel is this one.
+  int channels() const override { return std::numeric_limits<int>::max(); }
+  Communicator* channel(int index) override { return index >= 0 ? this : nullptr; }
 };
 
 // Runs a Gloo call, turning its exceptions (a peer gone, a timeout) into a Status.
@@ -62,6 +68,29 @@ class GlooCommunicator : public Communicator {
       : context_(std::move(context)) {}
   int rank() const override { return context_->rank; }
   int world_size() const override { return context_->size; }
+
+  // The further channels, each over its own context (its own connections and slots).
+  void AddChannel(std::unique_ptr<GlooCommunicator> channel) {
+    channels_.push_back(std::move(channel));
+  }
+  int channels() const override { return 1 + static_cast<int>(channels_.size()); }
+  Communicator* channel(int index) override {
+    if (index == 0) return this;
+    if (index < 0 || index > static_cast<int>(channels_.size())) return nullptr;
+    return channels_[index - 1].get();
+  }
+  // Closing the connections wakes this rank's collectives waiting on them, and the peers see
+  // their end close.
+  void Abort() override {
+    bool expected = false;
+    if (!aborted_.compare_exchange_strong(expected, true)) return;
+    for (auto& c : channels_) c->Abort();
+    try {
+      context_->closeConnections();
+    } catch (const std::exception&) {
+      // Already closed by a peer's failure: nothing left to wake.
+    }
+  }
 
   Status AllGather(const float* shard, int64_t n, float* out) override {
     return Guarded("all-gather", rank(), [&] {
@@ -110,6 +139,8 @@ class GlooCommunicator : public Communicator {
   }
 
   std::shared_ptr<gloo::rendezvous::Context> context_;
+  std::vector<std::unique_ptr<GlooCommunicator>> channels_;
+  std::atomic<bool> aborted_{false};
 };
 
 // Gloo's file store with this run's timeout on every wait (Gloo's own waits, in `get` and in
@@ -223,7 +254,7 @@ StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& options
   } else {
     DC_RETURN_IF_ERROR(CheckStoreDir(options));
   }
-  std::shared_ptr<gloo::rendezvous::Context> context;
+  std::vector<std::shared_ptr<gloo::rendezvous::Context>> contexts;
   Status connected = Guarded("rendezvous", options.rank, [&] {
     gloo::transport::tcp::attr attr;
     attr.hostname = options.bind_host;
@@ -234,13 +265,18 @@ StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& options
     } else {
       base = std::make_unique<RunFileStore>(options.store_dir, options.timeout);
     }
-    gloo::rendezvous::PrefixStore store(options.run_id, *base);
-    context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.world_size);
-    context->setTimeout(options.timeout);
-    context->connectFullMesh(store, device);
+    for (int c = 0; c < std::max(1, options.channels); ++c) {
+      // Channel 0 keeps the run's own prefix; the others' keys are their own.
+      gloo::rendezvous::PrefixStore store(
+          c == 0 ? options.run_id : options.run_id + "/channel" + std::to_string(c), *base);
+      auto context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.world_size);
+      context->setTimeout(options.timeout);
+      context->connectFullMesh(store, device);
+      contexts.push_back(std::move(context));
+    }
     // Every rank has finished connecting before any goes on: a rank that fails right after
     // (an out-of-memory at start-up) must not look like a failed rendezvous to the others.
-    gloo::BarrierOptions barrier(context);
+    gloo::BarrierOptions barrier(contexts.front());
     gloo::barrier(barrier);
   });
   if (!connected.ok()) {
@@ -253,7 +289,11 @@ StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& options
                          (tcp ? "MASTER_ADDR and MASTER_PORT" : "rendezvous directory") + "? (" +
                          connected.message() + ")");
   }
-  return std::unique_ptr<Communicator>(new GlooCommunicator(std::move(context)));
+  auto comm = std::make_unique<GlooCommunicator>(contexts.front());
+  for (size_t c = 1; c < contexts.size(); ++c) {
+    comm->AddChannel(std::make_unique<GlooCommunicator>(contexts[c]));
+  }
+  return std::unique_ptr<Communicator>(std::move(comm));
 }
 
 }  // namespace dc

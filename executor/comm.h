@@ -1,7 +1,8 @@
 // Collectives between the ranks of a run. The cpu backend's implementation is Gloo over TCP
 // (rendezvous through a TCP store at MASTER_ADDR:MASTER_PORT or a file store in a shared
-// directory); a world of one needs no transport. Calls are blocking and must be
-// made in the same order on every rank. Not thread-safe.
+// directory); a world of one needs no transport. Calls are blocking and must be made in the same
+// order on every rank. Not thread-safe: threads that need collectives at the same time (the cpu
+// device's streams) each take a channel of their own.
 #pragma once
 
 #include <chrono>
@@ -26,6 +27,17 @@ class Communicator {
   virtual Status AllReduceSum(double* values, int64_t count) = 0;
   virtual Status AllReduceMax(double* values, int64_t count) = 0;
   virtual Status Broadcast(int64_t* value, int root) = 0;
+
+  // Independent channels to the same ranks, made at connect (RendezvousOptions::channels):
+  // collectives on different channels may run at the same time from different threads; on one
+  // channel they are made by one thread at a time, in the same order on every rank. Channel 0
+  // is this communicator. Null for an index past channels().
+  virtual int channels() const { return 1; }
+  virtual Communicator* channel(int index) { return index == 0 ? this : nullptr; }
+  // A rank's failure: makes the collectives in flight on every channel, here and (through the
+  // closed connections) on the peers, fail at once instead of waiting for the timeout. Callable
+  // from any thread; no collective succeeds afterwards.
+  virtual void Abort() {}
 };
 
 struct RendezvousOptions {
@@ -40,6 +52,7 @@ struct RendezvousOptions {
   std::string bind_host = "127.0.0.1";  // address this rank listens on
   std::string run_id = "dc";            // prefix of the store's keys; the TCP store's run identity
   std::chrono::milliseconds timeout{60000};  // rendezvous and each collective
+  int channels = 1;                          // Communicator::channels(): one Gloo context each
 };
 
 // A world of one (no transport) or Gloo's full mesh over TCP.

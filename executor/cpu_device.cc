@@ -1,11 +1,24 @@
 #include "executor/cpu_device.h"
 
 #include <algorithm>
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
+#include <mutex>
+#include <random>
+#include <system_error>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "executor/cpu_kernels.h"
+#include "executor/executor.h"
+#include "executor/layout.h"
 
 namespace dc {
 namespace {
@@ -37,15 +50,149 @@ void Copy(void* to, const void* from, int64_t bytes) {
   if (bytes > 0) std::memmove(to, from, static_cast<size_t>(bytes));
 }
 
+void Fill0(void* to, int64_t bytes) {
+  if (bytes > 0) std::memset(to, 0, static_cast<size_t>(bytes));
+}
+
+// The grouped collectives' math. The shards are packed side by side, gathered once, and each
+// rank's chunk unpacked into the whole params; a world of one copies (shard = whole, unpadded).
+Status AllGatherNow(Communicator* comm, int world, const std::vector<GatherItem>& items) {
+  if (world == 1) {
+    for (const GatherItem& item : items) {
+      const int64_t count = std::min(item.shard_elements, item.whole.NumElements());
+      std::copy(Floats(item.shard), Floats(item.shard) + count, Floats(item.whole));
+    }
+    return Status::Ok();
+  }
+  int64_t packed_elements = 0;
+  for (const GatherItem& item : items) packed_elements += item.shard_elements;
+  std::vector<float> packed(packed_elements), gathered(packed_elements * world);
+  int64_t offset = 0;
+  for (const GatherItem& item : items) {
+    const float* shard = Floats(item.shard);
+    std::copy(shard, shard + item.shard_elements, packed.begin() + offset);
+    offset += item.shard_elements;
+  }
+  DC_RETURN_IF_ERROR(comm->AllGather(packed.data(), packed_elements, gathered.data()));
+  offset = 0;
+  for (const GatherItem& item : items) {
+    const int64_t shard = item.shard_elements, numel = item.whole.NumElements();
+    float* whole = Floats(item.whole);
+    for (int r = 0; r < world; ++r) {
+      const int64_t begin = r * shard;
+      const int64_t count = std::max<int64_t>(0, std::min(shard, numel - begin));
+      const float* chunk = gathered.data() + r * packed_elements + offset;
+      std::copy(chunk, chunk + count, whole + begin);
+    }
+    offset += shard;
+  }
+  return Status::Ok();
+}
+
+// Rank r's chunk of the packed buffer holds rank r's slice of every grad, side by side. A world
+// of one adds the grad to the accumulator directly (the same sums, in the same order).
+Status ReduceScatterAddNow(Communicator* comm, int world,
+                           const std::vector<ReduceScatterItem>& items) {
+  if (world == 1) {
+    for (const ReduceScatterItem& item : items) {
+      float* accumulator = Floats(item.shard);
+      const float* grad = Floats(item.grad);
+      const int64_t count = std::min(item.shard_elements, item.grad.NumElements());
+      for (int64_t i = 0; i < count; ++i) accumulator[i] += grad[i];
+      // Padding past the grad's end adds zeros: nothing to do.
+    }
+    return Status::Ok();
+  }
+  int64_t packed_elements = 0;
+  for (const ReduceScatterItem& item : items) packed_elements += item.shard_elements;
+  std::vector<float> packed(packed_elements * world, 0.0f), reduced(packed_elements);
+  int64_t offset = 0;
+  for (const ReduceScatterItem& item : items) {
+    const float* grad = Floats(item.grad);
+    const int64_t shard = item.shard_elements, numel = item.grad.NumElements();
+    for (int r = 0; r < world; ++r) {
+      const int64_t begin = r * shard;
+      const int64_t count = std::max<int64_t>(0, std::min(shard, numel - begin));
+      std::copy(grad + begin, grad + begin + count, packed.begin() + r * packed_elements + offset);
+    }
+    offset += shard;
+  }
+  DC_RETURN_IF_ERROR(comm->ReduceScatterSum(packed.data(), packed_elements, reduced.data()));
+  offset = 0;
+  for (const ReduceScatterItem& item : items) {
+    float* accumulator = Floats(item.shard);
+    for (int64_t i = 0; i < item.shard_elements; ++i) accumulator[i] += reduced[offset + i];
+    offset += item.shard_elements;
+  }
+  return Status::Ok();
+}
+
+int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// One rank's host as a device with streams. The issuing thread (the interpreter's) enqueues work
+// on a stream's FIFO and returns; the stream's worker thread runs it in order. Cross-stream order
+// comes from events: Record enqueues "signal event i of this step", Wait enqueues "block until
+// event d of this step is signalled" (STREAM_HOST: the issuing thread blocks). An event is the
+// generation (1 + finished steps) it was last signalled in, so step s's signal never satisfies
+// step s + 1's wait. The first error of any stream is kept: later work is dropped, waits end,
+// and every later call (or the step's end) returns it. Abort ends everything queued and closes
+// the streams' communicator channels, which wakes a collective waiting on a peer.
+//
+// Threads: the RankDevice calls come from one thread (the interpreter's); everything the
+// workers share with it is under `mu_`, or is a buffer the plan's order keeps from being used
+// by two streams at once.
 class CpuDevice : public RankDevice {
  public:
-  CpuDevice(Communicator* comm, int num_threads) : comm_(comm), num_threads_(num_threads) {}
+  CpuDevice(Communicator* comm, int num_threads, const CpuDeviceOptions& options,
+            ExecutionTracer* tracer)
+      : comm_(comm),
+        world_(comm->world_size()),
+        num_threads_(num_threads),
+        options_(options),
+        tracer_(tracer),
+        // Streams need a channel each when collectives cross ranks; without, issue order it is.
+        serial_(options.serial || (world_ > 1 && comm->channels() < kCpuDeviceChannels)) {
+    if (serial_) return;
+    for (int s = 0; s < kNumDeviceStreams; ++s) {
+      streams_[s].jitter.seed(options_.jitter_seed * kNumDeviceStreams + s);
+      try {
+        streams_[s].thread = std::thread([this, s] { Loop(s); });
+      } catch (const std::system_error& e) {  // a process or thread limit
+        started_ =
+            Status::Error("rank " + Rank() + ": could not start the cpu device's stream threads (" +
+                          e.what() + "); raise the process limit or set DC_CPU_STREAMS=serial");
+        return;
+      }
+    }
+  }
+
+  // Whether the constructor started every stream's thread.
+  const Status& started() const { return started_; }
+
+  ~CpuDevice() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    for (StreamState& s : streams_) s.ready.notify_all();
+    for (StreamState& s : streams_) {
+      if (s.thread.joinable()) s.thread.join();
+    }
+  }
 
   proto::DType StorageDType(proto::DType dtype) const override {
     return dtype == proto::DTYPE_I32 ? proto::DTYPE_I32 : proto::DTYPE_F32;
   }
 
-  Status Prepare(const proto::Schedule& /*schedule*/, const ScheduleLayout& /*layout*/) override {
+  Status Prepare(const proto::Schedule& schedule, const ScheduleLayout& /*layout*/) override {
+    schedule_ = &schedule;
+    std::lock_guard<std::mutex> lock(mu_);
+    signalled_.assign(schedule.instructions_size(), 0);
+    ran_.assign(schedule.instructions_size(), {-1, -1});
     return Status::Ok();
   }
 
@@ -54,23 +201,36 @@ class CpuDevice : public RankDevice {
     return Status::Ok();
   }
 
-  StatusOr<void*> Allocate(int64_t arena_offset_bytes, int64_t bytes, proto::Stream /*stream*/,
-                           const std::string& /*what*/, const std::string& /*tensor*/) override {
+  // The arena's bytes may still be in use by another stream's earlier user until the plan's
+  // waits on `stream` are met, so their zeroing runs on `stream`. Pooled buffers are fresh
+  // (zeroed here: no one else can see them yet).
+  StatusOr<void*> Allocate(int64_t arena_offset_bytes, int64_t bytes, proto::Stream stream,
+                           const std::string& what, const std::string& /*tensor*/) override {
+    DC_RETURN_IF_ERROR(Failed());
     if (arena_offset_bytes >= 0) {
       std::byte* place = arena_.data() + arena_offset_bytes;
-      std::memset(place, 0, static_cast<size_t>(bytes));
+      DC_RETURN_IF_ERROR(Enqueue(stream, what, [place, bytes] {
+        Fill0(place, bytes);
+        return Status::Ok();
+      }));
       return static_cast<void*>(place);
     }
     auto storage = std::make_unique<std::byte[]>(static_cast<size_t>(std::max<int64_t>(bytes, 1)));
     void* data = storage.get();
+    std::lock_guard<std::mutex> lock(owned_mu_);
     owned_.emplace(data, std::move(storage));
     return data;
   }
 
-  Status Free(void* data, proto::Stream /*stream*/, const std::string& /*what*/,
+  // Stream-ordered, as cudaFreeAsync: the stream's earlier work (and what it waited for) may
+  // still read the buffer.
+  Status Free(void* data, proto::Stream stream, const std::string& what,
               const std::string& /*tensor*/) override {
-    owned_.erase(data);
-    return Status::Ok();
+    return Enqueue(stream, what, [this, data] {
+      std::lock_guard<std::mutex> lock(owned_mu_);
+      owned_.erase(data);
+      return Status::Ok();
+    });
   }
 
   StatusOr<std::unique_ptr<HostBuffer>> AllocateHost(int64_t bytes,
@@ -78,94 +238,52 @@ class CpuDevice : public RankDevice {
     return std::unique_ptr<HostBuffer>(new CpuHostBuffer(bytes));
   }
 
-  Status CopyToDevice(void* device, const void* host, int64_t bytes, proto::Stream /*stream*/,
-                      const std::string& /*what*/) override {
-    Copy(device, host, bytes);
-    return Status::Ok();
+  Status CopyToDevice(void* device, const void* host, int64_t bytes, proto::Stream stream,
+                      const std::string& what) override {
+    return CopyOn(device, host, bytes, stream, what);
   }
-  Status CopyToHost(void* host, const void* device, int64_t bytes, proto::Stream /*stream*/,
-                    const std::string& /*what*/) override {
-    Copy(host, device, bytes);
-    return Status::Ok();
+  Status CopyToHost(void* host, const void* device, int64_t bytes, proto::Stream stream,
+                    const std::string& what) override {
+    return CopyOn(host, device, bytes, stream, what);
   }
-  Status CopyOnDevice(void* to, const void* from, int64_t bytes, proto::Stream /*stream*/,
-                      const std::string& /*what*/) override {
-    Copy(to, from, bytes);
-    return Status::Ok();
+  Status CopyOnDevice(void* to, const void* from, int64_t bytes, proto::Stream stream,
+                      const std::string& what) override {
+    return CopyOn(to, from, bytes, stream, what);
   }
-  Status Zero(void* device, int64_t bytes, proto::Stream /*stream*/,
-              const std::string& /*what*/) override {
-    if (bytes > 0) std::memset(device, 0, static_cast<size_t>(bytes));
-    return Status::Ok();
+  Status Zero(void* device, int64_t bytes, proto::Stream stream, const std::string& what) override {
+    return Enqueue(stream, what, [device, bytes] {
+      Fill0(device, bytes);
+      return Status::Ok();
+    });
   }
 
-  Status Cast(const DeviceTensor& from, const DeviceTensor& to, proto::Stream /*stream*/,
+  Status Cast(const DeviceTensor& from, const DeviceTensor& to, proto::Stream stream,
               const std::string& what) override {
     // Every float is stored in fp32 here, so a cast is a copy.
     if (from.dtype != to.dtype || from.NumElements() != to.NumElements()) {
       return Status::Error(what + ": the cpu backend casts only between equal fp32 buffers");
     }
-    Copy(to.data, from.data, from.SizeBytes());
-    return Status::Ok();
+    return CopyOn(to.data, from.data, from.SizeBytes(), stream, what);
   }
 
-  // The shards are packed side by side, gathered once, and each rank's chunk unpacked into the
-  // whole params.
-  Status AllGather(std::span<const GatherItem> items, proto::Stream /*stream*/,
-                   const std::string& /*what*/) override {
-    const int world = comm_->world_size();
-    int64_t packed_elements = 0;
-    for (const GatherItem& item : items) packed_elements += item.shard_elements;
-    std::vector<float> packed(packed_elements), gathered(packed_elements * world);
-    int64_t offset = 0;
-    for (const GatherItem& item : items) {
-      const float* shard = Floats(item.shard);
-      std::copy(shard, shard + item.shard_elements, packed.begin() + offset);
-      offset += item.shard_elements;
-    }
-    DC_RETURN_IF_ERROR(comm_->AllGather(packed.data(), packed_elements, gathered.data()));
-    offset = 0;
-    for (const GatherItem& item : items) {
-      const int64_t shard = item.shard_elements, numel = item.whole.NumElements();
-      float* whole = Floats(item.whole);
-      for (int r = 0; r < world; ++r) {
-        const int64_t begin = r * shard;
-        const int64_t count = std::max<int64_t>(0, std::min(shard, numel - begin));
-        const float* chunk = gathered.data() + r * packed_elements + offset;
-        std::copy(chunk, chunk + count, whole + begin);
-      }
-      offset += shard;
-    }
-    return Status::Ok();
+  Status AllGather(std::span<const GatherItem> items, proto::Stream stream,
+                   const std::string& what) override {
+    Communicator* comm = ChannelOf(stream);
+    return Enqueue(
+        stream, what,
+        [comm, world = world_, items = std::vector<GatherItem>(items.begin(), items.end())] {
+          return AllGatherNow(comm, world, items);
+        });
   }
 
-  // Rank r's chunk of the packed buffer holds rank r's slice of every grad, side by side.
-  Status ReduceScatterAdd(std::span<const ReduceScatterItem> items, proto::Stream /*stream*/,
-                          const std::string& /*what*/) override {
-    const int world = comm_->world_size();
-    int64_t packed_elements = 0;
-    for (const ReduceScatterItem& item : items) packed_elements += item.shard_elements;
-    std::vector<float> packed(packed_elements * world, 0.0f), reduced(packed_elements);
-    int64_t offset = 0;
-    for (const ReduceScatterItem& item : items) {
-      const float* grad = Floats(item.grad);
-      const int64_t shard = item.shard_elements, numel = item.grad.NumElements();
-      for (int r = 0; r < world; ++r) {
-        const int64_t begin = r * shard;
-        const int64_t count = std::max<int64_t>(0, std::min(shard, numel - begin));
-        std::copy(grad + begin, grad + begin + count,
-                  packed.begin() + r * packed_elements + offset);
-      }
-      offset += shard;
-    }
-    DC_RETURN_IF_ERROR(comm_->ReduceScatterSum(packed.data(), packed_elements, reduced.data()));
-    offset = 0;
-    for (const ReduceScatterItem& item : items) {
-      float* accumulator = Floats(item.shard);
-      for (int64_t i = 0; i < item.shard_elements; ++i) accumulator[i] += reduced[offset + i];
-      offset += item.shard_elements;
-    }
-    return Status::Ok();
+  Status ReduceScatterAdd(std::span<const ReduceScatterItem> items, proto::Stream stream,
+                          const std::string& what) override {
+    Communicator* comm = ChannelOf(stream);
+    return Enqueue(
+        stream, what,
+        [comm, world = world_, items = std::vector<ReduceScatterItem>(items.begin(), items.end())] {
+          return ReduceScatterAddNow(comm, world, items);
+        });
   }
 
   Status RunOp(const proto::Op& op, std::span<DeviceTensor> inputs, std::span<DeviceTensor> outputs,
@@ -173,41 +291,276 @@ class CpuDevice : public RankDevice {
     std::vector<TensorRef> in, out;
     for (const DeviceTensor& t : inputs) in.push_back(RefOf(t));
     for (const DeviceTensor& t : outputs) out.push_back(RefOf(t));
-    return RunCpuOp(op, in, out, CpuKernelContext(args, num_threads_));
+    // Named by instruction only on failure: the message is made then.
+    return Enqueue(proto::STREAM_COMPUTE, "",
+                   [&op, in = std::move(in), out = std::move(out),
+                    context = CpuKernelContext(args, num_threads_)]() mutable {
+                     return RunCpuOp(op, in, out, context);
+                   });
   }
 
   Status AddLoss(const DeviceTensor& term) override {
-    loss_sum_ += Floats(term)[0];
-    return Status::Ok();
+    const float* value = Floats(term);
+    return Enqueue(proto::STREAM_COMPUTE, "summing the loss", [this, value] {
+      loss_sum_ += value[0];  // the compute stream's alone until the step's end
+      return Status::Ok();
+    });
   }
 
-  Status Record(int /*index*/, proto::Stream /*stream*/) override { return Status::Ok(); }
-  Status Wait(int /*index*/, int /*dep*/, proto::Stream /*stream*/) override {
-    return Status::Ok();
+  Status Record(int index, proto::Stream stream) override {
+    if (serial_) return Failed();
+    return Push(stream, {Work::kSignal, index, generation_, {}, {}});
   }
-  Status AfterInstruction(int /*index*/, proto::Stream /*stream*/) override { return Status::Ok(); }
-  Status JoinStreams(const std::string& /*what*/) override { return Status::Ok(); }
 
-  StatusOr<double> FinishStep(int /*step*/) override {
+  Status Wait(int index, int dep, proto::Stream stream) override {
+    issuing_ = index;
+    if (serial_) return Failed();
+    if (stream != proto::STREAM_HOST) return Push(stream, {Work::kWait, dep, generation_, {}, {}});
+    std::unique_lock<std::mutex> lock(mu_);
+    signal_.wait(lock, [&] { return failed_ || signalled_[dep] >= generation_; });
+    return Kept();
+  }
+
+  // Closes the instruction's span of work on its stream, for the trace.
+  Status AfterInstruction(int index, proto::Stream stream) override {
+    issuing_ = index + 1;
+    if (serial_ || tracer_ == nullptr || stream == proto::STREAM_HOST) return Failed();
+    return Push(stream, {Work::kEnd, index, generation_, {}, {}});
+  }
+
+  // The step's end is the only join the interpreter asks for: the issuing thread waits.
+  Status JoinStreams(const std::string& what) override { return Drain(what); }
+
+  StatusOr<double> FinishStep(int step) override {
+    DC_RETURN_IF_ERROR(Drain("the end of step " + std::to_string(step)));
+    std::vector<std::pair<int64_t, int64_t>> ran;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ran.swap(ran_);
+      ran_.assign(ran.size(), {-1, -1});
+      for (StreamState& s : streams_) s.open_ns = -1;  // the step's end's own work
+    }
+    if (tracer_ != nullptr) {
+      // The tracer's clock, from the steady clock the workers read.
+      const int64_t offset_ns = tracer_->NowNs() - SteadyNs();
+      for (size_t i = 0; i < ran.size(); ++i) {
+        if (ran[i].first < 0) continue;
+        const InstructionRef ref{step, schedule_->instructions(static_cast<int>(i)).micro_step(),
+                                 static_cast<int>(i)};
+        tracer_->InstructionRan(ref, ran[i].first + offset_ns, ran[i].second + offset_ns);
+      }
+    }
+    ++generation_;
+    issuing_ = 0;
     const double sum = loss_sum_;
     loss_sum_ = 0;
     return sum;
   }
 
-  Status Synchronize(const std::string& /*what*/) override { return Status::Ok(); }
-  // Nothing waits on the device: a rank that returns closes its Gloo pairs, which ends its
-  // peers' collectives.
-  void Abort() override {}
+  Status Synchronize(const std::string& what) override { return Drain(what); }
+
+  void Abort() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!failed_) error_ = Status::Error("the run was aborted on rank " + Rank());
+      failed_ = true;
+      for (StreamState& s : streams_) s.queue.clear();
+    }
+    signal_.notify_all();
+    if (world_ > 1) {
+      for (int c = 1; c < std::min(comm_->channels(), kCpuDeviceChannels); ++c) {
+        comm_->channel(c)->Abort();
+      }
+    }
+  }
 
  private:
+  struct Work {
+    enum Kind { kRun, kSignal, kWait, kEnd };
+    Kind kind = kRun;
+    int instruction = -1;  // kRun: the one being issued; kSignal, kEnd: its own; kWait: the dep
+    int64_t generation = 0;
+    std::string what;  // kRun: names the work in an error ("" = by its instruction)
+    std::function<Status()> run;
+  };
+  struct StreamState {
+    std::thread thread;
+    std::deque<Work> queue;  // under mu_
+    bool busy = false;       // under mu_: an item taken and not finished
+    std::condition_variable ready;
+    std::mt19937_64 jitter;  // the worker's own
+    int64_t open_ns = -1;    // under mu_: start of the current instruction's work
+  };
+
+  std::string Rank() const { return std::to_string(comm_->rank()); }
+
+  Communicator* ChannelOf(proto::Stream stream) {
+    if (world_ == 1 || stream == proto::STREAM_HOST) return comm_;
+    const int c = 1 + DeviceStreamIndex(stream);
+    return comm_->channels() > c ? comm_->channel(c) : comm_;
+  }
+
+  // The kept error, for a call of the issuing thread (which names its own instruction first).
+  Status Failed() {
+    if (serial_) return Status::Ok();
+    std::lock_guard<std::mutex> lock(mu_);
+    return Kept();
+  }
+  Status Kept() const {  // under mu_
+    if (!failed_) return Status::Ok();
+    return Status::Error("earlier work failed on another thread: " + error_.message());
+  }
+
+  Status CopyOn(void* to, const void* from, int64_t bytes, proto::Stream stream,
+                const std::string& what) {
+    return Enqueue(stream, what, [to, from, bytes] {
+      Copy(to, from, bytes);
+      return Status::Ok();
+    });
+  }
+
+  // Runs `run` on `stream` after the stream's earlier work, or at once in serial mode or on the
+  // host.
+  Status Enqueue(proto::Stream stream, const std::string& what, std::function<Status()> run) {
+    if (serial_ || stream == proto::STREAM_HOST) {
+      DC_RETURN_IF_ERROR(Failed());
+      return run();  // the caller names its instruction
+    }
+    return Push(stream, {Work::kRun, issuing_, generation_, what, std::move(run)});
+  }
+
+  Status Push(proto::Stream stream, Work work) {
+    const int s = DeviceStreamIndex(stream);
+    if (s < 0 || s >= kNumDeviceStreams) {
+      return Status::Error(Describe(issuing_) + ": the cpu device has no stream " +
+                           std::to_string(static_cast<int>(stream)) + " (an executor bug)");
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (failed_) return Kept();
+      streams_[s].queue.push_back(std::move(work));
+    }
+    streams_[s].ready.notify_one();
+    return Status::Ok();
+  }
+
+  std::string Describe(int index) const {
+    if (schedule_ == nullptr || index < 0 || index >= schedule_->instructions_size()) {
+      return "rank " + Rank() + " outside any instruction";
+    }
+    return DescribeInstruction(*schedule_, index, comm_->rank());
+  }
+
+  // Waits until every stream has run all it was given (or the run failed).
+  Status Drain(const std::string& what) {
+    if (serial_) return Status::Ok();
+    std::unique_lock<std::mutex> lock(mu_);
+    signal_.wait(lock, [&] {
+      for (const StreamState& s : streams_) {
+        if (s.busy || (!s.queue.empty() && !failed_)) return false;
+      }
+      return true;
+    });
+    if (!failed_) return Status::Ok();
+    return Status::Error(what + " on rank " + Rank() + ": " + error_.message());
+  }
+
+  void Loop(int index) {
+    StreamState& stream = streams_[index];
+    std::uniform_int_distribution<int64_t> jitter_ns(0,
+                                                     std::max<int64_t>(options_.jitter_max_ns, 0));
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      stream.ready.wait(lock, [&] { return stop_ || !stream.queue.empty(); });
+      if (stream.queue.empty()) return;  // stopped with nothing left
+      Work work = std::move(stream.queue.front());
+      stream.queue.pop_front();
+      stream.busy = true;
+      if (options_.jitter_seed != 0) {
+        lock.unlock();
+        std::this_thread::sleep_for(std::chrono::nanoseconds(jitter_ns(stream.jitter)));
+        lock.lock();
+      }
+      Status status;
+      if (failed_) {
+        // Dropped: the run has failed.
+      } else if (work.kind == Work::kSignal) {
+        signalled_[work.instruction] = work.generation;
+      } else if (work.kind == Work::kWait) {
+        signal_.wait(lock,
+                     [&] { return failed_ || signalled_[work.instruction] >= work.generation; });
+      } else if (work.kind == Work::kEnd) {
+        if (stream.open_ns >= 0) ran_[work.instruction] = {stream.open_ns, SteadyNs()};
+        stream.open_ns = -1;
+      } else {
+        if (stream.open_ns < 0) stream.open_ns = SteadyNs();
+        lock.unlock();
+        status = work.run();
+        if (!status.ok()) {
+          status = work.what.empty() ? status.Prefixed(Describe(work.instruction) + ": ")
+                                     : status.Prefixed(work.what + ": ");
+        }
+        work.run = nullptr;  // its captures go before the stream reads as idle
+        lock.lock();
+      }
+      if (!status.ok() && !failed_) {
+        error_ = status;
+        failed_ = true;
+      }
+      stream.busy = false;
+      signal_.notify_all();
+    }
+  }
+
   Communicator* comm_;
+  const int world_;
   const int num_threads_;
+  const CpuDeviceOptions options_;
+  ExecutionTracer* tracer_;
+  const bool serial_;
+  const proto::Schedule* schedule_ = nullptr;
+  Status started_;
+
   std::vector<std::byte> arena_;
-  std::map<void*, std::unique_ptr<std::byte[]>> owned_;
+  std::mutex owned_mu_;
+  std::map<void*, std::unique_ptr<std::byte[]>> owned_;  // under owned_mu_
   double loss_sum_ = 0;
+
+  // The issuing thread's own.
+  int issuing_ = 0;         // the instruction being issued (for naming errors)
+  int64_t generation_ = 1;  // 1 + the steps finished
+  std::mutex mu_;
+  std::condition_variable signal_;  // an event signalled, an item done, a failure
+  std::array<StreamState, kNumDeviceStreams> streams_;
+  std::vector<int64_t> signalled_;  // by instruction: the generation of its last signal
+  // By instruction: when its work ran this step (steady clock), for the tracer.
+  std::vector<std::pair<int64_t, int64_t>> ran_;
+  Status error_;
+  bool failed_ = false;
+  bool stop_ = false;
 };
 
 }  // namespace
+
+StatusOr<CpuDeviceOptions> CpuDeviceOptionsFromEnv() {
+  CpuDeviceOptions options;
+  const char* value = std::getenv("DC_CPU_STREAMS");
+  if (value == nullptr) return options;
+  const std::string text = value;
+  const std::string jitter = "jitter:";
+  if (text.empty() || text == "threads") return options;
+  if (text == "serial") {
+    options.serial = true;
+    return options;
+  }
+  if (text.rfind(jitter, 0) == 0) {
+    char* end = nullptr;
+    options.jitter_seed = std::strtoull(text.c_str() + jitter.size(), &end, 10);
+    if (end != nullptr && *end == '\0' && options.jitter_seed != 0) return options;
+  }
+  return Status::Error("DC_CPU_STREAMS=" + text +
+                       ": takes threads (the default), serial, or jitter:<seed> (a seed > 0)");
+}
 
 KernelContext CpuKernelContext(const OpArgs& args, int num_threads) {
   KernelContext context;
@@ -219,8 +572,12 @@ KernelContext CpuKernelContext(const OpArgs& args, int num_threads) {
   return context;
 }
 
-std::unique_ptr<RankDevice> MakeCpuDevice(Communicator* comm, int num_threads) {
-  return std::make_unique<CpuDevice>(comm, num_threads);
+StatusOr<std::unique_ptr<RankDevice>> MakeCpuDevice(Communicator* comm, int num_threads,
+                                                    const CpuDeviceOptions& options,
+                                                    ExecutionTracer* tracer) {
+  auto device = std::make_unique<CpuDevice>(comm, num_threads, options, tracer);
+  if (!device->started().ok()) return device->started();
+  return std::unique_ptr<RankDevice>(std::move(device));
 }
 
 }  // namespace dc

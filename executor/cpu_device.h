@@ -1,22 +1,54 @@
 // The cpu backend's device: host memory, the cpu kernels (executor/cpu_kernels.h, real fp32
-// math) and the communicator's Gloo collectives. Every call runs at once, in the caller's thread,
-// so the plan's streams are kept by issue order and events have nothing to do. Every float buffer
-// is stored in fp32 whatever the compute dtype; new buffers are zeroed.
+// math) and the communicator's Gloo collectives. Each of the plan's device streams (compute,
+// gather, reduce, host-to-device, device-to-host) is a worker thread with a FIFO of work: a call
+// naming a stream enqueues its work there and returns, events order the streams as CUDA events
+// do, and Gloo collectives run on their stream's thread (each stream its own communicator
+// channel) while compute goes on. STREAM_HOST work runs at once on the calling thread. Every
+// float buffer is stored in fp32 whatever the compute dtype; new buffers are zeroed (in stream
+// order).
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <string>
 
 #include "executor/comm.h"
 #include "executor/cpu_kernels.h"
 #include "executor/device.h"
+#include "executor/layout.h"
+#include "executor/tracer.h"
+#include "schemas/status.h"
 
 namespace dc {
+
+// The communicator channels the cpu device's streams use: channel 1 + DeviceStreamIndex(s) for
+// stream s, channel 0 staying the interpreter's. A communicator with fewer channels (and more
+// than one rank) makes the device run its streams serially.
+inline constexpr int kCpuDeviceChannels = 1 + kNumDeviceStreams;
+
+struct CpuDeviceOptions {
+  // Runs every call at once on the calling thread, in issue order (the order the plan's streams
+  // and events allow, one of many): the reference the threaded streams must match bit for bit.
+  bool serial = false;
+  // Test-only: when non-zero, each stream sleeps a random time of up to `jitter_max_ns` before
+  // each item of work (seeded by this and the stream), to shake out missing cross-stream order.
+  uint64_t jitter_seed = 0;
+  int64_t jitter_max_ns = 200'000;
+};
+
+// The options from the environment: DC_CPU_STREAMS=threads (the default), serial, or
+// jitter:<seed>. Errors name the variable and what it takes.
+StatusOr<CpuDeviceOptions> CpuDeviceOptionsFromEnv();
 
 // The cpu kernels' context for an op's arguments, with `num_threads` BLAS threads: the cpu
 // device's ops and, on every backend, the host optimizer's.
 KernelContext CpuKernelContext(const OpArgs& args, int num_threads);
 
-// `comm` is the rank's communicator; `num_threads` the kernels' BLAS threads.
-std::unique_ptr<RankDevice> MakeCpuDevice(Communicator* comm, int num_threads);
+// `comm` is the rank's communicator; `num_threads` the kernels' BLAS threads; `tracer` (may be
+// null) is told when each instruction's work ran on its stream (ExecutionTracer::InstructionRan).
+// Fails when the streams' threads cannot be started.
+StatusOr<std::unique_ptr<RankDevice>> MakeCpuDevice(Communicator* comm, int num_threads,
+                                                    const CpuDeviceOptions& options = {},
+                                                    ExecutionTracer* tracer = nullptr);
 
 }  // namespace dc

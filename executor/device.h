@@ -3,7 +3,7 @@
 // decides which buffer an instruction allocates, reads, frees and waits for
 // (schemas/effects.h's rules); a device only places bytes, copies them, runs kernels and
 // collectives in stream order, and keeps cross-stream order with events. The cpu backend
-// (executor/cpu_device.h) runs each call at once on the host; the cuda backend
+// (executor/cpu_device.h) enqueues each call on a host thread per stream; the cuda backend
 // (executor/cuda/cuda_device_backend.h) enqueues it on the CUDA stream the call names.
 //
 // Streams: every call that takes a proto::Stream is ordered after the earlier calls on that

@@ -56,7 +56,9 @@ Status CheckRunnable(const proto::Schedule& schedule, int world_size, const std:
 StatusOr<RunResult> RunSchedule(const proto::Schedule& schedule, const RunOptions& options,
                                 Communicator* comm, ExecutionTracer* tracer) {
   DC_RETURN_IF_ERROR(CheckRunnable(schedule, comm->world_size()));
-  std::unique_ptr<RankDevice> device = MakeCpuDevice(comm, options.num_threads);
+  DC_ASSIGN_OR_RETURN(const CpuDeviceOptions streams, CpuDeviceOptionsFromEnv());
+  DC_ASSIGN_OR_RETURN(std::unique_ptr<RankDevice> device,
+                      MakeCpuDevice(comm, options.num_threads, streams, tracer));
   return Interpret(schedule, options, device.get(), comm, tracer);
 }
 

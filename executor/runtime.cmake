@@ -13,6 +13,9 @@ target_link_libraries(dc_executor PUBLIC dc_schemas dc_cpu_kernels dc_data dc_mo
                       dc_warnings)
 
 dc_add_test(executor_test SOURCES executor_test.cc LIBS dc_executor dc_rewriter)
+# The cpu device's stream threads against its serial order, bit for bit, under shaken timing.
+dc_add_test(cpu_device_test SOURCES cpu_device_test.cc LIBS dc_executor dc_rewriter dc_models
+            dc_machine)
 # Anywhere: what the interpreter derives from a plan (waits, staging, host memory) and refuses.
 dc_add_test(layout_test SOURCES layout_test.cc LIBS dc_executor dc_rewriter dc_models dc_machine)
 

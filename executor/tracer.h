@@ -61,6 +61,12 @@ class ExecutionTracer {
   virtual Status BeginInstruction(const InstructionRef& ref) = 0;
   virtual StatusOr<int64_t> EndInstruction(const InstructionRef& ref, int64_t start_ns,
                                            int64_t end_ns) = 0;
+  // A device whose streams run an instruction's work after its issue, on threads of its own
+  // (the cpu device), tells when that work ran, once the step's work is done (after
+  // EndInstruction of `ref`): the trace shows these times for the instruction's activity
+  // instead of the issue's. Devices whose tracer sees the work itself (CUPTI) never call it.
+  virtual void InstructionRan(const InstructionRef& /*ref*/, int64_t /*start_ns*/,
+                              int64_t /*end_ns*/) {}
   // An allocation (alloc = true) or free of `bytes` at `address` (a stable id of the buffer),
   // `name` the tensor; `correlation_id` the activity that caused it (0 at start-up).
   virtual void Memory(int64_t ts_ns, int64_t address, int64_t bytes, bool alloc,

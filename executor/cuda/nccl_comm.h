@@ -84,7 +84,7 @@ class NcclCommunicator : public Communicator {
 
   // Aborts the communicator (once) so that the other ranks' collectives fail instead of
   // waiting for this rank; every later call fails at once. For a rank that is giving up.
-  void Abort();
+  void Abort() override;
 
   cudaStream_t stream() const { return stream_; }
   bool aborted() const { return aborted_; }

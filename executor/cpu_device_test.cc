@@ -1,0 +1,266 @@
+// The cpu device's streams: a plan run on the stream threads, with their timing shaken by seeded
+// random sleeps, gives bit for bit the losses, params and peak memory of the same plan run
+// serially in issue order (the plan's dependencies, kept by events, leave no other order to
+// the math). Tiny and mixtral-tiny, one and two ranks (two ranks as two threads of this process,
+// over Gloo), the baseline, dc (unlimited and with a tight budget) and zero3-offload policies.
+#include "executor/cpu_device.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "executor/executor.h"
+#include "executor/interpreter.h"
+#include "executor/layout.h"
+#include "machine/estimate.h"
+#include "machine/hardware.h"
+#include "models/model.h"
+#include "rewriter/planner.h"
+#include "schemas/units.h"
+
+namespace dc {
+namespace {
+
+struct Case {
+  Case(std::string m, int w, std::string p, double b = 0, int64_t g = 1,
+       std::vector<std::string> ps = {})
+      : model(std::move(m)),
+        world(w),
+        policy(std::move(p)),
+        budget_fraction(b),
+        gas(g),
+        passes(std::move(ps)) {}
+  std::string model;
+  int world = 1;
+  std::string policy = "dc";
+  double budget_fraction = 0;  // of the unlimited plan's peak; 0 = unlimited
+  int64_t gas = 1;
+  std::vector<std::string> passes;  // instead of the policy's
+};
+
+std::string Name(const Case& c) {
+  return c.model + " x" + std::to_string(c.world) + " " + c.policy +
+         (c.budget_fraction > 0 ? " budget " + std::to_string(c.budget_fraction) : "") + " gas " +
+         std::to_string(c.gas) + (c.passes.empty() ? "" : " passes " + Join(c.passes, ","));
+}
+
+void PrintTo(const Case& c, std::ostream* os) { *os << Name(c); }
+
+StatusOr<proto::Schedule> Plan(const Case& c, int64_t budget_bytes) {
+  ModelOverrides overrides;
+  overrides.gas = c.gas;
+  DC_ASSIGN_OR_RETURN(proto::ModelConfig config, MakeConfig(c.model, overrides));
+  DC_ASSIGN_OR_RETURN(proto::Program program, BuildProgram(config));
+  DC_ASSIGN_OR_RETURN(HardwareProfile hw, FindHardware("cpu"));
+  DC_ASSIGN_OR_RETURN(ClusterShape cluster, MakeCluster(c.world, 1));
+  PlanRequest request;
+  request.world_size = c.world;
+  request.costs = EstimateCostModel(program, hw, cluster);
+  request.budget_bytes = budget_bytes;
+  request.policy = c.policy;
+  request.passes = c.passes;
+  request.program = std::move(program);
+  return MakePlan(request);
+}
+
+struct Outcome {
+  std::vector<double> losses;
+  std::string params_digest;
+  int64_t peak_device_bytes = 0;
+};
+
+StatusOr<Outcome> RunRank(const proto::Schedule& plan, int rank, const std::string& store,
+                          const CpuDeviceOptions& streams) {
+  RendezvousOptions rendezvous;
+  rendezvous.rank = rank;
+  rendezvous.world_size = plan.world_size();
+  rendezvous.store_dir = store;
+  rendezvous.channels = kCpuDeviceChannels;
+  rendezvous.timeout = std::chrono::seconds(60);
+  DC_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> comm, Connect(rendezvous));
+  DC_RETURN_IF_ERROR(CheckRunnable(plan, comm->world_size()));
+  RunOptions options;
+  options.steps = 3;
+  DC_ASSIGN_OR_RETURN(std::unique_ptr<RankDevice> device, MakeCpuDevice(comm.get(), 1, streams));
+  DC_ASSIGN_OR_RETURN(RunResult result,
+                      Interpret(plan, options, device.get(), comm.get(), nullptr));
+  return Outcome{result.losses, result.params_digest, result.peak_device_bytes};
+}
+
+// Every rank of `plan` as a thread of this process; rank 0's outcome (the figures are agreed
+// over the ranks).
+Outcome RunPlan(const proto::Schedule& plan, const CpuDeviceOptions& streams,
+                const std::string& tag) {
+  static int runs = 0;
+  const std::string store = ::testing::TempDir() + "/cpu_device_test_" +
+                            std::to_string(::getpid()) + "_" + std::to_string(runs++) + "_" + tag;
+  std::filesystem::remove_all(store);
+  const int world = plan.world_size();
+  std::vector<StatusOr<Outcome>> outcomes(world, Status::Error("not run"));
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.emplace_back([&, r] { outcomes[r] = RunRank(plan, r, store, streams); });
+  }
+  for (std::thread& t : ranks) t.join();
+  std::filesystem::remove_all(store);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(outcomes[r].ok()) << tag << " rank " << r << ": " << outcomes[r].status().message();
+  }
+  return outcomes[0].ok() ? *outcomes[0] : Outcome{};
+}
+
+class Streams : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Streams, ShakenThreadsGiveTheSerialResultsBitForBit) {
+  const Case& c = GetParam();
+  int64_t budget = 0;
+  if (c.budget_fraction > 0) {
+    auto unlimited = Plan(c, 0);
+    ASSERT_TRUE(unlimited.ok()) << unlimited.status().message();
+    budget = static_cast<int64_t>(c.budget_fraction *
+                                  static_cast<double>(unlimited->prediction().peak_device_bytes()));
+  }
+  auto plan = Plan(c, budget);
+  ASSERT_TRUE(plan.ok()) << Name(c) << ": " << plan.status().message();
+  if (!c.passes.empty()) {  // the offloading case: reloads on their own stream
+    bool reloads = false;
+    for (const auto& instr : plan->instructions()) reloads |= instr.kind() == proto::INSTR_RELOAD;
+    ASSERT_TRUE(reloads) << Name(c) << ": the budget leaves nothing to offload";
+  }
+
+  CpuDeviceOptions serial;
+  serial.serial = true;
+  const Outcome reference = RunPlan(*plan, serial, "serial");
+  ASSERT_EQ(reference.losses.size(), 3u) << Name(c);
+  for (uint64_t seed : {0, 1, 2, 3}) {
+    CpuDeviceOptions threads;
+    threads.jitter_seed = seed;
+    const Outcome shaken = RunPlan(*plan, threads, "seed" + std::to_string(seed));
+    const std::string what = Name(c) + ", jitter seed " + std::to_string(seed);
+    ASSERT_EQ(shaken.losses.size(), reference.losses.size()) << what;
+    for (size_t i = 0; i < reference.losses.size(); ++i) {
+      // Bit for bit: the same sums in the same order.
+      EXPECT_EQ(shaken.losses[i], reference.losses[i]) << what << ", step " << i;
+    }
+    EXPECT_EQ(shaken.params_digest, reference.params_digest) << what;
+    EXPECT_EQ(shaken.peak_device_bytes, reference.peak_device_bytes) << what;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Plans, Streams,
+    ::testing::Values(
+        Case{"tiny", 1, "baseline"}, Case{"tiny", 1, "dc"}, Case{"tiny", 2, "baseline"},
+        Case{"tiny", 2, "dc"}, Case{"tiny", 2, "dc", 0.0, 2}, Case{"tiny", 2, "dc", 0.75},
+        // Offloads and reloads on the host-copy streams, in the arena.
+        Case{"tiny", 2, "dc", 1.15, 1, {"zero3", "prefetch", "offload-all", "memory-plan"}},
+        Case{"tiny", 2, "zero3-offload"}, Case{"mixtral-tiny", 1, "dc"},
+        Case{"mixtral-tiny", 2, "baseline"}, Case{"mixtral-tiny", 2, "dc"}));
+
+// A kernel that fails on the compute stream's thread: the call that enqueued it returns at once,
+// the failure comes back at the next synchronization, naming the instruction, and every later
+// call refuses.
+TEST(CpuDevice, AWorkerErrorComesBackNamingTheInstruction) {
+  auto plan = Plan(Case("tiny", 1, "baseline"), 0);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  auto layout = MakeScheduleLayout(*plan);
+  ASSERT_TRUE(layout.ok());
+  auto comm = Connect(RendezvousOptions{});
+  ASSERT_TRUE(comm.ok());
+  auto device = MakeCpuDevice(comm->get(), 1);
+  ASSERT_TRUE(device.ok()) << device.status().message();
+  RankDevice& d = **device;
+  ASSERT_TRUE(d.Prepare(*plan, *layout).ok());
+  ASSERT_TRUE(d.AfterInstruction(2, proto::STREAM_COMPUTE).ok());  // issuing instruction 3 now
+  proto::Op op;
+  op.set_name("broken");
+  op.set_kind("no-such-kind");
+  EXPECT_TRUE(d.RunOp(op, {}, {}, OpArgs{}).ok());  // enqueued, not run yet
+  const Status synced = d.Synchronize("checking");
+  ASSERT_FALSE(synced.ok());
+  EXPECT_NE(synced.message().find("checking on rank 0: " + DescribeInstruction(*plan, 3, 0)),
+            std::string::npos)
+      << synced.message();
+  EXPECT_NE(synced.message().find("no-such-kind"), std::string::npos) << synced.message();
+  const Status later = d.Zero(nullptr, 0, proto::STREAM_GATHER, "later");
+  ASSERT_FALSE(later.ok());
+  EXPECT_NE(later.message().find("earlier work failed"), std::string::npos) << later.message();
+}
+
+// A wait for an event that will never be recorded (here: the host waiting) ends with Abort.
+TEST(CpuDevice, AbortEndsAWaitForAnEventNeverRecorded) {
+  auto plan = Plan(Case("tiny", 1, "baseline"), 0);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  auto layout = MakeScheduleLayout(*plan);
+  ASSERT_TRUE(layout.ok());
+  auto comm = Connect(RendezvousOptions{});
+  ASSERT_TRUE(comm.ok());
+  auto device = MakeCpuDevice(comm->get(), 1);
+  ASSERT_TRUE(device.ok()) << device.status().message();
+  RankDevice& d = **device;
+  ASSERT_TRUE(d.Prepare(*plan, *layout).ok());
+  // A stream waiting too: Abort drops it and the drain ends.
+  ASSERT_TRUE(d.Wait(1, 0, proto::STREAM_GATHER).ok());
+  Status waited;
+  std::thread host([&] { waited = d.Wait(1, 0, proto::STREAM_HOST); });
+  d.Abort();
+  host.join();
+  EXPECT_FALSE(waited.ok());
+  EXPECT_FALSE(d.Synchronize("after the abort").ok());
+}
+
+// An event recorded in one step does not satisfy the same wait in the next: the wait holds the
+// stream until the next step's record, in stream order, so work queued behind it sees the
+// record's stream's work of that step.
+TEST(CpuDevice, EventsBelongToTheirStep) {
+  auto plan = Plan(Case("tiny", 1, "baseline"), 0);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  auto layout = MakeScheduleLayout(*plan);
+  ASSERT_TRUE(layout.ok());
+  auto comm = Connect(RendezvousOptions{});
+  ASSERT_TRUE(comm.ok());
+  CpuDeviceOptions shaken;
+  shaken.jitter_seed = 5;
+  auto device = MakeCpuDevice(comm->get(), 1, shaken);
+  ASSERT_TRUE(device.ok()) << device.status().message();
+  RankDevice& d = **device;
+  ASSERT_TRUE(d.Prepare(*plan, *layout).ok());
+  std::vector<float> a(1), b(1);
+  for (int step = 0; step < 20; ++step) {
+    // The gather stream writes a, records 0; the reduce stream waits for 0 and copies a to b.
+    const float value = static_cast<float>(step + 1);
+    ASSERT_TRUE(d.Zero(a.data(), sizeof(float), proto::STREAM_GATHER, "zero").ok());
+    ASSERT_TRUE(d.CopyToDevice(a.data(), &value, sizeof(float), proto::STREAM_GATHER, "w").ok());
+    ASSERT_TRUE(d.Record(0, proto::STREAM_GATHER).ok());
+    ASSERT_TRUE(d.Wait(1, 0, proto::STREAM_REDUCE).ok());
+    ASSERT_TRUE(d.CopyOnDevice(b.data(), a.data(), sizeof(float), proto::STREAM_REDUCE, "r").ok());
+    ASSERT_TRUE(d.JoinStreams("join").ok());
+    ASSERT_TRUE(d.FinishStep(step).ok());
+    EXPECT_EQ(b[0], value) << "step " << step;
+  }
+}
+
+TEST(CpuDeviceOptions, ComeFromTheEnvironment) {
+  ::setenv("DC_CPU_STREAMS", "serial", 1);
+  auto serial = CpuDeviceOptionsFromEnv();
+  ASSERT_TRUE(serial.ok());
+  EXPECT_TRUE(serial->serial);
+  ::setenv("DC_CPU_STREAMS", "jitter:42", 1);
+  auto jitter = CpuDeviceOptionsFromEnv();
+  ASSERT_TRUE(jitter.ok());
+  EXPECT_FALSE(jitter->serial);
+  EXPECT_EQ(jitter->jitter_seed, 42u);
+  ::setenv("DC_CPU_STREAMS", "fast", 1);
+  auto bad = CpuDeviceOptionsFromEnv();
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("DC_CPU_STREAMS=fast"), std::string::npos);
+  ::unsetenv("DC_CPU_STREAMS");
+  auto unset = CpuDeviceOptionsFromEnv();
+  ASSERT_TRUE(unset.ok());
+  EXPECT_FALSE(unset->serial);
+  EXPECT_EQ(unset->jitter_seed, 0u);
+}
+
+}  // namespace
+}  // namespace dc
