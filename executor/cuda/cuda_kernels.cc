@@ -911,15 +911,16 @@ Status AdamWConstantsFor(const proto::Op& op, const CudaKernelContext& context,
   }
   const double step = static_cast<double>(context.adam_step);
   lr *= context.lr_scale;  // the op's lr is the schedule's peak
-  c->lr = lr;
-  c->beta1 = beta1;
-  c->one_minus_beta1 = 1.0 - beta1;
-  c->beta2 = beta2;
-  c->one_minus_beta2 = 1.0 - beta2;
-  c->eps = eps;
-  c->m_correction = 1.0 / (1.0 - std::pow(beta1, step));
-  c->v_correction = 1.0 / (1.0 - std::pow(beta2, step));
-  c->decay = 1.0 - lr * weight_decay;
+  // As the CPU backend's AdamW (executor/cpu_kernels.cc): in double, then rounded to fp32.
+  c->lr = static_cast<float>(lr);
+  c->beta1 = static_cast<float>(beta1);
+  c->one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  c->beta2 = static_cast<float>(beta2);
+  c->one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  c->eps = static_cast<float>(eps);
+  c->m_correction = static_cast<float>(1.0 / (1.0 - std::pow(beta1, step)));
+  c->v_correction = static_cast<float>(1.0 / (1.0 - std::pow(beta2, step)));
+  c->decay = static_cast<float>(1.0 - lr * weight_decay);
   return Status::Ok();
 }
 

@@ -609,17 +609,18 @@ TEST(EmulatedAdamW, MatchesCpuBitForBit) {
   KernelContext context;
   context.adam_step = 3;
   RunCpu(op, {p.Ref(), g.Ref(), m.Ref(), v.Ref()}, {}, context);
-  // The constants as cuda_kernels.cc computes them.
+  // The constants as cuda_kernels.cc computes them: in double, then rounded to fp32.
   const double lr = 1e-3, beta1 = 0.9, beta2 = 0.95, step = 3;
-  const ck::AdamWConstants c{lr,
-                             beta1,
-                             1.0 - beta1,
-                             beta2,
-                             1.0 - beta2,
-                             1e-8,
-                             1.0 / (1.0 - std::pow(beta1, step)),
-                             1.0 / (1.0 - std::pow(beta2, step)),
-                             1.0 - lr * 0.1};
+  auto f = [](double x) { return static_cast<float>(x); };
+  const ck::AdamWConstants c{f(lr),
+                             f(beta1),
+                             f(1.0 - beta1),
+                             f(beta2),
+                             f(1.0 - beta2),
+                             f(1e-8),
+                             f(1.0 / (1.0 - std::pow(beta1, step))),
+                             f(1.0 / (1.0 - std::pow(beta2, step))),
+                             f(1.0 - lr * 0.1)};
   ExpectOk(ck::AdamW(reinterpret_cast<float*>(p.Dev()), reinterpret_cast<const float*>(g.Dev()),
                      reinterpret_cast<float*>(m.Dev()), reinterpret_cast<float*>(v.Dev()), n, c,
                      nullptr));

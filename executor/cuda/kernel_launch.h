@@ -127,10 +127,11 @@ cudaError_t MoeCombineBackward(FloatType type, const void* dy, const void* ys, c
                                const int32_t* rows, int64_t tokens, int64_t top_k, int64_t hidden,
                                void* dys, float* dgates, cudaStream_t stream);
 
-// AdamW's constants, computed on the host exactly as the CPU backend computes them.
+// AdamW's constants, computed on the host exactly as the CPU backend computes them (in double,
+// then rounded to fp32 for the fp32 pass).
 struct AdamWConstants {
-  double lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
-  double m_correction, v_correction, decay;
+  float lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
+  float m_correction, v_correction, decay;
 };
 cudaError_t AdamW(float* param, const float* grad, float* m, float* v, int64_t n,
                   const AdamWConstants& constants, cudaStream_t stream);

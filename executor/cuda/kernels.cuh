@@ -482,20 +482,19 @@ cudaError_t CrossEntropyBackward(FloatType type, const void* logits, const int32
 // ---------------------------------------------------------------------------------------------
 // adamw
 
-// The CPU backend's update in double, with multiplies and adds that are never fused, so the
-// result is the CPU's bit for bit.
+// The CPU backend's update (executor/cpu_simd.cc's AdamW): fp32, with fused multiply-adds exactly
+// where it fuses and no other contraction, so the result is the CPU's bit for bit.
 DC_GLOBAL void DC_LAUNCH_BOUNDS(kThreadsPerBlock)
     AdamWKernel(float* param, const float* grad, float* m, float* v, int64_t n, AdamWConstants c) {
   for (int64_t i = GlobalThreadIndex(); i < n; i += GridThreads()) {
-    const double g = grad[i];
-    const double mi = DAdd(DMul(c.beta1, m[i]), DMul(c.one_minus_beta1, g));
-    const double vi = DAdd(DMul(c.beta2, v[i]), DMul(DMul(c.one_minus_beta2, g), g));
-    m[i] = static_cast<float>(mi);
-    v[i] = static_cast<float>(vi);
-    const double update =
-        DDiv(DMul(mi, c.m_correction), DAdd(DSqrt(DMul(vi, c.v_correction)), c.eps));
-    param[i] =
-        static_cast<float>(DAdd(DMul(static_cast<double>(param[i]), c.decay), -DMul(c.lr, update)));
+    const float g = grad[i];
+    const float mi = FFma(c.beta1, m[i], FMul(c.one_minus_beta1, g));
+    const float vi = FFma(c.beta2, v[i], FMul(c.one_minus_beta2, FMul(g, g)));
+    m[i] = mi;
+    v[i] = vi;
+    const float update =
+        FDiv(FMul(mi, c.m_correction), FAdd(FSqrt(FMul(vi, c.v_correction)), c.eps));
+    param[i] = FFma(param[i], c.decay, -FMul(c.lr, update));
   }
 }
 
