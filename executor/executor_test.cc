@@ -105,6 +105,15 @@ TEST(Executor, OffloadedOptimizerStatesGiveTheSameLossesWithALowerPeak) {
   offload.set_micro_step(0);
   *offloaded.mutable_instructions()->Add() = offload;
   MoveEarlier(&offloaded, offloaded.instructions_size() - 1, 0);
+  // The optimizer reads the states the h2d stream brings back: on streams that run at once (the
+  // cpu device's threads, the GPU's), it must wait for the reload, as a planner's plan does.
+  const int reloaded = first_optimizer + 1;
+  ASSERT_EQ(offloaded.instructions(reloaded).kind(), proto::INSTR_RELOAD);
+  for (int i = reloaded + 1; i < offloaded.instructions_size(); ++i) {
+    if (offloaded.instructions(i).kind() == proto::INSTR_COMPUTE) {
+      offloaded.mutable_instructions(i)->add_deps(reloaded);
+    }
+  }
 
   const RunResult a = RunSteps(base), b = RunSteps(offloaded);
   EXPECT_EQ(a.losses, b.losses);
