@@ -6,14 +6,20 @@
 #   tools/setup.sh build    build only
 #   tools/setup.sh asan     build everything with ASan + UBSan (and float-cast-overflow, every report
 #                           fatal) in build-asan/, then run every test under it
+#   tools/setup.sh asan-readers  the same build of the tests of every reader of outside input only
+#                           (traces, plans, weights, token files, the TCP rendezvous), and run them;
+#                           CI runs this after `test` (the whole tree under ASan would not fit its time)
 #   tools/setup.sh fuzz [S] build the libFuzzer harnesses (fuzz/, clang) in build-fuzz/ and run each
 #                           for S seconds (default 60) from its seed corpus in fuzz/corpus/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-demo}
 jobs=${DC_JOBS:-$(nproc)}
+# The readers of outside input, for asan-readers: their tests' binaries.
+asan_readers=(schemas_test plan_check_test weights_test analyzer_test data_test tcp_store_test)
+
 case "$mode" in
-  asan) build_dir=${DC_BUILD_DIR:-build-asan} ;;
+  asan | asan-readers) build_dir=${DC_BUILD_DIR:-build-asan} ;;
   fuzz) build_dir=${DC_BUILD_DIR:-build-fuzz} ;;
   *) build_dir=${DC_BUILD_DIR:-build} ;;
 esac
@@ -44,12 +50,16 @@ fi
 if [ "$mode" = test ]; then tools/format.sh --check; fi
 
 case "$mode" in
-  asan)
+  asan | asan-readers)
     # The CUDA path is left out: the CUDA runtime and ASan's shadow memory need special settings,
     # and the GPU tests skip without a device anyway.
     cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDC_SANITIZE=ON -DDC_CUDA=OFF \
       >/dev/null
-    cmake --build "$build_dir" -j "$jobs"
+    if [ "$mode" = asan ]; then
+      cmake --build "$build_dir" -j "$jobs"
+    else
+      cmake --build "$build_dir" -j "$jobs" --target "${asan_readers[@]}"
+    fi
     ;;
   fuzz)
     # clang's warnings are not GCC's, which CI holds at -Werror; the fuzz build does not.
@@ -68,6 +78,15 @@ case "$mode" in
   test)
     cd "$build_dir"
     ctest --output-on-failure -j "$jobs" --timeout 600
+    ;;
+  asan-readers)
+    export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:strict_string_checks=1:check_initialization_order=1}
+    export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1}
+    for test in "${asan_readers[@]}"; do
+      binary=$(find "$build_dir" -name "$test" -type f -perm -u+x | head -1)
+      echo "== $test (ASan + UBSan)"
+      (cd "$(dirname "$binary")" && "./$test" --gtest_brief=1)
+    done
     ;;
   asan)
     cd "$build_dir"
