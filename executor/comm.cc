@@ -222,35 +222,15 @@ Status CheckStoreDir(const RendezvousOptions& options) {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<TcpStoreServer>> ServeRendezvous(const RendezvousOptions& options) {
-  if (options.rank != 0) return std::unique_ptr<TcpStoreServer>();
-  auto server = TcpStoreServer::Start(options.master_port, options.run_id, options.world_size);
-  if (server.ok()) return server;
-  return Status::Error("rank 0: " + server.status().message() +
-                       "; set MASTER_PORT (or DC_MASTER_PORT) to a free port");
-}
-
-StatusOr<std::unique_ptr<TcpStore>> ConnectRendezvous(const RendezvousOptions& options) {
-  auto store = TcpStore::Connect(options.master_addr, options.master_port, options.run_id,
-                                 options.world_size, options.timeout);
-  if (store.ok()) return store;
-  return store.status().Prefixed("rank " + std::to_string(options.rank) + ": ");
-}
-
 StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& options) {
   if (options.world_size <= 1) return std::unique_ptr<Communicator>(new LocalCommunicator());
   const bool tcp = options.store_dir.empty();
-  if (tcp && (options.master_addr.empty() || options.master_port <= 0)) {
-    return Status::Error("rank " + std::to_string(options.rank) +
-                         ": no rendezvous; set MASTER_ADDR and MASTER_PORT, or pass --rendezvous "
-                         "a directory every rank can reach");
-  }
   // Rank 0 serves the TCP rendezvous until every rank has connected (the barrier below).
-  std::unique_ptr<TcpStoreServer> server;
-  std::unique_ptr<TcpStore> tcp_store;
+  TcpRendezvous meeting;
   if (tcp) {
-    DC_ASSIGN_OR_RETURN(server, ServeRendezvous(options));
-    DC_ASSIGN_OR_RETURN(tcp_store, ConnectRendezvous(options));
+    DC_ASSIGN_OR_RETURN(
+        meeting, TcpRendezvous::Join(options.master_addr, options.master_port, options.run_id,
+                                     options.world_size, options.rank, options.timeout));
   } else {
     DC_RETURN_IF_ERROR(CheckStoreDir(options));
   }
@@ -261,7 +241,7 @@ StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& options
     auto device = gloo::transport::tcp::CreateDevice(attr);
     std::unique_ptr<gloo::rendezvous::Store> base;
     if (tcp) {
-      base = std::make_unique<GlooTcpStore>(tcp_store.get(), options.timeout);
+      base = std::make_unique<GlooTcpStore>(meeting.store.get(), options.timeout);
     } else {
       base = std::make_unique<RunFileStore>(options.store_dir, options.timeout);
     }

@@ -371,4 +371,28 @@ StatusOr<std::vector<char>> TcpStore::Get(const std::string& key,
   return value;
 }
 
+StatusOr<TcpRendezvous> TcpRendezvous::Join(const std::string& host, int port,
+                                            const std::string& run_id, int world_size, int rank,
+                                            std::chrono::milliseconds timeout) {
+  const std::string who = "rank " + std::to_string(rank) + ": ";
+  if (host.empty() || port <= 0) {
+    return Status::Error(who +
+                         "no rendezvous; set MASTER_ADDR and MASTER_PORT, or pass --rendezvous "
+                         "a directory every rank can reach");
+  }
+  TcpRendezvous rendezvous;
+  if (rank == 0) {
+    auto server = TcpStoreServer::Start(port, run_id, world_size);
+    if (!server.ok()) {
+      return Status::Error(who + server.status().message() +
+                           "; set MASTER_PORT (or DC_MASTER_PORT) to a free port");
+    }
+    rendezvous.server = std::move(*server);
+  }
+  auto store = TcpStore::Connect(host, port, run_id, world_size, timeout);
+  if (!store.ok()) return store.status().Prefixed(who);
+  rendezvous.store = std::move(*store);
+  return rendezvous;
+}
+
 }  // namespace dc

@@ -72,4 +72,16 @@ class TcpStore {
   TcpStoreLimits limits_;
 };
 
+// One rank's place in a TCP rendezvous: rank 0 serves the store and every rank, rank 0 included,
+// connects to it. Rank 0 must keep this until every rank has read what it needs (the caller's
+// barrier or communicator join); then destroying it stops the server. Errors name the rank and
+// say what to set.
+struct TcpRendezvous {
+  std::unique_ptr<TcpStoreServer> server;  // rank 0 only
+  std::unique_ptr<TcpStore> store;
+
+  static StatusOr<TcpRendezvous> Join(const std::string& host, int port, const std::string& run_id,
+                                      int world_size, int rank, std::chrono::milliseconds timeout);
+};
+
 }  // namespace dc

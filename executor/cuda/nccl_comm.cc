@@ -373,29 +373,14 @@ StatusOr<std::unique_ptr<NcclCommunicator>> ConnectNcclCommunicator(
                          std::to_string(options.world_size));
   }
   const bool tcp = options.world_size > 1 && options.store_dir.empty();
-  if (tcp && (options.master_addr.empty() || options.master_port <= 0)) {
-    return Status::Error(RankPrefix(rank) + "NCCL needs a rendezvous to share its id between " +
-                         std::to_string(options.world_size) +
-                         " ranks; set MASTER_ADDR and MASTER_PORT, or pass --rendezvous DIR");
-  }
   // The id exchange comes first: it needs no device, and a missing rank 0 is the common failure.
   // Over TCP, rank 0 serves the store until every rank has joined the communicator, so every
   // rank has read the id by then.
-  std::unique_ptr<TcpStoreServer> server;
-  std::unique_ptr<TcpStore> store;
-  if (tcp && rank == 0) {
-    auto started = TcpStoreServer::Start(options.master_port, options.run_id, options.world_size);
-    if (!started.ok()) {
-      return Status::Error(RankPrefix(rank) + started.status().message() +
-                           "; set MASTER_PORT (or DC_MASTER_PORT) to a free port");
-    }
-    server = std::move(*started);
-  }
+  TcpRendezvous meeting;
   if (tcp) {
-    auto connected = TcpStore::Connect(options.master_addr, options.master_port, options.run_id,
-                                       options.world_size, options.timeout);
-    if (!connected.ok()) return connected.status().Prefixed(RankPrefix(rank));
-    store = std::move(*connected);
+    DC_ASSIGN_OR_RETURN(
+        meeting, TcpRendezvous::Join(options.master_addr, options.master_port, options.run_id,
+                                     options.world_size, rank, options.timeout));
   }
   ncclUniqueId id{};
   if (rank == 0) {
@@ -405,13 +390,14 @@ StatusOr<std::unique_ptr<NcclCommunicator>> ConnectNcclCommunicator(
     }
     if (tcp) {
       const char* bytes = reinterpret_cast<const char*>(&id);
-      DC_RETURN_IF_ERROR(store->Set(kIdFileName, std::vector<char>(bytes, bytes + sizeof(id)))
-                             .Prefixed(RankPrefix(rank)));
+      DC_RETURN_IF_ERROR(
+          meeting.store->Set(kIdFileName, std::vector<char>(bytes, bytes + sizeof(id)))
+              .Prefixed(RankPrefix(rank)));
     } else if (!options.store_dir.empty()) {
       DC_RETURN_IF_ERROR(WriteId(NcclIdPath(options), id, rank));
     }
   } else if (tcp) {
-    auto bytes = store->Get(kIdFileName, options.timeout);
+    auto bytes = meeting.store->Get(kIdFileName, options.timeout);
     if (!bytes.ok()) return bytes.status().Prefixed(RankPrefix(rank));
     if (bytes->size() != sizeof(id)) {
       return Status::Error(RankPrefix(rank) + "the rendezvous's NCCL id has " +
