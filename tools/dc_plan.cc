@@ -407,7 +407,9 @@ void AddFlags(CLI::App& app, Flags* f) {
   app.add_option("-o,--output", f->out, "plan file to write")
       ->check(cli::NonEmptyPath())
       ->capture_default_str();
-  app.add_flag("--report", f->report, "print the memory timeline and overlap summary");
+  app.add_flag("--report", f->report,
+               "print the measured memory timeline and overlap summary (with --synthetic: the "
+               "simulated step's)");
   app.add_flag("--json", f->json, "print one JSON object");
   app.add_flag("--quiet", f->quiet,
                "no progress on stderr (progress shows only on a terminal anyway)");
