@@ -113,6 +113,7 @@ class TraceTimeline : public Timeline {
     return trace_->schedule() ? &*trace_->schedule() : nullptr;
   }
   const std::vector<std::string>& notes() const override { return trace_->notes(); }
+  std::string incomplete() const override { return trace_->incomplete(); }
   const std::vector<SkippedRecords>& skipped() const override { return trace_->skipped(); }
   int64_t dropped_records() const override { return trace_->DroppedRecords(); }
   std::string StreamName(int, int64_t stream_id) const override {

@@ -91,6 +91,8 @@ class Timeline {
   // The schedule the activities ran (dc traces, plans); null for foreign traces.
   virtual const proto::Schedule* schedule() const = 0;
   virtual const std::vector<std::string>& notes() const = 0;
+  // Why the run stopped before its last step (a dc trace marked incomplete); empty otherwise.
+  virtual std::string incomplete() const { return {}; }
   // Records the reader left out for breaking analyzer/limits.h's rules, counted.
   virtual const std::vector<SkippedRecords>& skipped() const = 0;
   virtual int64_t dropped_records() const = 0;

@@ -379,6 +379,11 @@ Status Trace::Load() {
   source_ = dc ? TraceSource::kDc : TraceSource::kNsys;
   if (dc) {
     DC_RETURN_IF_ERROR(CheckSchemaVersion(path_, metadata));
+    if (auto it = metadata.find(kIncompleteKey); it != metadata.end()) {
+      incomplete_ = it->second.empty() ? "the run stopped early" : it->second;
+      notes_.push_back("incomplete trace (" + incomplete_ + "): it holds the steps every rank " +
+                       "completed");
+    }
     DC_RETURN_IF_ERROR(LoadDc(tables));
   } else {
     DC_RETURN_IF_ERROR(LoadNsys(tables));

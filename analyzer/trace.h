@@ -79,6 +79,9 @@ class Trace {
   const std::vector<std::string>& notes() const { return notes_; }
   // Rows left out, by table and problem (in table order, then problem).
   const std::vector<SkippedRecords>& skipped() const { return skipped_; }
+  // Why the run stopped before its last step (META_DATA_EXPORT's dc.incomplete: the trace holds
+  // the steps every rank completed); empty for a run that did all its steps.
+  const std::string& incomplete() const { return incomplete_; }
 
   // Streams every activity ordered by (global_pid, start). A dc collective comes once, as
   // kCollective (its kernel row is folded into it).
@@ -141,6 +144,7 @@ class Trace {
   std::optional<proto::Program> program_;
   std::optional<proto::Schedule> schedule_;
   std::vector<std::string> notes_;
+  std::string incomplete_;
   std::vector<SkippedRecords> skipped_;
   std::vector<StepRow> steps_;
   int64_t dropped_records_ = 0;

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "collector/sqlite_writer.h"
+#include "collector/trace_blobs.h"
 #include "collector/trace_rows.h"
 #include "schemas/files.h"
 #include "schemas/trace_schema.h"
@@ -137,10 +138,6 @@ HostTracer::HostTracer(RankIdentity identity, int64_t session_start_utc_ns)
   records_->start_anchor.session_ns = records_->start_anchor.realtime_ns - session_start_utc_ns_;
 }
 
-HostTracer::~HostTracer() = default;
-HostTracer::HostTracer(HostTracer&&) noexcept = default;
-HostTracer& HostTracer::operator=(HostTracer&&) noexcept = default;
-
 int64_t HostTracer::NowNs() const { return ClockNs(CLOCK_REALTIME) - session_start_utc_ns_; }
 
 void HostTracer::DescribeInstruction(int index, const TracedInstruction& instruction) {
@@ -235,10 +232,6 @@ void HostTracer::Memory(int64_t ts_ns, int64_t address, int64_t bytes, bool allo
       {ts_ns, address, bytes, alloc, records_->Intern(name), kind, correlation_id});
 }
 
-void HostTracer::Step(int step, int64_t start_ns, int64_t end_ns, double loss, bool warmup) {
-  records_->steps.push_back({step, start_ns, end_ns, loss, warmup});
-}
-
 int64_t HostTracer::activities() const {
   return static_cast<int64_t>(records_->kernels.size() + records_->copies.size());
 }
@@ -259,25 +252,35 @@ int64_t CountBadTimestamps(const std::vector<Record>& records) {
   return n;
 }
 
-std::vector<RecordStatsRow> RecordStats(const TracerRecords& records) {
-  int64_t compute_kernels = 0, compute_bad = 0;
-  for (const auto& k : records.kernels) {
-    // Collectives' kernel rows are counted with the collectives.
-    if (k.collective) continue;
-    ++compute_kernels;
-    compute_bad += BadTimestamp(k.start_ns, k.end_ns) ? 1 : 0;
+// TC_RECORD_STATS over every record written so far, added to at each flush.
+struct RecordCounts {
+  int64_t kernels = 0, kernels_bad = 0, collectives = 0, collectives_bad = 0, copies = 0,
+          copies_bad = 0, memory = 0, memory_bad = 0;
+
+  void Add(const TracerRecords& records) {
+    for (const auto& k : records.kernels) {
+      // Collectives' kernel rows are counted with the collectives.
+      if (k.collective) continue;
+      ++kernels;
+      kernels_bad += BadTimestamp(k.start_ns, k.end_ns) ? 1 : 0;
+    }
+    collectives += static_cast<int64_t>(records.collectives.size());
+    collectives_bad += CountBadTimestamps(records.collectives);
+    copies += static_cast<int64_t>(records.copies.size());
+    copies_bad += CountBadTimestamps(records.copies);
+    memory += static_cast<int64_t>(records.memory.size());
+    for (const auto& m : records.memory) memory_bad += BadTimestamp(m.ts_ns, m.ts_ns) ? 1 : 0;
   }
-  int64_t memory_bad = 0;
-  for (const auto& m : records.memory) memory_bad += BadTimestamp(m.ts_ns, m.ts_ns) ? 1 : 0;
-  return {
-      {"kernel", compute_kernels, 0, compute_bad},
-      {"collective", static_cast<int64_t>(records.collectives.size()), 0,
-       CountBadTimestamps(records.collectives)},
-      {"memcpy", static_cast<int64_t>(records.copies.size()), 0,
-       CountBadTimestamps(records.copies)},
-      {"memory", static_cast<int64_t>(records.memory.size()), 0, memory_bad},
-  };
-}
+
+  std::vector<RecordStatsRow> Rows() const {
+    return {
+        {"kernel", kernels, 0, kernels_bad},
+        {"collective", collectives, 0, collectives_bad},
+        {"memcpy", copies, 0, copies_bad},
+        {"memory", memory, 0, memory_bad},
+    };
+  }
+};
 
 // The columns every device activity row starts with, for this rank's one device and context.
 template <typename Row, typename Record>
@@ -292,13 +295,35 @@ Row ActivityRow(const Record& record, int64_t device_id) {
   return row;
 }
 
-// Writes one rank's records, every row through the shared TraceRowWriter.
-Status WriteRecords(Database* db, const RankIdentity& identity, int64_t global_pid,
-                    const TracerRecords& records, const ClockAnchor& end,
-                    int64_t session_start_utc_ns) {
-  DC_ASSIGN_OR_RETURN(TraceRowWriter rows, TraceRowWriter::Create(db, global_pid));
+// The rows of the rank itself, written once when the file is made: who it is, its streams and
+// device, the session's start and the start clock anchor.
+Status WriteRankRows(TraceRowWriter& rows, const RankIdentity& identity, const ClockAnchor& start,
+                     int64_t session_start_utc_ns) {
   const int64_t device_id = identity.local_rank;
-  for (size_t i = 0; i < records.strings.size(); ++i) {
+  DC_RETURN_IF_ERROR(
+      rows.Rank({identity.hostname, identity.rank, identity.local_rank, identity.world_size,
+                 device_id, identity.backend, identity.device, identity.device_memory_bytes}));
+  DC_RETURN_IF_ERROR(
+      rows.ClockAnchor({"start", start.realtime_ns, start.monotonic_ns, start.session_ns}));
+  for (int s = proto::Stream_MIN; s <= proto::Stream_MAX; ++s) {
+    if (s == proto::STREAM_UNSPECIFIED || !proto::Stream_IsValid(s)) continue;
+    DC_RETURN_IF_ERROR(rows.Stream(s, StreamName(static_cast<proto::Stream>(s))));
+  }
+  GpuInfoRow gpu;
+  gpu.vm_id = static_cast<int64_t>(identity.rank) << kRankShift;
+  gpu.id = device_id;
+  gpu.name = identity.device;
+  gpu.total_memory = identity.device_memory_bytes;
+  gpu.cu_device = device_id;
+  DC_RETURN_IF_ERROR(rows.GpuInfo(gpu));
+  return rows.SessionStart(session_start_utc_ns);
+}
+
+// Writes the records held, every row through the shared TraceRowWriter; strings from index
+// `strings_from` on (the earlier ones are in the file already).
+Status WriteRecords(TraceRowWriter& rows, int64_t device_id, const TracerRecords& records,
+                    size_t strings_from) {
+  for (size_t i = strings_from; i < records.strings.size(); ++i) {
     DC_RETURN_IF_ERROR(rows.String(static_cast<int64_t>(i) + 1, records.strings[i]));
   }
   // Launch geometry is meaningless on the host: KernelRow's defaults (grid and block 1).
@@ -341,58 +366,113 @@ Status WriteRecords(Database* db, const RankIdentity& identity, int64_t global_p
     row.tc_kind = BufferKindName(m.kind);
     DC_RETURN_IF_ERROR(rows.MemoryEvent(row));
   }
+  // Last: a step's row in the file means every record of the step is there too.
   for (const auto& s : records.steps) {
     DC_RETURN_IF_ERROR(rows.Step({s.step, s.start_ns, s.end_ns, s.loss, s.warmup}));
   }
-  DC_RETURN_IF_ERROR(
-      rows.Rank({identity.hostname, identity.rank, identity.local_rank, identity.world_size,
-                 device_id, identity.backend, identity.device, identity.device_memory_bytes}));
-  const ClockAnchor& start = records.start_anchor;
-  for (const auto& [tag, anchor] : {std::pair{"start", start}, std::pair{"end", end}}) {
-    DC_RETURN_IF_ERROR(
-        rows.ClockAnchor({tag, anchor.realtime_ns, anchor.monotonic_ns, anchor.session_ns}));
-  }
-  for (const RecordStatsRow& row : RecordStats(records)) {
-    DC_RETURN_IF_ERROR(rows.RecordStats(row));
-  }
-  for (int s = proto::Stream_MIN; s <= proto::Stream_MAX; ++s) {
-    if (s == proto::STREAM_UNSPECIFIED || !proto::Stream_IsValid(s)) continue;
-    DC_RETURN_IF_ERROR(rows.Stream(s, StreamName(static_cast<proto::Stream>(s))));
-  }
-  GpuInfoRow gpu;
-  gpu.vm_id = static_cast<int64_t>(identity.rank) << kRankShift;
-  gpu.id = device_id;
-  gpu.name = identity.device;
-  gpu.total_memory = identity.device_memory_bytes;
-  gpu.cu_device = device_id;
-  DC_RETURN_IF_ERROR(rows.GpuInfo(gpu));
-  DC_RETURN_IF_ERROR(rows.SessionStart(session_start_utc_ns));
-  rows.Close();
   return Status::Ok();
 }
 
 }  // namespace
 
-Status HostTracer::WriteRankFile(const std::string& path) const {
-  const ClockAnchor end{ClockNs(CLOCK_REALTIME), ClockNs(CLOCK_MONOTONIC), NowNs()};
-  const std::string tmp = TempPathBeside(path);
-  const RemoveOnSignal remove_tmp(tmp);
-  std::remove(tmp.c_str());
+// The file a tracer writes into, open from StreamTo (or WriteRankFile) to the end.
+struct HostTracer::Stream {
+  Stream(std::string path_in, Database db_in) : path(std::move(path_in)), db(std::move(db_in)) {}
+  std::string path;
+  Database db;
+  TraceRowWriter rows;  // after db: its statements are finalized first
+  size_t strings_written = 0;
+  RecordCounts counts;
+  Status failed;  // the first error writing a step; nothing more is written after it
+};
+
+HostTracer::~HostTracer() = default;
+HostTracer::HostTracer(HostTracer&&) noexcept = default;
+HostTracer& HostTracer::operator=(HostTracer&&) noexcept = default;
+
+Status HostTracer::StreamTo(const std::string& path, const proto::Schedule* schedule) {
+  if (stream_) return Status::Error(path + ": this rank's trace is already being written");
+  std::remove(path.c_str());
+  for (const char* suffix : {"-wal", "-shm"}) std::remove((path + suffix).c_str());
+  DC_ASSIGN_OR_RETURN(Database db, Database::Create(path));
+  auto stream = std::make_unique<Stream>(path, std::move(db));
+  // WAL: every committed step survives the process being killed; readers see whole steps.
+  DC_RETURN_IF_ERROR(stream->db.Exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"));
+  DC_RETURN_IF_ERROR(stream->db.Exec(TraceSchemaSql()));
+  DC_ASSIGN_OR_RETURN(stream->rows, TraceRowWriter::Create(&stream->db, global_pid_));
+  DC_RETURN_IF_ERROR(stream->db.Exec("BEGIN"));
+  DC_RETURN_IF_ERROR(
+      WriteRankRows(stream->rows, identity_, records_->start_anchor, session_start_utc_ns_));
+  if (schedule != nullptr) {
+    DC_RETURN_IF_ERROR(collector_internal::WriteScheduleBlobs(&stream->db, *schedule));
+  }
+  DC_RETURN_IF_ERROR(stream->db.Exec("COMMIT"));
+  stream_ = std::move(stream);
+  return Status::Ok();
+}
+
+Status HostTracer::Flush() {
+  Stream& stream = *stream_;
+  if (!stream.failed.ok()) return stream.failed;
   Status status = [&]() -> Status {
-    DC_ASSIGN_OR_RETURN(Database db, Database::Create(tmp));
-    DC_RETURN_IF_ERROR(db.Exec("PRAGMA journal_mode=OFF; PRAGMA synchronous=OFF;"));
-    DC_RETURN_IF_ERROR(db.Exec(TraceSchemaSql()));
-    DC_RETURN_IF_ERROR(db.Exec("BEGIN"));
+    DC_RETURN_IF_ERROR(stream.db.Exec("BEGIN"));
     DC_RETURN_IF_ERROR(
-        WriteRecords(&db, identity_, global_pid_, *records_, end, session_start_utc_ns_));
-    DC_RETURN_IF_ERROR(db.Exec("COMMIT"));
-    DC_RETURN_IF_ERROR(db.Close());
-    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+        WriteRecords(stream.rows, identity_.local_rank, *records_, stream.strings_written));
+    return stream.db.Exec("COMMIT");
+  }();
+  if (!status.ok()) {
+    (void)stream.db.Exec("ROLLBACK");
+    stream.failed = status;
+    return status;
+  }
+  stream.strings_written = records_->strings.size();
+  stream.counts.Add(*records_);
+  records_->kernels.clear();
+  records_->collectives.clear();
+  records_->copies.clear();
+  records_->mappings.clear();
+  records_->memory.clear();
+  records_->steps.clear();
+  // Their records are gone: a late InstructionRan must not move the next step's.
+  for (Recorded& r : recorded_) r.step = -1;
+  return Status::Ok();
+}
+
+void HostTracer::Step(int step, int64_t start_ns, int64_t end_ns, double loss, bool warmup) {
+  records_->steps.push_back({step, start_ns, end_ns, loss, warmup});
+  if (stream_) (void)Flush();  // an error is kept and returned by WriteRankFile
+}
+
+Status HostTracer::WriteRankFile(const std::string& path) {
+  const bool streamed = stream_ != nullptr;
+  if (streamed && stream_->path != path) {
+    return Status::Error(path + ": this rank's trace is being written to " + stream_->path);
+  }
+  const std::string tmp = streamed ? path : TempPathBeside(path);
+  const RemoveOnSignal remove_tmp(streamed ? std::string() : tmp);
+  Status status = [&]() -> Status {
+    if (!streamed) DC_RETURN_IF_ERROR(StreamTo(tmp));
+    DC_RETURN_IF_ERROR(Flush());
+    Stream& stream = *stream_;
+    const ClockAnchor end{ClockNs(CLOCK_REALTIME), ClockNs(CLOCK_MONOTONIC), NowNs()};
+    DC_RETURN_IF_ERROR(stream.db.Exec("BEGIN"));
+    DC_RETURN_IF_ERROR(
+        stream.rows.ClockAnchor({"end", end.realtime_ns, end.monotonic_ns, end.session_ns}));
+    for (const RecordStatsRow& row : stream.counts.Rows()) {
+      DC_RETURN_IF_ERROR(stream.rows.RecordStats(row));
+    }
+    DC_RETURN_IF_ERROR(stream.db.Exec("COMMIT"));
+    stream.rows.Close();
+    // One self-contained file again: the WAL folded in and removed.
+    DC_RETURN_IF_ERROR(stream.db.Exec("PRAGMA journal_mode=DELETE"));
+    DC_RETURN_IF_ERROR(stream.db.Close());
+    if (!streamed && std::rename(tmp.c_str(), path.c_str()) != 0) {
       return Status::Error(path + ": cannot rename the finished rank trace into place");
     }
     return Status::Ok();
   }();
-  if (!status.ok()) std::remove(tmp.c_str());
+  stream_.reset();
+  if (!status.ok() && !streamed) std::remove(tmp.c_str());
   return status;
 }
 

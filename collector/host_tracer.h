@@ -1,8 +1,9 @@
 // The CPU backend's host tracer: one per rank. It records every executed instruction as an
-// activity in memory (compute ops as kernels on the rank's `cpu` device, collectives with their
-// bytes, every allocation and free as a memory event, each mapped to its schedule instruction)
-// and writes them to that rank's own SQLite file in batched transactions. MergeRankTraces then
-// joins the ranks' files into the run's one trace. Not thread-safe: one thread per tracer.
+// activity (compute ops as kernels on the rank's `cpu` device, collectives with their bytes,
+// every allocation and free as a memory event, each mapped to its schedule instruction) into
+// that rank's own SQLite file: streamed step by step (StreamTo), or all at the end
+// (WriteRankFile alone). MergeRankTraces then joins the ranks' files into the run's one trace.
+// Not thread-safe: one thread per tracer.
 #pragma once
 
 #include <cstdint>
@@ -62,12 +63,25 @@ class HostTracer : public ExecutionTracer {
   int64_t activities() const;  // kernels + collectives + copies
   int64_t memory_events() const;
 
-  // Writes this rank's records (with TC_RANK, clock anchors, record stats, stream names) to a
-  // fresh SQLite file at `path` with the schema of schemas/trace_schema.sql.
-  Status WriteRankFile(const std::string& path) const;
+  // From now on, writes this rank's records to a fresh SQLite file at `path` (WAL) as they come:
+  // the rank's own rows at once, then each step's records and its TC_STEP row in one transaction
+  // when the step ends. A run killed mid-way leaves a file of its complete steps, which
+  // MergeRankTraces can still join (marked incomplete); memory holds one step's records. An error
+  // writing a step stops the streaming and is returned by WriteRankFile.
+  // `schedule`, when given, is written into the file as TC_BLOB rows, so the file can be merged
+  // without the plan.
+  Status StreamTo(const std::string& path, const proto::Schedule* schedule = nullptr);
+
+  // Finishes this rank's file at `path` (with TC_RANK, clock anchors, record stats, stream names;
+  // the schema of schemas/trace_schema.sql): the one StreamTo writes, or a fresh file written
+  // whole (temporary file, then renamed) when the tracer was not streaming.
+  Status WriteRankFile(const std::string& path);
 
  private:
   struct Records;
+  struct Stream;
+  // Writes and forgets the records held (and the strings not yet written), in one transaction.
+  Status Flush();
   RankIdentity identity_;
   int64_t session_start_utc_ns_;
   int64_t global_pid_;  // (rank << 48) | (pid << 24), nsys's packing
@@ -80,6 +94,7 @@ class HostTracer : public ExecutionTracer {
            copies_begin = 0, copies_end = 0;
   };
   std::vector<Recorded> recorded_;
+  std::unique_ptr<Stream> stream_;  // set by StreamTo
 };
 
 struct MergeSummary {
@@ -87,6 +102,16 @@ struct MergeSummary {
   int64_t activities = 0;  // kernels + collectives over all ranks
   int64_t memory_events = 0;
   int64_t dropped_records = 0;
+  std::string incomplete;  // MergeOptions::incomplete
+  int64_t last_step = -1;  // the last step in the trace (with `incomplete`: every rank's last)
+};
+
+struct MergeOptions {
+  // Why the run ended before its last step ("stopped by SIGINT after step 3 of 10"); empty for a
+  // run that did all its steps. When set, the rank files may end at different steps: every rank
+  // is cut to the last step all of them completed, and the trace says it is incomplete
+  // (META_DATA_EXPORT's dc.incomplete, read back as Trace::incomplete()).
+  std::string incomplete;
 };
 
 // Joins the rank files into `out_path` (written to a temp file and renamed), adds the program
@@ -96,7 +121,11 @@ struct MergeSummary {
 // `out_path` (nor its temp file, even when a stop signal ends the process mid-merge), the rank
 // files are left untouched for the caller to keep or remove, and the message names `out_path`.
 StatusOr<MergeSummary> MergeRankTraces(const std::vector<std::string>& rank_paths,
-                                       const proto::Schedule& schedule,
-                                       const std::string& out_path);
+                                       const proto::Schedule& schedule, const std::string& out_path,
+                                       const MergeOptions& options = {});
+// The same with the schedule the rank files carry (a streamed file has it from its start): how
+// the rank files a killed run left behind become a trace (dc-trace merge).
+StatusOr<MergeSummary> MergeRankTraces(const std::vector<std::string>& rank_paths,
+                                       const std::string& out_path, const MergeOptions& options);
 
 }  // namespace dc

@@ -353,3 +353,136 @@ TEST(HostTracerTest, MergeRefusesAFileThatIsNotARankTrace) {
 
 }  // namespace
 }  // namespace dc
+
+namespace dc {
+namespace {
+
+RankIdentity StreamRank(int rank) {
+  RankIdentity identity;
+  identity.rank = rank;
+  identity.local_rank = rank;
+  identity.world_size = 2;
+  identity.hostname = "host";
+  return identity;
+}
+
+// One step of one rank: a gather, a kernel, an allocation, then the step's end.
+void RecordStep(HostTracer& tracer, int step) {
+  const int64_t t0 = 1000 * (step + 1);
+  tracer.Collective(proto::INSTR_ALL_GATHER, proto::STREAM_GATHER, t0, t0 + 50, 16, 1, 0,
+                    {step, 0, 0});
+  tracer.Kernel("matmul.0", proto::STREAM_COMPUTE, t0 + 50, t0 + 150, {step, 0, 1});
+  tracer.Memory(t0 + 60, 7, 16, true, "w", BufferKind::kGathered, 0);
+  tracer.Step(step, t0, t0 + 200, 2.0, step == 0);
+}
+
+TEST(HostTracerStreamTest, EachEndedStepIsInTheFileBeforeTheRunEnds) {
+  TempDir dir;
+  const std::string part = dir.File("t.db.rank0.part");
+  HostTracer tracer(StreamRank(0), NowUtcNs());
+  const proto::Schedule schedule = SmallSchedule();
+  ASSERT_TRUE(tracer.StreamTo(part, &schedule).ok());
+  RecordStep(tracer, 0);
+  RecordStep(tracer, 1);
+  // Step 2 is under way: its kernel is held, not written.
+  tracer.Kernel("matmul.0", proto::STREAM_COMPUTE, 5000, 5100, {2, 0, 1});
+  {
+    Db db(part);
+    EXPECT_EQ(db.Int("SELECT count(*) FROM TC_STEP"), 2);
+    EXPECT_EQ(db.Int("SELECT count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL"), 4);  // 2 kernels + 2
+    EXPECT_EQ(db.Int("SELECT count(*) FROM CUDA_GPU_MEMORY_USAGE_EVENTS"), 2);
+    EXPECT_EQ(db.Int("SELECT count(*) FROM TC_RANK"), 1);
+    EXPECT_EQ(db.Int("SELECT count(*) FROM TC_BLOB"), 2);  // mergeable without the plan
+    EXPECT_EQ(db.Int("SELECT count(*) FROM TC_CLOCK_ANCHOR WHERE tag = 'end'"), 0);
+  }
+  // The run is killed here: the file as it stands merges into a trace of its complete steps.
+  const std::string out = dir.File("t.db");
+  auto merged = MergeRankTraces({part}, out, MergeOptions{});
+  ASSERT_TRUE(merged.ok()) << merged.status().message();
+  EXPECT_EQ(merged->last_step, 1);
+  EXPECT_NE(merged->incomplete.find("did not finish"), std::string::npos) << merged->incomplete;
+  Db db(out);
+  EXPECT_EQ(db.Int("SELECT count(*) FROM TC_STEP"), 2);
+  EXPECT_EQ(db.Texts("SELECT value FROM META_DATA_EXPORT WHERE name = 'dc.incomplete'").size(), 1u);
+  EXPECT_EQ(db.Blob("SELECT data FROM TC_BLOB WHERE name = 'schedule'"), CanonicalBytes(schedule));
+}
+
+TEST(HostTracerStreamTest, AFinishedStreamIsTheSameTraceAsOneWrittenWhole) {
+  TempDir dir;
+  const int64_t start = NowUtcNs();
+  HostTracer streamed(StreamRank(0), start), whole(StreamRank(0), start);
+  ASSERT_TRUE(streamed.StreamTo(dir.File("streamed.part")).ok());
+  for (HostTracer* tracer : {&streamed, &whole}) {
+    RecordStep(*tracer, 0);
+    RecordStep(*tracer, 1);
+    tracer->Memory(9000, 7, 16, false, "w", BufferKind::kGathered, 0);  // after the last step
+  }
+  ASSERT_TRUE(streamed.WriteRankFile(dir.File("streamed.part")).ok());
+  ASSERT_TRUE(whole.WriteRankFile(dir.File("whole.part")).ok());
+  EXPECT_FALSE(fs::exists(dir.File("streamed.part-wal")));  // folded in: one file
+  for (const char* sql :
+       {"SELECT count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL", "SELECT count(*) FROM TC_STEP",
+        "SELECT count(*) FROM CUDA_GPU_MEMORY_USAGE_EVENTS", "SELECT count(*) FROM StringIds",
+        "SELECT sum(records) FROM TC_RECORD_STATS", "SELECT sum(start) FROM TC_COLLECTIVE"}) {
+    EXPECT_EQ(Db(dir.File("streamed.part")).Int(sql), Db(dir.File("whole.part")).Int(sql)) << sql;
+  }
+  EXPECT_EQ(Db(dir.File("streamed.part")).Int("SELECT sum(records) FROM TC_RECORD_STATS"), 7);
+}
+
+TEST(HostTracerStreamTest, AnIncompleteMergeKeepsTheStepsEveryRankCompleted) {
+  TempDir dir;
+  const int64_t start = NowUtcNs();
+  std::vector<std::string> parts;
+  for (int rank = 0; rank < 2; ++rank) {
+    parts.push_back(dir.File("t.db.rank" + std::to_string(rank) + ".part"));
+    HostTracer tracer(StreamRank(rank), start);
+    ASSERT_TRUE(tracer.StreamTo(parts.back(), nullptr).ok());
+    for (int step = 0; step < (rank == 0 ? 3 : 2); ++step) RecordStep(tracer, step);
+    ASSERT_TRUE(tracer.WriteRankFile(parts.back()).ok());
+  }
+  MergeOptions options;
+  options.incomplete = "stopped by SIGTERM after 2 of 10 step(s)";
+  const std::string out = dir.File("t.db");
+  auto merged = MergeRankTraces(parts, SmallSchedule(), out, options);
+  ASSERT_TRUE(merged.ok()) << merged.status().message();
+  EXPECT_EQ(merged->last_step, 1);
+  Db db(out);
+  EXPECT_EQ(db.Int("SELECT max(step) FROM TC_STEP"), 1);
+  EXPECT_EQ(db.Int("SELECT count(*) FROM TC_STEP"), 4);
+  // Rank 0's third step is gone, records and all.
+  EXPECT_EQ(db.Int("SELECT count(*) FROM CUPTI_ACTIVITY_KIND_KERNEL"), 8);
+  EXPECT_EQ(db.Int("SELECT count(*) FROM TC_COLLECTIVE"), 4);
+  EXPECT_EQ(db.Int("SELECT count(*) FROM CUDA_GPU_MEMORY_USAGE_EVENTS"), 4);
+  EXPECT_EQ(db.Int("SELECT max(step) FROM TC_INSTRUCTION_MAP"), 1);
+  EXPECT_EQ(db.Texts("SELECT value FROM META_DATA_EXPORT WHERE name = 'dc.incomplete'"),
+            std::vector<std::string>{options.incomplete});
+  for (const std::string& part : parts) EXPECT_FALSE(fs::exists(part)) << part;
+}
+
+TEST(HostTracerStreamTest, NoStepCompletedByEveryRankIsAClearError) {
+  TempDir dir;
+  const int64_t start = NowUtcNs();
+  std::vector<std::string> parts;
+  for (int rank = 0; rank < 2; ++rank) {
+    parts.push_back(dir.File("rank" + std::to_string(rank) + ".part"));
+    HostTracer tracer(StreamRank(rank), start);
+    ASSERT_TRUE(tracer.StreamTo(parts.back(), nullptr).ok());
+    if (rank == 0) RecordStep(tracer, 0);
+  }
+  MergeOptions options;
+  options.incomplete = "stopped";
+  auto merged = MergeRankTraces(parts, SmallSchedule(), dir.File("t.db"), options);
+  ASSERT_FALSE(merged.ok());
+  EXPECT_NE(merged.status().message().find("no step was completed by every rank"),
+            std::string::npos)
+      << merged.status().message();
+  EXPECT_FALSE(fs::exists(dir.File("t.db")));
+  // A part without the schedule cannot be merged on its own, and says so.
+  auto alone = MergeRankTraces({parts[1]}, dir.File("u.db"), MergeOptions{});
+  ASSERT_FALSE(alone.ok());
+  EXPECT_NE(alone.status().message().find("does not carry the schedule"), std::string::npos)
+      << alone.status().message();
+}
+
+}  // namespace
+}  // namespace dc

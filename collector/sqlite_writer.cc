@@ -54,6 +54,13 @@ std::string Statement::ColumnText(int index) const {
   return text ? std::string(reinterpret_cast<const char*>(text)) : std::string();
 }
 
+std::string Statement::ColumnBlob(int index) const {
+  const void* bytes = sqlite3_column_blob(stmt_, index);
+  const int size = sqlite3_column_bytes(stmt_, index);
+  return bytes && size > 0 ? std::string(static_cast<const char*>(bytes), static_cast<size_t>(size))
+                           : std::string();
+}
+
 StatusOr<Database> Database::Create(const std::string& path) {
   sqlite3* db = nullptr;
   const int rc = sqlite3_open_v2(

@@ -37,6 +37,7 @@ class Statement {
   StatusOr<bool> Next();
   int64_t ColumnInt(int index) const;
   std::string ColumnText(int index) const;
+  std::string ColumnBlob(int index) const;
 
  private:
   sqlite3_stmt* stmt_ = nullptr;

@@ -8,6 +8,7 @@
 
 #include "collector/host_tracer.h"
 #include "collector/sqlite_writer.h"
+#include "collector/trace_blobs.h"
 #include "schemas/digest.h"
 #include "schemas/files.h"
 #include "schemas/trace_schema.h"
@@ -80,7 +81,9 @@ class Merger {
   Status Prepare();
   Status AddRank(const std::string& rank_path, bool first);
   Status AddBlobs(const proto::Schedule& schedule);
-  Status AddMetadata(const proto::Schedule& schedule);
+  // For an incomplete run: cuts every rank to the last step all of them completed; returns it.
+  StatusOr<int64_t> CutToCommonStep();
+  Status AddMetadata(const proto::Schedule& schedule, const std::string& incomplete);
   Status AddAnalysisDetails();
   Status AddIndexes();
   StatusOr<MergeSummary> Summary();
@@ -183,30 +186,36 @@ Status Merger::AddRank(const std::string& rank_path, bool first) {
 }
 
 Status Merger::AddBlobs(const proto::Schedule& schedule) {
-  DC_ASSIGN_OR_RETURN(Statement insert,
-                      db_->Prepare("INSERT INTO TC_BLOB(name, formatVersion, digest, data) "
-                                   "VALUES (?, ?, ?, ?)"));
-  const struct {
-    const char* name;
-    const google::protobuf::Message& message;
-    uint32_t format_version;
-  } blobs[] = {
-      {"program", schedule.program(), schedule.program().format_version()},
-      {"schedule", schedule, schedule.format_version()},
-  };
-  for (const auto& blob : blobs) {
-    insert.Bind(1, std::string_view(blob.name));
-    insert.Bind(2, int64_t{blob.format_version});
-    insert.Bind(3, DigestOf(blob.message));
-    insert.BindBlob(4, CanonicalBytes(blob.message));
-    DC_RETURN_IF_ERROR(insert.Run());
-  }
-  return Status::Ok();
+  return collector_internal::WriteScheduleBlobs(db_, schedule);
 }
 
-Status Merger::AddMetadata(const proto::Schedule& schedule) {
+StatusOr<int64_t> Merger::CutToCommonStep() {
   DC_ASSIGN_OR_RETURN(int64_t ranks, db_->QueryInt("SELECT count(*) FROM TC_RANK"));
-  const std::pair<std::string, std::string> rows[] = {
+  DC_ASSIGN_OR_RETURN(int64_t ranks_with_steps,
+                      db_->QueryInt("SELECT count(DISTINCT globalPid) FROM TC_STEP"));
+  if (ranks_with_steps < ranks) {
+    return Status::Error("no step was completed by every rank; nothing to keep");
+  }
+  DC_ASSIGN_OR_RETURN(int64_t last, db_->QueryInt("SELECT MIN(m) FROM (SELECT MAX(step) AS m "
+                                                  "FROM TC_STEP GROUP BY globalPid)"));
+  const std::string step = std::to_string(last);
+  // Each rank's records end with its steps; what a rank ran past the common last step goes.
+  const std::string cutoff =
+      "(SELECT s.end FROM TC_STEP AS s WHERE s.globalPid = t.globalPid AND s.step = " + step + ")";
+  for (const char* table :
+       {"CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_MEMCPY", "CUPTI_ACTIVITY_KIND_MEMSET",
+        "CUDA_GPU_MEMORY_USAGE_EVENTS", "TC_COLLECTIVE"}) {
+    DC_RETURN_IF_ERROR(
+        db_->Exec(std::string("DELETE FROM ") + table + " AS t WHERE t.start > " + cutoff));
+  }
+  DC_RETURN_IF_ERROR(db_->Exec("DELETE FROM TC_INSTRUCTION_MAP WHERE step > " + step +
+                               "; DELETE FROM TC_STEP WHERE step > " + step));
+  return last;
+}
+
+Status Merger::AddMetadata(const proto::Schedule& schedule, const std::string& incomplete) {
+  DC_ASSIGN_OR_RETURN(int64_t ranks, db_->QueryInt("SELECT count(*) FROM TC_RANK"));
+  std::vector<std::pair<std::string, std::string>> rows = {
       {"producer", "dc"},
       {"dc.trace_schema_version", std::to_string(kTraceSchemaVersion)},
       {"dc.ranks", std::to_string(ranks)},
@@ -216,6 +225,7 @@ Status Merger::AddMetadata(const proto::Schedule& schedule) {
       {"dc.program_digest", DigestOf(schedule.program())},
       {"dc.schedule_digest", DigestOf(schedule)},
   };
+  if (!incomplete.empty()) rows.emplace_back(kIncompleteKey, incomplete);
   DC_ASSIGN_OR_RETURN(Statement insert,
                       db_->Prepare("INSERT INTO META_DATA_EXPORT(name, value) VALUES (?, ?)"));
   for (const auto& [name, value] : rows) {
@@ -254,12 +264,14 @@ StatusOr<MergeSummary> Merger::Summary() {
                       db_->QueryInt("SELECT count(*) FROM CUDA_GPU_MEMORY_USAGE_EVENTS"));
   DC_ASSIGN_OR_RETURN(summary.dropped_records,
                       db_->QueryInt("SELECT COALESCE(SUM(dropped), 0) FROM TC_RECORD_STATS"));
+  DC_ASSIGN_OR_RETURN(summary.last_step,
+                      db_->QueryInt("SELECT COALESCE(MAX(step), -1) FROM TC_STEP"));
   return summary;
 }
 
 StatusOr<MergeSummary> MergeInto(const std::string& tmp_path,
                                  const std::vector<std::string>& rank_paths,
-                                 const proto::Schedule& schedule) {
+                                 const proto::Schedule& schedule, const MergeOptions& options) {
   if (rank_paths.empty()) return Status::Error("no rank files to merge");
   DC_ASSIGN_OR_RETURN(Database db, Database::Create(tmp_path));
   MergeSummary summary;
@@ -270,26 +282,79 @@ StatusOr<MergeSummary> MergeInto(const std::string& tmp_path,
       DC_RETURN_IF_ERROR(merger.AddRank(rank_paths[i], i == 0));
     }
     DC_RETURN_IF_ERROR(db.Exec("BEGIN"));
+    if (!options.incomplete.empty()) DC_RETURN_IF_ERROR(merger.CutToCommonStep().status());
     DC_RETURN_IF_ERROR(merger.AddBlobs(schedule));
-    DC_RETURN_IF_ERROR(merger.AddMetadata(schedule));
+    DC_RETURN_IF_ERROR(merger.AddMetadata(schedule, options.incomplete));
     DC_RETURN_IF_ERROR(merger.AddAnalysisDetails());
     DC_RETURN_IF_ERROR(merger.AddIndexes());
     DC_ASSIGN_OR_RETURN(summary, merger.Summary());
+    summary.incomplete = options.incomplete;
     DC_RETURN_IF_ERROR(db.Exec("COMMIT"));
   }
   DC_RETURN_IF_ERROR(db.Close());
   return summary;
 }
 
+// The schedule a rank file carries (HostTracer::StreamTo writes it), checked against its digest.
+StatusOr<proto::Schedule> ScheduleOfRankFile(const std::string& path) {
+  if (!FileExists(path)) return Status::Error("rank file " + path + " is missing");
+  DC_ASSIGN_OR_RETURN(Database db, Database::Create(path));
+  DC_ASSIGN_OR_RETURN(int64_t has_blobs,
+                      db.QueryInt("SELECT count(*) FROM sqlite_master WHERE name = 'TC_BLOB'"));
+  if (has_blobs == 0) return Status::Error("rank file " + path + " is not a dc rank trace");
+  DC_ASSIGN_OR_RETURN(Statement query,
+                      db.Prepare("SELECT digest, data FROM TC_BLOB WHERE name = 'schedule'"));
+  DC_ASSIGN_OR_RETURN(bool row, query.Next());
+  if (!row) return Status::Error("rank file " + path + " does not carry the schedule it ran");
+  const std::string digest = query.ColumnText(0), data = query.ColumnBlob(1);
+  proto::Schedule schedule;
+  if (!schedule.ParseFromString(data) || DigestOf(schedule) != digest) {
+    return Status::Error("rank file " + path + " carries a damaged schedule");
+  }
+  return schedule;
+}
+
+StatusOr<bool> HasEndAnchor(const std::string& path) {
+  DC_ASSIGN_OR_RETURN(Database db, Database::Create(path));
+  DC_ASSIGN_OR_RETURN(int64_t has_table,
+                      db.QueryInt("SELECT count(*) FROM sqlite_master WHERE name = "
+                                  "'TC_CLOCK_ANCHOR'"));
+  if (has_table == 0) return Status::Error("rank file " + path + " is not a dc rank trace");
+  DC_ASSIGN_OR_RETURN(int64_t ends,
+                      db.QueryInt("SELECT count(*) FROM TC_CLOCK_ANCHOR WHERE tag = 'end'"));
+  return ends > 0;
+}
+
 }  // namespace
 
 StatusOr<MergeSummary> MergeRankTraces(const std::vector<std::string>& rank_paths,
-                                       const proto::Schedule& schedule,
-                                       const std::string& out_path) {
+                                       const std::string& out_path, const MergeOptions& options) {
+  if (rank_paths.empty()) return Status::Error(out_path + ": no rank files to merge");
+  StatusOr<proto::Schedule> schedule = ScheduleOfRankFile(rank_paths.front());
+  if (!schedule.ok()) return Status::Error(out_path + ": " + schedule.status().message());
+  MergeOptions merge = options;
+  if (merge.incomplete.empty()) {
+    // A rank file is finished with its end clock anchor; one without it is from a run that
+    // was killed or failed.
+    for (const std::string& path : rank_paths) {
+      StatusOr<bool> finished = HasEndAnchor(path);
+      if (!finished.ok()) return Status::Error(out_path + ": " + finished.status().message());
+      if (!*finished) {
+        merge.incomplete = "the run did not finish (" + path + " ends early)";
+        break;
+      }
+    }
+  }
+  return MergeRankTraces(rank_paths, *schedule, out_path, merge);
+}
+
+StatusOr<MergeSummary> MergeRankTraces(const std::vector<std::string>& rank_paths,
+                                       const proto::Schedule& schedule, const std::string& out_path,
+                                       const MergeOptions& options) {
   const std::string tmp = TempPathBeside(out_path);
   const RemoveOnSignal remove_tmp(tmp);  // a run stopped mid-merge leaves no half-written file
   std::remove(tmp.c_str());
-  StatusOr<MergeSummary> summary = MergeInto(tmp, rank_paths, schedule);
+  StatusOr<MergeSummary> summary = MergeInto(tmp, rank_paths, schedule, options);
   if (summary.ok() && std::rename(tmp.c_str(), out_path.c_str()) != 0) {
     summary = Status::Error("cannot rename " + tmp + " into place");
   }
@@ -298,7 +363,9 @@ StatusOr<MergeSummary> MergeRankTraces(const std::vector<std::string>& rank_path
     return Status::Error(out_path +
                          ": merging the rank traces failed: " + summary.status().message());
   }
-  for (const std::string& rank_path : rank_paths) std::remove(rank_path.c_str());
+  for (const std::string& rank_path : rank_paths) {
+    for (const char* suffix : {"", "-wal", "-shm"}) std::remove((rank_path + suffix).c_str());
+  }
   return summary;
 }
 

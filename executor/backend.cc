@@ -78,13 +78,18 @@ namespace {
 class HostRankTracer : public RankTracer {
  public:
   explicit HostRankTracer(const RankTraceOptions& options)
-      : tracer_(options.identity, options.session_start_ns), path_(options.part_path) {}
+      : tracer_(options.identity, options.session_start_ns),
+        path_(options.part_path),
+        schedule_(options.schedule) {}
+  // The rank's file is written step by step from here on.
+  Status Start() { return tracer_.StreamTo(path_, schedule_); }
   Status WriteRankFile() override { return tracer_.WriteRankFile(path_); }
   ExecutionTracer* execution_tracer() override { return &tracer_; }
 
  private:
   HostTracer tracer_;
   std::string path_;
+  const proto::Schedule* schedule_;
 };
 
 class CpuBackend : public RankBackend {
@@ -103,6 +108,7 @@ class CpuBackend : public RankBackend {
     cpu.identity.backend = kCpuBackend;
     cpu.identity.device = "cpu";
     auto tracer = std::make_unique<HostRankTracer>(cpu);
+    DC_RETURN_IF_ERROR(tracer->Start());
     made_ = tracer.get();
     return std::unique_ptr<RankTracer>(std::move(tracer));
   }

@@ -56,6 +56,9 @@ struct RankTraceOptions {
   RankIdentity identity;         // backend and device are filled in by the backend
   int64_t session_start_ns = 0;  // rank 0's CLOCK_REALTIME at start, shared by every rank
   std::string part_path;         // this rank's file
+  // The plan being run, for tracers that write it into the rank's file from the start (the cpu
+  // backend's streamed file, which a stopped run leaves mergeable); may be null.
+  const proto::Schedule* schedule = nullptr;
 };
 
 // A backend as a session uses it, in this order: Connect, MakeTracer (when tracing), Run.

@@ -59,6 +59,10 @@ struct RunOptions {
   // gradient of the step's mean loss over the global batch, this rank's chunk), just before
   // the optimizer reads it: what parity tests compare with another framework's gradients.
   std::function<Status(const proto::Tensor& grad, const std::vector<float>& shard)> on_first_grads;
+  // Asked on every rank after every step: a signal number when this rank was asked to stop (0:
+  // go on). The ranks agree (the largest wins), so all of them stop after the same step; the
+  // run then ends early with RunResult::stop_signal set and its figures over the steps done.
+  std::function<int()> stop_requested;
 };
 
 struct RunResult {
@@ -76,6 +80,8 @@ struct RunResult {
   int64_t tokens_per_step = 0;
   double step_seconds_median = 0;
   double tokens_per_second = 0;
+  int steps_done = 0;   // steps run, warm-up included: fewer than asked only when stopped
+  int stop_signal = 0;  // the signal that stopped the run after steps_done steps; 0: ran them all
 };
 
 // Checks that a plan can run here: made for `backend`, world size matching the communicator,

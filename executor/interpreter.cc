@@ -887,6 +887,15 @@ StatusOr<RunResult> RunSteps(Interpreter* runner, const proto::Schedule& schedul
     }
     if (options.on_step && comm->rank() == 0) options.on_step(step, loss, seconds);
     if (options.after_step) DC_RETURN_IF_ERROR(options.after_step(*runner));
+    result.steps_done = i + 1;
+    if (options.stop_requested) {
+      double stop = options.stop_requested();
+      DC_RETURN_IF_ERROR(comm->AllReduceMax(&stop, 1));
+      if (stop > 0 && i + 1 < total) {
+        result.stop_signal = static_cast<int>(stop);
+        break;
+      }
+    }
   }
   double peaks[2] = {static_cast<double>(runner->peak_live_bytes()),
                      static_cast<double>(runner->arena_bytes())};

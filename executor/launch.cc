@@ -17,6 +17,8 @@
 #include <sstream>
 #include <thread>
 
+#include "schemas/files.h"
+
 namespace dc {
 namespace {
 
@@ -66,19 +68,6 @@ std::string DescribeExit(int status) {
     return std::string("was killed by signal ") + std::to_string(sig) + " (" + strsignal(sig) + ")";
   }
   return "exited with status " + std::to_string(WEXITSTATUS(status));
-}
-
-std::string SignalName(int sig) {
-  switch (sig) {
-    case SIGINT:
-      return "SIGINT";
-    case SIGTERM:
-      return "SIGTERM";
-    case SIGHUP:
-      return "SIGHUP";
-    default:
-      return "signal " + std::to_string(sig);
-  }
 }
 
 }  // namespace
@@ -248,6 +237,7 @@ int LaunchLocal(const LaunchOptions& options, const std::vector<std::string>& ar
   const int progress_fd = ::dup(STDERR_FILENO);
 
   std::vector<pid_t> pids(options.nproc, -1);
+  std::vector<int> started_pids;  // every rank started, for LaunchOptions::salvage
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -287,6 +277,7 @@ int LaunchLocal(const LaunchOptions& options, const std::vector<std::string>& ar
       std::_Exit(127);
     }
     pids[r] = pid;
+    started_pids.push_back(pid);
     ++running;
   }
   if (progress_fd >= 0) ::close(progress_fd);
@@ -334,16 +325,27 @@ int LaunchLocal(const LaunchOptions& options, const std::vector<std::string>& ar
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  // Ranks that failed or were killed may have left work behind (a streamed trace).
+  std::string kept;
+  if (options.salvage && (killed || !failures.empty() || !start_failure.empty())) {
+    kept = options.salvage(dir + "/store", run_id, started_pids);
+  }
+  if (!kept.empty()) kept = "; " + kept;
   if (g_stop_signal != 0) {
     const int sig = g_stop_signal;
-    std::cerr << options.program << ": interrupted by " << SignalName(sig) << "; stopped the "
+    // A rank that stopped on its own at a step boundary said what it kept (a traced run).
+    std::ifstream rank0_err(dir + "/rank0.stderr");
+    if (rank0_err && rank0_err.peek() != std::ifstream::traits_type::eof()) {
+      std::cerr << rank0_err.rdbuf();
+    }
+    std::cerr << options.program << ": interrupted by " << StopSignalName(sig) << "; stopped the "
               << options.nproc << " rank(s)" << (killed ? " (killed those that did not stop)" : "")
-              << " and removed their files\n";
+              << " and removed their temporary files" << kept << "\n";
     return 128 + sig;
   }
   if (!start_failure.empty()) {
     std::cerr << options.program << ": " << start_failure
-              << "; the ranks already started were stopped\n";
+              << "; the ranks already started were stopped" << kept << "\n";
     return 1;
   }
   // The root cause: the first failure that is not a consequence of another rank's (a peer gone,
@@ -367,7 +369,8 @@ int LaunchLocal(const LaunchOptions& options, const std::vector<std::string>& ar
   }
   const std::string why = LastLine(dir + "/rank" + std::to_string(first_failed) + ".stderr");
   std::cerr << options.program << ": rank " << first_failed << " " << DescribeExit(first_status)
-            << (why.empty() ? std::string() : ": " + why) << "; the other ranks were stopped\n";
+            << (why.empty() ? std::string() : ": " + why) << "; the other ranks were stopped"
+            << kept << "\n";
   return 1;
 }
 

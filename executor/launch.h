@@ -4,6 +4,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,10 @@ std::string RunIdFromEnvironment();
 // the launcher's stderr (its own is a file); -1 for the other ranks it starts.
 int ProgressFd();
 
+// How long the ranks of a traced run get to stop after a stop signal: the step they are in, then
+// the trace's merge.
+inline constexpr std::chrono::milliseconds kTracedStopGrace{30000};
+
 struct LaunchOptions {
   int nproc = 2;
   // After the first rank fails, how long the others get to stop before they are killed.
@@ -55,6 +60,13 @@ struct LaunchOptions {
   // get to stop before they are killed.
   std::chrono::milliseconds stop_grace{3000};
   std::string program = "dc";  // for messages
+  // Called when ranks failed or had to be killed, before the rendezvous directory (the ranks'
+  // DC_RENDEZVOUS_DIR, and the run id they were given) is removed: what a run can keep of its
+  // work, and the place to remove what killed ranks (process ids `rank_pids`) left half-written.
+  // Returns a sentence for the message, or "".
+  std::function<std::string(const std::string& rendezvous_dir, const std::string& run_id,
+                            const std::vector<int>& rank_pids)>
+      salvage;
 };
 
 // Runs `argv` (this program's own arguments) as `nproc` ranks and waits for them, with a fresh

@@ -25,18 +25,27 @@ std::string Hostname() {
 
 // This run's own directory inside the rendezvous directory: a directory used by an earlier run
 // (the same --rendezvous for every torchrun job) holds nothing this run reads.
+std::string RunDirOf(const std::string& rendezvous_dir, const std::string& run_id) {
+  return run_id.empty() ? rendezvous_dir : rendezvous_dir + "/run-" + run_id;
+}
+
 std::string RunDir(const RankEnv& env) {
-  const std::string id = RunIdFromEnvironment();
-  return id.empty() ? env.rendezvous_dir : env.rendezvous_dir + "/run-" + id;
+  return RunDirOf(env.rendezvous_dir, RunIdFromEnvironment());
+}
+
+// The name of a rank's part in a run's directory (RankPartPath's shared-directory case).
+std::string PartInRunDir(const std::string& run_dir, int rank) {
+  return run_dir + "/trace.rank" + std::to_string(rank) + ".part";
 }
 
 // Where each rank writes its part of the trace for rank 0 to merge: the shared rendezvous
 // directory; over the TCP rendezvous, beside the trace (one host, or a shared file system for it).
 std::string RankPartPath(const RankEnv& env, const std::string& trace_path, int rank) {
   const std::string suffix = ".rank" + std::to_string(rank) + ".part";
-  if (env.world_size == 1) return TempPathBeside(trace_path) + suffix;
+  // Beside the trace, where a one-rank run killed outright leaves it for `dc-trace merge`.
+  if (env.world_size == 1) return trace_path + suffix;
   if (env.rendezvous_dir.empty()) return trace_path + suffix + ".tmp";
-  return RunDir(env) + "/trace" + suffix;
+  return PartInRunDir(RunDir(env), rank);
 }
 
 // After a failed merge, the rank files go beside the trace the user asked for ("t.db.rank0.part"),
@@ -59,6 +68,24 @@ std::string KeepRankParts(const std::vector<std::string>& parts, const std::stri
 }
 
 }  // namespace
+
+std::string SalvageRankTraces(const std::string& rendezvous_dir, const std::string& run_id,
+                              int world_size, const std::string& trace_path,
+                              const std::vector<int>& rank_pids) {
+  for (int pid : rank_pids) std::remove(TempPathBeside(trace_path, pid).c_str());
+  std::vector<std::string> parts;
+  for (int r = 0; r < world_size; ++r) {
+    parts.push_back(PartInRunDir(RunDirOf(rendezvous_dir, run_id), r));
+    std::error_code ec;
+    if (!std::filesystem::exists(parts.back(), ec)) return "";  // a rank never started tracing
+  }
+  MergeOptions merge;
+  merge.incomplete = "a rank failed or was killed before the last step";
+  auto merged = MergeRankTraces(parts, trace_path, merge);
+  if (!merged.ok()) return "";
+  return trace_path + " keeps the " + std::to_string(merged->last_step + 1) +
+         " step(s) every rank completed (marked incomplete)";
+}
 
 StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const SessionOptions& options) {
   // A write to a peer that died must fail the collective with a message, not kill this rank
@@ -90,6 +117,11 @@ StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const Session
   DC_RETURN_IF_ERROR(CheckRunnable(schedule, comm->world_size(), backend->name()));
 
   std::unique_ptr<RankTracer> tracer;
+  // A traced run asked to stop (SIGINT, SIGTERM, SIGHUP) ends after the step it is in, every
+  // rank after the same one, and its trace keeps the steps done, marked incomplete. Ranks under
+  // dc's launcher ignore repeats (the launcher kills those that do not stop in time).
+  std::optional<GracefulStop> graceful;
+  RunOptions run = options.run;
   if (!options.trace_path.empty()) {
     RankTraceOptions trace;
     trace.session_start_ns = RealtimeNs();
@@ -101,12 +133,31 @@ StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const Session
     trace.identity.backend = schedule.backend();
     trace.identity.device_memory_bytes = options.run.device_memory_bytes;
     trace.part_path = RankPartPath(env, options.trace_path, env.rank);
+    trace.schedule = &schedule;
     DC_ASSIGN_OR_RETURN(tracer, backend->MakeTracer(trace));
+    graceful.emplace(!env.under_local_launcher);
+    run.stop_requested = [] { return GracefulStop::Requested(); };
   }
-  DC_ASSIGN_OR_RETURN(result.run, backend->Run(schedule, options.run, comm.get(), tracer.get()));
+  StatusOr<RunResult> ran = backend->Run(schedule, run, comm.get(), tracer.get());
+  const std::string own_part =
+      tracer ? RankPartPath(env, options.trace_path, env.rank) : std::string();
+  if (!ran.ok()) {
+    if (!tracer) return ran.status();
+    // The steps done so far are in this rank's file.
+    (void)tracer->WriteRankFile();
+    std::string kept;
+    if (env.world_size == 1) {
+      MergeOptions merge;
+      merge.incomplete = "the run failed: " + ran.status().message();
+      kept = MergeRankTraces({own_part}, schedule, options.trace_path, merge).ok()
+                 ? "; " + options.trace_path + " keeps the steps done before (marked incomplete)"
+                 : "";
+    }
+    return Status::Error(ran.status().message() + kept);
+  }
+  result.run = *ran;
   if (!tracer) return result;
 
-  const std::string own_part = RankPartPath(env, options.trace_path, env.rank);
   // A stopped one-rank run leaves no part beside the trace.
   const RemoveOnSignal remove_part(env.world_size > 1 ? std::string() : own_part);
   Status written = tracer->WriteRankFile();
@@ -129,7 +180,13 @@ StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const Session
     std::vector<std::string> parts;
     for (int r = 0; r < env.world_size; ++r)
       parts.push_back(RankPartPath(env, options.trace_path, r));
-    auto merged = MergeRankTraces(parts, schedule, options.trace_path);
+    MergeOptions merge;
+    if (result.run.stop_signal != 0) {
+      merge.incomplete = "stopped by " + StopSignalName(result.run.stop_signal) + " after " +
+                         std::to_string(result.run.steps_done) + " of " +
+                         std::to_string(options.run.warmup_steps + options.run.steps) + " step(s)";
+    }
+    auto merged = MergeRankTraces(parts, schedule, options.trace_path, merge);
     if (!merged.ok()) {
       return Status::Error(merged.status().message() + "; " +
                            KeepRankParts(parts, options.trace_path));

@@ -30,4 +30,13 @@ struct SessionResult {
 
 StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const SessionOptions& options);
 
+// For LaunchOptions::salvage: after the ranks of a traced local run failed or were killed, joins
+// the files they streamed (in the run's directory under `rendezvous_dir`) into `trace_path`,
+// cut to the steps every rank completed and marked incomplete. Returns what to tell the user
+// ("t.db keeps the 7 step(s) ..."), or "" when there is nothing to keep.
+// The merge's temporary files of the killed ranks `rank_pids` are removed first.
+std::string SalvageRankTraces(const std::string& rendezvous_dir, const std::string& run_id,
+                              int world_size, const std::string& trace_path,
+                              const std::vector<int>& rank_pids);
+
 }  // namespace dc

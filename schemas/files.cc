@@ -53,7 +53,21 @@ char g_guarded[RemoveOnSignal::kMaxRemoveOnSignal][kMaxGuardedPathBytes];
 volatile sig_atomic_t g_guarded_used[RemoveOnSignal::kMaxRemoveOnSignal];
 constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGHUP};
 
-void RemoveGuardedAndDie(int sig) {
+// GracefulStop's state, read by the handler.
+volatile sig_atomic_t g_graceful_armed = 0;
+volatile sig_atomic_t g_graceful_repeat_ends = 0;
+volatile sig_atomic_t g_stop_requested = 0;
+
+// The one handler of the stop signals: a first signal while a GracefulStop is armed is
+// recorded; anything else removes the guarded files and ends the process as the signal would.
+void OnStopSignal(int sig) {
+  if (g_graceful_armed) {
+    if (g_stop_requested == 0) {
+      g_stop_requested = sig;
+      return;
+    }
+    if (!g_graceful_repeat_ends) return;
+  }
   for (int i = 0; i < RemoveOnSignal::kMaxRemoveOnSignal; ++i) {
     if (g_guarded_used[i]) ::unlink(g_guarded[i]);
   }
@@ -68,7 +82,7 @@ void InstallRemoveHandlerOnce() {
       ::sigaction(sig, nullptr, &old);
       if (old.sa_handler != SIG_DFL) continue;  // ignored, or someone else's: leave it
       struct sigaction action {};
-      action.sa_handler = RemoveGuardedAndDie;
+      action.sa_handler = OnStopSignal;
       sigemptyset(&action.sa_mask);
       ::sigaction(sig, &action, nullptr);
     }
@@ -95,8 +109,34 @@ RemoveOnSignal::~RemoveOnSignal() {
   if (slot_ >= 0) g_guarded_used[slot_] = 0;
 }
 
-std::string TempPathBeside(const std::string& path) {
-  return path + ".tmp." + std::to_string(::getpid());
+GracefulStop::GracefulStop(bool repeat_ends_process) {
+  InstallRemoveHandlerOnce();
+  g_stop_requested = 0;
+  g_graceful_repeat_ends = repeat_ends_process ? 1 : 0;
+  g_graceful_armed = 1;
+}
+
+GracefulStop::~GracefulStop() { g_graceful_armed = 0; }
+
+int GracefulStop::Requested() { return g_stop_requested; }
+
+std::string StopSignalName(int sig) {
+  switch (sig) {
+    case SIGINT:
+      return "SIGINT";
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGHUP:
+      return "SIGHUP";
+    default:
+      return "signal " + std::to_string(sig);
+  }
+}
+
+std::string TempPathBeside(const std::string& path) { return TempPathBeside(path, ::getpid()); }
+
+std::string TempPathBeside(const std::string& path, int pid) {
+  return path + ".tmp." + std::to_string(pid);
 }
 
 Status WriteFileAtomic(const std::string& path, const std::string& bytes) {

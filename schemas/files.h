@@ -35,6 +35,8 @@ class AtomicFileWriter {
 // A temporary path beside `path` ("path.tmp.<pid>") for writers that build a file in place
 // (SQLite) before renaming it.
 std::string TempPathBeside(const std::string& path);
+// The one process `pid` uses: what a launcher removes after killing it.
+std::string TempPathBeside(const std::string& path, int pid);
 
 // Checks before any work that `path` can be written: not empty, not a directory, and a file can
 // be created beside it. "t.db: cannot write here (No such file or directory); ..." otherwise.
@@ -54,6 +56,23 @@ class RemoveOnSignal {
  private:
   int slot_ = -1;
 };
+
+// While it lives, SIGINT, SIGTERM and SIGHUP ask this process to stop at its next safe point (a
+// step boundary) instead of ending it: Requested() says which signal came first (0 while none
+// has). With `repeat_ends_process`, a second signal ends the process as if none were armed
+// (RemoveOnSignal's files removed first); without it (ranks under a launcher, which kills those
+// that do not stop in time) repeats are ignored. One at a time; not thread-safe.
+class GracefulStop {
+ public:
+  explicit GracefulStop(bool repeat_ends_process);
+  ~GracefulStop();
+  GracefulStop(const GracefulStop&) = delete;
+  GracefulStop& operator=(const GracefulStop&) = delete;
+  static int Requested();
+};
+
+// "SIGINT", "SIGTERM", "SIGHUP", else "signal N": how messages name a stop signal.
+std::string StopSignalName(int sig);
 
 // Refuses to write `output` over one of `inputs` (the same file by path or by link): "t.db:
 // the output is also the input t.db; write it to another file". Empty paths are ignored.

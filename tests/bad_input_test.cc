@@ -13,7 +13,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -596,6 +598,26 @@ class Launcher : public BadInput {
     return true;
   }
 
+  // Waits until every rank file matching `glob` (a shell pattern) holds at least `steps` steps,
+  // read as the files stand mid-run (the sqlite3 command-line tool reads their WAL).
+  static bool WaitForStreamedSteps(const std::string& glob, int steps) {
+    const auto start = std::chrono::steady_clock::now();
+    while (std::chrono::steady_clock::now() - start < std::chrono::seconds(90)) {
+      auto r = RunCommand("for f in " + glob +
+                          "; do sqlite3 -readonly \"$f\" 'SELECT count(*) FROM TC_STEP' "
+                          "2>/dev/null || echo 0; done");
+      std::istringstream counts(r.out);
+      int n = 0, files = 0, least = std::numeric_limits<int>::max();
+      while (counts >> n) {
+        ++files;
+        least = std::min(least, n);
+      }
+      if (files > 0 && least >= steps) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    return false;
+  }
+
   void ExpectStopsOn(int sig, const std::string& name) {
     const pid_t launcher =
         Start({Tool("dc-run"), plan_, "--backend", "cpu", "--nproc", "2", "--steps", "100000"});
@@ -630,26 +652,93 @@ TEST_F(Launcher, RanksDieWithAKilledLauncher) {
   EXPECT_TRUE(AllGone(plan_, std::chrono::seconds(5))) << "a rank outlived its killed launcher";
 }
 
-// dc-collect stopped mid-run writes no trace, keeps no temporary file and no rank part.
-TEST_F(Launcher, SigtermToCollectLeavesNoTrace) {
+// dc-collect stopped mid-run finishes the step it is in on every rank and writes the steps done
+// as a trace marked incomplete, which dc-trace shows and dc-plan plans from; no temporary file or
+// rank part is left.
+TEST_F(Launcher, SigtermToCollectKeepsTheStepsDone) {
   const std::string out = tmp_ + "-trace.db";
   const pid_t launcher = Start({Tool("dc-collect"), "--backend", "cpu", "--model", "tiny",
                                 "--nproc", "2", "--steps", "100000", "-o", out});
   // Running once the rendezvous directory has both ranks' stderr.
-  const auto start = std::chrono::steady_clock::now();
-  while (Surviving(out) < 3 && std::chrono::steady_clock::now() - start < std::chrono::seconds(30))
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  std::this_thread::sleep_for(std::chrono::seconds(1));
+  ASSERT_TRUE(WaitForStreamedSteps(tmp_ + "/dc-rendezvous-*/store/run-*/trace.rank*.part", 2))
+      << ReadFile(tmp_ + ".err");
   ASSERT_EQ(::kill(launcher, SIGTERM), 0);
-  const int status = WaitFor(launcher, std::chrono::seconds(10));
+  const int status = WaitFor(launcher, std::chrono::seconds(60));
   ASSERT_NE(status, -1);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << status;
   EXPECT_TRUE(AllGone(out, std::chrono::seconds(2)));
-  EXPECT_FALSE(std::filesystem::exists(out));
+  const std::string err = ReadFile(tmp_ + ".err");
+  EXPECT_NE(err.find("stopped by SIGTERM after "), std::string::npos) << err;
   for (const auto& e :
        std::filesystem::directory_iterator(std::filesystem::path(tmp_).parent_path()))
     EXPECT_EQ(e.path().string().find(out + "."), std::string::npos) << e.path();
   EXPECT_TRUE(Leftovers().empty()) << Leftovers().front();
+  ASSERT_TRUE(std::filesystem::exists(out)) << err;
+  auto summary = RunCommand(Tool("dc-trace") + " summary --json " + out);
+  EXPECT_EQ(summary.exit_code, 0) << summary.err;
+  EXPECT_NE(summary.out.find("\"incomplete\":true"), std::string::npos) << summary.out;
+  EXPECT_NE(summary.out.find("\"incomplete_reason\":\"stopped by SIGTERM after "),
+            std::string::npos)
+      << summary.out;
+  auto plan = RunCommand(Tool("dc-plan") + " " + out + " --no-cache -o " + tmp_ + "-p.dcplan");
+  EXPECT_EQ(plan.exit_code, 0) << plan.err;
+  EXPECT_NE(plan.err.find("incomplete trace (stopped by SIGTERM"), std::string::npos) << plan.err;
+  std::filesystem::remove(out);
+  std::filesystem::remove(tmp_ + "-p.dcplan");
+}
+
+// A rank killed outright (SIGKILL: nothing of it runs again) does not lose the run's trace: the
+// launcher joins the steps every rank had streamed to its file.
+TEST_F(Launcher, ARankKilledMidCollectLeavesTheStepsDone) {
+  const std::string out = tmp_ + "-trace.db";
+  const pid_t launcher = Start({Tool("dc-collect"), "--backend", "cpu", "--model", "tiny",
+                                "--nproc", "2", "--steps", "100000", "-o", out});
+  ASSERT_TRUE(WaitForStreamedSteps(tmp_ + "/dc-rendezvous-*/store/run-*/trace.rank*.part", 2))
+      << ReadFile(tmp_ + ".err");
+  pid_t rank = -1;
+  for (pid_t pid : Processes(out)) {
+    if (pid != launcher) rank = pid;
+  }
+  ASSERT_GT(rank, 0);
+  ASSERT_EQ(::kill(rank, SIGKILL), 0);
+  const int status = WaitFor(launcher, std::chrono::seconds(60));
+  ASSERT_NE(status, -1);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+  EXPECT_TRUE(AllGone(out, std::chrono::seconds(2)));
+  const std::string err = ReadFile(tmp_ + ".err");
+  EXPECT_NE(err.find(out + " keeps the "), std::string::npos) << err;
+  EXPECT_TRUE(Leftovers().empty()) << Leftovers().front();
+  for (const auto& e :
+       std::filesystem::directory_iterator(std::filesystem::path(tmp_).parent_path()))
+    EXPECT_EQ(e.path().string().find(out + "."), std::string::npos) << e.path();
+  auto summary = RunCommand(Tool("dc-trace") + " summary --json " + out);
+  EXPECT_EQ(summary.exit_code, 0) << summary.err;
+  EXPECT_NE(summary.out.find("\"incomplete\":true"), std::string::npos) << summary.out;
+  std::filesystem::remove(out);
+}
+
+// A one-rank run killed outright leaves its streamed file beside the trace; dc-trace merge makes
+// it a trace of its complete steps.
+TEST_F(Launcher, AOneRankRunKilledOutrightLeavesAMergeableFile) {
+  const std::string out = tmp_ + "-trace.db";
+  const pid_t run = Start(
+      {Tool("dc-collect"), "--backend", "cpu", "--model", "tiny", "--steps", "100000", "-o", out});
+  const std::string part = out + ".rank0.part";
+  ASSERT_TRUE(WaitForStreamedSteps(part, 2)) << ReadFile(tmp_ + ".err");
+  ASSERT_EQ(::kill(run, SIGKILL), 0);
+  ::waitpid(run, nullptr, 0);
+  ASSERT_TRUE(std::filesystem::exists(part));
+  EXPECT_FALSE(std::filesystem::exists(out));
+  auto merged = RunCommand(Tool("dc-trace") + " merge " + part + " -o " + out);
+  EXPECT_EQ(merged.exit_code, 0) << merged.err;
+  EXPECT_NE(merged.out.find("incomplete: the run did not finish"), std::string::npos) << merged.out;
+  EXPECT_FALSE(std::filesystem::exists(part));
+  auto summary = RunCommand(Tool("dc-trace") + " summary " + out);
+  EXPECT_EQ(summary.exit_code, 0) << summary.err;
+  EXPECT_NE(summary.out.find("incomplete: the run did not finish"), std::string::npos)
+      << summary.out;
+  for (const char* suffix : {"", "-wal", "-shm"}) std::filesystem::remove(part + suffix);
+  std::filesystem::remove(out);
 }
 
 // A rank that cannot be started (fork fails: a process limit) fails the launch at once, in one

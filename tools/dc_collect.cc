@@ -2,6 +2,7 @@
 // cpu, the in-process CUPTI collector on cuda) and write one trace.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -124,6 +125,12 @@ int main(int argc, char** argv) {
     LaunchOptions launch;
     launch.nproc = nproc;
     launch.program = "dc-collect";
+    // Stopped ranks finish their step and write the trace before they exit.
+    launch.stop_grace = kTracedStopGrace;
+    launch.salvage = [&](const std::string& rendezvous_dir, const std::string& run_id,
+                         const std::vector<int>& rank_pids) {
+      return SalvageRankTraces(rendezvous_dir, run_id, nproc, out, rank_pids);
+    };
     return LaunchLocal(launch, cli::Args(argc, argv));
   }
   auto program = BuildProgram(*config);
@@ -172,6 +179,10 @@ int main(int argc, char** argv) {
     j["activities"] = trace.activities;
     j["memory_events"] = trace.memory_events;
     j["dropped_records"] = trace.dropped_records;
+    if (!trace.incomplete.empty()) {
+      j["incomplete"] = trace.incomplete;
+      j["last_step"] = trace.last_step;
+    }
     j["losses"] = result->run.losses;
     j["step_seconds_median"] = result->run.step_seconds_median;
     j["peak_device_bytes"] = result->run.peak_device_bytes;
@@ -185,8 +196,14 @@ int main(int argc, char** argv) {
     std::printf(
         "wrote %s: %d rank(s), %d step(s) + %d warm-up, %lld activities, %lld memory events, "
         "%lld dropped\n",
-        out.c_str(), trace.ranks, steps, warmup, static_cast<long long>(trace.activities),
+        out.c_str(), trace.ranks, std::max(0, result->run.steps_done - warmup),
+        std::min(warmup, result->run.steps_done), static_cast<long long>(trace.activities),
         static_cast<long long>(trace.memory_events), static_cast<long long>(trace.dropped_records));
+  }
+  if (result->run.stop_signal != 0) {
+    std::fprintf(stderr, "dc-collect: %s; %s keeps them (marked incomplete)\n",
+                 trace.incomplete.c_str(), out.c_str());
+    return 128 + result->run.stop_signal;
   }
   return 0;
 }

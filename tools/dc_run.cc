@@ -184,6 +184,14 @@ int main(int argc, char** argv) {
       LaunchOptions launch;
       launch.nproc = world;
       launch.program = "dc-run";
+      if (!trace_out.empty()) {
+        // Stopped ranks finish their step and write the trace before they exit.
+        launch.stop_grace = kTracedStopGrace;
+        launch.salvage = [&](const std::string& rendezvous_dir, const std::string& run_id,
+                             const std::vector<int>& rank_pids) {
+          return SalvageRankTraces(rendezvous_dir, run_id, world, trace_out, rank_pids);
+        };
+      }
       return LaunchLocal(launch, cli::Args(argc, argv));
     }
   }
@@ -250,9 +258,14 @@ int main(int argc, char** argv) {
     }
     j["first_step"] = session.run.first_step;
     if (!resumed_from.empty()) j["resumed_from"] = resumed_from;
-    if (!save_dir.empty()) j["saved"] = save_dir + "/" + CheckpointDirName(total_steps);
+    if (!save_dir.empty() && run.stop_signal == 0) {
+      j["saved"] = save_dir + "/" + CheckpointDirName(total_steps);
+    }
     if (!save_dir.empty()) j["saves"] = saves;
     if (result->trace) j["trace"] = trace_out;
+    if (result->trace && !result->trace->incomplete.empty()) {
+      j["incomplete"] = result->trace->incomplete;
+    }
     std::cout << j.dump() << "\n";
   } else {
     std::printf(
@@ -270,6 +283,11 @@ int main(int argc, char** argv) {
       std::printf("resumed from %s (step %lld)\n", resumed_from.c_str(),
                   static_cast<long long>(session.run.first_step));
     }
+  }
+  if (run.stop_signal != 0) {
+    std::fprintf(stderr, "dc-run: %s; %s keeps the steps done (marked incomplete)\n",
+                 result->trace ? result->trace->incomplete.c_str() : "stopped", trace_out.c_str());
+    return 128 + run.stop_signal;
   }
   return 0;
 }

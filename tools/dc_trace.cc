@@ -7,6 +7,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "collector/host_tracer.h"
 #include "schemas/files.h"
 #include "schemas/units.h"
 #include "tools/cli.h"
@@ -244,9 +245,33 @@ int main(int argc, char** argv) {
   AddCommon(diff, &diff_args);
   diff->footer("Example: dc-trace diff baseline.db optimized.db --top 20");
 
+  std::vector<std::string> merge_parts;
+  std::string merge_out;
+  CLI::App* merge = app.add_subcommand(
+      "merge",
+      "join the rank files a killed or failed dc-collect / dc-run --trace left beside its trace "
+      "(t.db.rank0.part, ...) into one trace of the steps every rank completed, marked "
+      "incomplete");
+  merge->add_option("parts", merge_parts, "the rank files, in rank order")->required();
+  merge->add_option("-o,--output", merge_out, "trace file to write (SQLite)")
+      ->required()
+      ->check(cli::NonEmptyPath());
+  merge->footer("Example: dc-trace merge t.db.rank0.part t.db.rank1.part -o t.db");
+
   if (std::optional<int> exit_code = cli::Parse(app, argc, argv)) return *exit_code;
 
   if (summary->parsed()) return RunSummary(summary_args, summary_top);
+  if (merge->parsed()) {
+    if (Status distinct = CheckOutputIsNotAnInput(merge_out, merge_parts); !distinct.ok()) {
+      return cli::Fail("dc-trace", distinct);
+    }
+    auto merged = MergeRankTraces(merge_parts, merge_out, MergeOptions{});
+    if (!merged.ok()) return cli::Fail("dc-trace", merged.status());
+    std::printf("wrote %s: %d rank(s), steps up to %lld%s%s\n", merge_out.c_str(), merged->ranks,
+                static_cast<long long>(merged->last_step),
+                merged->incomplete.empty() ? "" : ", incomplete: ", merged->incomplete.c_str());
+    return 0;
+  }
   if (perfetto->parsed()) {
     if (Status distinct = CheckOutputIsNotAnInput(perfetto_out, perfetto_args.inputs);
         !distinct.ok()) {

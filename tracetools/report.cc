@@ -815,6 +815,10 @@ StatusOr<Summary> Summarize(const Timeline& timeline, const SummaryOptions& opti
   AddTotals(&summary);
   summary.notes = timeline.notes();
   summary.skipped = timeline.skipped();
+  summary.incomplete = timeline.incomplete();
+  for (const TimelineStep& step : timeline.steps()) {
+    summary.last_step = std::max(summary.last_step, static_cast<int>(step.step));
+  }
   if (summary.report_only) {
     summary.notes.push_back(std::string("a foreign (") + TimelineFormatName(timeline.format()) +
                             ") trace: the analysis is report-only; there is no program to re-plan");
@@ -964,7 +968,12 @@ nlohmann::json SummaryJson(const Summary& summary) {
       {"step_seconds_median", summary.step_seconds_median},
       {"exposed_communication_seconds_median", summary.exposed_communication_seconds_median},
       {"peak_memory_bytes", summary.peak_memory_bytes},
+      {"incomplete", !summary.incomplete.empty()},
       {"notes", summary.notes}};
+  if (!summary.incomplete.empty()) {
+    j["incomplete_reason"] = summary.incomplete;
+    j["last_complete_step"] = summary.last_step;
+  }
   nlohmann::json skipped = nlohmann::json::array();
   for (const SkippedRecords& s : summary.skipped) {
     skipped.push_back({{"source", s.source}, {"problem", s.problem}, {"count", s.count}});
@@ -987,6 +996,10 @@ std::string SummaryText(const Summary& summary) {
              Ms(summary.step_seconds_median).c_str(),
              Ms(summary.exposed_communication_seconds_median).c_str(),
              FormatBytes(summary.peak_memory_bytes).c_str());
+  if (!summary.incomplete.empty()) {
+    AppendLine(&out, "incomplete: %s; last complete step %d", summary.incomplete.c_str(),
+               summary.last_step);
+  }
   for (const SkippedRecords& s : summary.skipped) {
     AppendLine(&out, "warning: %s", s.Text().c_str());
   }

@@ -118,6 +118,8 @@ struct Summary {
   std::string path;
   TimelineFormat format = TimelineFormat::kDc;
   bool report_only = false;  // a foreign trace: no program to re-plan
+  std::string incomplete;    // Timeline::incomplete(): why the run stopped early
+  int last_step = -1;        // the last step in the trace (measured or warm-up)
   std::vector<std::string> notes;
   // Records the reader left out (Timeline::skipped), shown as warnings.
   std::vector<SkippedRecords> skipped;
