@@ -623,7 +623,7 @@ TEST(EmulatedAdamW, MatchesCpuBitForBit) {
                              f(1.0 - lr * 0.1)};
   ExpectOk(ck::AdamW(reinterpret_cast<float*>(p.Dev()), reinterpret_cast<const float*>(g.Dev()),
                      reinterpret_cast<float*>(m.Dev()), reinterpret_cast<float*>(v.Dev()), n, c,
-                     nullptr));
+                     nullptr, nullptr));
   ExpectClose(p, ck::FloatType::kF32, 0, "param");
   ExpectClose(m, ck::FloatType::kF32, 0, "m");
   ExpectClose(v, ck::FloatType::kF32, 0, "v");
