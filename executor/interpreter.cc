@@ -551,7 +551,8 @@ Status Interpreter::Compute(const proto::Instruction& instr, int index, int64_t 
                                  shape.size_bytes, shape.dtype, shape.elements, stream, what));
     outputs.push_back(buffer->View({t.shape().begin(), t.shape().end()}));
   }
-  if (optimizer) DC_RETURN_IF_ERROR(HandOverGrads(op, stream, step, what));
+  // Each grad once, by its step (the grads' norm reads them all too).
+  if (IsOptimizerStep(program_, op)) DC_RETURN_IF_ERROR(HandOverGrads(op, stream, step, what));
   DC_RETURN_IF_ERROR(device_->RunOp(op, inputs, outputs, step_args_).Prefixed(what + ": "));
   if (optimizer) {
     for (int tensor : op.inputs()) {

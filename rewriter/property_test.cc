@@ -113,8 +113,13 @@ int CaseCount() {
   return count > 0 ? count : kCases;
 }
 
-// Cases run, and plans per policy and those refused for the budget (for the summary line).
+// Cases run (and of them clipped), and plans per policy and those refused for the budget (for
+// the summary line).
 int& CasesRun() {
+  static int cases = 0;
+  return cases;
+}
+int& ClippedCasesRun() {
   static int cases = 0;
   return cases;
 }
@@ -150,7 +155,8 @@ const KnownFailure* FindKnownFailure(int case_index, const std::string& policy) 
 class PlanProperties : public ::testing::TestWithParam<int> {
  public:
   static void TearDownTestSuite() {
-    std::string line = "plan properties over " + std::to_string(CasesRun()) + " cases:";
+    std::string line = "plan properties over " + std::to_string(CasesRun()) + " cases (" +
+                       std::to_string(ClippedCasesRun()) + " with --clip-grad-norm):";
     for (const auto& [policy, counts] : CountsByPolicy()) {
       line += " " + policy + " " + std::to_string(counts.planned) + " planned, " +
               std::to_string(counts.over_budget) + " refused (" + std::to_string(counts.known) +
@@ -221,6 +227,7 @@ proto::Schedule WithoutTimes(proto::Schedule plan) {
 TEST_P(PlanProperties, Holds) {
   const RandomCase c = MakeCase(GetParam());
   ++CasesRun();
+  if (c.overrides.clip_grad_norm) ++ClippedCasesRun();
   auto config = MakeConfig("tiny", c.overrides);
   ASSERT_TRUE(config.ok()) << Describe(c, 0) << ": " << config.status().message();
   auto program = BuildProgram(*config);

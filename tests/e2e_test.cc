@@ -784,7 +784,7 @@ TEST(Clipping, EveryPlanTrainsBitIdenticallyAndAHugeMaxIsNoClipping) {
   };
   auto [base_plan, base_run] = plan_and_run("baseline", "--policy baseline");
   const int64_t budget = base_plan["predicted"]["peak_device_bytes"].get<int64_t>() * 87 / 100;
-  for (const std::string flags :
+  for (const std::string& flags :
        {"--policy dc --budget " + std::to_string(budget), std::string("--policy zero3-offload"),
         "--passes zero3,offload,memory-plan --budget " + std::to_string(budget),
         std::string("--passes zero3,bucket,prefetch")}) {
