@@ -135,7 +135,7 @@ cudaError_t MoeCombineBackward(FloatType type, const void* dy, const void* ys, c
 struct AdamWConstants {
   float lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
   float m_correction, v_correction, decay;
-  float max_grad_norm, clip_epsilon;
+  float max_grad_norm = 0, clip_epsilon = 0;  // used only with a norm_squared
 };
 cudaError_t AdamW(float* param, const float* grad, float* m, float* v, int64_t n,
                   const AdamWConstants& constants, const float* norm_squared, cudaStream_t stream);
