@@ -558,7 +558,8 @@ TEST(GpuAdamW, ClippedMatchesCpuBitForBit) {
   TensorRef norm_ref;
   norm_ref.shape = {1};
   norm_ref.f32 = cpu_norm.data();
-  Check(RunCpuOp(MakeOp(op_kind::kGradNormSquared), cpu_grads, {norm_ref}, {}));
+  std::vector<TensorRef> cpu_out = {norm_ref};
+  Check(RunCpuOp(MakeOp(op_kind::kGradNormSquared), cpu_grads, cpu_out, {}));
   std::vector<DeviceTensor> gpu_norm = {pool.Allocate({1}, proto::DTYPE_F32)};
   Check(RunCudaOp(MakeOp(op_kind::kGradNormSquared), gpu_grads, gpu_norm, SyncContext()));
   EXPECT_NEAR(DownloadFloats(gpu_norm[0])[0], cpu_norm[0], 1e-6 * cpu_norm[0]);
