@@ -12,6 +12,7 @@
 #include "executor/cuda/cuda_kernels.h"
 #include "executor/interpreter.h"
 #include "executor/layout.h"
+#include "schemas/effects.h"
 #include "schemas/units.h"
 
 namespace dc {
