@@ -127,6 +127,14 @@ Status ReduceScatterAddNow(Communicator* comm, int world,
   return Status::Ok();
 }
 
+// Summed in double over the ranks (Gloo's order, the same on every rank), then rounded once.
+Status AllReduceSumNow(Communicator* comm, float* values, int64_t count) {
+  std::vector<double> sums(values, values + count);
+  DC_RETURN_IF_ERROR(comm->AllReduceSum(sums.data(), count));
+  for (int64_t i = 0; i < count; ++i) values[i] = static_cast<float>(sums[i]);
+  return Status::Ok();
+}
+
 int64_t SteadyNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -284,6 +292,15 @@ class CpuDevice : public RankDevice {
         [comm, world = world_, items = std::vector<ReduceScatterItem>(items.begin(), items.end())] {
           return ReduceScatterAddNow(comm, world, items);
         });
+  }
+
+  Status AllReduceSum(const DeviceTensor& values, proto::Stream stream,
+                      const std::string& what) override {
+    if (world_ == 1) return Status::Ok();
+    Communicator* comm = ChannelOf(stream);
+    return Enqueue(stream, what, [comm, data = Floats(values), count = values.NumElements()] {
+      return AllReduceSumNow(comm, data, count);
+    });
   }
 
   Status RunOp(const proto::Op& op, std::span<DeviceTensor> inputs, std::span<DeviceTensor> outputs,

@@ -622,10 +622,33 @@ Status ReadAdamSettings(const proto::Op& op, const KernelContext& context, AdamS
   return Status::Ok();
 }
 
+// The clipping coefficient from the global squared norm, in fp32 as clip_grad_norm_:
+// min(1, max_norm / (sqrt(norm_squared) + kClipNormEpsilon)). The cuda backend's AdamWKernel
+// computes the same on the device.
+float ClipGradScale(float max_norm, float norm_squared) {
+  const float coef = max_norm / (std::sqrt(norm_squared) + kClipNormEpsilon);
+  return coef < 1.0f ? coef : 1.0f;
+}
+
+// With clipping, input 4 (the global squared norm, fp32 [1]) and a positive max_grad_norm.
+Status AdamWGradScale(const proto::Op& op, Refs in, float* grad_scale) {
+  *grad_scale = 1.0f;
+  if (in.size() == 4) return Status::Ok();
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, in[4], {1}, In(4, "norm_squared")));
+  const double max_norm = AttrFloat(op, op_attr::kMaxGradNorm, 0);
+  if (!(std::isfinite(max_norm) && max_norm > 0)) {
+    return OpError(op, std::string("reads the grads' norm but its attr '") + op_attr::kMaxGradNorm +
+                           "' is not a positive number");
+  }
+  *grad_scale = ClipGradScale(static_cast<float>(max_norm), in[4].f32[0]);
+  return Status::Ok();
+}
+
 Status AdamW(const proto::Op& op, Refs in, Refs out, const KernelContext& context) {
-  DC_RETURN_IF_ERROR(CheckArity(op, in, out, 4, 0));
+  if (in.size() != 5) DC_RETURN_IF_ERROR(CheckArity(op, in, out, 4, 0));
+  if (in.size() == 5) DC_RETURN_IF_ERROR(CheckArity(op, in, out, 5, 0));
   const char* names[] = {"param", "grad", "m", "v"};
-  for (size_t i = 0; i < in.size(); ++i) {
+  for (size_t i = 0; i < 4; ++i) {
     DC_RETURN_IF_ERROR(CheckF32(op, in[i], In(i, names[i])));
     if (in[i].NumElements() != in[0].NumElements()) {
       return OpError(op, In(i, names[i]).Label() + " has " + std::to_string(in[i].NumElements()) +
@@ -638,7 +661,7 @@ Status AdamW(const proto::Op& op, Refs in, Refs out, const KernelContext& contex
   const double m_correction = 1.0 / (1.0 - std::pow(s.beta1, step));
   const double v_correction = 1.0 / (1.0 - std::pow(s.beta2, step));
   // The constants in double, the pass in fp32 (as PyTorch's fp32 AdamW).
-  const simd::AdamCoefficients c = {
+  simd::AdamCoefficients c = {
       static_cast<float>(s.beta1),
       static_cast<float>(s.beta2),
       static_cast<float>(1.0 - s.beta1),
@@ -649,7 +672,29 @@ Status AdamW(const proto::Op& op, Refs in, Refs out, const KernelContext& contex
       static_cast<float>(s.lr),
       static_cast<float>(1.0 - s.lr * s.weight_decay),
   };
+  DC_RETURN_IF_ERROR(AdamWGradScale(op, in, &c.grad_scale));
   simd::SimdKernels().adamw(in[0].f32, in[1].f32, in[2].f32, in[3].f32, in[0].NumElements(), c);
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// grad_norm_squared
+
+// Each input's squares summed in double, in input order, then rounded once: a rank's partial.
+Status GradNormSquared(const proto::Op& op, Refs in, Refs out, const KernelContext& /*context*/) {
+  if (in.empty() || out.size() != 1) {
+    return OpError(op, "expects one or more inputs and 1 output, got " + std::to_string(in.size()) +
+                           " and " + std::to_string(out.size()));
+  }
+  DC_RETURN_IF_ERROR(CheckF32Shape(op, out[0], {1}, Out(0, "norm_squared")));
+  double sum = 0;
+  for (size_t i = 0; i < in.size(); ++i) {
+    DC_RETURN_IF_ERROR(CheckF32(op, in[i], In(i, "grad")));
+    const float* g = in[i].f32;
+    const int64_t n = in[i].NumElements();
+    for (int64_t k = 0; k < n; ++k) sum += static_cast<double>(g[k]) * g[k];
+  }
+  out[0].f32[0] = static_cast<float>(sum);
   return Status::Ok();
 }
 

@@ -512,6 +512,77 @@ TEST(AdamW, FallsBackToTheConfig) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// gradient clipping: grad_norm_squared and adamw's fifth input
+
+TEST(GradNormSquared, SumsTheSquaresOfEveryInput) {
+  Buffer a = Buffer::F32({2}), b = Buffer::F32({3}), out = Buffer::F32({1});
+  a.f32 = {3.0f, -4.0f};
+  b.f32 = {1.0f, 2.0f, -2.0f};
+  ASSERT_TRUE(RunOp(MakeOp(op_kind::kGradNormSquared), {&a, &b}, {&out}).ok());
+  EXPECT_EQ(out.f32[0], 34.0f);
+  Buffer wide = Buffer::F32({2});
+  const Status s = RunOp(MakeOp(op_kind::kGradNormSquared), {&a}, {&wide});
+  EXPECT_NE(s.message().find("output 0 (norm_squared) has shape [2], expected [1]"),
+            std::string::npos)
+      << s.message();
+}
+
+proto::Op ClippedAdamOp(double max_norm) {
+  proto::Op op = AdamOp(0.01, 0.9, 0.99, 1e-8, 0.1);
+  SetAttrFloat(&op, op_attr::kMaxGradNorm, max_norm);
+  return op;
+}
+
+// One AdamW step of (p, g) at step 3 from a non-zero state; `norm` appended as input 4 if given.
+std::vector<float> AdamStep(const proto::Op& op, const std::vector<float>& grad,
+                            const Buffer* norm) {
+  std::mt19937 rng(5);
+  const int64_t n = static_cast<int64_t>(grad.size());
+  Buffer p = RandomF32({n}, &rng), g = Buffer::F32({n}), m = RandomF32({n}, &rng, 0, 0.01f),
+         v = RandomF32({n}, &rng, 0.5f, 0.1f);
+  g.f32 = grad;
+  std::vector<Buffer*> in = {&p, &g, &m, &v};
+  Buffer norm_copy = norm ? *norm : Buffer::F32({1});
+  if (norm) in.push_back(&norm_copy);
+  KernelContext context;
+  context.adam_step = 3;
+  const Status s = RunOp(op, in, {}, context);
+  EXPECT_TRUE(s.ok()) << s.message();
+  std::vector<float> out = p.f32;
+  out.insert(out.end(), m.f32.begin(), m.f32.end());
+  out.insert(out.end(), v.f32.begin(), v.f32.end());
+  return out;
+}
+
+TEST(AdamW, ClippingScalesTheGradByMaxOverTheNorm) {
+  std::mt19937 rng(8);
+  const std::vector<float> grad = RandomF32({37}, &rng).f32;
+  Buffer norm = Buffer::F32({1});
+  norm.f32 = {16.0f};  // a global norm of 4
+  // clip_grad_norm_'s coefficient in fp32: 0.5 / (4 + 1e-6), below 1.
+  const float coef = 0.5f / (4.0f + 1e-6f);
+  std::vector<float> scaled = grad;
+  for (float& x : scaled) x *= coef;
+  EXPECT_EQ(AdamStep(ClippedAdamOp(0.5), grad, &norm),
+            AdamStep(AdamOp(0.01, 0.9, 0.99, 1e-8, 0.1), scaled, nullptr));
+  // A norm under the max leaves the step exactly the unclipped one.
+  EXPECT_EQ(AdamStep(ClippedAdamOp(1e30), grad, &norm),
+            AdamStep(AdamOp(0.01, 0.9, 0.99, 1e-8, 0.1), grad, nullptr));
+  EXPECT_NE(AdamStep(ClippedAdamOp(0.5), grad, &norm),
+            AdamStep(AdamOp(0.01, 0.9, 0.99, 1e-8, 0.1), grad, nullptr));
+}
+
+TEST(AdamW, ClippingNeedsAPositiveMax) {
+  Buffer p = Buffer::F32({2}), g = Buffer::F32({2}), m = Buffer::F32({2}), v = Buffer::F32({2}),
+         norm = Buffer::F32({1});
+  KernelContext context;
+  context.adam_step = 1;
+  const Status s = RunOp(AdamOp(0.01, 0.9, 0.99, 1e-8, 0.1), {&p, &g, &m, &v, &norm}, {}, context);
+  EXPECT_NE(s.message().find("attr 'max_grad_norm' is not a positive number"), std::string::npos)
+      << s.message();
+}
+
+// ---------------------------------------------------------------------------------------------
 // Every kind of the table (schemas/op_kinds.h) has a kernel: without operands each answers with
 // its own operand check, never that the backend lacks the kind.
 

@@ -175,7 +175,7 @@ void BaseSoftmaxBackwardRow(const float* p, float* ds, int64_t n) {
 // build computes the same bits.
 void BaseAdamW(float* p, const float* g, float* m, float* v, int64_t n, const AdamCoefficients& c) {
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i];
+    const float gi = g[i] * c.grad_scale;
     const float mi = std::fma(c.beta1, m[i], c.one_minus_beta1 * gi);
     const float vi = std::fma(c.beta2, v[i], c.one_minus_beta2 * (gi * gi));
     m[i] = mi;
@@ -435,10 +435,10 @@ DC_AVX2 void Avx2AdamW(float* p, const float* g, float* m, float* v, int64_t n,
   const __m256 ob1 = _mm256_set1_ps(c.one_minus_beta1), ob2 = _mm256_set1_ps(c.one_minus_beta2);
   const __m256 mc = _mm256_set1_ps(c.m_correction), vc = _mm256_set1_ps(c.v_correction);
   const __m256 eps = _mm256_set1_ps(c.eps), lr = _mm256_set1_ps(c.lr);
-  const __m256 decay = _mm256_set1_ps(c.decay);
+  const __m256 decay = _mm256_set1_ps(c.decay), grad_scale = _mm256_set1_ps(c.grad_scale);
   for (int64_t i = 0; i < n; i += kLanes) {
     const __m256i mask = TailMask(n - i);  // all lanes but in the tail
-    const __m256 gi = _mm256_maskload_ps(g + i, mask);
+    const __m256 gi = _mm256_mul_ps(_mm256_maskload_ps(g + i, mask), grad_scale);
     const __m256 mi = _mm256_fmadd_ps(b1, _mm256_maskload_ps(m + i, mask), _mm256_mul_ps(ob1, gi));
     const __m256 vi = _mm256_fmadd_ps(b2, _mm256_maskload_ps(v + i, mask),
                                       _mm256_mul_ps(ob2, _mm256_mul_ps(gi, gi)));

@@ -26,10 +26,12 @@ inline constexpr float kExpMaxArg = 88.3762f;    // just below ln(2^127.5)
 inline constexpr float kExpMaxRelativeError = 1.2e-7f;
 
 // AdamW's per-step constants, all fp32: p = p * decay - lr * (m * m_correction) /
-// (sqrt(v * v_correction) + eps).
+// (sqrt(v * v_correction) + eps), over the grad times grad_scale (the clipping coefficient; 1
+// without clipping, which leaves every grad's bits as they are).
 struct AdamCoefficients {
   float beta1, beta2, one_minus_beta1, one_minus_beta2;
   float m_correction, v_correction, eps, lr, decay;
+  float grad_scale = 1.0f;
 };
 
 // One build of the loops. Pointers may alias only where a comment says so; n >= 0 unless

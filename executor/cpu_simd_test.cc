@@ -312,20 +312,25 @@ TEST(CpuSimdTest, AdamWDoesNotDependOnWhereTheShardStarts) {
 // AdamW is the same bits in both builds (and in the cuda backend's AdamWKernel): the same fp32
 // operations with fused multiply-adds in the same places, so a run's weights do not depend on
 // the CPU it ran on.
+// So is a clipped step (grad_scale below 1), and a grad_scale of 1 is the unclipped step exactly.
 TEST(CpuSimdTest, AdamWIsTheSameBitsInBothBuilds) {
   const Kernels* avx2 = Avx2Kernels();
   if (!avx2) GTEST_SKIP() << "this CPU has no AVX2+FMA";
-  const AdamCoefficients coef = {0.9f, 0.95f, 0.1f, 0.05f, 3.69f, 7.0f, 1e-8f, 1e-3f, 0.9999f};
-  constexpr int64_t n = 1027;
-  std::vector<float> p = Values(n, 32), g = Values(n, 33, 1e-2f), m = Values(n, 34, 1e-3f);
-  std::vector<float> v = Values(n, 35, 1e-4f);
-  for (float& vi : v) vi = vi * vi;
-  std::vector<float> p2 = p, m2 = m, v2 = v;
-  avx2->adamw(p.data(), g.data(), m.data(), v.data(), n, coef);
-  BaselineKernels().adamw(p2.data(), g.data(), m2.data(), v2.data(), n, coef);
-  EXPECT_EQ(p, p2);
-  EXPECT_EQ(m, m2);
-  EXPECT_EQ(v, v2);
+  for (const float grad_scale : {1.0f, 0.37f}) {
+    SCOPED_TRACE(grad_scale);
+    AdamCoefficients coef = {0.9f, 0.95f, 0.1f, 0.05f, 3.69f, 7.0f, 1e-8f, 1e-3f, 0.9999f};
+    coef.grad_scale = grad_scale;
+    constexpr int64_t n = 1027;
+    std::vector<float> p = Values(n, 32), g = Values(n, 33, 1e-2f), m = Values(n, 34, 1e-3f);
+    std::vector<float> v = Values(n, 35, 1e-4f);
+    for (float& vi : v) vi = vi * vi;
+    std::vector<float> p2 = p, m2 = m, v2 = v;
+    avx2->adamw(p.data(), g.data(), m.data(), v.data(), n, coef);
+    BaselineKernels().adamw(p2.data(), g.data(), m2.data(), v2.data(), n, coef);
+    EXPECT_EQ(p, p2);
+    EXPECT_EQ(m, m2);
+    EXPECT_EQ(v, v2);
+  }
 }
 
 // The two builds agree to fp32 rounding, where this CPU has both.

@@ -102,6 +102,10 @@ class RankDevice {
                            const std::string& what) = 0;
   virtual Status ReduceScatterAdd(std::span<const ReduceScatterItem> items, proto::Stream stream,
                                   const std::string& what) = 0;
+  // `values` (fp32, small: the grads' squared norm) summed over the ranks in place; nothing to do
+  // in a world of one.
+  virtual Status AllReduceSum(const DeviceTensor& values, proto::Stream stream,
+                              const std::string& what) = 0;
 
   // Runs `op` on the compute stream with operands in the op's own order (schemas/op_kinds.h).
   // Outputs are allocated and overwritten; optimizer ops update their inputs in place.

@@ -160,6 +160,7 @@ class Interpreter : public TrainingState {
                    const std::string& what);
   Status Gather(const proto::Instruction& instr, int index);
   Status ReduceScatter(const proto::Instruction& instr, int index);
+  Status AllReduce(const proto::Instruction& instr, int index);
   Status Offload(const proto::Instruction& instr, int index);
   Status Reload(const proto::Instruction& instr, int index);
   Status ReleaseInstruction(const proto::Instruction& instr, int index);
@@ -471,6 +472,8 @@ Status Interpreter::Dispatch(const proto::Instruction& instr, int index, int64_t
     case proto::INSTR_RENAME:
       // The kept buffers go on under the op's output names: no copy, no allocation.
       return RenameLiveBuffers(program_, instr, Describe(index), &live_, &addresses_);
+    case proto::INSTR_ALL_REDUCE:
+      return AllReduce(instr, index);
     default:
       return Status::Error(Describe(index) + ": dc does not run " + InstrKindName(instr.kind()) +
                            " instructions");
@@ -516,7 +519,8 @@ Status Interpreter::Compute(const proto::Instruction& instr, int index, int64_t 
   std::vector<DeviceTensor> inputs, outputs;
   for (int tensor : op.inputs()) {
     const proto::Tensor& t = program_.tensors(tensor);
-    if (optimizer) {
+    // The optimizer phase reads the rank's persistent shards, and the grads' norm (a transient).
+    if (optimizer && IsPersistentRole(t.role())) {
       const Buffer* shard = Shard(tensor);
       if (shard == nullptr) {
         return Status::Error(what + ": " + t.name() +
@@ -547,7 +551,8 @@ Status Interpreter::Compute(const proto::Instruction& instr, int index, int64_t 
                                  shape.size_bytes, shape.dtype, shape.elements, stream, what));
     outputs.push_back(buffer->View({t.shape().begin(), t.shape().end()}));
   }
-  if (optimizer) DC_RETURN_IF_ERROR(HandOverGrads(op, stream, step, what));
+  // Each grad once, by its step (the grads' norm reads them all too).
+  if (IsOptimizerStep(program_, op)) DC_RETURN_IF_ERROR(HandOverGrads(op, stream, step, what));
   DC_RETURN_IF_ERROR(device_->RunOp(op, inputs, outputs, step_args_).Prefixed(what + ": "));
   if (optimizer) {
     for (int tensor : op.inputs()) {
@@ -584,7 +589,7 @@ Status Interpreter::HostOptimizerStep(const proto::Instruction& instr, int index
   const proto::Op& op = program_.ops(instr.op());
   const std::string what = Describe(index) + " on the host";
   DC_RETURN_IF_ERROR(HandOverGrads(op, proto::STREAM_COMPUTE, step, what));
-  if (op.phase() != proto::PHASE_OPTIMIZER || op.outputs_size() > 0) {
+  if (!IsOptimizerStep(program_, op) || op.outputs_size() > 0) {
     return Status::Error(what + ": " + op.name() +
                          " is not an in-place optimizer op; the host runs those only");
   }
@@ -608,6 +613,23 @@ Status Interpreter::HostOptimizerStep(const proto::Instruction& instr, int index
       offset += AlignUp(grad->storage_bytes(), kStagingAlignmentBytes);
       ref.f32 = static_cast<float*>(host);
       ref.shape = {grad->elements};
+    } else if (!IsPersistentRole(t.role())) {
+      // The grads' squared norm, all-reduced on the device: copied beside the grads.
+      const Buffer* values = Find(BufferKey::Transient(tensor, instr.micro_step()));
+      if (values == nullptr || values->dtype != proto::DTYPE_F32) {
+        return Status::Error(what + ": " + t.name() + " is not a live fp32 buffer; re-plan it");
+      }
+      if (offset + values->storage_bytes() > host_optimizer_staging_->size_bytes()) {
+        return Status::Error(what + ": the host optimizer's staging cannot hold " + t.name() +
+                             " (an executor bug; please report it)");
+      }
+      void* host = static_cast<char*>(host_optimizer_staging_->data()) + offset;
+      DC_RETURN_IF_ERROR(device_->CopyToHost(host, values->data, values->storage_bytes(),
+                                             proto::STREAM_HOST,
+                                             what + ": copying " + t.name() + " to the host"));
+      offset += AlignUp(values->storage_bytes(), kStagingAlignmentBytes);
+      ref.f32 = static_cast<float*>(host);
+      ref.shape = {values->elements};
     } else {
       auto host = host_shards_.find(tensor);
       if (host == host_shards_.end() || !layout_.host_resident[tensor]) {
@@ -673,6 +695,24 @@ Status Interpreter::ReduceScatter(const proto::Instruction& instr, int index) {
         {&t, grad->View({t.shape().begin(), t.shape().end()}), shard->Flat(), shard->elements});
   }
   return device_->ReduceScatterAdd(items, instr.stream(), what).Prefixed(what + ": ");
+}
+
+// Each tensor summed over the ranks in place (the grads' squared norm).
+Status Interpreter::AllReduce(const proto::Instruction& instr, int index) {
+  const std::string what = Describe(index);
+  for (int tensor : instr.tensors()) {
+    const proto::Tensor& t = program_.tensors(tensor);
+    const Buffer* values = Find(BufferKey::Transient(tensor, instr.micro_step()));
+    if (values == nullptr) {
+      return Status::Error(what + ": all-reduce of " + t.name() + ", which is not live");
+    }
+    if (values->dtype != proto::DTYPE_F32) {
+      return Status::Error(what + ": all-reduce of " + t.name() + ", which is not fp32");
+    }
+    DC_RETURN_IF_ERROR(
+        device_->AllReduceSum(values->Flat(), instr.stream(), what).Prefixed(what + ": "));
+  }
+  return Status::Ok();
 }
 
 // Offload copies a persistent shard to its host copy and frees it on the device; reload

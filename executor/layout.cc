@@ -84,6 +84,8 @@ StatusOr<ScheduleLayout> MakeScheduleLayout(const proto::Schedule& schedule) {
           staging += AlignUp(ShardShape(tensor, world).size_bytes, kStagingAlignmentBytes);
         } else if (tensor.role() == proto::ROLE_PARAM) {
           staging += AlignUp(ComputeShardBytes(program, tensor, world), kStagingAlignmentBytes);
+        } else if (!IsPersistentRole(tensor.role())) {  // the grads' squared norm
+          staging += AlignUp(SizeBytes(tensor), kStagingAlignmentBytes);
         }
       }
       layout.host_optimizer_staging_bytes = std::max(layout.host_optimizer_staging_bytes, staging);

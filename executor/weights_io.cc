@@ -73,7 +73,8 @@ std::string RunJson(const proto::Program& program, int world_size, int64_t step)
   j["beta1"] = c.beta1();
   j["beta2"] = c.beta2();
   j["adam_eps"] = c.adam_eps();
-  j["weight_decay"] = c.weight_decay();  // of matrices; 1-D params (the norms) have none
+  j["weight_decay"] = c.weight_decay();      // of matrices; 1-D params (the norms) have none
+  j["clip_grad_norm"] = c.clip_grad_norm();  // 0: no clipping
   j["router_aux_coef"] = c.router_aux_coef();
   return j.dump(2) + "\n";
 }

@@ -29,6 +29,8 @@ double CostModel::InstructionSeconds(const proto::Program& program, int world_si
       return all_gather.Seconds(InstructionBytes(program, instruction));
     case proto::INSTR_REDUCE_SCATTER:
       return reduce_scatter.Seconds(InstructionBytes(program, instruction));
+    case proto::INSTR_ALL_REDUCE:
+      return AllReduceSeconds(InstructionBytes(program, instruction));
     case proto::INSTR_OFFLOAD:
       return device_to_host.Seconds(CopyBytes(program, world_size, instruction));
     case proto::INSTR_RELOAD:

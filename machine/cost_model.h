@@ -48,6 +48,11 @@ struct CostModel {
   // release_seconds.
   double InstructionSeconds(const proto::Program& program, int world_size,
                             const proto::Instruction& instruction) const;
+  // An all-reduce of `bytes` (a small scalar: the grads' squared norm) as a ring does it: a
+  // reduce-scatter then an all-gather of the same bytes, so both latencies.
+  double AllReduceSeconds(int64_t bytes) const {
+    return reduce_scatter.Seconds(bytes) + all_gather.Seconds(bytes);
+  }
 };
 
 // Elements a host optimizer op updates: the rank's shard elements of the params its op reads;

@@ -66,8 +66,17 @@ StepBound StepLowerBound(const proto::Program& program, int world_size, const Co
   std::vector<int> grads;  // produced by forward and backward ops
   std::vector<OptimizerCost> optimizer;
   std::vector<double> optimizer_of_grad(tensors, 0);  // cheapest optimizer step reading it
+  // The grads' squared norm (clipping): on the device after every reduce-scatter, then its
+  // all-reduce, before any optimizer step.
+  double norm_seconds = 0;
   for (int id = 0; id < program.ops_size(); ++id) {
     const proto::Op& op = program.ops(id);
+    if (IsShardReduction(program, op)) {
+      int64_t reduced_bytes = 0;
+      for (int t : op.outputs()) reduced_bytes += bytes(t);
+      norm_seconds += costs.OpSeconds(program, id) + costs.AllReduceSeconds(reduced_bytes);
+      continue;
+    }
     if (op.phase() == proto::PHASE_OPTIMIZER) {
       proto::Instruction on_host;
       on_host.set_kind(proto::INSTR_COMPUTE);
@@ -159,9 +168,10 @@ StepBound StepLowerBound(const proto::Program& program, int world_size, const Co
   if (!every_op_leads_to_a_grad || !(tail < std::numeric_limits<double>::infinity())) tail = 0;
 
   StepBound bound;
-  bound.compute_seconds = first_gather + compute + tail;
+  bound.compute_seconds = first_gather + compute + tail + norm_seconds;
   // The host's optimizer steps need grads, which need the first compute.
-  bound.compute_host_seconds = BalancedOptimizer(first_gather + compute, first_gather, optimizer);
+  bound.compute_host_seconds =
+      BalancedOptimizer(first_gather + compute + norm_seconds, first_gather, optimizer);
   bound.communication_seconds = communication;
   // Compute c_o that overlaps collectives takes s * c_o; the collectives' time K not under
   // running compute is at least K - s * c_o. The step is at least the larger of the two ways the
@@ -174,7 +184,7 @@ StepBound StepLowerBound(const proto::Program& program, int world_size, const Co
     for (const OptimizerCost& op : optimizer) {
       optimizer_seconds += std::min(op.device_seconds, op.host_seconds);
     }
-    bound.serial_seconds = compute + optimizer_seconds + gathers + reductions;
+    bound.serial_seconds = compute + optimizer_seconds + norm_seconds + gathers + reductions;
   }
   const std::pair<double, const char*> terms[] = {
       {bound.compute_seconds, "compute"},
@@ -195,7 +205,8 @@ StepBound StepLowerBound(const proto::Program& program, int world_size, const Co
 double HostOptimizerSeconds(const proto::Program& program, int world_size, const CostModel& costs) {
   double seconds = 0;
   for (int id = 0; id < program.ops_size(); ++id) {
-    if (program.ops(id).phase() != proto::PHASE_OPTIMIZER) continue;
+    // Only the in-place steps go to the host; the grads' norm stays on the device.
+    if (!IsOptimizerStep(program, program.ops(id))) continue;
     proto::Instruction on_host;
     on_host.set_kind(proto::INSTR_COMPUTE);
     on_host.set_stream(proto::STREAM_HOST);

@@ -19,7 +19,8 @@ using Span = analyzer_internal::Interval<double>;
 constexpr int kNumStreams = proto::Stream_MAX + 1;
 
 bool IsCollective(proto::InstrKind kind) {
-  return kind == proto::INSTR_ALL_GATHER || kind == proto::INSTR_REDUCE_SCATTER;
+  return kind == proto::INSTR_ALL_GATHER || kind == proto::INSTR_REDUCE_SCATTER ||
+         kind == proto::INSTR_ALL_REDUCE;
 }
 
 // Per-tensor and per-op numbers the replay looks up many times, computed once.
@@ -58,6 +59,9 @@ struct Facts {
       case proto::INSTR_REDUCE_SCATTER:
         for (int t : instr.tensors()) bytes += transient_bytes[t];
         return costs.reduce_scatter.Seconds(bytes);
+      case proto::INSTR_ALL_REDUCE:
+        for (int t : instr.tensors()) bytes += transient_bytes[t];
+        return costs.AllReduceSeconds(bytes);
       case proto::INSTR_OFFLOAD:
         for (int t : instr.tensors()) bytes += CopyBytes(t);
         return costs.device_to_host.Seconds(bytes);
@@ -77,6 +81,8 @@ struct Facts {
         return costs.all_gather.latency_seconds;
       case proto::INSTR_REDUCE_SCATTER:
         return costs.reduce_scatter.latency_seconds;
+      case proto::INSTR_ALL_REDUCE:
+        return costs.reduce_scatter.latency_seconds + costs.all_gather.latency_seconds;
       default:
         return 0;
     }

@@ -97,6 +97,7 @@ constexpr double kSwigluFlopsPerElement = 5;
 constexpr double kSwigluBackwardFlopsPerElement = 10;
 constexpr double kCrossEntropyFlopsPerElement = 4;
 constexpr double kAdamWFlopsPerElement = 12;
+constexpr double kGradNormFlopsPerElement = 2;  // a square and an add
 // Causal attention does half of each S x S matmul; forward has two (QK^T, PV), backward five
 // (recomputed QK^T, dP, dV, dQ, dK).
 constexpr double kCausalFraction = 0.5;
@@ -584,6 +585,22 @@ int LlamaBuilder::LayerBackward(int layer, const LayerParams& p, const LayerActs
 }
 
 void LlamaBuilder::Optimizer() {
+  // With clipping, one op sums the squares of every grad first; each AdamW op reads the sum
+  // (made global by the schedule's all-reduce), so the dependency is in the program.
+  const bool clip = config_.clip_grad_norm() > 0;
+  int norm_squared = -1;
+  if (clip) {
+    std::vector<int> grads;
+    int64_t elements = 0;
+    for (int param : params_) {
+      grads.push_back(grad_of_.at(param));
+      elements += NumElements(program_.tensors(param));
+    }
+    norm_squared =
+        AddTensor("grad_norm_squared", {1}, proto::DTYPE_F32, proto::ROLE_ACTIVATION, -1);
+    AddOp("grad_norm_squared", op_kind::kGradNormSquared, proto::PHASE_OPTIMIZER, -1, grads,
+          {norm_squared}, kGradNormFlopsPerElement * static_cast<double>(elements));
+  }
   for (int param : params_) {
     const auto& p = program_.tensors(param);
     const std::string name = p.name();
@@ -596,14 +613,16 @@ void LlamaBuilder::Optimizer() {
                             proto::ROLE_OPTIMIZER_STATE, layer, param);
     const int v = AddTensor(name + pn::kAdamVSuffix, shape, proto::DTYPE_F32,
                             proto::ROLE_OPTIMIZER_STATE, layer, param);
-    auto* op =
-        AddOp(name + ".adamw", op_kind::kAdamW, proto::PHASE_OPTIMIZER, layer, {param, grad, m, v},
-              {}, kAdamWFlopsPerElement * static_cast<double>(elements));
+    std::vector<int> inputs = {param, grad, m, v};
+    if (clip) inputs.push_back(norm_squared);
+    auto* op = AddOp(name + ".adamw", op_kind::kAdamW, proto::PHASE_OPTIMIZER, layer, inputs, {},
+                     kAdamWFlopsPerElement * static_cast<double>(elements));
     SetAttrFloat(op, op_attr::kLr, config_.lr());
     SetAttrFloat(op, op_attr::kBeta1, config_.beta1());
     SetAttrFloat(op, op_attr::kBeta2, config_.beta2());
     SetAttrFloat(op, op_attr::kEps, config_.adam_eps());
     SetAttrFloat(op, op_attr::kWeightDecay, is_matrix ? config_.weight_decay() : 0.0);
+    if (clip) SetAttrFloat(op, op_attr::kMaxGradNorm, config_.clip_grad_norm());
   }
 }
 
@@ -715,6 +734,7 @@ StatusOr<proto::ModelConfig> MakeConfig(const std::string& preset,
   if (overrides.experts) c.set_experts(*overrides.experts);
   if (overrides.top_k) c.set_top_k(*overrides.top_k);
   if (overrides.router_aux_coef) c.set_router_aux_coef(*overrides.router_aux_coef);
+  if (overrides.clip_grad_norm) c.set_clip_grad_norm(*overrides.clip_grad_norm);
   if (overrides.data_path) c.set_data_path(*overrides.data_path);
   if (overrides.recompute_layers) c.set_recompute_layers(*overrides.recompute_layers);
   DC_RETURN_IF_ERROR(ApplyLearningRateSchedule(overrides, &c));

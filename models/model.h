@@ -29,6 +29,7 @@ struct ModelOverrides {
   std::optional<double> lr, min_lr;
   std::optional<int64_t> lr_warmup_steps, lr_decay_steps;
   std::optional<std::string> lr_decay;
+  std::optional<double> clip_grad_norm;  // ModelConfig.clip_grad_norm; 0 = off
 };
 
 std::vector<std::string> PresetNames();

@@ -271,6 +271,56 @@ TEST(Model, ConventionsHold) {
   EXPECT_TRUE(by_name.contains("layers.1.attn.wq.adam_v"));
 }
 
+// --clip-grad-norm: one optimizer-phase op sums the squares of every grad into a scalar that
+// every adamw op reads (after the schedule's all-reduce), with the max as an attr. Off (0, the
+// default): no such op, four inputs, and the program is the one it always was.
+TEST(Model, ClippingAddsTheNormOpAndTheAdamWInput) {
+  ModelOverrides clip;
+  clip.clip_grad_norm = 0.5;
+  auto config = MakeConfig("tiny", clip);
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  auto program = BuildProgram(*config);
+  ASSERT_TRUE(program.ok()) << program.status().message();
+  ASSERT_TRUE(ValidateProgram(*program).ok());
+  int norm_op = -1, norm = -1, grads = 0, steps = 0;
+  for (const auto& op : program->ops()) {
+    if (op.kind() != op_kind::kGradNormSquared) continue;
+    EXPECT_EQ(norm_op, -1) << "a second norm op";
+    norm_op = op.id();
+    EXPECT_EQ(op.phase(), proto::PHASE_OPTIMIZER);
+    EXPECT_TRUE(IsShardReduction(*program, op));
+    ASSERT_EQ(op.outputs_size(), 1);
+    norm = op.outputs(0);
+    for (int t : op.inputs()) grads += program->tensors(t).role() == proto::ROLE_GRAD;
+    EXPECT_EQ(grads, op.inputs_size());
+  }
+  ASSERT_GE(norm, 0);
+  EXPECT_EQ(program->tensors(norm).dtype(), proto::DTYPE_F32);
+  EXPECT_EQ(NumElements(program->tensors(norm)), 1);
+  for (const auto& op : program->ops()) {
+    if (op.kind() != op_kind::kAdamW) continue;
+    ++steps;
+    EXPECT_GT(op.id(), norm_op);
+    ASSERT_EQ(op.inputs_size(), 5);
+    EXPECT_EQ(op.inputs(4), norm);
+    EXPECT_EQ(AttrFloat(op, op_attr::kMaxGradNorm, -1), 0.5);
+  }
+  EXPECT_EQ(grads, steps);  // every param's grad, once
+
+  const proto::Program plain = Build("tiny");
+  for (const auto& op : plain.ops()) EXPECT_NE(op.kind(), op_kind::kGradNormSquared);
+  EXPECT_EQ(plain.tensors_size() + 1, program->tensors_size());
+  EXPECT_EQ(plain.ops_size() + 1, program->ops_size());
+
+  for (const double bad : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    clip.clip_grad_norm = bad;
+    const auto refused = MakeConfig("tiny", clip);
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_EQ(refused.status().message().rfind("--clip-grad-norm must ", 0), 0)
+        << refused.status().message();
+  }
+}
+
 TEST(Model, OpsCarryFlopsAndLayers) {
   const proto::Program program = Build("tiny");
   for (const auto& op : program.ops()) {

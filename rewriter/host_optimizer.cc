@@ -35,9 +35,9 @@ StatusOr<bool> HostOptimizerPass::Run(proto::Schedule* schedule, const PassConte
   std::vector<int> optimizer_ops;
   for (int i = first_optimizer; i < n; ++i) {
     const proto::Instruction& instr = schedule->instructions(i);
+    // The steps only: a shard reduction (the grads' norm) stays on the device, by the grads.
     if (instr.kind() == proto::INSTR_COMPUTE && instr.op() >= 0 &&
-        instr.op() < program.ops_size() &&
-        program.ops(instr.op()).phase() == proto::PHASE_OPTIMIZER) {
+        instr.op() < program.ops_size() && IsOptimizerStep(program, program.ops(instr.op()))) {
       optimizer_ops.push_back(i);
     }
   }

@@ -13,6 +13,7 @@
 #include "rewriter/planner.h"
 #include "rewriter/verifier.h"
 #include "rewriter/zero3.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 namespace {
@@ -20,8 +21,9 @@ namespace {
 constexpr int kWorld = 2;
 
 // The zero3 schedule of tiny in `dtype` on two H100s, and its cost model.
-proto::Schedule TinyZero3(proto::DType dtype, CostModel* costs) {
-  auto config = MakeConfig("tiny", ModelOverrides{});
+proto::Schedule TinyZero3(proto::DType dtype, CostModel* costs,
+                          const ModelOverrides& overrides = {}) {
+  auto config = MakeConfig("tiny", overrides);
   EXPECT_TRUE(config.ok()) << config.status().message();
   config->set_compute_dtype(dtype);
   auto program = BuildProgram(*config);
@@ -41,6 +43,56 @@ int64_t Sum(const std::vector<int64_t>& bytes) {
   int64_t sum = 0;
   for (int64_t b : bytes) sum += b;
   return sum;
+}
+
+// With clipping, the grads' norm stays on the device (beside the grads) and its all-reduce on
+// the reduce stream; every step on the host keeps its wait for the all-reduce, and the schedule
+// verifies (the order of CheckShardReductions included).
+TEST(HostOptimizer, ClippingKeepsTheNormOnTheDeviceAndTheStepsWaitForItsAllReduce) {
+  CostModel costs;
+  ModelOverrides clip;
+  clip.clip_grad_norm = 1.0;
+  proto::Schedule s = TinyZero3(proto::DTYPE_BF16, &costs, clip);
+  HostOptimizerPass pass;
+  auto changed = pass.Run(&s, PassContext{&costs, 0});
+  ASSERT_TRUE(changed.ok()) << changed.status().message();
+  const proto::Program& program = s.program();
+  int all_reduce = -1, norm = -1, steps = 0;
+  for (int i = 0; i < s.instructions_size(); ++i) {
+    const proto::Instruction& instr = s.instructions(i);
+    if (instr.kind() == proto::INSTR_ALL_REDUCE) {
+      all_reduce = i;
+      EXPECT_EQ(instr.stream(), proto::STREAM_REDUCE);
+      ASSERT_EQ(instr.deps_size(), 1);
+      EXPECT_EQ(instr.deps(0), norm);
+    }
+    if (instr.kind() != proto::INSTR_COMPUTE) continue;
+    const proto::Op& op = program.ops(instr.op());
+    if (op.kind() == op_kind::kGradNormSquared) {
+      norm = i;
+      EXPECT_EQ(instr.stream(), proto::STREAM_COMPUTE);
+    }
+    if (op.kind() != op_kind::kAdamW) continue;
+    ++steps;
+    EXPECT_EQ(instr.stream(), proto::STREAM_HOST) << op.name();
+    ASSERT_GE(all_reduce, 0) << op.name() << " comes before the all-reduce";
+    EXPECT_NE(std::find(instr.deps().begin(), instr.deps().end(), all_reduce), instr.deps().end())
+        << op.name() << " does not wait for the all-reduce";
+  }
+  EXPECT_GT(steps, 0);
+  EXPECT_EQ(pass.stats().host_ops, steps);
+  const Status verified = VerifySchedule(s, PassContext{&costs, 0});
+  EXPECT_TRUE(verified.ok()) << verified.message();
+  // Without the wait, the verifier says which step reads the norm too early.
+  for (auto& instr : *s.mutable_instructions()) {
+    if (instr.stream() != proto::STREAM_HOST) continue;
+    auto* deps = instr.mutable_deps();
+    deps->erase(std::remove(deps->begin(), deps->end(), all_reduce), deps->end());
+    break;
+  }
+  const Status early = VerifySchedule(s, PassContext{&costs, 0});
+  EXPECT_NE(early.message().find("without waiting for its all-reduce"), std::string::npos)
+      << early.message();
 }
 
 TEST(HostOptimizer, EveryOptimizerOpRunsOnTheHostAfterTheBackward) {

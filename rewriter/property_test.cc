@@ -39,6 +39,8 @@ constexpr double kStepSlack = 1e-9;
 constexpr uint64_t kUnlimitedOneIn = 4;
 // Budgets reach up to this multiple of the baseline's simulated peak.
 constexpr double kMaxBudgetOverPeak = 1.5;
+// Gradient clipping (--clip-grad-norm 1) for one case in this many.
+constexpr uint64_t kClipOneIn = 2;
 
 // Uniform in [lo, hi] from the engine's raw output (bias of at most 2^-40 here).
 int64_t Draw(std::mt19937_64& rng, int64_t lo, int64_t hi) {
@@ -84,6 +86,7 @@ RandomCase MakeCase(int index) {
   c.hardware = Pick<std::string>(rng, {"h100-sxm", "a100-80gb", "cpu"});
   c.unlimited = rng() % kUnlimitedOneIn == 0;
   c.budget_draw = rng();
+  if (rng() % kClipOneIn == 0) o.clip_grad_norm = 1.0;
   return c;
 }
 
@@ -92,14 +95,15 @@ std::string Describe(const RandomCase& c, int64_t budget_bytes) {
   char text[320];
   std::snprintf(text, sizeof(text),
                 "case seed %llu: tiny --layers %lld --hidden %lld --heads %lld --kv-heads %lld "
-                "--ffn %lld --vocab %lld --seq %lld --micro-batch %lld --gas %lld, world %d, %s, "
-                "budget %lld bytes",
+                "--ffn %lld --vocab %lld --seq %lld --micro-batch %lld --gas %lld%s, world %d, "
+                "%s, budget %lld bytes",
                 static_cast<unsigned long long>(c.seed), static_cast<long long>(*o.layers),
                 static_cast<long long>(*o.hidden), static_cast<long long>(*o.heads),
                 static_cast<long long>(*o.kv_heads), static_cast<long long>(*o.ffn),
                 static_cast<long long>(*o.vocab), static_cast<long long>(*o.seq),
-                static_cast<long long>(*o.micro_batch), static_cast<long long>(*o.gas), c.world,
-                c.hardware.c_str(), static_cast<long long>(budget_bytes));
+                static_cast<long long>(*o.micro_batch), static_cast<long long>(*o.gas),
+                o.clip_grad_norm ? " --clip-grad-norm 1" : "", c.world, c.hardware.c_str(),
+                static_cast<long long>(budget_bytes));
   return text;
 }
 
@@ -109,8 +113,13 @@ int CaseCount() {
   return count > 0 ? count : kCases;
 }
 
-// Cases run, and plans per policy and those refused for the budget (for the summary line).
+// Cases run (and of them clipped), and plans per policy and those refused for the budget (for
+// the summary line).
 int& CasesRun() {
+  static int cases = 0;
+  return cases;
+}
+int& ClippedCasesRun() {
   static int cases = 0;
   return cases;
 }
@@ -146,7 +155,8 @@ const KnownFailure* FindKnownFailure(int case_index, const std::string& policy) 
 class PlanProperties : public ::testing::TestWithParam<int> {
  public:
   static void TearDownTestSuite() {
-    std::string line = "plan properties over " + std::to_string(CasesRun()) + " cases:";
+    std::string line = "plan properties over " + std::to_string(CasesRun()) + " cases (" +
+                       std::to_string(ClippedCasesRun()) + " with --clip-grad-norm):";
     for (const auto& [policy, counts] : CountsByPolicy()) {
       line += " " + policy + " " + std::to_string(counts.planned) + " planned, " +
               std::to_string(counts.over_budget) + " refused (" + std::to_string(counts.known) +
@@ -156,6 +166,59 @@ class PlanProperties : public ::testing::TestWithParam<int> {
   }
 };
 
+// Whether instruction `to` happens after `from` finishes: through deps, or issue order on one
+// stream (every stream runs its instructions in order).
+bool HappensAfter(const proto::Schedule& plan, const std::vector<int>& previous_on_stream, int from,
+                  int to) {
+  std::vector<char> seen(plan.instructions_size(), 0);
+  std::vector<int> stack = {to};
+  while (!stack.empty()) {
+    const int i = stack.back();
+    stack.pop_back();
+    if (i == from) return i != to;
+    if (seen[i]) continue;
+    seen[i] = 1;
+    const proto::Instruction& instr = plan.instructions(i);
+    for (int d : instr.deps()) stack.push_back(d);
+    if (previous_on_stream[i] >= 0) stack.push_back(previous_on_stream[i]);
+  }
+  return false;
+}
+
+// With clipping: one all-reduce of the grads' squared norm, after its compute, which follows
+// every reduce-scatter; every optimizer step (on the device or the host) after the all-reduce.
+void ExpectStepsWaitForTheNorm(const proto::Schedule& plan, const std::string& policy) {
+  const proto::Program& program = plan.program();
+  std::vector<int> reductions, norms, all_reduces, steps;
+  std::vector<int> previous_on_stream(plan.instructions_size(), -1);
+  std::map<int, int> last_on_stream;
+  for (int i = 0; i < plan.instructions_size(); ++i) {
+    const proto::Instruction& instr = plan.instructions(i);
+    auto last = last_on_stream.find(instr.stream());
+    if (last != last_on_stream.end()) previous_on_stream[i] = last->second;
+    last_on_stream[instr.stream()] = i;
+    if (instr.kind() == proto::INSTR_REDUCE_SCATTER) reductions.push_back(i);
+    if (instr.kind() == proto::INSTR_ALL_REDUCE) all_reduces.push_back(i);
+    if (instr.kind() != proto::INSTR_COMPUTE) continue;
+    const proto::Op& op = program.ops(instr.op());
+    if (IsShardReduction(program, op)) norms.push_back(i);
+    if (IsOptimizerStep(program, op)) steps.push_back(i);
+  }
+  ASSERT_EQ(norms.size(), 1u) << policy;
+  ASSERT_EQ(all_reduces.size(), 1u) << policy;
+  EXPECT_EQ(plan.instructions(all_reduces[0]).stream(), proto::STREAM_REDUCE) << policy;
+  EXPECT_TRUE(HappensAfter(plan, previous_on_stream, norms[0], all_reduces[0])) << policy;
+  for (int r : reductions) {
+    EXPECT_TRUE(HappensAfter(plan, previous_on_stream, r, norms[0]))
+        << policy << ": reduce-scatter " << r;
+  }
+  EXPECT_FALSE(steps.empty()) << policy;
+  for (int s : steps) {
+    EXPECT_TRUE(HappensAfter(plan, previous_on_stream, all_reduces[0], s))
+        << policy << ": optimizer step " << s;
+  }
+}
+
 proto::Schedule WithoutTimes(proto::Schedule plan) {
   for (auto& record : *plan.mutable_passes()) record.clear_seconds();
   return plan;
@@ -164,6 +227,7 @@ proto::Schedule WithoutTimes(proto::Schedule plan) {
 TEST_P(PlanProperties, Holds) {
   const RandomCase c = MakeCase(GetParam());
   ++CasesRun();
+  if (c.overrides.clip_grad_norm) ++ClippedCasesRun();
   auto config = MakeConfig("tiny", c.overrides);
   ASSERT_TRUE(config.ok()) << Describe(c, 0) << ": " << config.status().message();
   auto program = BuildProgram(*config);
@@ -257,6 +321,8 @@ TEST_P(PlanProperties, Holds) {
         EXPECT_LE(plan->memory_plan().arena_bytes(), budget) << policy;
       }
     }
+
+    if (c.overrides.clip_grad_norm) ExpectStepsWaitForTheNorm(*plan, policy);
 
     auto again = MakePlan(request);
     ASSERT_TRUE(again.ok()) << policy << ": " << again.status().message();

@@ -11,7 +11,7 @@ namespace {
 constexpr proto::InstrKind kKinds[] = {proto::INSTR_COMPUTE, proto::INSTR_ALL_GATHER,
                                        proto::INSTR_RELEASE, proto::INSTR_REDUCE_SCATTER,
                                        proto::INSTR_OFFLOAD, proto::INSTR_RELOAD,
-                                       proto::INSTR_RENAME};
+                                       proto::INSTR_RENAME,  proto::INSTR_ALL_REDUCE};
 constexpr proto::Stream kStreams[] = {proto::STREAM_COMPUTE, proto::STREAM_GATHER,
                                       proto::STREAM_REDUCE,  proto::STREAM_H2D,
                                       proto::STREAM_D2H,     proto::STREAM_HOST};

@@ -8,8 +8,8 @@
 namespace dc {
 namespace {
 
-proto::Schedule TinyBaseline() {
-  auto config = MakeConfig("tiny", {});
+proto::Schedule TinyBaseline(const ModelOverrides& overrides = {}) {
+  auto config = MakeConfig("tiny", overrides);
   auto program = BuildProgram(*config);
   proto::Schedule s;
   s.set_world_size(2);
@@ -20,8 +20,11 @@ proto::Schedule TinyBaseline() {
 }
 
 TEST(ScheduleText, RoundTripsTheBaseline) {
-  const proto::Schedule s = TinyBaseline();
+  ModelOverrides clip;  // with the grads' norm and its all-reduce
+  clip.clip_grad_norm = 1.0;
+  const proto::Schedule s = TinyBaseline(clip);
   const std::string text = ScheduleToText(s);
+  EXPECT_NE(text.find(": all_reduce reduce opt [grad_norm_squared] deps="), std::string::npos);
   proto::Schedule back;
   *back.mutable_program() = s.program();
   Status parsed = ParseScheduleText(text, &back);

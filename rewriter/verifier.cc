@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "machine/simulator.h"
+#include "schemas/effects.h"
 #include "schemas/units.h"
 
 namespace dc {
@@ -81,6 +82,7 @@ Status VerifySchedule(const proto::Schedule& schedule, const PassContext& contex
         "with zero3");
   }
   DC_RETURN_IF_ERROR(CheckOpCounts(schedule));
+  DC_RETURN_IF_ERROR(CheckShardReductions(schedule));
   // Simulate checks every reference and buffer effect (schemas/effects.h) before it times; the
   // memo holds the verifier's own simulation of identical instructions, if there is one.
   VerifierMemo* memo = context.verifier_memo;

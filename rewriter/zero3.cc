@@ -124,13 +124,37 @@ StatusOr<bool> Zero3Pass::Run(proto::Schedule* schedule, const PassContext& /*co
       }
     }
   }
+  // The optimizer phase. A shard reduction's outputs (the grads' squared norm) are the rank's
+  // partials: an all-reduce on the reduce stream makes them global before any op reads them, and
+  // a release after their last reader frees them.
+  std::map<int, int> all_reduced;                // tensor -> its all-reduce
+  std::map<int, std::vector<int>> step_readers;  // optimizer-phase tensor -> reading computes
+  const std::vector<int> last_optimizer = LastUse(program, backward_end, program.ops_size());
   for (int op_id = backward_end; op_id < program.ops_size(); ++op_id) {
+    const proto::Op& op = program.ops(op_id);
     std::vector<int> deps;
-    for (int t : program.ops(op_id).inputs()) {
+    for (int t : op.inputs()) {
       auto it = grad_reductions.find(t);
       if (it != grad_reductions.end()) deps.push_back(it->second.back());
+      auto reduced = all_reduced.find(t);
+      if (reduced != all_reduced.end()) deps.push_back(reduced->second);
     }
-    out.Emit(proto::INSTR_COMPUTE, proto::STREAM_COMPUTE, -1, op_id, {}, deps);
+    const int compute = out.Emit(proto::INSTR_COMPUTE, proto::STREAM_COMPUTE, -1, op_id, {}, deps);
+    if (IsShardReduction(program, op)) {
+      for (int t : op.outputs()) {
+        all_reduced[t] =
+            out.Emit(proto::INSTR_ALL_REDUCE, proto::STREAM_REDUCE, -1, -1, {t}, {compute});
+        step_readers[t].push_back(all_reduced[t]);
+      }
+    }
+    for (int t : op.inputs()) {
+      auto readers = step_readers.find(t);
+      if (readers == step_readers.end()) continue;
+      readers->second.push_back(compute);
+      if (last_optimizer[t] == op_id) {
+        out.Emit(proto::INSTR_RELEASE, proto::STREAM_COMPUTE, -1, -1, {t}, readers->second);
+      }
+    }
   }
   summary_ = std::to_string(schedule->instructions_size()) +
              " instructions: " + std::to_string(gathers) + " all-gathers (" +

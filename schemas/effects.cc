@@ -34,8 +34,11 @@ const proto::Tensor* FindTensor(const proto::Program& program, int id) {
 }  // namespace
 
 int64_t InstructionBytes(const proto::Program& program, const proto::Instruction& instruction) {
-  const bool gather = instruction.kind() == proto::INSTR_ALL_GATHER;
-  if (!gather && instruction.kind() != proto::INSTR_REDUCE_SCATTER) return 0;
+  const proto::InstrKind kind = instruction.kind();
+  if (kind != proto::INSTR_ALL_GATHER && kind != proto::INSTR_REDUCE_SCATTER &&
+      kind != proto::INSTR_ALL_REDUCE) {
+    return 0;
+  }
   int64_t bytes = 0;
   for (int id : instruction.tensors()) {
     if (const proto::Tensor* t = FindTensor(program, id)) bytes += TransientBytes(program, *t);
@@ -180,6 +183,82 @@ Status CheckReferences(const proto::Schedule& schedule) {
   return Status::Ok();
 }
 
+namespace {
+
+// Which instructions run after instruction `from` ends (through deps and stream order).
+std::vector<char> RunsAfter(const proto::Schedule& schedule, int from) {
+  const int n = schedule.instructions_size();
+  std::vector<char> after(n, 0);
+  std::vector<char> stream_after(proto::Stream_MAX + 1, 0);  // the stream's latest is after
+  for (int i = from + 1; i < n; ++i) {
+    const proto::Instruction& instr = schedule.instructions(i);
+    bool is_after = stream_after[instr.stream()] != 0 ||
+                    (i > from && schedule.instructions(from).stream() == instr.stream());
+    for (int d : instr.deps()) is_after = is_after || d == from || after[d];
+    after[i] = is_after;
+    if (is_after) stream_after[instr.stream()] = 1;
+  }
+  return after;
+}
+
+}  // namespace
+
+Status CheckShardReductions(const proto::Schedule& schedule) {
+  const proto::Program& program = schedule.program();
+  std::vector<int> writer(program.tensors_size(), -1);  // a partial's compute instruction
+  bool any = false;
+  for (const proto::Op& op : program.ops()) {
+    if (!IsShardReduction(program, op)) continue;
+    any = true;
+    for (int t : op.outputs()) writer[t] = -2;  // a partial, not yet computed
+  }
+  if (!any) return Status::Ok();
+  std::vector<int> reduced(program.tensors_size(), -1);
+  for (int i = 0; i < schedule.instructions_size(); ++i) {
+    const proto::Instruction& instr = schedule.instructions(i);
+    if (instr.kind() == proto::INSTR_COMPUTE) {
+      for (int t : program.ops(instr.op()).outputs()) {
+        if (writer[t] == -2) writer[t] = i;
+      }
+    }
+    if (instr.kind() != proto::INSTR_ALL_REDUCE) continue;
+    for (int t : instr.tensors()) {
+      if (writer[t] == -1) {
+        return Status::Error(InstructionWhere(i, instr) + " all-reduces " +
+                             program.tensors(t).name() + ", which no shard reduction writes");
+      }
+      if (reduced[t] >= 0) {
+        return Status::Error(InstructionWhere(i, instr) + " all-reduces " +
+                             program.tensors(t).name() + " a second time (instruction " +
+                             std::to_string(reduced[t]) + " did)");
+      }
+      reduced[t] = i;
+    }
+  }
+  for (int t = 0; t < program.tensors_size(); ++t) {
+    if (writer[t] == -1) continue;
+    const std::string name = program.tensors(t).name();
+    if (reduced[t] < 0) {
+      return Status::Error("no instruction all-reduces " + name + ", each rank's partial sum");
+    }
+    if (writer[t] < 0 || !RunsAfter(schedule, writer[t])[reduced[t]]) {
+      return Status::Error(InstructionWhere(reduced[t], schedule.instructions(reduced[t])) +
+                           " all-reduces " + name + " without waiting for the compute of it");
+    }
+    const std::vector<char> after = RunsAfter(schedule, reduced[t]);
+    for (int i = 0; i < schedule.instructions_size(); ++i) {
+      const proto::Instruction& instr = schedule.instructions(i);
+      if (instr.kind() != proto::INSTR_COMPUTE || i == writer[t]) continue;
+      const auto& inputs = program.ops(instr.op()).inputs();
+      if (std::find(inputs.begin(), inputs.end(), t) == inputs.end() || after[i]) continue;
+      return Status::Error(InstructionWhere(i, instr) + " reads " + name +
+                           " without waiting for its all-reduce (instruction " +
+                           std::to_string(reduced[t]) + ")");
+    }
+  }
+  return Status::Ok();
+}
+
 // ----- BufferReplay -----
 
 BufferReplay::BufferReplay(const proto::Schedule& schedule, BufferListener* listener)
@@ -266,6 +345,8 @@ Status BufferReplay::Apply(int index) {
       return Reload(index, instr);
     case proto::INSTR_RENAME:
       return Rename(index, instr);
+    case proto::INSTR_ALL_REDUCE:
+      return AllReduce(index, instr);
     default:
       return Status::Error("instruction " + std::to_string(index) + " has no valid kind");
   }
@@ -377,6 +458,23 @@ Status BufferReplay::ReduceScatter(int i, const proto::Instruction& instr) {
     if (persistent_[t] < 0) {
       return Status::Error(InstructionWhere(i, instr) + " reduce-scatters " + Name(t) +
                            " into its shard, which is offloaded to the host; reload it first");
+    }
+  }
+  return Status::Ok();
+}
+
+// A small sum over ranks in place: of activations live in its micro-step (the grads' squared
+// norm in the optimizer phase).
+Status BufferReplay::AllReduce(int i, const proto::Instruction& instr) {
+  const int micro = instr.micro_step();
+  for (int t : instr.tensors()) {
+    if (role_[t] != proto::ROLE_ACTIVATION) {
+      return Status::Error(InstructionWhere(i, instr) + " all-reduces " + Name(t) +
+                           ", which is not an activation");
+    }
+    if (TransientHandle(t, micro) < 0) {
+      return Status::Error(InstructionWhere(i, instr) + " all-reduces " + Name(t) +
+                           " (micro-step " + std::to_string(micro) + "), which is not live");
     }
   }
   return Status::Ok();

@@ -22,6 +22,8 @@
 //   OFFLOAD         frees persistent shards or transients (at its end) and keeps them on the host.
 //   RELOAD          allocates them again (at its start) from the host.
 //   RENAME          the op's outputs take over the live buffers named in `tensors`, one for one.
+//   ALL_REDUCE      reads and writes live activations of its micro-step in place (the grads'
+//                   squared norm); allocates nothing.
 #pragma once
 
 #include <compare>
@@ -48,8 +50,8 @@ BufferKind PersistentKind(proto::Role role);
 int64_t ShardBytes(const proto::Tensor& tensor, int world_size);
 
 // Bytes an instruction moves over the network: an all-gather the whole params (compute dtype),
-// a reduce-scatter the whole grads; 0 for others. What the cost model prices and the traces
-// record.
+// a reduce-scatter the whole grads, an all-reduce its tensors; 0 for others. What the cost model
+// prices and the traces record.
 int64_t InstructionBytes(const proto::Program& program, const proto::Instruction& instruction);
 
 // Bytes an offload or reload copies: the rank's fp32 shard of a param, grad or optimizer state
@@ -107,6 +109,13 @@ std::string InstructionWhere(int index, const proto::Instruction& instruction);
 // plan file) are safe to simulate and replay once it passes.
 Status CheckReferences(const proto::Schedule& schedule);
 
+// The order a shard reduction's outputs need (schemas/program.h's IsShardReduction: the grads'
+// squared norm): each is all-reduced by exactly one INSTR_ALL_REDUCE, which runs after the
+// compute of the op that writes it, and every compute that reads it runs after the all-reduce.
+// "After" is through deps or issue order on one stream (a stream runs its instructions in
+// order). Call CheckReferences first. Cheap where the program has no shard reduction.
+Status CheckShardReductions(const proto::Schedule& schedule);
+
 // What BufferReplay tells its listener. Handles number the allocations in the order they are
 // made (start-up's first), so a listener can keep per-buffer records in a vector.
 class BufferListener {
@@ -155,6 +164,7 @@ class BufferReplay {
   Status Offload(int index, const proto::Instruction& instr);
   Status Reload(int index, const proto::Instruction& instr);
   Status Rename(int index, const proto::Instruction& instr);
+  Status AllReduce(int index, const proto::Instruction& instr);
 
   const proto::Schedule& schedule_;
   const proto::Program& program_;

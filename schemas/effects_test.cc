@@ -4,6 +4,7 @@
 
 #include <initializer_list>
 #include <string>
+#include <tuple>
 
 #include "tests/support/program_builder.h"
 
@@ -14,9 +15,11 @@ namespace {
 //   tensors  w param [4] (16 B gathered, 8 B shard), x input i32 [2] (8 B), a, b, b2
 //            activations [4] (16 B), g grad of w [4] (16 B, 8 B shard), m optimizer state [4]
 //   ops      0 fwd (x, w -> a), 1 head (a -> b), 2 head-recompute (a -> b2, b's twin),
-//            3 bwd (b2, w -> g), 4 adam (w, g, m -> w, m, updated in place)
-enum TensorId { kW, kX, kA, kB, kB2, kG, kM };
-enum OpId { kFwd, kHead, kHeadRecompute, kBwd, kAdam };
+//            3 bwd (b2, w -> g), 4 adam (w, g, m -> w, m, updated in place), 5 norm (g -> n,
+//            the grads' squared norm, an optimizer-phase activation [1]), 6 clipped-adam
+//            (w, g, m, n -> w, m)
+enum TensorId { kW, kX, kA, kB, kB2, kG, kM, kN };
+enum OpId { kFwd, kHead, kHeadRecompute, kBwd, kAdam, kNorm, kClippedAdam };
 
 using test::AddOp;
 
@@ -24,7 +27,8 @@ using test::AddOp;
 void AddTensor(proto::Program* program, const std::string& name, proto::Role role,
                proto::DType dtype = proto::DTYPE_F32) {
   const bool of_w = role == proto::ROLE_GRAD || role == proto::ROLE_OPTIMIZER_STATE;
-  test::AddTensor(program, name, name == "x" ? 2 : 4, role, dtype, of_w ? kW : -1);
+  test::AddTensor(program, name, name == "x" ? 2 : (name == "n" ? 1 : 4), role, dtype,
+                  of_w ? kW : -1);
 }
 
 proto::Schedule Empty() {
@@ -39,11 +43,14 @@ proto::Schedule Empty() {
   AddTensor(&program, "b2", proto::ROLE_ACTIVATION);
   AddTensor(&program, "g", proto::ROLE_GRAD);
   AddTensor(&program, "m", proto::ROLE_OPTIMIZER_STATE);
+  AddTensor(&program, "n", proto::ROLE_ACTIVATION);
   AddOp(&program, "fwd", proto::PHASE_FORWARD, {kX, kW}, {kA});
   AddOp(&program, "head", proto::PHASE_FORWARD, {kA}, {kB});
   AddOp(&program, "head-recompute", proto::PHASE_BACKWARD, {kA}, {kB2});
   AddOp(&program, "bwd", proto::PHASE_BACKWARD, {kB2, kW}, {kG});
   AddOp(&program, "adam", proto::PHASE_OPTIMIZER, {kW, kG, kM}, {kW, kM});
+  AddOp(&program, "norm", proto::PHASE_OPTIMIZER, {kG}, {kN});
+  AddOp(&program, "clipped-adam", proto::PHASE_OPTIMIZER, {kW, kG, kM, kN}, {});
   return schedule;
 }
 
@@ -71,7 +78,10 @@ proto::Schedule EveryKind() {
   Add(&s, proto::INSTR_RELEASE, -1, {kG});                                  // 7
   Add(&s, proto::INSTR_OFFLOAD, -1, {kM}, -1, proto::STREAM_D2H);           // 8
   Add(&s, proto::INSTR_RELOAD, -1, {kM}, -1, proto::STREAM_H2D);            // 9
-  Add(&s, proto::INSTR_COMPUTE, kAdam, {}, -1);                             // 10
+  Add(&s, proto::INSTR_COMPUTE, kNorm, {}, -1);                             // 10
+  Add(&s, proto::INSTR_ALL_REDUCE, -1, {kN}, -1, proto::STREAM_REDUCE);     // 11
+  Add(&s, proto::INSTR_COMPUTE, kAdam, {}, -1);                             // 12
+  Add(&s, proto::INSTR_RELEASE, -1, {kN}, -1);                              // 13
   return s;
 }
 
@@ -146,7 +156,53 @@ TEST(Effects, EveryInstructionKindsEffectsAsATable) {
             "5 - b2 transient 0 16 activation start #6\n"
             "7 - g transient 0 16 grad start #7\n"
             "8 - m persistent -1 8 optimizer_state end #2\n"
-            "9 + m persistent -1 8 optimizer_state start #8\n");
+            "9 + m persistent -1 8 optimizer_state start #8\n"
+            "10 + n transient -1 4 activation start #9\n"
+            "13 - n transient -1 4 activation start #9\n");
+}
+
+// The norm's order: computed, then all-reduced (once), then read; through deps or one stream.
+TEST(Effects, ShardReductionsAreAllReducedBeforeTheirReaders) {
+  auto with = [](std::initializer_list<
+                  std::tuple<proto::InstrKind, int, proto::Stream, std::initializer_list<int>>>
+                     instrs) {
+    proto::Schedule s = Empty();
+    for (const auto& [kind, op, stream, deps] : instrs) {
+      Add(&s, kind, op,
+          kind == proto::INSTR_ALL_REDUCE ? std::initializer_list<int>{kN}
+                                          : std::initializer_list<int>{},
+          -1, stream);
+      for (int d : deps) s.mutable_instructions()->rbegin()->add_deps(d);
+    }
+    const Status checked = CheckShardReductions(s);
+    return checked.ok() ? std::string("ok") : checked.message();
+  };
+  constexpr auto kCompute = proto::INSTR_COMPUTE;
+  constexpr auto kAllReduce = proto::INSTR_ALL_REDUCE;
+  constexpr auto kOnCompute = proto::STREAM_COMPUTE;
+  constexpr auto kOnReduce = proto::STREAM_REDUCE;
+  EXPECT_EQ(with({{kCompute, kNorm, kOnCompute, {}},
+                  {kAllReduce, -1, kOnReduce, {0}},
+                  {kCompute, kClippedAdam, kOnCompute, {1}}}),
+            "ok");
+  EXPECT_EQ(with({{kCompute, kNorm, kOnCompute, {}},
+                  {kAllReduce, -1, kOnCompute, {}},
+                  {kCompute, kClippedAdam, proto::STREAM_HOST, {1}}}),
+            "ok");  // the all-reduce after the norm by stream order
+  EXPECT_EQ(with({{kCompute, kNorm, kOnCompute, {}},
+                  {kAllReduce, -1, kOnReduce, {0}},
+                  {kCompute, kClippedAdam, kOnCompute, {}}}),
+            "instruction 2 (compute) reads n without waiting for its all-reduce (instruction 1)");
+  EXPECT_EQ(with({{kCompute, kNorm, kOnCompute, {}},
+                  {kAllReduce, -1, kOnReduce, {}},
+                  {kCompute, kClippedAdam, kOnCompute, {1}}}),
+            "instruction 1 (all_reduce) all-reduces n without waiting for the compute of it");
+  EXPECT_EQ(with({{kCompute, kNorm, kOnCompute, {}}, {kCompute, kClippedAdam, kOnCompute, {}}}),
+            "no instruction all-reduces n, each rank's partial sum");
+  EXPECT_EQ(with({{kCompute, kNorm, kOnCompute, {}},
+                  {kAllReduce, -1, kOnReduce, {0}},
+                  {kAllReduce, -1, kOnReduce, {0}}}),
+            "instruction 2 (all_reduce) all-reduces n a second time (instruction 1 did)");
 }
 
 TEST(Effects, HostOptimizerKeepsMasterAndStatesOnTheHostWithAComputeShard) {
@@ -229,6 +285,12 @@ TEST(Effects, EveryMisuseIsRefusedWithItsMessage) {
       {"reload of what is on the device",
        [](proto::Schedule* s) { Add(s, proto::INSTR_RELOAD, -1, {kM}, -1); },
        "instruction 0 (reload) reloads m, which is not offloaded"},
+      {"all-reduce of a dead buffer",
+       [](proto::Schedule* s) { Add(s, proto::INSTR_ALL_REDUCE, -1, {kN}, -1); },
+       "instruction 0 (all_reduce) all-reduces n (micro-step -1), which is not live"},
+      {"all-reduce of a grad",
+       [](proto::Schedule* s) { Add(s, proto::INSTR_ALL_REDUCE, -1, {kG}, -1); },
+       "instruction 0 (all_reduce) all-reduces g, which is not an activation"},
       {"rename of a dead buffer",
        [](proto::Schedule* s) { Add(s, proto::INSTR_RENAME, kHeadRecompute, {kB}); },
        "instruction 0 (rename) renames b (micro-step 0), which is not live"},

@@ -89,9 +89,14 @@
 //   flops   4 * M * V
 
 // adamw: AdamW with bias correction (PyTorch semantics: p -= lr * wd * p, then the Adam update).
-// In place on the rank's equal-length shards; no outputs. Step count from the executor.
-//   inputs  [param, grad, m, v]   outputs []
-//   attrs   lr, beta1, beta2, eps, weight_decay (f; weight_decay is 0 for 1-D params)
+// In place on the rank's equal-length shards; no outputs. Step count from the executor. With
+// gradient clipping (ModelConfig.clip_grad_norm > 0) a fifth input is the global squared norm
+// of the grads (grad_norm_squared's output, summed over the ranks) and attr max_grad_norm is
+// set: the grad is used times min(1, max_grad_norm / (sqrt(norm_squared) + kClipNormEpsilon)),
+// all in fp32 (torch.nn.utils.clip_grad_norm_'s formula).
+//   inputs  [param, grad, m, v] or [param, grad, m, v, norm_squared f32 [1]]   outputs []
+//   attrs   lr, beta1, beta2, eps, weight_decay (f; weight_decay is 0 for 1-D params),
+//           max_grad_norm (f, > 0; with the fifth input only)
 //   flops   12 * elements
 
 // ---------------------------------------------------------------------------------------------
@@ -148,6 +153,15 @@
 //   flops   4 * M * k * H
 
 // ---------------------------------------------------------------------------------------------
+// Gradient clipping (ModelConfig.clip_grad_norm > 0).
+
+// grad_norm_squared: the sum of the squares of every element of its inputs (the rank's grad
+// shards, in input order, accumulated in double), in the optimizer phase; the schedule's
+// INSTR_ALL_REDUCE then sums it over the ranks, and every adamw op reads the sum.
+//   inputs  [grad_0, ..., grad_{n-1}]   outputs [norm_squared f32 [1]]
+//   flops   2 * elements (of all inputs)
+
+// ---------------------------------------------------------------------------------------------
 // The table. One row per kind: X(Id, name, math)
 // - Id:   the C++ name: op_kind::kId (the name as a string constant), OpKind::kId, and the kernel
 //         function each backend must define.
@@ -177,7 +191,8 @@
   X(GroupedMatmul, "grouped_matmul", kMatrix)                  \
   X(GroupedMatmulBackward, "grouped_matmul_backward", kMatrix) \
   X(MoeCombine, "moe_combine", kVector)                        \
-  X(MoeCombineBackward, "moe_combine_backward", kVector)
+  X(MoeCombineBackward, "moe_combine_backward", kVector)       \
+  X(GradNormSquared, "grad_norm_squared", kVector)
 
 namespace dc {
 
@@ -261,4 +276,10 @@ inline constexpr char kWeightDecay[] = "weight_decay";
 inline constexpr char kExperts[] = "experts";
 inline constexpr char kTopK[] = "top_k";
 inline constexpr char kAuxCoef[] = "aux_coef";
+inline constexpr char kMaxGradNorm[] = "max_grad_norm";
 }  // namespace dc::op_attr
+
+namespace dc {
+// What clip_grad_norm_ adds to the norm before dividing (PyTorch's constant).
+inline constexpr float kClipNormEpsilon = 1e-6f;
+}  // namespace dc

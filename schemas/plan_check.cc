@@ -138,6 +138,7 @@ Status ValidatePlan(const proto::Schedule& schedule, const PlanLimits& limits) {
   DC_RETURN_IF_ERROR(CheckMemoryPlan(schedule));
   PeakListener peak;
   DC_RETURN_IF_ERROR(BufferReplay(schedule, &peak).Run().Prefixed("the plan's schedule: "));
+  DC_RETURN_IF_ERROR(CheckShardReductions(schedule).Prefixed("the plan's schedule: "));
   if (limits.memory_bytes > 0) {
     // Device bytes, and the token ids of every micro-step staged in host memory beside them;
     // a sum past int64 saturates (and is refused).

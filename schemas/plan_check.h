@@ -34,8 +34,8 @@ struct PlanLimits {
 //  - the memory plan: arena_bytes not negative; every placement's instruction, tensor and
 //    micro-step known, its offset aligned and not negative, and its buffer inside the arena
 //    (checked without overflow);
-//  - every buffer effect (BufferReplay), and the arena and the peak of live bytes within
-//    `limits`.
+//  - every buffer effect (BufferReplay), the order of the grads' norm and its all-reduce
+//    (CheckShardReductions), and the arena and the peak of live bytes within `limits`.
 // The message says what is wrong, without a remedy: callers name the file and add
 // "re-plan with dc-plan".
 Status ValidatePlan(const proto::Schedule& schedule, const PlanLimits& limits = {});

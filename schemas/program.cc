@@ -85,6 +85,8 @@ const char* InstrKindName(proto::InstrKind kind) {
       return "reload";
     case proto::INSTR_RENAME:
       return "rename";
+    case proto::INSTR_ALL_REDUCE:
+      return "all_reduce";
     default:
       return "?";
   }
@@ -309,6 +311,7 @@ Status ValidateConfig(const proto::ModelConfig& c) {
   DC_RETURN_IF_ERROR(CheckPositiveReal("init_std", c.init_std()));
   DC_RETURN_IF_ERROR(CheckPositiveReal("adam_eps", c.adam_eps()));
   DC_RETURN_IF_ERROR(CheckNonNegativeReal("model config: weight_decay", c.weight_decay()));
+  DC_RETURN_IF_ERROR(CheckNonNegativeReal("--clip-grad-norm", c.clip_grad_norm()));
   if (!(c.beta1() >= 0 && c.beta1() < 1 && c.beta2() >= 0 && c.beta2() < 1)) {
     return Status::Error("model config: beta1 and beta2 must lie in [0, 1)");
   }

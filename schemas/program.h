@@ -40,6 +40,24 @@ double AttrFloat(const proto::Op& op, const std::string& name, double fallback);
 void SetAttr(proto::Op* op, const std::string& name, int64_t value);
 void SetAttrFloat(proto::Op* op, const std::string& name, double value);
 
+// Optimizer-phase ops are of two sorts. A shard reduction writes an activation: the rank's
+// partial over its shards (grad_norm_squared); the schedule all-reduces each such output
+// (INSTR_ALL_REDUCE) before any op reads it, and it runs on the device. A step is any other
+// optimizer op: it updates the rank's shards in place (adamw), and the host optimizer may run it.
+inline bool IsShardReduction(const proto::Program& program, const proto::Op& op) {
+  if (op.phase() != proto::PHASE_OPTIMIZER) return false;
+  for (int t : op.outputs()) {
+    if (t >= 0 && t < program.tensors_size() &&
+        program.tensors(t).role() == proto::ROLE_ACTIVATION) {
+      return true;
+    }
+  }
+  return false;
+}
+inline bool IsOptimizerStep(const proto::Program& program, const proto::Op& op) {
+  return op.phase() == proto::PHASE_OPTIMIZER && !IsShardReduction(program, op);
+}
+
 // The model families a config names (ModelConfig.family).
 inline constexpr char kFamilyLlama[] = "llama";      // dense
 inline constexpr char kFamilyMixtral[] = "mixtral";  // mixture-of-experts MLP

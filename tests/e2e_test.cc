@@ -251,23 +251,29 @@ TEST_P(Losses, AgreeAcrossOneTwoAndFourRanks) {
   // micro-batches too; the MoE balancing loss is a statistic of each micro-batch (as where every
   // rank computes it on its own micro-batch), so there the micro-batches stay whole and the
   // accumulation steps are split.
+  // With --clip-grad-norm 0.1 (every step clips) each rank sums its shards' squares and the
+  // all-reduce the ranks' partials: the same global norm, so the same agreement.
   const bool moe = GetParam() != "tiny";
-  std::vector<std::vector<double>> losses;
-  for (int ranks : {1, 2, 4}) {
-    const std::string dir = FreshDir("agree-" + GetParam() + std::to_string(ranks));
-    const std::string batch = moe ? " --micro-batch 2 --gas " + std::to_string(4 / ranks)
-                                  : " --micro-batch " + std::to_string(4 / ranks) + " --gas 2";
-    auto run = RunCommand(Tool("dc-collect") + " --backend cpu --model " + GetParam() +
-                          " --nproc " + std::to_string(ranks) + batch +
-                          " --steps 6 --warmup 0 -o " + dir + "/t.db --json");
-    ASSERT_EQ(run.exit_code, 0) << run.err;
-    losses.push_back(ParseJson(run.out)["losses"].get<std::vector<double>>());
-  }
-  for (size_t r = 1; r < losses.size(); ++r) {
-    ASSERT_EQ(losses[r].size(), losses[0].size());
-    for (size_t s = 0; s < losses[0].size(); ++s) {
-      EXPECT_NEAR(losses[r][s], losses[0][s], 1e-5 * std::fabs(losses[0][s]))
-          << "ranks index " << r << " step " << s;
+  for (const std::string clip : {"", " --clip-grad-norm 0.1"}) {
+    SCOPED_TRACE(clip);
+    std::vector<std::vector<double>> losses;
+    for (int ranks : {1, 2, 4}) {
+      const std::string dir =
+          FreshDir("agree-" + GetParam() + std::to_string(ranks) + (clip.empty() ? "" : "-clip"));
+      const std::string batch = moe ? " --micro-batch 2 --gas " + std::to_string(4 / ranks)
+                                    : " --micro-batch " + std::to_string(4 / ranks) + " --gas 2";
+      auto run = RunCommand(Tool("dc-collect") + " --backend cpu --model " + GetParam() +
+                            " --nproc " + std::to_string(ranks) + batch + clip +
+                            " --steps 6 --warmup 0 -o " + dir + "/t.db --json");
+      ASSERT_EQ(run.exit_code, 0) << run.err;
+      losses.push_back(ParseJson(run.out)["losses"].get<std::vector<double>>());
+    }
+    for (size_t r = 1; r < losses.size(); ++r) {
+      ASSERT_EQ(losses[r].size(), losses[0].size());
+      for (size_t s = 0; s < losses[0].size(); ++s) {
+        EXPECT_NEAR(losses[r][s], losses[0][s], 1e-5 * std::fabs(losses[0][s]))
+            << "ranks index " << r << " step " << s;
+      }
     }
   }
 }
@@ -741,6 +747,51 @@ TEST(HostOptimizer, PartOnTheHostPartOnTheDeviceTrainsBitIdentically) {
   EXPECT_EQ(part_run["losses"], base_run["losses"]);
   EXPECT_EQ(part_run["params_digest"], base_run["params_digest"]);
   EXPECT_EQ(part_run["peak_live_bytes"], plan["predicted"]["peak_device_bytes"]);
+}
+
+// Gradient clipping by the global norm: every policy (the baseline, dc inside a budget the
+// baseline exceeds, ZeRO-3 offload with Adam on the host) trains to the same bits, and clipping
+// changes training; a max no norm reaches is no clipping, bit for bit.
+TEST(Clipping, EveryPlanTrainsBitIdenticallyAndAHugeMaxIsNoClipping) {
+  const std::string dir = FreshDir("clip");
+  auto collect = [&](const std::string& name, const std::string& flags) {
+    auto run = RunCommand(Tool("dc-collect") + " --backend cpu --model tiny --dtype bf16 " +
+                          "--nproc 2 --gas 2 --steps 3 --warmup 0 " + flags + " -o " + dir + "/" +
+                          name + ".db --json");
+    EXPECT_EQ(run.exit_code, 0) << name << ": " << run.err;
+    return ParseJson(run.out);
+  };
+  const json clipped = collect("clipped", "--clip-grad-norm 0.1");
+  const json plain = collect("plain", "");
+  const json huge = collect("huge", "--clip-grad-norm 1e30");
+  EXPECT_EQ(huge["losses"], plain["losses"]);
+  EXPECT_NE(clipped["losses"], plain["losses"]);
+  EXPECT_EQ(clipped["losses"][0], plain["losses"][0]);  // the first step's loss is before any
+
+  auto plan_and_run = [&](const std::string& name, const std::string& flags) {
+    const std::string plan = dir + "/" + name + ".dcplan";
+    auto planned = RunCommand(Tool("dc-plan") + " " + dir + "/clipped.db --no-cache " + flags +
+                              " --json -o " + plan);
+    EXPECT_EQ(planned.exit_code, 0) << name << ": " << planned.err;
+    const json plan_json = ParseJson(planned.out);
+    const int64_t capacity = std::max(
+        plan_json["predicted"]["peak_device_bytes"].get<int64_t>(),
+        plan_json.contains("arena_bytes") ? plan_json["arena_bytes"].get<int64_t>() : int64_t{0});
+    auto run = RunCommand(Tool("dc-run") + " --backend cpu " + plan + " --steps 6 --json" +
+                          " --device-memory " + std::to_string(capacity));
+    EXPECT_EQ(run.exit_code, 0) << name << ": " << run.err;
+    return std::make_pair(plan_json, ParseJson(run.out));
+  };
+  auto [base_plan, base_run] = plan_and_run("baseline", "--policy baseline");
+  const int64_t budget = base_plan["predicted"]["peak_device_bytes"].get<int64_t>() * 87 / 100;
+  for (const std::string& flags :
+       {"--policy dc --budget " + std::to_string(budget), std::string("--policy zero3-offload"),
+        "--passes zero3,offload,memory-plan --budget " + std::to_string(budget),
+        std::string("--passes zero3,bucket,prefetch")}) {
+    auto [plan, run] = plan_and_run("p" + std::to_string(flags.size()), flags);
+    EXPECT_EQ(run["losses"], base_run["losses"]) << flags;
+    EXPECT_EQ(run["params_digest"], base_run["params_digest"]) << flags;
+  }
 }
 
 TEST_P(OptimizedPlans, SameInputsGiveAByteIdenticalPlanFile) {

@@ -65,6 +65,9 @@ void ModelFlags::Add(CLI::App& app) {
               "learning rate at the end of the decay (default 0)");
   AddOptional(app, "--lr-decay", &overrides.lr_decay,
               "shape of the decay: cosine, linear or constant (default cosine with --decay-steps)");
+  AddOptional(app, "--clip-grad-norm", &overrides.clip_grad_norm,
+              "clip the grads by their global L2 norm before AdamW, as "
+              "torch.nn.utils.clip_grad_norm_ (e.g. 1.0; default 0: no clipping)");
   AddOptional(
       app, "--data", &overrides.data_path,
       "flat binary file of uint16 token ids (as nanoGPT writes them) instead of synthetic tokens");

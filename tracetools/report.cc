@@ -60,6 +60,7 @@ ActivityClass InstructionClass(proto::InstrKind kind) {
   switch (kind) {
     case proto::INSTR_ALL_GATHER:
     case proto::INSTR_REDUCE_SCATTER:
+    case proto::INSTR_ALL_REDUCE:
       return ActivityClass::kCommunication;
     case proto::INSTR_OFFLOAD:
     case proto::INSTR_RELOAD:

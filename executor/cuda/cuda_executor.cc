@@ -12,6 +12,7 @@
 #include "executor/cuda/cuda_kernels.h"
 #include "executor/interpreter.h"
 #include "executor/layout.h"
+#include "schemas/effects.h"
 #include "schemas/units.h"
 
 namespace dc {
@@ -124,6 +125,15 @@ class CudaDevice : public RankDevice {
                    const std::string& what) override;
   Status ReduceScatterAdd(std::span<const ReduceScatterItem> items, proto::Stream stream,
                           const std::string& what) override;
+  Status AllReduceSum(const DeviceTensor& values, proto::Stream stream,
+                      const std::string& what) override {
+    if (world_ == 1) return Status::Ok();
+    if (values.dtype != proto::DTYPE_F32) {
+      return Status::Error(what + ": the all-reduce takes fp32 values only");
+    }
+    return comm_->AllReduceSumOnDevice(static_cast<float*>(values.data), values.NumElements(),
+                                       StreamOf(stream));
+  }
 
   Status RunOp(const proto::Op& op, std::span<DeviceTensor> inputs, std::span<DeviceTensor> outputs,
                const OpArgs& args) override {
@@ -397,7 +407,7 @@ StatusOr<int64_t> KernelScratchBytes(const proto::Schedule& schedule, int rank) 
     std::vector<DeviceTensor> inputs, outputs;
     for (int t : op.inputs()) {
       const proto::Tensor& tensor = program.tensors(t);
-      if (optimizer) {
+      if (optimizer && IsPersistentRole(tensor.role())) {
         const BufferShape shape = ShardShape(tensor, world);
         inputs.push_back(MakeTensor(nullptr, shape.dtype, {shape.elements}));
       } else {

@@ -921,14 +921,18 @@ Status AdamWConstantsFor(const proto::Op& op, const CudaKernelContext& context,
   c->m_correction = static_cast<float>(1.0 / (1.0 - std::pow(beta1, step)));
   c->v_correction = static_cast<float>(1.0 / (1.0 - std::pow(beta2, step)));
   c->decay = static_cast<float>(1.0 - lr * weight_decay);
+  c->max_grad_norm = 0;
+  c->clip_epsilon = kClipNormEpsilon;
   return Status::Ok();
 }
 
 Status AdamW(Call c) {
   Checker check(c.op);
-  DC_RETURN_IF_ERROR(check.Arity(c.in, c.out, 4, 0));
+  // With clipping, input 4 is the grads' global squared norm (fp32 [1], on the device).
+  const bool clip = c.in.size() == 5;
+  DC_RETURN_IF_ERROR(check.Arity(c.in, c.out, clip ? 5 : 4, 0));
   const char* names[] = {"param", "grad", "m", "v"};
-  for (size_t i = 0; i < c.in.size(); ++i) {
+  for (size_t i = 0; i < 4; ++i) {
     DC_RETURN_IF_ERROR(check.FloatAs(c.in[i], proto::DTYPE_F32, In(i, names[i])));
     if (c.in[i].NumElements() != c.in[0].NumElements()) {
       return check.Error(In(i, names[i]).Label() + " has " + std::to_string(c.in[i].NumElements()) +
@@ -937,12 +941,67 @@ Status AdamW(Call c) {
   }
   ck::AdamWConstants constants{};
   DC_RETURN_IF_ERROR(AdamWConstantsFor(c.op, c.context, &constants));
+  const float* norm_squared = nullptr;
+  if (clip) {
+    DC_RETURN_IF_ERROR(check.FloatAs(c.in[4], proto::DTYPE_F32, In(4, "norm_squared")));
+    if (c.in[4].NumElements() != 1) {
+      return check.Error(In(4, "norm_squared").Label() + " has " +
+                         std::to_string(c.in[4].NumElements()) + " elements, expected 1");
+    }
+    const double max_norm = AttrFloat(c.op, op_attr::kMaxGradNorm, 0);
+    if (!(std::isfinite(max_norm) && max_norm > 0)) {
+      return check.Error(std::string("reads the grads' norm but its attr '") +
+                         op_attr::kMaxGradNorm + "' is not a positive number");
+    }
+    constants.max_grad_norm = static_cast<float>(max_norm);
+    norm_squared = static_cast<const float*>(c.in[4].data);
+  }
   const int64_t n = c.in[0].NumElements();
   if (n == 0) return Status::Ok();
   return Launched(
       c.op, ck::AdamW(static_cast<float*>(c.in[0].data), static_cast<const float*>(c.in[1].data),
                       static_cast<float*>(c.in[2].data), static_cast<float*>(c.in[3].data), n,
-                      constants, c.context.stream));
+                      constants, norm_squared, c.context.stream));
+}
+
+// --- grad_norm_squared
+
+Status CheckGradNormSquared(Tensors in, Tensors out, Checker* check) {
+  if (in.empty() || out.size() != 1) {
+    return check->Error("expects one or more inputs and 1 output, got " +
+                        std::to_string(in.size()) + " and " + std::to_string(out.size()));
+  }
+  for (size_t i = 0; i < in.size(); ++i) {
+    DC_RETURN_IF_ERROR(check->FloatAs(in[i], proto::DTYPE_F32, In(i, "grad")));
+  }
+  DC_RETURN_IF_ERROR(check->FloatAs(out[0], proto::DTYPE_F32, Out(0, "norm_squared")));
+  if (out[0].NumElements() != 1) {
+    return check->Error(Out(0, "norm_squared").Label() + " has " +
+                        std::to_string(out[0].NumElements()) + " elements, expected 1");
+  }
+  return Status::Ok();
+}
+
+StatusOr<int64_t> GradNormSquaredScratchBytes(const proto::Op& op, Tensors in, Tensors out) {
+  Checker check = Checker::ShapesOnly(op);
+  DC_RETURN_IF_ERROR(CheckGradNormSquared(in, out, &check));
+  return ck::GradNormSquaredScratchBytes();
+}
+
+Status GradNormSquared(Call c) {
+  Checker check(c.op);
+  DC_RETURN_IF_ERROR(CheckGradNormSquared(c.in, c.out, &check));
+  DC_ASSIGN_OR_RETURN(void* scratch,
+                      c.r.Scratch(c.context, ck::GradNormSquaredScratchBytes(), c.op));
+  std::vector<const float*> inputs;
+  std::vector<int64_t> sizes;
+  for (const DeviceTensor& t : c.in) {
+    inputs.push_back(static_cast<const float*>(t.data));
+    sizes.push_back(t.NumElements());
+  }
+  return Launched(
+      c.op, ck::GradNormSquared(inputs.data(), sizes.data(), static_cast<int64_t>(inputs.size()),
+                                static_cast<float*>(c.out[0].data), scratch, c.context.stream));
 }
 
 // --- mixture of experts. The expert-major layout is made on the device (ck::MoeLayout) by
@@ -1437,6 +1496,8 @@ constexpr ScratchBytes kScratchBytes<OpKind::kGroupedMatmul> = GroupedMatmulScra
 template <>
 constexpr ScratchBytes kScratchBytes<OpKind::kGroupedMatmulBackward> =
     GroupedMatmulBackwardScratchBytes;
+template <>
+constexpr ScratchBytes kScratchBytes<OpKind::kGradNormSquared> = GradNormSquaredScratchBytes;
 
 struct KindEntry {
   Kernel run;

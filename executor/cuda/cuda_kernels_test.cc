@@ -532,6 +532,78 @@ TEST(GpuAdamW, MatchesCpuBitForBit) {
   }
 }
 
+// Clipping: grad_norm_squared of several grads on the GPU (then used as the global norm) and the
+// clipped AdamW step match the CPU backend; the step bit for bit.
+TEST(GpuAdamW, ClippedMatchesCpuBitForBit) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(6);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  const std::vector<int64_t> sizes = {100003, 4097, 1};
+  std::vector<std::vector<float>> grads;
+  for (int64_t n : sizes) {
+    grads.emplace_back(n);
+    for (float& v : grads.back()) v = dist(rng);
+  }
+  DeviceMemoryPool pool;
+  std::vector<DeviceTensor> gpu_grads;
+  std::vector<TensorRef> cpu_grads;
+  for (auto& g : grads) {
+    gpu_grads.push_back(pool.UploadFloats(g, {static_cast<int64_t>(g.size())}, proto::DTYPE_F32));
+    TensorRef ref;
+    ref.shape = {static_cast<int64_t>(g.size())};
+    ref.f32 = g.data();
+    cpu_grads.push_back(ref);
+  }
+  std::vector<float> cpu_norm(1);
+  TensorRef norm_ref;
+  norm_ref.shape = {1};
+  norm_ref.f32 = cpu_norm.data();
+  std::vector<TensorRef> cpu_out = {norm_ref};
+  Check(RunCpuOp(MakeOp(op_kind::kGradNormSquared), cpu_grads, cpu_out, {}));
+  std::vector<DeviceTensor> gpu_norm = {pool.Allocate({1}, proto::DTYPE_F32)};
+  Check(RunCudaOp(MakeOp(op_kind::kGradNormSquared), gpu_grads, gpu_norm, SyncContext()));
+  EXPECT_NEAR(DownloadFloats(gpu_norm[0])[0], cpu_norm[0], 1e-6 * cpu_norm[0]);
+
+  // One step of the first grad's param, clipped at a max below the norm, from the CPU's norm.
+  const int64_t n = sizes[0];
+  std::vector<std::vector<float>> host(4, std::vector<float>(n));
+  for (auto& values : host) {
+    for (float& v : values) v = dist(rng);
+  }
+  host[1] = grads[0];
+  for (float& v : host[3]) v = std::abs(v) * 0.01f;
+  const proto::Op op = MakeOp(op_kind::kAdamW, {},
+                              {{op_attr::kLr, 3e-4},
+                               {op_attr::kBeta1, 0.9},
+                               {op_attr::kBeta2, 0.95},
+                               {op_attr::kEps, 1e-8},
+                               {op_attr::kWeightDecay, 0.1},
+                               {op_attr::kMaxGradNorm, 1.0}});
+  std::vector<DeviceTensor> gpu;
+  for (const auto& values : host) gpu.push_back(pool.UploadFloats(values, {n}, proto::DTYPE_F32));
+  gpu.push_back(pool.UploadFloats(cpu_norm, {1}, proto::DTYPE_F32));
+  std::vector<TensorRef> cpu;
+  for (auto& values : host) {
+    TensorRef ref;
+    ref.shape = {n};
+    ref.f32 = values.data();
+    cpu.push_back(ref);
+  }
+  cpu.push_back(norm_ref);
+  KernelContext cpu_context;
+  cpu_context.adam_step = 2;
+  Check(RunCpuOp(op, cpu, {}, cpu_context));
+  CudaKernelContext context = SyncContext();
+  context.adam_step = 2;
+  Check(RunCudaOp(op, gpu, {}, context));
+  const char* names[] = {"param", "grad", "m", "v"};
+  for (int i = 0; i < 4; ++i) {
+    const std::vector<float> got = DownloadFloats(gpu[i]);
+    EXPECT_EQ(0, std::memcmp(got.data(), host[i].data(), n * sizeof(float)))
+        << names[i] << " differs from the CPU backend";
+  }
+}
+
 TEST(GpuErrors, NameTheOpAndTheOperand) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   DeviceMemoryPool pool;

@@ -623,10 +623,75 @@ TEST(EmulatedAdamW, MatchesCpuBitForBit) {
                              f(1.0 - lr * 0.1)};
   ExpectOk(ck::AdamW(reinterpret_cast<float*>(p.Dev()), reinterpret_cast<const float*>(g.Dev()),
                      reinterpret_cast<float*>(m.Dev()), reinterpret_cast<float*>(v.Dev()), n, c,
-                     nullptr));
+                     nullptr, nullptr));
   ExpectClose(p, ck::FloatType::kF32, 0, "param");
   ExpectClose(m, ck::FloatType::kF32, 0, "m");
   ExpectClose(v, ck::FloatType::kF32, 0, "v");
+}
+
+// Clipped: the coefficient from the global squared norm on the device, in the same fp32 steps.
+TEST(EmulatedAdamW, ClippedMatchesCpuBitForBit) {
+  std::mt19937 rng(9);
+  const int64_t n = 1000;
+  Tensor p = Random({n}, ck::FloatType::kF32, &rng), g = Random({n}, ck::FloatType::kF32, &rng);
+  Tensor m = Random({n}, ck::FloatType::kF32, &rng, 0.1f);
+  Tensor v = Random({n}, ck::FloatType::kF32, &rng, 0.1f);
+  for (float& x : v.ref) x = std::abs(x);
+  v.dev = Encode(v.ref, ck::FloatType::kF32);
+  Tensor norm = Zeros({1}, ck::FloatType::kF32);
+  norm.ref = {9.7f};
+  norm.dev = Encode(norm.ref, ck::FloatType::kF32);
+  const proto::Op op = MakeOp(op_kind::kAdamW, {},
+                              {{op_attr::kLr, 1e-3},
+                               {op_attr::kBeta1, 0.9},
+                               {op_attr::kBeta2, 0.95},
+                               {op_attr::kEps, 1e-8},
+                               {op_attr::kWeightDecay, 0.1},
+                               {op_attr::kMaxGradNorm, 0.25}});
+  KernelContext context;
+  context.adam_step = 3;
+  RunCpu(op, {p.Ref(), g.Ref(), m.Ref(), v.Ref(), norm.Ref()}, {}, context);
+  const double lr = 1e-3, beta1 = 0.9, beta2 = 0.95, step = 3;
+  auto f = [](double x) { return static_cast<float>(x); };
+  const ck::AdamWConstants c{f(lr),
+                             f(beta1),
+                             f(1.0 - beta1),
+                             f(beta2),
+                             f(1.0 - beta2),
+                             f(1e-8),
+                             f(1.0 / (1.0 - std::pow(beta1, step))),
+                             f(1.0 / (1.0 - std::pow(beta2, step))),
+                             f(1.0 - lr * 0.1),
+                             0.25f,
+                             kClipNormEpsilon};
+  ExpectOk(ck::AdamW(reinterpret_cast<float*>(p.Dev()), reinterpret_cast<const float*>(g.Dev()),
+                     reinterpret_cast<float*>(m.Dev()), reinterpret_cast<float*>(v.Dev()), n, c,
+                     reinterpret_cast<const float*>(norm.Dev()), nullptr));
+  ExpectClose(p, ck::FloatType::kF32, 0, "param");
+  ExpectClose(m, ck::FloatType::kF32, 0, "m");
+  ExpectClose(v, ck::FloatType::kF32, 0, "v");
+}
+
+// The squares of every input in double (a tree inside each input on the device, in order on the
+// CPU), rounded once: the same fp32 here.
+TEST(EmulatedGradNormSquared, MatchesCpu) {
+  std::mt19937 rng(11);
+  std::vector<Tensor> grads;
+  for (int64_t n : {1000, 37, 3000}) grads.push_back(Random({n}, ck::FloatType::kF32, &rng));
+  Tensor out = Zeros({1}, ck::FloatType::kF32);
+  std::vector<TensorRef> in;
+  std::vector<const float*> devs;
+  std::vector<int64_t> sizes;
+  for (Tensor& t : grads) {
+    in.push_back(t.Ref());
+    devs.push_back(reinterpret_cast<const float*>(t.Dev()));
+    sizes.push_back(t.shape[0]);
+  }
+  RunCpu(MakeOp(op_kind::kGradNormSquared), in, {out.Ref()}, {});
+  std::vector<unsigned char> scratch(ck::GradNormSquaredScratchBytes());
+  ExpectOk(ck::GradNormSquared(devs.data(), sizes.data(), 3, reinterpret_cast<float*>(out.Dev()),
+                               scratch.data(), nullptr));
+  ExpectClose(out, ck::FloatType::kF32, 1e-7, "norm_squared");
 }
 
 TEST(EmulatedCast, RoundTripsAndAccumulates) {

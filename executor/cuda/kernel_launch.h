@@ -129,12 +129,23 @@ cudaError_t MoeCombineBackward(FloatType type, const void* dy, const void* ys, c
 
 // AdamW's constants, computed on the host exactly as the CPU backend computes them (in double,
 // then rounded to fp32 for the fp32 pass).
+// With clipping, max_grad_norm > 0 and the launcher's norm_squared (the global squared norm,
+// one fp32 on the device) scale the grad by min(1, max_grad_norm / (sqrt(norm_squared) +
+// clip_epsilon)) in fp32, as the CPU backend does; without, norm_squared is null.
 struct AdamWConstants {
   float lr, beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
   float m_correction, v_correction, decay;
+  float max_grad_norm = 0, clip_epsilon = 0;  // used only with a norm_squared
 };
 cudaError_t AdamW(float* param, const float* grad, float* m, float* v, int64_t n,
-                  const AdamWConstants& constants, cudaStream_t stream);
+                  const AdamWConstants& constants, const float* norm_squared, cudaStream_t stream);
+
+// grad_norm_squared: the sum of squares of each of `count` fp32 inputs, in double, in input order
+// and a fixed order inside each (deterministic), written to *out as fp32. `partials` is
+// GradNormSquaredScratchBytes() of device memory.
+int64_t GradNormSquaredScratchBytes();
+cudaError_t GradNormSquared(const float* const* inputs, const int64_t* sizes, int64_t count,
+                            float* out, void* partials, cudaStream_t stream);
 
 // to[i] = from[i] converted (round to nearest even).
 cudaError_t Cast(FloatType from_type, const void* from, FloatType to_type, void* to, int64_t n,

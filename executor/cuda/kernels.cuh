@@ -485,9 +485,17 @@ cudaError_t CrossEntropyBackward(FloatType type, const void* logits, const int32
 // The CPU backend's update (executor/cpu_simd.cc's AdamW): fp32, with fused multiply-adds exactly
 // where it fuses and no other contraction, so the result is the CPU's bit for bit.
 DC_GLOBAL void DC_LAUNCH_BOUNDS(kThreadsPerBlock)
-    AdamWKernel(float* param, const float* grad, float* m, float* v, int64_t n, AdamWConstants c) {
+    AdamWKernel(float* param, const float* grad, float* m, float* v, int64_t n, AdamWConstants c,
+                const float* norm_squared) {
+  // The clipping coefficient (executor/cpu_kernels.cc's ClipGradScale): 1 without clipping,
+  // which leaves the grad's bits as they are.
+  float grad_scale = 1.0f;
+  if (norm_squared != nullptr) {
+    const float coef = FDiv(c.max_grad_norm, FAdd(FSqrt(*norm_squared), c.clip_epsilon));
+    grad_scale = coef < 1.0f ? coef : 1.0f;
+  }
   for (int64_t i = GlobalThreadIndex(); i < n; i += GridThreads()) {
-    const float g = grad[i];
+    const float g = FMul(grad[i], grad_scale);
     const float mi = FFma(c.beta1, m[i], FMul(c.one_minus_beta1, g));
     const float vi = FFma(c.beta2, v[i], FMul(c.one_minus_beta2, FMul(g, g)));
     m[i] = mi;
@@ -499,9 +507,63 @@ DC_GLOBAL void DC_LAUNCH_BOUNDS(kThreadsPerBlock)
 }
 
 cudaError_t AdamW(float* param, const float* grad, float* m, float* v, int64_t n,
-                  const AdamWConstants& constants, cudaStream_t stream) {
+                  const AdamWConstants& constants, const float* norm_squared, cudaStream_t stream) {
   return LaunchKernel(AdamWKernel, ElementwiseGrid(n), dim3(kThreadsPerBlock), 0, stream, param,
-                      grad, m, v, n, constants);
+                      grad, m, v, n, constants, norm_squared);
+}
+
+// ---------------------------------------------------------------------------------------------
+// grad_norm_squared
+
+// Per input: each block sums the squares of its grid-stride elements in double into
+// partials[1 + block]; then one block adds the partials, in block order, to the running total
+// partials[0] (set by the first input) and writes it, rounded, to *out. Fixed grids and orders,
+// so the result is the same run to run.
+inline constexpr int64_t kGradNormBlocks = 256;
+
+DC_GLOBAL void DC_LAUNCH_BOUNDS(kThreadsPerBlock)
+    SumSquaresKernel(const float* x, int64_t n, double* partials) {
+  DC_SHARED double scratch[32];
+  double sum = 0;
+  for (int64_t i = GlobalThreadIndex(); i < n; i += GridThreads()) {
+    const double v = x[i];
+    sum = DAdd(sum, DMul(v, v));
+  }
+  sum = BlockSum(sum, scratch);
+  if (threadIdx.x == 0) partials[1 + blockIdx.x] = sum;
+}
+
+DC_GLOBAL void DC_LAUNCH_BOUNDS(kThreadsPerBlock)
+    AddPartialsKernel(double* partials, int64_t blocks, bool first, float* out) {
+  DC_SHARED double scratch[32];
+  double sum = 0;
+  for (int64_t b = threadIdx.x; b < blocks; b += blockDim.x) sum = DAdd(sum, partials[1 + b]);
+  sum = BlockSum(sum, scratch);
+  if (threadIdx.x == 0) {
+    partials[0] = first ? sum : DAdd(partials[0], sum);
+    *out = static_cast<float>(partials[0]);
+  }
+}
+
+int64_t GradNormSquaredScratchBytes() {
+  return (1 + kGradNormBlocks) * static_cast<int64_t>(sizeof(double));
+}
+
+cudaError_t GradNormSquared(const float* const* inputs, const int64_t* sizes, int64_t count,
+                            float* out, void* partials, cudaStream_t stream) {
+  double* p = static_cast<double*>(partials);
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t n = sizes[k];
+    const int64_t blocks =
+        std::clamp<int64_t>((n + kThreadsPerBlock - 1) / kThreadsPerBlock, 1, kGradNormBlocks);
+    cudaError_t e = LaunchKernel(SumSquaresKernel, dim3(static_cast<unsigned>(blocks)),
+                                 dim3(kThreadsPerBlock), 0, stream, inputs[k], n, p);
+    if (e != cudaSuccess) return e;
+    e = LaunchKernel(AddPartialsKernel, dim3(1), dim3(kThreadsPerBlock), 0, stream, p, blocks,
+                     k == 0, out);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -305,6 +305,16 @@ Status NcclCommunicator::ReduceScatterGroup(std::span<const NcclReduceScatterIte
   });
 }
 
+Status NcclCommunicator::AllReduceSumOnDevice(float* values, int64_t count, cudaStream_t stream) {
+  const std::string what = "all-reduce (sum) of " + std::to_string(count) + " value(s)";
+  DC_RETURN_IF_ERROR(CheckUsable(what));
+  if (count <= 0) return Status::Ok();
+  return Call(what, [&] {
+    return ncclAllReduce(values, values, static_cast<size_t>(count), ncclFloat32, ncclSum,
+                         state_->comm, stream);
+  });
+}
+
 Status NcclCommunicator::AllReduceHost(double* values, int64_t count, bool max,
                                        const std::string& what) {
   DC_RETURN_IF_ERROR(CheckUsable(what));

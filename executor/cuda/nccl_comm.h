@@ -74,6 +74,9 @@ class NcclCommunicator : public Communicator {
   // so every rank must enqueue them in the same order.
   Status AllGatherGroup(std::span<const NcclGatherItem> items, cudaStream_t stream);
   Status ReduceScatterGroup(std::span<const NcclReduceScatterItem> items, cudaStream_t stream);
+  // `count` fp32 DEVICE values summed over the ranks in place, enqueued on `stream` and not
+  // waited for (the grads' squared norm before a clipped optimizer step).
+  Status AllReduceSumOnDevice(float* values, int64_t count, cudaStream_t stream);
 
   // Waits for everything enqueued on stream(), polling NCCL for a failed or vanished peer.
   // `what` names the wait in errors.

@@ -283,10 +283,20 @@ def main():
                   {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}]
         opt = torch.optim.AdamW(groups, lr=run["lr"], betas=(run["beta1"], run["beta2"]),
                                 eps=run["adam_eps"])
+        # dc's --clip-grad-norm: clip_grad_norm_ over every param's whole gradient, then AdamW.
+        max_norm = run.get("clip_grad_norm", 0.0)
+        clipped_steps = 0
         for step in range(run["step"], run["step"] + args.steps):
             opt.zero_grad()
             step_loss(params, cfg, run, data, step).backward()
+            if max_norm > 0:
+                total = torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm)
+                clipped_steps += int(total.item() > max_norm)
+                print(f"step {step}: grad norm {total.item():.6g}, clip at {max_norm:g}")
             opt.step()
+        if max_norm > 0 and clipped_steps == 0:
+            failures.append(f"--clip-grad-norm {max_norm:g} clipped none of the {args.steps} "
+                            "steps; set it lower so that the test exercises clipping")
         # Adam divides by sqrt(v) + eps: where a gradient is near eps (1e-8) a rounding error in
         # it moves that element's update by up to lr, which momentum carries on; PyTorch's own
         # fp32 AdamW shows the same (README, "Parity with PyTorch"). So the weights are held to

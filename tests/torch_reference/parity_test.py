@@ -2,6 +2,7 @@
 """dc against the PyTorch reference (dc_reference.py) on one model, world size and accumulation:
 
     parity_test.py BUILD_DIR PRESET WORLD GAS [bf16-weights] [--backend cuda]
+                   [--clip-grad-norm MAX]
 
 Plans PRESET with dc-plan --synthetic on a small seeded token file, trains one step from dc's
 seeded init and exports it (W0, so no param is at its initial value), then from W0 trains 5
@@ -10,7 +11,9 @@ gradients (1e-5 relative) and the weights after 5 AdamW steps (dc_reference.py's
 With bf16-weights the start is W0 rounded to bf16 and saved in HF's sharded layout (index and
 two files), as a published bf16 checkpoint is: dc widens bf16 exactly, so the same tolerances.
 With --backend cuda the plan is for an H100 in fp32 (--dtype f32) and dc-run trains on the GPU:
-the same reference and tolerances hold the cuda kernels to PyTorch.
+the same reference and tolerances hold the cuda kernels to PyTorch. With --clip-grad-norm the
+plan clips the grads by their global norm, and the reference applies
+torch.nn.utils.clip_grad_norm_ before each AdamW step (it fails if no step clipped).
 """
 import json
 import os
@@ -79,6 +82,11 @@ def main():
         del args[i:i + 2]
     if backend not in ("cpu", "cuda"):
         sys.exit(f"parity_test.py: --backend {backend}: expected cpu or cuda")
+    clip = []
+    if "--clip-grad-norm" in args:
+        i = args.index("--clip-grad-norm")
+        clip = ["--clip-grad-norm", args[i + 1]]
+        del args[i:i + 2]
     build, preset, world, gas = args[0], args[1], args[2], args[3]
     bf16 = len(args) > 4 and args[4] == "bf16-weights"
     hardware = ["--hardware", "cpu"] if backend == "cpu" else ["--hardware", "h100-sxm",
@@ -96,7 +104,7 @@ def main():
             f.write(struct.pack(f"<{TOKENS}H", *tokens))
         plan = os.path.join(d, "plan.dcplan")
         run([f"{tools}/dc-plan", "--synthetic", *hardware, "--model", preset, "--world", world,
-             "--gas", gas, "--data", data, "--no-cache", "--quiet", "-o", plan])
+             "--gas", gas, "--data", data, *clip, "--no-cache", "--quiet", "-o", plan])
         w0, w5, grads = (os.path.join(d, n) for n in ("w0", "w5", "grads"))
         dc_run = [f"{tools}/dc-run", "--backend", backend, plan, "--json"]
         run(dc_run + ["--steps", "1", "--export", w0])
