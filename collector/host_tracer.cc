@@ -15,6 +15,7 @@
 namespace dc {
 
 using collector_internal::Database;
+using collector_internal::EvalRow;
 using collector_internal::GpuInfoRow;
 using collector_internal::KernelRow;
 using collector_internal::MemcpyRow;
@@ -109,6 +110,7 @@ struct TracerRecords {
   std::vector<Mapping> mappings;
   std::vector<Memory> memory;
   std::vector<Step> steps;
+  std::vector<EvalRow> evals;
   int64_t next_correlation_id = 1;
   ClockAnchor start_anchor;
 
@@ -235,6 +237,10 @@ void HostTracer::Memory(int64_t ts_ns, int64_t address, int64_t bytes, bool allo
       {ts_ns, address, bytes, alloc, records_->Intern(name), kind, correlation_id});
 }
 
+void HostTracer::Evaluation(int64_t step, int64_t start_ns, int64_t end_ns, double loss) {
+  records_->evals.push_back({step, start_ns, end_ns, loss});
+}
+
 void HostTracer::Step(int step, int64_t start_ns, int64_t end_ns, double loss, bool warmup) {
   records_->steps.push_back({step, start_ns, end_ns, loss, warmup});
 }
@@ -344,6 +350,7 @@ Status WriteRecords(Database* db, const RankIdentity& identity, int64_t global_p
   for (const auto& s : records.steps) {
     DC_RETURN_IF_ERROR(rows.Step({s.step, s.start_ns, s.end_ns, s.loss, s.warmup}));
   }
+  for (const EvalRow& e : records.evals) DC_RETURN_IF_ERROR(rows.Evaluation(e));
   DC_RETURN_IF_ERROR(
       rows.Rank({identity.hostname, identity.rank, identity.local_rank, identity.world_size,
                  device_id, identity.backend, identity.device, identity.device_memory_bytes}));

@@ -902,6 +902,7 @@ Status Interpreter::EvaluationPass(int64_t steps_done, int64_t batch, int pass, 
 
 Status Interpreter::Evaluate(int64_t steps_done, EvalRecord* record) {
   const auto wall_start = std::chrono::steady_clock::now();
+  const int64_t start_ns = Now();
   double sum = 0;
   for (int64_t batch = 0; batch < options_.eval.batches; ++batch) {
     for (int pass = 0; pass < layout_.gas; ++pass) {
@@ -914,6 +915,7 @@ Status Interpreter::Evaluate(int64_t steps_done, EvalRecord* record) {
       sum / static_cast<double>(options_.eval.batches * TokensPerStep(program_.config(), world_));
   record->seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
+  if (tracer_ != nullptr) tracer_->Evaluation(steps_done, start_ns, Now(), record->loss);
   return Status::Ok();
 }
 

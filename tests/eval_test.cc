@@ -3,6 +3,7 @@
 // (and is training's own forward loss on the same tokens), it stays inside the plan's memory,
 // and what cannot be evaluated is refused in one line.
 #include <gtest/gtest.h>
+#include <sqlite3.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -79,6 +80,22 @@ class Evaluation : public ::testing::Test {
 
 std::string Evaluation::dir_;
 
+// The rows of `sql` over a trace, each row's columns joined by ','.
+std::vector<std::string> Rows(const std::string& path, const std::string& sql) {
+  std::vector<std::string> rows;
+  sqlite3* db = nullptr;
+  EXPECT_EQ(sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READONLY, nullptr), SQLITE_OK) << path;
+  auto add = [](void* out, int n, char** values, char**) {
+    std::string row;
+    for (int i = 0; i < n; ++i) row += std::string(i ? "," : "") + (values[i] ? values[i] : "");
+    static_cast<std::vector<std::string>*>(out)->push_back(row);
+    return 0;
+  };
+  EXPECT_EQ(sqlite3_exec(db, sql.c_str(), add, &rows, nullptr), SQLITE_OK) << sqlite3_errmsg(db);
+  sqlite3_close(db);
+  return rows;
+}
+
 TEST_F(Evaluation, TrainingIsBitIdenticalWithAndWithoutIt) {
   for (const std::string plan : {"dc", "dc-offload", "zero3-offload", "one-gas"}) {
     const auto plain = Run(plan, "--steps 4");
@@ -143,6 +160,30 @@ TEST_F(Evaluation, PrintsBesideTheTrainingLosses) {
   EXPECT_NE(eval3, std::string::npos) << r.out;
   EXPECT_LT(step2, eval2) << r.out;
   EXPECT_EQ(r.out.find("eval step 1:"), std::string::npos) << r.out;
+}
+
+TEST_F(Evaluation, TheTraceRecordsEachEvaluationApartFromTheSteps) {
+  const std::string traced = dir_ + "/traced.db", plain = dir_ + "/plain.db";
+  const auto run =
+      Run("dc", "--steps 3 --trace " + traced + " --eval-data " + HeldOut() + " --eval-every 2");
+  Run("dc", "--steps 3 --trace " + plain);
+  // One row per rank and evaluation, with the loss the run printed.
+  const auto evals = Rows(traced, "SELECT step, loss FROM TC_EVAL ORDER BY step, globalPid");
+  ASSERT_EQ(evals.size(), 4u);
+  EXPECT_EQ(evals[0].substr(0, 2), "2,");
+  EXPECT_EQ(evals[2].substr(0, 2), "3,");
+  EXPECT_EQ(evals[0], evals[1]);  // the ranks agree
+  const double loss = std::stod(evals[2].substr(2));
+  EXPECT_NEAR(loss, EvalLoss(run, 1), 1e-12 * loss);
+  // The steps and their instructions are the trace's as without evaluation.
+  for (const std::string sql : {"SELECT count(*) FROM TC_STEP", "SELECT count(*) FROM TC_EVAL",
+                                "SELECT count(*) FROM TC_INSTRUCTION_MAP"}) {
+    if (sql.find("TC_EVAL") != std::string::npos) {
+      EXPECT_EQ(Rows(plain, sql), std::vector<std::string>{"0"});
+    } else {
+      EXPECT_EQ(Rows(traced, sql), Rows(plain, sql)) << sql;
+    }
+  }
 }
 
 TEST_F(Evaluation, BadFilesAndFlagsAreRefusedInOneLine) {
