@@ -4,10 +4,10 @@
 #   - save: a save's wall seconds (every rank's write, SHA-256, agreement, publish) per GiB of
 #     state, from dc-run's `saves`;
 #   - resume (load): a resumed run's start-up (dc-run's startup_seconds: arena, host buffers and
-#     every shard's first value) minus a fresh run's, per GiB: the checkpoint's reads and checks;
+#     every shard's first value, here read and checked from the checkpoint) per GiB;
 #   - step time with --save-every 1 against without: each measured step's wall with the save
 #     after it (a save runs between steps, outside step_seconds) against a step without, as a
-#     fraction of a step.
+#     fraction of a step: the median over pairs of runs, one of each, run one after the other.
 #   bench/checkpoint_bench.sh [build-dir] [model] [nproc] [steps] [repeats]
 set -euo pipefail
 build=${1:-build}
@@ -57,18 +57,24 @@ def step_with_save(run):
     first = run["first_step"] + 2  # the warm-up step is step 1
     return median(t + by_step[first + i] for i, t in enumerate(run["step_seconds"]))
 step = median(run["step_seconds_median"] for run in plain)
-step_saving = median(step_with_save(run) for run in saving)
 print(f"save: median {save_s:.3f} s = {save_s / gib:.2f} s/GiB = {save_s / step:.3f} of a step")
+# A resumed start-up reads and checks the checkpoint instead of computing the seeded init: it is
+# the resume's whole cost (the arena and host buffers, the same in both, are small beside it).
 fresh_s = median(run["startup_seconds"] for run in fresh)
 resumed_s = median(run["startup_seconds"] for run in resumed)
-load_s = resumed_s - fresh_s
-print(f"resume (load): start-up {resumed_s:.3f} s from the checkpoint, {fresh_s:.3f} s fresh: "
-      f"{load_s:+.3f} s = {load_s / gib:+.2f} s/GiB")
-print(f"step with --save-every 1: median {step_saving:.4f} s against {step:.4f} s without: "
-      f"{(step_saving - step) / step:+.3f} of a step ({step_saving / step:.2f}x)")
+print(f"resume (load): start-up {resumed_s:.3f} s from the checkpoint = {resumed_s / gib:.2f} s/GiB "
+      f"(a fresh start-up, computing the seeded init instead: {fresh_s:.3f} s)")
+# Each saving run against the run without just before it (alternated: they share the load).
+ratios = [step_with_save(s) / p["step_seconds_median"] for p, s in zip(plain, saving)]
+in_run = [median(x["seconds"] for x in s["saves"]) / s["step_seconds_median"] for s in saving]
+print(f"step with --save-every 1 over without: median {median(ratios):.2f}x of the alternated "
+      f"pairs = {median(ratios) - 1:+.3f} of a step (within the saving runs: a save is "
+      f"{median(in_run):.3f} of their step)")
 for name, runs, key in (("step s, no save", plain, "step_seconds_median"),
+                        ("step s, saving runs", saving, "step_seconds_median"),
                         ("startup s, fresh", fresh, "startup_seconds"),
                         ("startup s, resumed", resumed, "startup_seconds")):
     print(f"  per run, {name}: " + " ".join(f"{run[key]:.4f}" for run in runs))
 print("  per run, step + save s: " + " ".join(f"{step_with_save(run):.4f}" for run in saving))
+print("  per pair, ratio: " + " ".join(f"{r:.2f}" for r in ratios))
 PY
