@@ -533,12 +533,12 @@ Status Interpreter::LoadInput(int index, int tensor, int micro, int64_t step, pr
   const int64_t seq = config.seq();
   std::vector<int32_t> inputs(seq), targets(seq);
   // An evaluation pass reads held-out global batch `batch` as a step reads its own.
-  const TokenSource* source = eval_feed_ ? eval_data_.get() : data_.get();
+  const TokenSource* samples = eval_feed_ ? eval_data_.get() : data_.get();
   const int64_t sample_step = eval_feed_ ? eval_feed_->batch : step;
   const int sample_micro = eval_feed_ ? eval_feed_->pass : micro;
   for (int64_t b = 0; b < config.micro_batch(); ++b) {
-    source->Sample(SampleIndex(config, world_, sample_step, sample_micro, rank_, b), inputs.data(),
-                   targets.data());
+    samples->Sample(SampleIndex(config, world_, sample_step, sample_micro, rank_, b), inputs.data(),
+                    targets.data());
     const auto& source = t.name() == "targets" ? targets : inputs;
     std::copy(source.begin(), source.end(), staged + b * seq);
   }

@@ -33,6 +33,12 @@ class Evaluation : public ::testing::Test {
       auto r = RunCommand(plan + " " + flags + " -o " + Plan(name));
       ASSERT_EQ(r.exit_code, 0) << name << ": " << r.err;
     }
+    // Another model: Mixtral's balancing losses are terms of the loss too.
+    auto moe = RunCommand(Tool("dc-plan") +
+                          " --synthetic --model mixtral-tiny --world 2 --hardware cpu --no-cache "
+                          "--data " +
+                          dir_ + "/train.bin -o " + Plan("moe"));
+    ASSERT_EQ(moe.exit_code, 0) << moe.err;
   }
 
   static std::vector<std::pair<std::string, std::string>> Plans() {
@@ -97,7 +103,7 @@ std::vector<std::string> Rows(const std::string& path, const std::string& sql) {
 }
 
 TEST_F(Evaluation, TrainingIsBitIdenticalWithAndWithoutIt) {
-  for (const std::string plan : {"dc", "dc-offload", "zero3-offload", "one-gas"}) {
+  for (const std::string plan : {"dc", "dc-offload", "zero3-offload", "one-gas", "moe"}) {
     const auto plain = Run(plan, "--steps 4");
     const auto evaluated =
         Run(plan, "--steps 4 --eval-data " + HeldOut() + " --eval-every 2 --eval-batches 2");
@@ -141,7 +147,7 @@ TEST_F(Evaluation, TheLossIsTheSameUnderEveryPlanAndWorldSize) {
 TEST_F(Evaluation, OnTheTrainingTokensItIsTheFirstStepsLoss) {
   // Held-out batch 0 of the training file is the first step's batch, and the first step's loss
   // is its forward's, from the same weights: an evaluation is training's forward, exactly.
-  for (const std::string plan : {"dc-offload", "one-gas", "four"}) {
+  for (const std::string plan : {"dc-offload", "one-gas", "four", "moe"}) {
     const auto trained = Run(plan, "--steps 1");
     const auto evaluated =
         Run(plan, "--steps 0 --eval-data " + dir_ + "/train.bin --eval-batches 1");
