@@ -16,6 +16,7 @@
 namespace dc {
 
 using collector_internal::Database;
+using collector_internal::EvalRow;
 using collector_internal::GpuInfoRow;
 using collector_internal::KernelRow;
 using collector_internal::MemcpyRow;
@@ -110,6 +111,7 @@ struct TracerRecords {
   std::vector<Mapping> mappings;
   std::vector<Memory> memory;
   std::vector<Step> steps;
+  std::vector<EvalRow> evals;
   int64_t next_correlation_id = 1;
   ClockAnchor start_anchor;
 
@@ -230,6 +232,10 @@ void HostTracer::Memory(int64_t ts_ns, int64_t address, int64_t bytes, bool allo
                         const std::string& name, BufferKind kind, int64_t correlation_id) {
   records_->memory.push_back(
       {ts_ns, address, bytes, alloc, records_->Intern(name), kind, correlation_id});
+}
+
+void HostTracer::Evaluation(int64_t step, int64_t start_ns, int64_t end_ns, double loss) {
+  records_->evals.push_back({step, start_ns, end_ns, loss});
 }
 
 int64_t HostTracer::activities() const {
@@ -370,6 +376,7 @@ Status WriteRecords(TraceRowWriter& rows, int64_t device_id, const TracerRecords
   for (const auto& s : records.steps) {
     DC_RETURN_IF_ERROR(rows.Step({s.step, s.start_ns, s.end_ns, s.loss, s.warmup}));
   }
+  for (const EvalRow& e : records.evals) DC_RETURN_IF_ERROR(rows.Evaluation(e));
   return Status::Ok();
 }
 
@@ -433,6 +440,7 @@ Status HostTracer::Flush() {
   records_->mappings.clear();
   records_->memory.clear();
   records_->steps.clear();
+  records_->evals.clear();
   // Their records are gone: a late InstructionRan must not move the next step's.
   for (Recorded& r : recorded_) r.step = -1;
   return Status::Ok();

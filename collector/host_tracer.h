@@ -58,6 +58,7 @@ class HostTracer : public ExecutionTracer {
   void Memory(int64_t ts_ns, int64_t address, int64_t bytes, bool alloc, const std::string& name,
               BufferKind kind, int64_t correlation_id) override;
   void Step(int step, int64_t start_ns, int64_t end_ns, double loss, bool warmup) override;
+  void Evaluation(int64_t step, int64_t start_ns, int64_t end_ns, double loss) override;
 
   int64_t global_pid() const { return global_pid_; }
   int64_t activities() const;  // kernels + collectives + copies

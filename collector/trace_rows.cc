@@ -201,6 +201,19 @@ Status TraceRowWriter::Step(const StepRow& r) {
   return s.Run();
 }
 
+Status TraceRowWriter::Evaluation(const EvalRow& r) {
+  // A few rows a run: prepared per row.
+  DC_ASSIGN_OR_RETURN(Statement insert,
+                      db_->Prepare("INSERT INTO TC_EVAL(globalPid, step, start, end, loss) "
+                                   "VALUES (?, ?, ?, ?, ?)"));
+  insert.Bind(1, global_pid_);
+  insert.Bind(2, r.step);
+  insert.Bind(3, r.start_ns);
+  insert.Bind(4, r.end_ns);
+  insert.Bind(5, r.loss);
+  return insert.Run();
+}
+
 Status TraceRowWriter::InstructionMap(const InstructionMapRow& r) {
   Statement& insert = instruction_map_;
   insert.Bind(1, global_pid_);

@@ -92,6 +92,12 @@ struct StepRow {
   bool warmup = false;
 };
 
+struct EvalRow {
+  int64_t step = 0;
+  int64_t start_ns = 0, end_ns = 0;
+  double loss = 0;
+};
+
 struct RecordStatsRow {
   std::string kind;
   int64_t records = 0, dropped = 0, zero_timestamp = 0;
@@ -120,6 +126,7 @@ class TraceRowWriter {
   Status Memset(const MemsetRow& row);
   Status MemoryEvent(const MemoryEventRow& row);
   Status Step(const StepRow& row);
+  Status Evaluation(const EvalRow& row);  // TC_EVAL
   Status InstructionMap(const InstructionMapRow& row);
 
   Status Rank(const RankRow& row);

@@ -119,11 +119,10 @@ constexpr int64_t kTokenBytes = 2;  // uint16 little-endian, as nanoGPT's prepar
 
 class FileTokenSource : public TokenSource {
  public:
-  static StatusOr<std::unique_ptr<TokenSource>> Open(const proto::ModelConfig& config) {
-    const std::string& path = config.data_path();
-    const std::string what_to_do =
-        "pass a flat uint16 token file (nanoGPT .bin) to --data, or leave --data unset for "
-        "synthetic tokens";
+  // `what_to_do` ends the messages of a file that cannot be read.
+  static StatusOr<std::unique_ptr<FileTokenSource>> Open(const proto::ModelConfig& config,
+                                                         const std::string& path,
+                                                         const std::string& what_to_do) {
     DC_ASSIGN_OR_RETURN(std::unique_ptr<MappedFile> file, MappedFile::Open(path, what_to_do));
     const int64_t size_bytes = static_cast<int64_t>(file->size_bytes());
     if (size_bytes % kTokenBytes != 0) {
@@ -148,8 +147,10 @@ class FileTokenSource : public TokenSource {
                              "; set --vocab to the tokenizer's vocabulary size");
       }
     }
-    return std::unique_ptr<TokenSource>(std::move(source));
+    return source;
   }
+
+  int64_t num_tokens() const { return num_tokens_; }
 
   // Windows start at index * seq, wrapping so that seq + 1 tokens always fit: consecutive
   // samples read consecutive stretches of the file. The product in 128 bits: a long run's index
@@ -197,7 +198,37 @@ void NormalPair(uint64_t bits, double* a, double* b) {
 
 StatusOr<std::unique_ptr<TokenSource>> TokenSource::Open(const proto::ModelConfig& config) {
   if (config.data_path().empty()) return Synthetic(config);
-  return FileTokenSource::Open(config);
+  DC_ASSIGN_OR_RETURN(std::unique_ptr<FileTokenSource> source,
+                      FileTokenSource::Open(config, config.data_path(),
+                                            "pass a flat uint16 token file (nanoGPT .bin) to "
+                                            "--data, or leave --data unset for synthetic tokens"));
+  return std::unique_ptr<TokenSource>(std::move(source));
+}
+
+StatusOr<std::unique_ptr<TokenSource>> OpenEvalData(const proto::ModelConfig& config,
+                                                    const std::string& path, int64_t batches,
+                                                    int64_t batch_sequences) {
+  DC_ASSIGN_OR_RETURN(
+      std::unique_ptr<FileTokenSource> source,
+      FileTokenSource::Open(config, path,
+                            "pass a flat uint16 token file (nanoGPT .bin) to --eval-data"));
+  if (batches < 1 || batch_sequences < 1) {
+    return Status::Error(path + ": an evaluation needs at least one batch of one sequence");
+  }
+  // In 128 bits: counts from the command line and the plan.
+  const unsigned __int128 needed = static_cast<unsigned __int128>(batches) *
+                                       static_cast<uint64_t>(batch_sequences) *
+                                       static_cast<uint64_t>(config.seq()) +
+                                   1;
+  if (needed > static_cast<unsigned __int128>(source->num_tokens())) {
+    return Status::Error(path + ": holds " + std::to_string(source->num_tokens()) +
+                         " tokens, fewer than the " + std::to_string(batches) + " x " +
+                         std::to_string(batch_sequences) + " x " + std::to_string(config.seq()) +
+                         " + 1 that --eval-batches " + std::to_string(batches) +
+                         " needs (batches x sequences per global batch x --seq, and one more); "
+                         "use a longer file or fewer --eval-batches");
+  }
+  return std::unique_ptr<TokenSource>(std::move(source));
 }
 
 std::unique_ptr<TokenSource> TokenSource::Synthetic(const proto::ModelConfig& config,

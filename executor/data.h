@@ -33,6 +33,14 @@ class TokenSource {
   virtual void Sample(int64_t index, int32_t* tokens, int32_t* targets) const = 0;
 };
 
+// Held-out tokens (dc-run --eval-data): `path` checked as TokenSource::Open checks a token file
+// and long enough for `batches` batches of `batch_sequences` samples without wrapping
+// (batches * batch_sequences * seq + 1 tokens), so sample i reads tokens [i * seq, (i + 1) * seq]
+// and no token is evaluated twice. Messages name the file and the flags.
+StatusOr<std::unique_ptr<TokenSource>> OpenEvalData(const proto::ModelConfig& config,
+                                                    const std::string& path, int64_t batches,
+                                                    int64_t batch_sequences);
+
 // Records the token file of `config` (data_path, if any) as a plan keeps it: the path made
 // absolute, the file checked as TokenSource::Open checks it, and its SHA-256 in data_sha256.
 Status RecordDataFile(proto::ModelConfig* config);

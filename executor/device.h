@@ -125,7 +125,8 @@ class RankDevice {
   // Makes the compute stream wait for every other stream.
   virtual Status JoinStreams(const std::string& what) = 0;
   // The end of a step, after JoinStreams: waits for the device, checks what only the device
-  // saw, and returns the step's loss sum (then zero).
+  // saw, and returns the step's loss sum (then zero). `step` -1: the end of an evaluation pass
+  // (executor.h's EvalOptions), of which a device's trace keeps nothing.
   virtual StatusOr<double> FinishStep(int step) = 0;
   // Waits for every stream (start-up, shut-down).
   virtual Status Synchronize(const std::string& what) = 0;

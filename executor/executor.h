@@ -34,6 +34,27 @@ class TrainingState {
   virtual StatusOr<std::vector<float>> ReadShard(int tensor) = 0;
 };
 
+// Held-out evaluation (dc-run --eval-data): after every `every_steps`-th optimizer step (counted
+// from 0 over resumes), after the run's last step, and once at start-up in a run of no steps,
+// the mean loss over `batches` global batches of the token file `data_path`. Global batch k is
+// samples [k * G, (k + 1) * G) of the file (G sequences: the plan's global batch), split over
+// the ranks and micro-steps as a training step splits its batch (SampleIndex with step k), so
+// any plan and world size with the same global batch evaluates the same tokens. Forward only:
+// no grad, no optimizer, nothing of the training state changes.
+struct EvalOptions {
+  std::string data_path;    // empty: no evaluation
+  int64_t every_steps = 0;  // 0: only after the last step
+  int64_t batches = 1;
+};
+
+// One evaluation: after `step` optimizer steps, the mean loss (as a step's printed loss: the
+// loss terms summed over the ranks, over the tokens) over the batches, and its wall seconds.
+struct EvalRecord {
+  int64_t step = 0;
+  double loss = 0;
+  double seconds = 0;
+};
+
 struct RunOptions {
   int steps = 20;                   // measured optimizer steps
   int warmup_steps = 0;             // run first, marked warm-up in the trace, not in the losses
@@ -63,11 +84,15 @@ struct RunOptions {
   // go on). The ranks agree (the largest wins), so all of them stop after the same step; the
   // run then ends early with RunResult::stop_signal set and its figures over the steps done.
   std::function<int()> stop_requested;
+  EvalOptions eval;
+  // Called on rank 0 after each evaluation.
+  std::function<void(const EvalRecord&)> on_eval;
 };
 
 struct RunResult {
   std::vector<double> losses;        // measured steps, mean loss over the global batch
   std::vector<double> step_seconds;  // measured steps
+  std::vector<EvalRecord> evals;     // in step order (RunOptions::eval)
   // Max over ranks of the device memory the run held at its peak: the arena's size when the
   // plan has a memory plan (one allocation), else the peak of live buffers.
   int64_t peak_device_bytes = 0;
@@ -82,6 +107,9 @@ struct RunResult {
   double tokens_per_second = 0;
   int steps_done = 0;   // steps run, warm-up included: fewer than asked only when stopped
   int stop_signal = 0;  // the signal that stopped the run after steps_done steps; 0: ran them all
+  // This rank's start-up before the first step: the arena, host buffers and every persistent
+  // shard's first value (from a checkpoint when resuming: its reads and SHA-256 checks).
+  double startup_seconds = 0;
 };
 
 // Checks that a plan can run here: made for `backend`, world size matching the communicator,

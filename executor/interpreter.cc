@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <set>
 #include <tuple>
 #include <utility>
@@ -25,6 +26,9 @@ namespace dc {
 namespace {
 
 constexpr int64_t kNoArenaOffset = -1;
+// The step FinishStep is told at the end of an evaluation pass: none (a device's trace keeps
+// nothing of it).
+constexpr int kEvaluationPassStep = -1;
 
 int64_t AlignUp(int64_t bytes, int64_t alignment) {
   return (bytes + alignment - 1) / alignment * alignment;
@@ -85,6 +89,8 @@ class Interpreter : public TrainingState {
   // Runs optimizer step `step` (0-based, counting warm-up); `loss` is the mean over the global
   // batch (every rank gets it), `seconds` the step's wall time on this rank.
   Status RunStep(int64_t step, bool warmup, double* loss, double* seconds);
+  // Evaluates the state after `steps_done` steps as RunOptions::eval asks (every rank).
+  Status Evaluate(int64_t steps_done, EvalRecord* record);
   int64_t peak_live_bytes() const { return memory_.peak_bytes(); }
   int64_t arena_bytes() const { return arena_bytes_; }
   std::vector<int64_t> peak_by_kind() const { return memory_.peak_by_kind(); }
@@ -122,6 +128,8 @@ class Interpreter : public TrainingState {
   }
 
   Status InitArena();
+  // Opens the held-out tokens and finds the plan's forward prefix, when the run evaluates.
+  Status InitEvaluation();
   // Rank's start-up values of a persistent tensor's shard (`out` holds ShardOf elements): the
   // options' initial values where they give them, else seeded params and zero states.
   Status InitialShard(const proto::Tensor& t, float* out);
@@ -168,6 +176,9 @@ class Interpreter : public TrainingState {
   // place, where the memory plan expects it at the start of the next step.
   Status ReturnReloadedShards(const std::string& what);
   void FlushMemoryEvents(int64_t correlation_id);
+  // One forward pass of held-out micro-batch `pass` of global batch `batch`: the plan's prefix
+  // (EvaluationPrefix), then everything it left is undone. Adds the pass's loss sum to `sum`.
+  Status EvaluationPass(int64_t steps_done, int64_t batch, int pass, double* sum);
 
   const proto::Schedule& schedule_;
   const proto::Program& program_;
@@ -201,6 +212,16 @@ class Interpreter : public TrainingState {
   std::vector<char> is_loss_term_;  // by tensor id: the cross-entropy and the MoE aux losses
   int64_t steps_done_;
   OpArgs step_args_;  // ArgsFor the step being run
+
+  // Evaluation (RunOptions::eval): the held-out tokens, the plan's forward prefix, and while a
+  // pass runs, which held-out micro-batch LoadInput reads (else the training data's).
+  struct EvalFeed {
+    int64_t batch = 0;  // global batch, in the place of the step
+    int pass = 0;       // in the place of the micro-step
+  };
+  std::unique_ptr<TokenSource> eval_data_;
+  int eval_prefix_ = 0;
+  std::optional<EvalFeed> eval_feed_;
 };
 
 Interpreter::~Interpreter() {
@@ -219,6 +240,7 @@ Interpreter::~Interpreter() {
 
 Status Interpreter::Init() {
   DC_ASSIGN_OR_RETURN(is_loss_term_, LossTerms(program_));
+  DC_RETURN_IF_ERROR(InitEvaluation());
   DC_RETURN_IF_ERROR(device_->Prepare(schedule_, layout_).Prefixed(Who() + ": "));
   DC_RETURN_IF_ERROR(InitArena());
   DC_RETURN_IF_ERROR(InitHostBuffers());  // first: the compute shards of host masters read them
@@ -257,6 +279,16 @@ Status Interpreter::InitArena() {
   for (const auto& p : plan.placements()) {
     placements_[{p.instruction(), p.tensor(), p.micro_step()}] = p.offset_bytes();
   }
+  return Status::Ok();
+}
+
+Status Interpreter::InitEvaluation() {
+  const EvalOptions& eval = options_.eval;
+  if (eval.data_path.empty()) return Status::Ok();
+  const proto::ModelConfig& config = program_.config();
+  DC_ASSIGN_OR_RETURN(eval_data_, OpenEvalData(config, eval.data_path, eval.batches,
+                                               TokensPerStep(config, world_) / config.seq()));
+  DC_ASSIGN_OR_RETURN(eval_prefix_, EvaluationPrefix(schedule_));
   return Status::Ok();
 }
 
@@ -431,11 +463,14 @@ Status Interpreter::Execute(int index, int64_t step) {
   for (int d : layout_.waits[index]) DC_RETURN_IF_ERROR(device_->Wait(index, d, instr.stream()));
   const InstructionRef ref{static_cast<int>(step), instr.micro_step(), index};
   const int64_t start_ns = Now();
-  if (tracer_ != nullptr) DC_RETURN_IF_ERROR(tracer_->BeginInstruction(ref));
+  // An evaluation's instructions are not the step's: the trace shows the evaluation as a whole
+  // (its memory events at correlation 0), so a profile of the trace sees training steps only.
+  ExecutionTracer* tracer = eval_feed_ ? nullptr : tracer_;
+  if (tracer != nullptr) DC_RETURN_IF_ERROR(tracer->BeginInstruction(ref));
   const Status status = Dispatch(instr, index, step);
   int64_t correlation = 0;
-  if (tracer_ != nullptr) {
-    StatusOr<int64_t> ended = tracer_->EndInstruction(ref, start_ns, Now());
+  if (tracer != nullptr) {
+    StatusOr<int64_t> ended = tracer->EndInstruction(ref, start_ns, Now());
     DC_RETURN_IF_ERROR(status);
     if (!ended.ok()) return ended.status();
     correlation = *ended;
@@ -500,9 +535,13 @@ Status Interpreter::LoadInput(int index, int tensor, int micro, int64_t step, pr
       reinterpret_cast<int32_t*>(static_cast<char*>(input_staging_->data()) + offset->second);
   const int64_t seq = config.seq();
   std::vector<int32_t> inputs(seq), targets(seq);
+  // An evaluation pass reads held-out global batch `batch` as a step reads its own.
+  const TokenSource* samples = eval_feed_ ? eval_data_.get() : data_.get();
+  const int64_t sample_step = eval_feed_ ? eval_feed_->batch : step;
+  const int sample_micro = eval_feed_ ? eval_feed_->pass : micro;
   for (int64_t b = 0; b < config.micro_batch(); ++b) {
-    data_->Sample(SampleIndex(config, world_, step, micro, rank_, b), inputs.data(),
-                  targets.data());
+    samples->Sample(SampleIndex(config, world_, sample_step, sample_micro, rank_, b), inputs.data(),
+                    targets.data());
     const auto& source = t.name() == "targets" ? targets : inputs;
     std::copy(source.begin(), source.end(), staged + b * seq);
   }
@@ -859,6 +898,67 @@ Status Interpreter::RunStep(int64_t step, bool warmup, double* loss, double* sec
   return Status::Ok();
 }
 
+// An evaluation pass runs the plan's own instructions (the forward prefix), so its buffers take
+// the places the memory plan gave them (in the arena, or within the capacity the allocator is
+// held to) and its live bytes are, instruction by instruction, those of the step's own start:
+// within the plan's budget with no allocator path of its own. What the prefix leaves (gathered
+// params, activations, inputs, shards it offloaded or reloaded) is undone here, so the next step
+// starts from the state the last one ended in.
+Status Interpreter::EvaluationPass(int64_t steps_done, int64_t batch, int pass, double* sum) {
+  const std::string what = "evaluation pass " + std::to_string(batch * layout_.gas + pass) +
+                           " after step " + std::to_string(steps_done) + " on " + Who();
+  eval_feed_ = EvalFeed{batch, pass};
+  Status ran = Status::Ok();
+  for (int i = 0; i < eval_prefix_ && ran.ok(); ++i) ran = Execute(i, steps_done);
+  eval_feed_.reset();
+  DC_RETURN_IF_ERROR(ran);
+  DC_RETURN_IF_ERROR(device_->JoinStreams(what));
+  std::vector<BufferKey> left;
+  for (const auto& [key, buffer] : live_) {
+    if (key.slot != BufferSlot::kPersistent && key.slot != BufferSlot::kComputeShard) {
+      left.push_back(key);
+    }
+  }
+  for (const BufferKey& key : left) DC_RETURN_IF_ERROR(Release(key, proto::STREAM_COMPUTE, what));
+  DC_RETURN_IF_ERROR(ReturnReloadedShards(what));
+  // A shard the prefix offloaded goes back to its start-up place from its host copy.
+  for (int tensor : offloaded_) {
+    const proto::Tensor& t = program_.tensors(tensor);
+    const int64_t elements = ShardOf(tensor);
+    DC_ASSIGN_OR_RETURN(Buffer * shard,
+                        Allocate(-1, BufferKey::Persistent(tensor), PersistentKind(t.role()),
+                                 elements * kShardElementBytes, proto::DTYPE_F32, elements,
+                                 proto::STREAM_COMPUTE, what));
+    DC_RETURN_IF_ERROR(device_->CopyToDevice(shard->data, host_shards_.at(tensor)->data(),
+                                             shard->storage_bytes(), proto::STREAM_COMPUTE,
+                                             what + ": " + t.name() + " back from the host"));
+  }
+  offloaded_.clear();
+  FlushMemoryEvents(0);
+  DC_ASSIGN_OR_RETURN(const double pass_sum, device_->FinishStep(kEvaluationPassStep));
+  *sum += pass_sum;
+  return Status::Ok();
+}
+
+Status Interpreter::Evaluate(int64_t steps_done, EvalRecord* record) {
+  const auto wall_start = std::chrono::steady_clock::now();
+  const int64_t start_ns = Now();
+  double sum = 0;
+  for (int64_t batch = 0; batch < options_.eval.batches; ++batch) {
+    for (int pass = 0; pass < layout_.gas; ++pass) {
+      DC_RETURN_IF_ERROR(EvaluationPass(steps_done, batch, pass, &sum));
+    }
+  }
+  DC_RETURN_IF_ERROR(comm_->AllReduceSum(&sum, 1));
+  record->step = steps_done;
+  record->loss =
+      sum / static_cast<double>(options_.eval.batches * TokensPerStep(program_.config(), world_));
+  record->seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
+  if (tracer_ != nullptr) tracer_->Evaluation(steps_done, start_ns, Now(), record->loss);
+  return Status::Ok();
+}
+
 StatusOr<std::vector<float>> Interpreter::ReadShard(int tensor) {
   if (tensor < 0 || tensor >= program_.tensors_size() ||
       !IsPersistentRole(program_.tensors(tensor).role())) {
@@ -910,7 +1010,16 @@ StatusOr<RunResult> RunSteps(Interpreter* runner, const proto::Schedule& schedul
   result.world_size = comm->world_size();
   result.tokens_per_step = TokensPerStep(schedule.program().config(), comm->world_size());
   const int total = options.warmup_steps + options.steps;
+  auto evaluate = [&](int64_t steps_done) -> Status {
+    EvalRecord record;
+    DC_RETURN_IF_ERROR(runner->Evaluate(steps_done, &record));
+    result.evals.push_back(record);
+    if (options.on_eval && comm->rank() == 0) options.on_eval(record);
+    return Status::Ok();
+  };
+  const bool evaluating = !options.eval.data_path.empty();
   // A run of no steps still shows its state once (an import exported again, unchanged).
+  if (total == 0 && evaluating) DC_RETURN_IF_ERROR(evaluate(options.first_step));
   if (total == 0 && options.after_step) DC_RETURN_IF_ERROR(options.after_step(*runner));
   for (int i = 0; i < total; ++i) {
     const bool warmup = i < options.warmup_steps;
@@ -926,6 +1035,11 @@ StatusOr<RunResult> RunSteps(Interpreter* runner, const proto::Schedule& schedul
       result.step_seconds.push_back(seconds);
     }
     if (options.on_step && comm->rank() == 0) options.on_step(step, loss, seconds);
+    const int64_t done = step + 1;
+    if (evaluating && (i == total - 1 ||
+                       (options.eval.every_steps > 0 && done % options.eval.every_steps == 0))) {
+      DC_RETURN_IF_ERROR(evaluate(done));
+    }
     if (options.after_step) DC_RETURN_IF_ERROR(options.after_step(*runner));
     result.steps_done = i + 1;
     if (options.stop_requested) {
@@ -975,9 +1089,13 @@ StatusOr<RunResult> Interpret(const proto::Schedule& schedule, const RunOptions&
     return data.status();
   }
   Interpreter runner(schedule, options, device, comm, tracer, std::move(*data), std::move(*layout));
+  const auto startup = std::chrono::steady_clock::now();
   const Status started = runner.Init();
+  const double startup_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - startup).count();
   StatusOr<RunResult> result =
       started.ok() ? RunSteps(&runner, schedule, options, comm) : StatusOr<RunResult>(started);
+  if (result.ok()) result->startup_seconds = startup_seconds;
   // Before the runner's destructor waits for the device.
   if (!result.ok()) device->Abort();
   return result;

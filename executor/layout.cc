@@ -6,6 +6,7 @@
 #include <string>
 
 #include "schemas/effects.h"
+#include "schemas/op_kinds.h"
 
 namespace dc {
 namespace {
@@ -184,6 +185,29 @@ StatusOr<ScheduleLayout> MakeScheduleLayout(const proto::Schedule& schedule) {
     }
   }
   return layout;
+}
+
+StatusOr<int> EvaluationPrefix(const proto::Schedule& schedule) {
+  const proto::Program& program = schedule.program();
+  auto refuse = [&](int i, const std::string& why) {
+    return Status::Error(Where(schedule, i) + " " + why +
+                         " before micro-step 0's loss, so the plan's forward cannot run alone "
+                         "for an evaluation; evaluate with a plan of another policy");
+  };
+  for (int i = 0; i < schedule.instructions_size(); ++i) {
+    const proto::Instruction& instr = schedule.instructions(i);
+    if (instr.kind() == proto::INSTR_REDUCE_SCATTER) return refuse(i, "reduces grads");
+    if (instr.kind() != proto::INSTR_COMPUTE) continue;
+    const proto::Op& op = program.ops(instr.op());
+    if (op.phase() != proto::PHASE_FORWARD) return refuse(i, "runs a backward or optimizer op");
+    if (instr.micro_step() != 0) {
+      return refuse(i, "runs micro-step " + std::to_string(instr.micro_step()) + "'s forward");
+    }
+    for (int t : op.outputs()) {
+      if (program.tensors(t).name() == op_kind::kLossName) return i + 1;
+    }
+  }
+  return Status::Error("the plan's schedule never computes micro-step 0's loss; re-plan it");
 }
 
 }  // namespace dc

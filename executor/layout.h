@@ -84,4 +84,14 @@ int64_t StagingBytes(const proto::Tensor& tensor, int world_size, proto::DType d
 // instruction and say re-plan.
 StatusOr<ScheduleLayout> MakeScheduleLayout(const proto::Schedule& schedule);
 
+// What an evaluation pass (RunOptions::eval) runs: instructions [0, the returned count), the
+// schedule's prefix up to and including micro-step 0's forward op that writes the loss. Running
+// the plan's own instructions keeps an evaluation inside the plan's memory: every buffer goes to
+// the place the memory plan gave it and the prefix's live bytes are the step's own at the same
+// point. The prefix may gather, release, offload, reload and rename (the interpreter undoes what
+// is left at its end); a backward or optimizer op, a reduce-scatter or another micro-step's
+// forward op before the loss is refused (the prefix would not be micro-step 0's forward alone),
+// naming the instruction. `schedule` must have passed MakeScheduleLayout.
+StatusOr<int> EvaluationPrefix(const proto::Schedule& schedule);
+
 }  // namespace dc

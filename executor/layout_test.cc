@@ -317,5 +317,85 @@ TEST(ScheduleLayout, RefusesWhatTheExecutorCannotRun) {
   ExpectRefused(reload, "no earlier instruction offloads");
 }
 
+// The index of micro-step 0's op writing the loss, found by scanning for it.
+int LossInstruction(const proto::Schedule& plan) {
+  for (int i = 0; i < plan.instructions_size(); ++i) {
+    const proto::Instruction& instr = plan.instructions(i);
+    if (instr.kind() != proto::INSTR_COMPUTE || instr.micro_step() != 0) continue;
+    for (int t : plan.program().ops(instr.op()).outputs()) {
+      if (plan.program().tensors(t).name() == "loss") return i;
+    }
+  }
+  return -1;
+}
+
+TEST(EvaluationPrefix, EndsWithMicroStepZerosLoss) {
+  for (const std::string policy : {"baseline", "dc", "zero3-offload", "deepcompile"}) {
+    TinyPlanOptions options;
+    options.world_size = 2;
+    options.policy = policy;
+    const proto::Schedule plan = Plan(options);
+    ASSERT_TRUE(MakeScheduleLayout(plan).ok()) << policy;
+    auto prefix = EvaluationPrefix(plan);
+    ASSERT_TRUE(prefix.ok()) << policy << ": " << prefix.status().message();
+    const int loss = LossInstruction(plan);
+    ASSERT_GE(loss, 0) << policy;
+    EXPECT_EQ(*prefix, loss + 1) << policy;
+    // Nothing of the backward or the optimizer in it.
+    for (int i = 0; i < *prefix; ++i) {
+      const proto::Instruction& instr = plan.instructions(i);
+      EXPECT_NE(instr.kind(), proto::INSTR_REDUCE_SCATTER) << policy << " " << i;
+      if (instr.kind() == proto::INSTR_COMPUTE) {
+        EXPECT_EQ(plan.program().ops(instr.op()).phase(), proto::PHASE_FORWARD) << policy << i;
+      }
+    }
+  }
+}
+
+TEST(EvaluationPrefix, RefusesAPlanWhoseForwardIsNotAPrefix) {
+  TinyPlanOptions options;
+  options.world_size = 2;
+  const proto::Schedule good = Plan(options);
+  const int loss = LossInstruction(good);
+  ASSERT_GT(loss, 0);
+  int backward = -1, reduce = -1;
+  for (int i = 0; i < good.instructions_size(); ++i) {
+    const proto::Instruction& instr = good.instructions(i);
+    if (backward < 0 && instr.kind() == proto::INSTR_COMPUTE &&
+        good.program().ops(instr.op()).phase() == proto::PHASE_BACKWARD) {
+      backward = i;
+    }
+    if (reduce < 0 && instr.kind() == proto::INSTR_REDUCE_SCATTER) reduce = i;
+  }
+  ASSERT_GT(backward, loss);
+  ASSERT_GT(reduce, loss);
+  auto expect_refused = [&](proto::Schedule plan, const std::string& expect) {
+    auto prefix = EvaluationPrefix(plan);
+    ASSERT_FALSE(prefix.ok()) << expect;
+    EXPECT_NE(prefix.status().message().find(expect), std::string::npos)
+        << prefix.status().message();
+    EXPECT_NE(prefix.status().message().find("cannot run alone for an evaluation"),
+              std::string::npos)
+        << prefix.status().message();
+  };
+  // A backward op moved before the loss (as a plan interleaving micro-steps would).
+  proto::Schedule early_backward = good;
+  early_backward.mutable_instructions()->SwapElements(0, backward);
+  expect_refused(early_backward, "runs a backward or optimizer op");
+  proto::Schedule early_reduce = good;
+  early_reduce.mutable_instructions()->SwapElements(0, reduce);
+  expect_refused(early_reduce, "reduces grads");
+  proto::Schedule other_micro = good;
+  other_micro.mutable_instructions(loss)->set_micro_step(1);
+  expect_refused(other_micro, "runs micro-step 1's forward");
+
+  proto::Schedule no_loss = good;
+  no_loss.mutable_instructions()->DeleteSubrange(loss, no_loss.instructions_size() - loss);
+  auto prefix = EvaluationPrefix(no_loss);
+  ASSERT_FALSE(prefix.ok());
+  EXPECT_NE(prefix.status().message().find("never computes micro-step 0's loss"), std::string::npos)
+      << prefix.status().message();
+}
+
 }  // namespace
 }  // namespace dc

@@ -73,6 +73,10 @@ class ExecutionTracer {
                       const std::string& name, BufferKind kind, int64_t correlation_id) = 0;
   // An optimizer step as executed, times from NowNs().
   virtual void Step(int step, int64_t start_ns, int64_t end_ns, double loss, bool warmup) = 0;
+  // A held-out evaluation after `step` optimizer steps (RunOptions::eval) with its loss, times
+  // from NowNs(); its instructions are not traced one by one. A tracer may keep none.
+  virtual void Evaluation(int64_t /*step*/, int64_t /*start_ns*/, int64_t /*end_ns*/,
+                          double /*loss*/) {}
 };
 
 }  // namespace dc

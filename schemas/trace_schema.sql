@@ -106,6 +106,10 @@ CREATE TABLE TC_COLLECTIVE(start INTEGER NOT NULL, end INTEGER NOT NULL, globalP
 -- Optimizer steps as executed.
 CREATE TABLE TC_STEP(globalPid INTEGER NOT NULL, step INTEGER NOT NULL, start INTEGER NOT NULL,
   end INTEGER NOT NULL, loss REAL, warmup INTEGER NOT NULL);
+-- Held-out evaluations (dc-run --eval-data) as executed: after `step` optimizer steps, the mean
+-- loss over the held-out batches (every rank's row holds the loss agreed over the ranks).
+CREATE TABLE TC_EVAL(globalPid INTEGER NOT NULL, step INTEGER NOT NULL, start INTEGER NOT NULL,
+  end INTEGER NOT NULL, loss REAL);
 -- The program and schedule the trace was taken under: canonical protobuf bytes and their digest.
 CREATE TABLE TC_BLOB(name TEXT PRIMARY KEY, formatVersion INTEGER NOT NULL, digest TEXT NOT NULL,
   data BLOB NOT NULL);

@@ -14,8 +14,11 @@ trap 'rm -rf "$W"' EXIT
 cd "$W"
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
-# 1. Tokens: any text's bytes as uint16 ids (what nanoGPT's prepare scripts write), vocab 256.
-$PY -c 'import sys, struct; b = open(sys.argv[1], "rb").read(); open("tokens.bin", "wb").write(struct.pack("<%dH" % len(b), *b))' "$SRC/README.md"
+# 1. Tokens: any text's bytes as uint16 ids (what nanoGPT's prepare scripts write), vocab 256;
+#    another text's for held-out evaluation.
+tokens() { $PY -c 'import sys, struct; b = open(sys.argv[1], "rb").read(); open(sys.argv[2], "wb").write(struct.pack("<%dH" % len(b), *b))' "$1" "$2"; }
+tokens "$SRC/README.md" tokens.bin
+tokens "$SRC/ARCHITECTURE.md" heldout.bin
 
 # 2. Plan a small Llama for two ranks on this machine, on those tokens.
 "$BIN/dc-plan" --synthetic --model small --vocab 256 --data tokens.bin --world 2 --hardware cpu \
@@ -36,8 +39,12 @@ wait $run 2>/dev/null || true
 "$BIN/dc-run" plan.dcplan --steps 12 --resume ckpt --save ckpt --export model --json >resumed.json
 [ -f model/model.safetensors ] && [ -f model/config.json ] || fail "no export in model/"
 
-# The resumed run ends where an uninterrupted one does, bit for bit.
-"$BIN/dc-run" plan.dcplan --steps 12 --json >straight.json
+# The resumed run ends where an uninterrupted one does, bit for bit (this one also evaluates on
+# held-out tokens every 4 steps, which changes nothing of the training).
+"$BIN/dc-run" plan.dcplan --steps 12 --eval-data heldout.bin --eval-every 4 --eval-batches 2 \
+  --json >straight.json
+evals=$($PY -c 'import json, sys; print(len(json.load(open(sys.argv[1]))["evals"]))' straight.json)
+[ "$evals" = 3 ] || fail "the uninterrupted run evaluated $evals times, not after steps 4, 8, 12"
 digest() { $PY -c 'import json, sys; print(json.load(open(sys.argv[1]))["params_digest"])' "$1"; }
 [ "$(digest resumed.json)" = "$(digest straight.json)" ] ||
   fail "the resumed run's params differ from the uninterrupted run's"
@@ -45,6 +52,9 @@ digest() { $PY -c 'import json, sys; print(json.load(open(sys.argv[1]))["params_
 # 5. PyTorch reads the export: one more step's loss and gradients from it, in dc and in the
 #    reference (tests/torch_reference/dc_reference.py).
 "$BIN/dc-run" plan.dcplan --init-from model --steps 1 --dump-grads grads --json >next.json
+# And the export's held-out loss (forward only, no step), which PyTorch computes too.
+"$BIN/dc-run" plan.dcplan --init-from model --steps 0 --eval-data heldout.bin --eval-batches 2 \
+  --json >eval.json
 if ! $PY -c "import torch" >/dev/null 2>&1; then
   # The dc half passed; the PyTorch half did not run: ctest reports the test as skipped (77).
   echo "SKIP: walkthrough's PyTorch half needs torch for $PY: apt-get install python3-torch"
@@ -53,6 +63,7 @@ fi
 loss=$($PY -c 'import json, sys; print(repr(json.load(open(sys.argv[1]))["losses"][0]))' next.json)
 # fp32 against float64: small's longer sums (sequence 128, width 256) round more than tiny's, so
 # the gradients are held to 5e-5 of each tensor's largest here (1e-5 in the tiny parity tests).
+eval_loss=$($PY -c 'import json, sys; print(repr(json.load(open(sys.argv[1]))["evals"][0]["loss"]))' eval.json)
 $PY "$SRC/tests/torch_reference/dc_reference.py" --weights model --dump grads --dc-loss "$loss" \
-  --grad-tolerance 5e-5
-echo "walkthrough: trained, crashed, resumed bit-identically, exported, and PyTorch agrees"
+  --eval-data heldout.bin --eval-batches 2 --dc-eval-loss "$eval_loss" --grad-tolerance 5e-5
+echo "walkthrough: trained, crashed, resumed bit-identically, exported, and PyTorch agrees (held-out loss too)"

@@ -11,6 +11,7 @@
 #include "executor/cpu_simd.h"
 #include "executor/data.h"
 #include "executor/launch.h"
+#include "executor/layout.h"
 #include "executor/session.h"
 #include "executor/weights_io.h"
 #include "schemas/digest.h"
@@ -28,6 +29,7 @@ int main(int argc, char** argv) {
       "dc-run"};
   std::string plan_path, trace_out, rendezvous, backend = "auto", save_dir, resume_dir, data_path;
   int steps = 20, warmup = 0, nproc = 0, timeout_s = 60, save_every = 0, keep = 2;
+  EvalOptions eval;
   int64_t device_memory = 0;
   bool json = false, quiet = false;
   app.add_option("plan", plan_path, "plan file written by dc-plan")
@@ -76,6 +78,20 @@ int main(int argc, char** argv) {
   app.add_option("--data", data_path,
                  "train on this token file instead of the one the plan names (which must be "
                  "unchanged since the plan was made: its SHA-256 is checked)");
+  auto* eval_data = app.add_option(
+      "--eval-data", eval.data_path,
+      "held-out token file (uint16, as --data): after the last step (and every --eval-every "
+      "steps) print and record the mean loss over --eval-batches of its global batches, "
+      "forward only; training is unchanged by it");
+  auto* eval_every = app.add_option("--eval-every", eval.every_steps,
+                                    "also evaluate after every this many optimizer steps "
+                                    "(default: after the last step only)")
+                         ->check(CLI::Range(int64_t{1}, int64_t{100000000}));
+  auto* eval_batches = app.add_option("--eval-batches", eval.batches,
+                                      "global batches of --eval-data per evaluation (each the "
+                                      "plan's global batch of sequences)")
+                           ->check(CLI::Range(int64_t{1}, int64_t{1000000}))
+                           ->capture_default_str();
   app.add_flag("--json", json,
                "print one JSON object (losses, step_seconds_median, tokens_per_second, ...)");
   app.add_flag("--quiet", quiet, "no per-step lines, only the summary");
@@ -110,6 +126,14 @@ int main(int argc, char** argv) {
                                              " needs --save DIR, the directory to save into"));
   }
 
+  for (const CLI::Option* needs_file : {eval_every, eval_batches}) {
+    if (needs_file->count() > 0 && eval_data->count() == 0) {
+      return cli::Fail("dc-run", Status::Error(needs_file->get_name() +
+                                               " needs --eval-data FILE, the held-out tokens "
+                                               "to evaluate on"));
+    }
+  }
+
   if (IsRankProcess()) {  // the launcher's variables are read, and checked, before anything else
     auto env = RankEnvFromEnvironment(rendezvous);
     if (!env.ok()) return cli::Fail("dc-run", env.status());
@@ -130,6 +154,18 @@ int main(int argc, char** argv) {
     }
   } else if (!IsRankProcess()) {
     if (Status data = CheckDataFile(*config); !data.ok()) return cli::Fail("dc-run", data);
+  }
+  // Held-out tokens and the plan's forward prefix, checked once before any rank starts.
+  if (!eval.data_path.empty()) {
+    eval.data_path = std::filesystem::absolute(eval.data_path).lexically_normal().string();
+    const int64_t batch_sequences = TokensPerStep(*config, plan->world_size()) / config->seq();
+    if (auto data = OpenEvalData(*config, eval.data_path, eval.batches, batch_sequences);
+        !data.ok()) {
+      return cli::Fail("dc-run", data.status());
+    }
+    if (auto prefix = EvaluationPrefix(*plan); !prefix.ok()) {
+      return cli::Fail("dc-run", prefix.status().Prefixed(plan_path + ": --eval-data: "));
+    }
   }
   if (Status s = CheckWeightsIo(weights, plan->program()); !s.ok()) return cli::Fail("dc-run", s);
   // Decided before any rank starts, so a plan for the other backend is one line, not N.
@@ -218,6 +254,15 @@ int main(int argc, char** argv) {
     };
     session.run.after_step = CheckpointSaver(saving);
   }
+  session.run.eval = eval;
+  if (!json) {  // --quiet too: an evaluation is a result, not progress
+    session.run.on_eval = [&](const EvalRecord& e) {
+      std::printf("eval step %lld: loss %.5f (%lld batch(es), %.3f s)\n",
+                  static_cast<long long>(e.step), e.loss, static_cast<long long>(eval.batches),
+                  e.seconds);
+      std::fflush(stdout);
+    };
+  }
   session.run.device_memory_bytes = device_memory;
   session.run.num_threads = *blas_threads;
   session.trace_path = trace_out;
@@ -244,10 +289,20 @@ int main(int argc, char** argv) {
     j["step_seconds"] = run.step_seconds;
     j["step_seconds_median"] = run.step_seconds_median;
     j["tokens_per_second"] = run.tokens_per_second;
+    j["startup_seconds"] = run.startup_seconds;
     j["peak_device_bytes"] = run.peak_device_bytes;
     j["peak_live_bytes"] = run.peak_live_bytes;
     j["arena_bytes"] = run.arena_bytes;
     j["params_digest"] = run.params_digest;
+    if (!eval.data_path.empty()) {
+      nlohmann::json evals = nlohmann::json::array();
+      for (const EvalRecord& e : run.evals) {
+        evals.push_back({{"step", e.step}, {"loss", e.loss}, {"seconds", e.seconds}});
+      }
+      j["eval_data"] = eval.data_path;
+      j["eval_batches"] = eval.batches;
+      j["evals"] = evals;
+    }
     j["predicted_step_seconds"] = plan->prediction().step_seconds();
     j["predicted_peak_device_bytes"] = plan->prediction().peak_device_bytes();
     j["world_size"] = run.world_size;

@@ -709,6 +709,7 @@ StatusOr<TraceCounts> ActivityWriter::Finish(const FinishInput& input) {
     DC_RETURN_IF_ERROR(WriteAnchors(input.anchors));
     DC_RETURN_IF_ERROR(WriteRecordStats(&counts));
     DC_RETURN_IF_ERROR(WriteSteps(input.steps));
+    for (const EvalRow& e : input.evals) DC_RETURN_IF_ERROR(rows_.Evaluation(e));
     DC_RETURN_IF_ERROR(WriteStreams(input.streams));
     DC_RETURN_IF_ERROR(WriteTargetInfo(device_id, I(std::max(input.rank.rank, 0)) << kRankShift));
     DC_RETURN_IF_ERROR(WriteMetadata(input.metadata, counts));

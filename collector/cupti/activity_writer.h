@@ -62,6 +62,7 @@ struct SessionClock {
 
 using ClockAnchorRow = collector_internal::ClockAnchorRow;
 using StepRow = collector_internal::StepRow;
+using EvalRow = collector_internal::EvalRow;
 
 struct RankRow {
   int64_t global_pid = 0;
@@ -95,6 +96,7 @@ struct FinishInput {
   std::optional<std::vector<WindowRow>> windows;
   std::vector<InstructionRow> instructions;
   std::vector<StepRow> steps;
+  std::vector<EvalRow> evals;                                 // TC_EVAL
   std::vector<std::pair<int64_t, std::string>> streams;       // CUPTI stream id, name
   std::vector<std::pair<std::string, std::string>> metadata;  // META_DATA_CAPTURE
 };

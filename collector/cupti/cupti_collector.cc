@@ -282,6 +282,7 @@ struct CuptiCollector::Impl {
   std::vector<std::pair<uint64_t, uint64_t>> windows;  // CUPTI ns
   std::map<int, cupti_internal::InstructionRow> instructions;
   std::vector<cupti_internal::StepRow> steps;
+  std::vector<cupti_internal::EvalRow> evals;
   std::vector<std::pair<int64_t, std::string>> streams;
   std::set<std::string> disabled_kinds;
   std::mutex warnings_mutex;
@@ -818,6 +819,7 @@ StatusOr<CuptiTraceCounts> CuptiCollector::Finish() {
   input.windows = std::move(windows);
   for (const auto& [index, row] : s.instructions) input.instructions.push_back(row);
   input.steps = s.steps;
+  input.evals = s.evals;
   input.streams = s.streams;
   input.metadata = s.options.metadata;
   input.metadata.emplace_back("dc.capture", s.options.capture_label);
@@ -879,6 +881,11 @@ Status CuptiCollector::NameStream(CUstream_st* stream, const std::string& name) 
 void CuptiCollector::Step(int step, int64_t start_ns, int64_t end_ns, double loss, bool warmup) {
   std::lock_guard<std::mutex> lock(impl_->state_mutex);
   impl_->steps.push_back({step, start_ns, end_ns, loss, warmup});
+}
+
+void CuptiCollector::Evaluation(int64_t step, int64_t start_ns, int64_t end_ns, double loss) {
+  std::lock_guard<std::mutex> lock(impl_->state_mutex);
+  impl_->evals.push_back({step, start_ns, end_ns, loss});
 }
 
 const std::string& CuptiCollector::output_path() const { return impl_->options.output_path; }

@@ -128,6 +128,8 @@ class CuptiCollector {
   Status NameStream(CUstream_st* stream, const std::string& name);
   // An optimizer step as executed (TC_STEP), times from NowNs().
   void Step(int step, int64_t start_ns, int64_t end_ns, double loss, bool warmup);
+  // A held-out evaluation as executed (TC_EVAL), times from NowNs().
+  void Evaluation(int64_t step, int64_t start_ns, int64_t end_ns, double loss);
 
   const std::string& output_path() const;
   int64_t global_pid() const;

@@ -31,6 +31,9 @@ class CuptiExecutionTracer : public ExecutionTracer {
   void Step(int step, int64_t start_ns, int64_t end_ns, double loss, bool warmup) override {
     collector_->Step(step, start_ns, end_ns, loss, warmup);
   }
+  void Evaluation(int64_t step, int64_t start_ns, int64_t end_ns, double loss) override {
+    collector_->Evaluation(step, start_ns, end_ns, loss);
+  }
 
  private:
   CuptiCollector* collector_;

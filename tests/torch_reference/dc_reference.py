@@ -10,7 +10,9 @@ float64, so the reference is exact to far below fp32's rounding: a difference is
     dc_reference.py --weights W0 --dump G [--dc-loss L] [--after W5 --steps 5] [--json out]
 
 compares dc's first-step loss and gradients (dc-run --dump-grads G, from W0) and, with --after,
-the weights dc reached after --steps AdamW steps from W0 (another dc-run --export). A gradient's
+the weights dc reached after --steps AdamW steps from W0 (another dc-run --export). With
+--eval-data E --eval-batches K --dc-eval-loss L it also compares dc-run --eval-data's loss from
+W0: the mean over held-out global batches 0..K-1 of E, each split as a training step's batch. A gradient's
 difference is max|dc - ref| / max|ref| over the tensor (relative to the tensor's scale, so
 elements near zero do not dominate); the weights' is that and ||dc - ref|| / ||ref|| (see
 main). Exits 1 when a tolerance is exceeded.
@@ -244,6 +246,9 @@ def main():
                     help="of ||dc - ref|| / ||ref|| per tensor after --steps steps")
     ap.add_argument("--weight-element-tolerance", type=float, default=1e-3,
                     help="of max|dc - ref| / max|ref| per tensor after --steps steps")
+    ap.add_argument("--eval-data", help="held-out token file dc evaluated W0 on (--eval-data)")
+    ap.add_argument("--eval-batches", type=int, default=1)
+    ap.add_argument("--dc-eval-loss", type=float, help="dc's evaluation loss of W0")
     ap.add_argument("--json", help="write the differences here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -271,6 +276,22 @@ def main():
         print(f"loss: relative difference {d:.3g}")
         if not d <= args.grad_tolerance:
             failures.append(f"loss differs by {d:.3g} relative (tolerance {args.grad_tolerance:g})")
+    if args.eval_data:
+        # Forward only, from the same weights: global batch k of the held-out file is what a
+        # training step k would read of it.
+        held_out = TokenFile(args.eval_data, run["seq"])
+        with torch.no_grad():
+            eval_loss = sum(step_loss(start, cfg, run, held_out, k)
+                            for k in range(args.eval_batches)) / args.eval_batches
+        print(f"eval loss: reference {eval_loss.item():.9f}" +
+              (f", dc {args.dc_eval_loss:.9f}" if args.dc_eval_loss is not None else ""))
+        if args.dc_eval_loss is not None:
+            d = abs(args.dc_eval_loss - eval_loss.item()) / abs(eval_loss.item())
+            report["eval_loss"] = d
+            print(f"eval loss: relative difference {d:.3g}")
+            if not d <= args.grad_tolerance:
+                failures.append(f"eval loss differs by {d:.3g} relative "
+                                f"(tolerance {args.grad_tolerance:g})")
     grads = {n: p.grad.detach() for n, p in params.items()}
     failures += compare("grads", read_safetensors(f"{args.dump}/grads.safetensors"), grads,
                         args.grad_tolerance, report)
