@@ -79,9 +79,10 @@ std::vector<double> Collectives(dc::Communicator* comm, Kind kind) {
   std::vector<double> ms;
   for (int i = 0; i < kCollectivesPerCase; ++i) {
     const auto start = Clock::now();
-    const dc::Status status = kind == Kind::kAllGather
-                                  ? comm->AllGather(shard.data(), kShardElements, full.data())
-                                  : comm->ReduceScatterSum(full.data(), kShardElements, shard.data());
+    const dc::Status status =
+        kind == Kind::kAllGather
+            ? comm->AllGather(shard.data(), kShardElements, full.data())
+            : comm->ReduceScatterSum(full.data(), kShardElements, shard.data());
     if (!status.ok()) {
       std::fprintf(stderr, "overlap_bench: %s\n", status.message().c_str());
       std::_Exit(1);
@@ -137,6 +138,7 @@ int Rank(int rank, const std::string& store) {
         "\nmedian ratios: compute beside a collective %.3f, all-gather beside compute %.3f, "
         "reduce-scatter beside compute %.3f\n",
         Median(compute_ratios), Median(collective_ratios[0]), Median(collective_ratios[1]));
+    std::fflush(stdout);  // the rank ends in std::_Exit, which flushes nothing
   }
   return 0;
 }
