@@ -6,6 +6,8 @@
 #include <unordered_map>
 
 #include "analyzer/limits.h"
+#include "machine/estimate.h"
+#include "machine/hardware.h"
 #include "machine/intervals.h"
 #include "schemas/digest.h"
 
@@ -60,10 +62,18 @@ struct CostSamples {
   std::vector<CostSample> all_gather, reduce_scatter, host_to_device, device_to_host;
 };
 
-StatusOr<CostSamples> CollectSamples(const Trace& trace, const proto::Schedule& schedule,
-                                     const StepIndex& steps) {
-  CostSamples samples;
-  samples.op_seconds.resize(schedule.program().ops_size());
+// One instruction as a measured step ran it, with how much of it ran beside the other class of
+// work on its rank (compute beside collectives, a collective beside compute).
+struct TimedSample {
+  int64_t global_pid = 0;
+  int instruction = 0;
+  int64_t start_ns = 0, end_ns = 0, bytes = 0;
+  double beside_fraction = 0;  // of its span, in [0, 1]
+};
+
+StatusOr<std::vector<TimedSample>> ReadSamples(const Trace& trace, const proto::Schedule& schedule,
+                                               const StepIndex& steps) {
+  std::vector<TimedSample> samples;
   Status bad = Status::Ok();
   DC_RETURN_IF_ERROR(trace.ForEachInstructionSample([&](const Trace::InstructionSample& s) {
     if (steps.IsWarmup(s.global_pid, s.step) || !bad.ok()) return;
@@ -73,31 +83,196 @@ StatusOr<CostSamples> CollectSamples(const Trace& trace, const proto::Schedule& 
                           std::to_string(schedule.instructions_size()));
       return;
     }
+    samples.push_back({s.global_pid, s.instruction, s.start_ns, s.end_ns, s.bytes, 0});
+  }));
+  DC_RETURN_IF_ERROR(bad);
+  return samples;
+}
+
+bool IsCollective(proto::InstrKind kind) {
+  return kind == proto::INSTR_ALL_GATHER || kind == proto::INSTR_REDUCE_SCATTER;
+}
+
+// Compute on the device, as the simulator slows it (the host's optimizer steps are not).
+bool IsDeviceCompute(const proto::Instruction& instr) {
+  return instr.kind() == proto::INSTR_COMPUTE && instr.stream() != proto::STREAM_HOST;
+}
+
+// |[start, end) ∩ disjoint| for a union sorted by start.
+int64_t OverlapWith(int64_t start_ns, int64_t end_ns, const std::vector<NsInterval>& disjoint) {
+  auto it = std::lower_bound(disjoint.begin(), disjoint.end(), start_ns,
+                             [](const NsInterval& i, int64_t t) { return i.end <= t; });
+  int64_t total = 0;
+  for (; it != disjoint.end() && it->start < end_ns; ++it) {
+    total += std::min(end_ns, it->end) - std::max(start_ns, it->start);
+  }
+  return total;
+}
+
+// Fills every sample's beside_fraction; returns whether any two instructions of one rank ran at
+// once (false: the run was serial, as DC_CPU_STREAMS=serial runs the cpu backend).
+bool MarkOverlaps(const proto::Schedule& schedule, std::vector<TimedSample>* samples) {
+  std::map<int64_t, std::vector<NsInterval>> compute, collectives, all;
+  std::map<int64_t, int64_t> busy_ns;
+  for (const TimedSample& s : *samples) {
     const proto::Instruction& instr = schedule.instructions(s.instruction);
-    const double seconds = Seconds(s.end_ns - s.start_ns);
+    if (IsDeviceCompute(instr)) compute[s.global_pid].push_back({s.start_ns, s.end_ns});
+    if (IsCollective(instr.kind())) collectives[s.global_pid].push_back({s.start_ns, s.end_ns});
+    all[s.global_pid].push_back({s.start_ns, s.end_ns});
+    busy_ns[s.global_pid] += std::max<int64_t>(0, s.end_ns - s.start_ns);
+  }
+  bool concurrent = false;
+  for (auto& [pid, spans] : all) {
+    concurrent = concurrent || TotalLength(UnionOf(std::move(spans))) < busy_ns[pid];
+  }
+  for (auto& [pid, spans] : compute) spans = UnionOf(std::move(spans));
+  for (auto& [pid, spans] : collectives) spans = UnionOf(std::move(spans));
+  for (TimedSample& s : *samples) {
+    if (s.end_ns <= s.start_ns) continue;
+    const proto::Instruction& instr = schedule.instructions(s.instruction);
+    if (!IsDeviceCompute(instr) && !IsCollective(instr.kind())) continue;
+    const auto& others = IsDeviceCompute(instr) ? collectives[s.global_pid] : compute[s.global_pid];
+    s.beside_fraction = static_cast<double>(OverlapWith(s.start_ns, s.end_ns, others)) /
+                        static_cast<double>(s.end_ns - s.start_ns);
+  }
+  return concurrent;
+}
+
+double SampleSeconds(const TimedSample& s) { return Seconds(s.end_ns - s.start_ns); }
+
+// The work in a sample that ran `beside_fraction` of its span at 1 / slowdown of its rate: the
+// simulator's rule (machine/simulator.h) run backwards, so that the simulator, slowing it again
+// where its plan overlaps, does not count the slowdown twice.
+double WorkSeconds(const TimedSample& s, double slowdown) {
+  return SampleSeconds(s) * (1 - s.beside_fraction + s.beside_fraction / slowdown);
+}
+
+// Compute beside collectives: per op, the median of its samples beside over the median of its
+// samples alone, summed over the ops with both (so the long ops weigh most); 0 where fewer than
+// options.min_ops have both.
+double ComputeSlowdown(const proto::Schedule& schedule, const std::vector<TimedSample>& samples,
+                       const ConcurrencyFitOptions& options) {
+  std::map<int, std::pair<std::vector<double>, std::vector<double>>> by_op;  // alone, beside
+  for (const TimedSample& s : samples) {
+    const proto::Instruction& instr = schedule.instructions(s.instruction);
+    if (!IsDeviceCompute(instr)) continue;
+    if (s.beside_fraction <= 0) by_op[instr.op()].first.push_back(SampleSeconds(s));
+    if (s.beside_fraction >= options.beside_min_fraction) {
+      by_op[instr.op()].second.push_back(SampleSeconds(s));
+    }
+  }
+  double alone = 0, beside = 0;
+  int ops = 0;
+  for (const auto& [op, split] : by_op) {
+    if (split.first.empty() || split.second.empty()) continue;
+    alone += Median(split.first);
+    beside += Median(split.second);
+    ++ops;
+  }
+  return ops >= options.min_ops && alone > 0 ? std::max(1.0, beside / alone) : 0;
+}
+
+// Collectives beside compute: the seconds of those beside over what the line fitted to those
+// alone says for their bytes; 0 where either side has fewer than options.min_collectives.
+double CollectiveSlowdown(const proto::Schedule& schedule, const std::vector<TimedSample>& samples,
+                          const ConcurrencyFitOptions& options) {
+  std::vector<CostSample> alone[2];
+  std::vector<const TimedSample*> beside;
+  for (const TimedSample& s : samples) {
+    const proto::InstrKind kind = schedule.instructions(s.instruction).kind();
+    if (!IsCollective(kind)) continue;
+    if (s.beside_fraction <= 0) {
+      alone[kind == proto::INSTR_REDUCE_SCATTER].push_back({s.bytes, SampleSeconds(s)});
+    }
+    if (s.beside_fraction >= options.beside_min_fraction) beside.push_back(&s);
+  }
+  if (static_cast<int>(alone[0].size() + alone[1].size()) < options.min_collectives ||
+      static_cast<int>(beside.size()) < options.min_collectives) {
+    return 0;
+  }
+  const CollectiveCosts line = FitCollectiveCosts(alone[0], alone[1]);
+  double measured = 0, predicted = 0;
+  for (const TimedSample* s : beside) {
+    const bool reduce = schedule.instructions(s->instruction).kind() == proto::INSTR_REDUCE_SCATTER;
+    // A kind never seen alone takes the other kind's line.
+    const bool own = !alone[reduce].empty();
+    const LinearCost& cost = (reduce == own) ? line.reduce_scatter : line.all_gather;
+    measured += SampleSeconds(*s);
+    predicted += cost.Seconds(s->bytes);
+  }
+  return predicted > 0 ? std::max(1.0, measured / predicted) : 0;
+}
+
+// serial_streams and the overlap slowdowns from the run itself; where a slowdown cannot be
+// measured, a cpu trace takes the cpu profile's (machine/hardware_profiles.json) and others keep
+// none. A serial run's slowdowns stay 1: nothing of it ran beside anything.
+Status FitConcurrency(const Trace& trace, const proto::Schedule& schedule,
+                      std::vector<TimedSample>* samples, Profile* profile) {
+  const ConcurrencyFitOptions options;
+  const bool concurrent = MarkOverlaps(schedule, samples);
+  const bool cpu = !trace.ranks().empty() && trace.ranks().front().backend == "cpu";
+  CostModel& costs = profile->costs;
+  costs.serial_streams = cpu && !concurrent;
+  if (costs.serial_streams) {
+    profile->notes.push_back(
+        "no two instructions of a rank overlap: the run's streams were "
+        "serial (DC_CPU_STREAMS=serial), and so is the plan's model");
+    return Status::Ok();
+  }
+  CostModel fallback;
+  if (cpu) {
+    DC_ASSIGN_OR_RETURN(HardwareProfile hw, FindHardware("cpu"));
+    ApplyConcurrency(hw, &fallback);
+  }
+  const double compute = ComputeSlowdown(schedule, *samples, options);
+  const double collective = CollectiveSlowdown(schedule, *samples, options);
+  costs.overlap_compute_slowdown = compute > 0 ? compute : fallback.overlap_compute_slowdown;
+  costs.overlap_collective_slowdown =
+      collective > 0 ? collective : fallback.overlap_collective_slowdown;
+  if (!(compute > 0)) {
+    profile->notes.push_back(
+        "too few ops ran both alone and beside a collective to measure "
+        "overlap_compute_slowdown: it is the hardware profile's");
+  }
+  if (!(collective > 0)) {
+    profile->notes.push_back(
+        "too few collectives ran both alone and beside compute to measure "
+        "overlap_collective_slowdown: it is the hardware profile's");
+  }
+  return Status::Ok();
+}
+
+// The cost samples, each compute and collective as the work it would take alone.
+CostSamples CollectSamples(const proto::Schedule& schedule, const std::vector<TimedSample>& timed,
+                           const CostModel& costs) {
+  CostSamples samples;
+  samples.op_seconds.resize(schedule.program().ops_size());
+  for (const TimedSample& s : timed) {
+    const proto::Instruction& instr = schedule.instructions(s.instruction);
     switch (instr.kind()) {
       case proto::INSTR_COMPUTE:
         if (instr.op() >= 0 && instr.op() < schedule.program().ops_size()) {
-          samples.op_seconds[instr.op()].push_back(seconds);
+          samples.op_seconds[instr.op()].push_back(
+              WorkSeconds(s, IsDeviceCompute(instr) ? costs.overlap_compute_slowdown : 1));
         }
         break;
       case proto::INSTR_ALL_GATHER:
-        samples.all_gather.push_back({s.bytes, seconds});
+        samples.all_gather.push_back({s.bytes, WorkSeconds(s, costs.overlap_collective_slowdown)});
         break;
       case proto::INSTR_REDUCE_SCATTER:
-        samples.reduce_scatter.push_back({s.bytes, seconds});
+        samples.reduce_scatter.push_back(
+            {s.bytes, WorkSeconds(s, costs.overlap_collective_slowdown)});
         break;
       case proto::INSTR_RELOAD:
-        samples.host_to_device.push_back({s.bytes, seconds});
+        samples.host_to_device.push_back({s.bytes, SampleSeconds(s)});
         break;
       case proto::INSTR_OFFLOAD:
-        samples.device_to_host.push_back({s.bytes, seconds});
+        samples.device_to_host.push_back({s.bytes, SampleSeconds(s)});
         break;
       default:
         break;
     }
-  }));
-  DC_RETURN_IF_ERROR(bad);
+  }
   return samples;
 }
 
@@ -143,8 +318,10 @@ void FitCollectives(const CostSamples& samples, CostModel* costs, std::vector<st
 
 Status FitCosts(const Trace& trace, const StepIndex& steps, Profile* profile) {
   const proto::Schedule& schedule = *trace.schedule();
-  DC_ASSIGN_OR_RETURN(CostSamples samples, CollectSamples(trace, schedule, steps));
+  DC_ASSIGN_OR_RETURN(std::vector<TimedSample> timed, ReadSamples(trace, schedule, steps));
+  DC_RETURN_IF_ERROR(FitConcurrency(trace, schedule, &timed, profile));
   CostModel& costs = profile->costs;
+  const CostSamples samples = CollectSamples(schedule, timed, costs);
   costs.op_seconds.assign(schedule.program().ops_size(), -1);
   int unmeasured = 0;
   for (size_t op = 0; op < samples.op_seconds.size(); ++op) {
@@ -365,6 +542,7 @@ StatusOr<Profile> BuildProfile(const Trace& trace) {
   Profile profile;
   profile.trace_path = trace.path();
   if (!trace.ranks().empty()) profile.world_size = trace.ranks().front().world_size;
+  // Until a trace with a schedule says otherwise (FitConcurrency), a cpu run is taken as serial.
   profile.costs.serial_streams = !trace.ranks().empty() && trace.ranks().front().backend == "cpu";
   const StepIndex steps(trace.Steps());
   if (trace.schedule() && steps.measured().empty()) {

@@ -40,11 +40,27 @@ struct MemoryTimeline {
   std::vector<int64_t> peak_by_kind;
 };
 
+// How a profile measures the overlap slowdowns (CostModel::overlap_compute_slowdown and
+// overlap_collective_slowdown) from a run whose streams overlapped: a compute (or collective)
+// sample counts as alone when nothing of the other class ran during it, and as beside when at
+// least beside_min_fraction of its span had the other class running.
+struct ConcurrencyFitOptions {
+  double beside_min_fraction = 0.9;
+  // Compute: ops with samples both alone and beside needed (fewer: the hardware profile's).
+  int min_ops = 3;
+  // Collectives: samples alone, and samples beside, needed.
+  int min_collectives = 3;
+};
+
 struct Profile {
   std::string trace_path;
   int world_size = 1;
   int steps_measured = 0;  // optimizer steps after warm-up
-  CostModel costs;         // op medians, fitted collective models, serial_streams by backend
+  // Op medians and fitted collective models (each sample as the work it takes alone), and the
+  // run's concurrency: serial_streams where no two instructions of a rank overlapped (a cpu run
+  // under DC_CPU_STREAMS=serial), the overlap slowdowns measured from samples alone and beside
+  // (ConcurrencyFitOptions) or, where too few, the cpu hardware profile's for a cpu trace.
+  CostModel costs;
   // Per rank and measured step, ordered by (global_pid, step). nsys exports have no steps: one
   // entry per rank (step 0) over its first to last activity.
   std::vector<StepOverlap> overlap;

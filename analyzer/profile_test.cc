@@ -4,6 +4,8 @@
 
 #include <filesystem>
 
+#include "collector/host_tracer.h"
+#include "machine/estimate.h"
 #include "schemas/digest.h"
 #include "tests/support/test_traces.h"
 
@@ -31,13 +33,29 @@ class ProfileTest : public ::testing::Test {
   Profile profile_;
 };
 
+// The cpu profile's overlap slowdowns: what a concurrent cpu trace takes where it cannot
+// measure its own.
+CostModel CpuConcurrency() {
+  CostModel costs;
+  StatusOr<HardwareProfile> cpu = FindHardware("cpu");
+  EXPECT_TRUE(cpu.ok());
+  if (cpu.ok()) ApplyConcurrency(*cpu, &costs);
+  return costs;
+}
+
 TEST_F(ProfileTest, OpMediansExcludeWarmup) {
   const CostModel& costs = profile_.costs;
   ASSERT_EQ(costs.op_seconds.size(), 3u);
   // fwd0 ran 100, 300, 200 ns (rank 0) and 400, 500, 600 ns (rank 1); the 5000 ns warm-up
   // runs are left out.
   EXPECT_DOUBLE_EQ(costs.op_seconds[0], 350e-9);
-  EXPECT_DOUBLE_EQ(costs.op_seconds[1], 3000e-9);
+  // fwd1 ran 3000 ns beside the gather for 1/3, 2/3 and all of it (steps 1-3, both ranks): no
+  // sample alone, so the slowdown is the cpu profile's k, and each sample is the work it took
+  // alone, 3000 (1 - f + f / k); the median is step 2's.
+  const double k = CpuConcurrency().overlap_compute_slowdown;
+  ASSERT_GT(k, 1);
+  EXPECT_DOUBLE_EQ(costs.overlap_compute_slowdown, k);
+  EXPECT_NEAR(costs.op_seconds[1], 3000e-9 * (1.0 / 3 + 2.0 / 3 / k), 1e-15);
   EXPECT_EQ(costs.op_seconds[2], -1);  // bwd never ran
   // Roofline for bwd from the measured flops rate: 3500 flops in 350 ns.
   EXPECT_DOUBLE_EQ(costs.flops_per_second, 1e10);
@@ -48,15 +66,28 @@ TEST_F(ProfileTest, OpMediansExcludeWarmup) {
 
 TEST_F(ProfileTest, CollectiveAndCopyCostsAreFitted) {
   const CostModel& costs = profile_.costs;
-  // Gathers: 1000 ns + 1 ns per byte; the warm-up's 1000 bytes in 8000 ns is left out.
-  EXPECT_NEAR(costs.all_gather.latency_seconds, 1e-6, 1e-15);
-  EXPECT_NEAR(costs.all_gather.bandwidth_bytes_per_second, 1e9, 1e-3);
+  // Gathers: 1000 ns + 1 ns per byte, run beside fwd1 for 1/2, 2/3 and 3/4 of their span: each
+  // is the work it takes alone at the cpu profile's collective slowdown k. The warm-up's 1000
+  // bytes in 8000 ns is left out.
+  const double k = CpuConcurrency().overlap_collective_slowdown;
+  ASSERT_GT(k, 1);
+  EXPECT_DOUBLE_EQ(costs.overlap_collective_slowdown, k);
+  auto alone = [&](int64_t bytes, double f) {
+    return CostSample{bytes, (1000 + bytes) * 1e-9 * (1 - f + f / k)};
+  };
+  const LinearCost gathers =
+      FitLinearCost({alone(1000, 0.5), alone(2000, 2.0 / 3), alone(3000, 0.75), alone(1000, 0.5),
+                     alone(2000, 2.0 / 3), alone(3000, 0.75)});
+  EXPECT_NEAR(costs.all_gather.latency_seconds, gathers.latency_seconds, 1e-15);
+  EXPECT_NEAR(costs.all_gather.bandwidth_bytes_per_second, gathers.bandwidth_bytes_per_second,
+              1e-3);
+  EXPECT_LT(costs.all_gather.Seconds(3000), 4000e-9);  // faster than as measured beside fwd1
   // Reduce-scatters all move 500 bytes: no latency, the median's rate (200 ns).
   EXPECT_EQ(costs.reduce_scatter.latency_seconds, 0);
   EXPECT_NEAR(costs.reduce_scatter.bandwidth_bytes_per_second, 2.5e9, 1e-3);
   EXPECT_NEAR(costs.device_to_host.bandwidth_bytes_per_second, 4e9, 1e-3);
   EXPECT_EQ(costs.host_to_device.bandwidth_bytes_per_second, 0);  // no reloads: default
-  EXPECT_TRUE(costs.serial_streams);                              // the cpu backend
+  EXPECT_FALSE(costs.serial_streams);                             // the gathers ran beside fwd1
 }
 
 TEST_F(ProfileTest, OverlapFollowsHtaDefinitions) {
@@ -137,6 +168,115 @@ TEST(NsysProfileTest, OverlapAndNoOpCosts) {
   EXPECT_DOUBLE_EQ(o.idle_seconds, (1985185585 - 887857742 - 373273080) * 1e-9);
   EXPECT_TRUE(profile->memory.points.empty());
   EXPECT_EQ(profile->steps_measured, 0);
+}
+
+// A one-rank cpu trace of ops mm0, mm1, mm2 (1, 2, 3 us alone) and a gather and a
+// reduce-scatter (1 us + 1 ns per byte alone). Steps 1 and 3 run everything apart; with
+// `concurrent`, steps 2 and 4 run the ops at half speed beside a 7000-byte gather (12 us, 1.5x
+// its 8 us alone) and a 2000-byte reduce-scatter (4.5 us, 1.5x its 3 us); without, they repeat
+// steps 1 and 3 (a DC_CPU_STREAMS=serial run).
+std::string WriteConcurrencyTrace(const TempDir& dir, bool concurrent) {
+  proto::Schedule schedule;
+  schedule.set_format_version(kScheduleFormatVersion);
+  schedule.set_world_size(1);
+  schedule.set_backend("cpu");
+  proto::Program* program = schedule.mutable_program();
+  program->set_format_version(kProgramFormatVersion);
+  program->mutable_config()->set_compute_dtype(proto::DTYPE_F32);
+  for (const char* name : {"w0", "g0"}) {
+    proto::Tensor* t = program->add_tensors();
+    t->set_id(program->tensors_size() - 1);
+    t->set_name(name);
+    t->add_shape(256);
+    t->set_dtype(proto::DTYPE_F32);
+    t->set_role(program->tensors_size() == 1 ? proto::ROLE_PARAM : proto::ROLE_GRAD);
+    t->set_param(program->tensors_size() == 1 ? -1 : 0);
+  }
+  for (const char* name : {"mm0", "mm1", "mm2"}) {
+    proto::Op* op = program->add_ops();
+    op->set_id(program->ops_size() - 1);
+    op->set_name(name);
+    op->set_phase(proto::PHASE_FORWARD);
+  }
+  auto add = [&](proto::InstrKind kind, proto::Stream stream, int op, int tensor) {
+    proto::Instruction* instr = schedule.add_instructions();
+    instr->set_kind(kind);
+    instr->set_stream(stream);
+    instr->set_op(op);
+    if (tensor >= 0) instr->add_tensors(tensor);
+  };
+  add(proto::INSTR_ALL_GATHER, proto::STREAM_GATHER, -1, 0);
+  for (int op = 0; op < 3; ++op) add(proto::INSTR_COMPUTE, proto::STREAM_COMPUTE, op, -1);
+  add(proto::INSTR_REDUCE_SCATTER, proto::STREAM_REDUCE, -1, 1);
+
+  RankIdentity identity;
+  identity.hostname = "test";
+  HostTracer tracer(identity, 0);
+  constexpr int64_t kStepNs = 100000;
+  for (int s = 0; s <= 4; ++s) {
+    const int64_t w = kStepNs * s;
+    if (concurrent && s % 2 == 0 && s > 0) {
+      tracer.Collective(proto::INSTR_ALL_GATHER, proto::STREAM_GATHER, w, w + 12000, 7000, 1, 0,
+                        {s, 0, 0});
+      tracer.Kernel("mm0", proto::STREAM_COMPUTE, w, w + 2000, {s, 0, 1});
+      tracer.Kernel("mm1", proto::STREAM_COMPUTE, w + 2000, w + 6000, {s, 0, 2});
+      tracer.Kernel("mm2", proto::STREAM_COMPUTE, w + 6000, w + 12000, {s, 0, 3});
+      tracer.Collective(proto::INSTR_REDUCE_SCATTER, proto::STREAM_REDUCE, w + 6000, w + 10500,
+                        2000, 1, 0, {s, 0, 4});
+    } else {
+      const int64_t gather_bytes = s % 2 == 1 ? 3000 : 5000;
+      tracer.Kernel("mm0", proto::STREAM_COMPUTE, w, w + 1000, {s, 0, 1});
+      tracer.Kernel("mm1", proto::STREAM_COMPUTE, w + 1000, w + 3000, {s, 0, 2});
+      tracer.Kernel("mm2", proto::STREAM_COMPUTE, w + 3000, w + 6000, {s, 0, 3});
+      tracer.Collective(proto::INSTR_ALL_GATHER, proto::STREAM_GATHER, w + 10000,
+                        w + 11000 + gather_bytes, gather_bytes, 1, 0, {s, 0, 0});
+      tracer.Collective(proto::INSTR_REDUCE_SCATTER, proto::STREAM_REDUCE, w + 20000, w + 23000,
+                        2000, 1, 0, {s, 0, 4});
+    }
+    tracer.Step(s, w, w + kStepNs, 1.0, s == 0);
+  }
+  const std::string rank_path = dir.File("rank0.db");
+  if (!tracer.WriteRankFile(rank_path).ok()) return "";
+  const std::string out = dir.File("concurrency.db");
+  return MergeRankTraces({rank_path}, schedule, out).ok() ? out : "";
+}
+
+StatusOr<Profile> ProfileOf(const std::string& path) {
+  DC_ASSIGN_OR_RETURN(std::unique_ptr<Trace> trace, Trace::Open(path));
+  return BuildProfile(*trace);
+}
+
+TEST(ProfileConcurrencyTest, SlowdownsAreMeasuredAndTakenOutOfTheCosts) {
+  TempDir dir;
+  const std::string path = WriteConcurrencyTrace(dir, /*concurrent=*/true);
+  ASSERT_FALSE(path.empty());
+  StatusOr<Profile> profile = ProfileOf(path);
+  ASSERT_TRUE(profile.ok()) << profile.status().message();
+  const CostModel& costs = profile->costs;
+  EXPECT_FALSE(costs.serial_streams);
+  // (2 + 4 + 6) / (1 + 2 + 3) us, and (12 + 4.5) / (8 + 3) us per step beside.
+  EXPECT_DOUBLE_EQ(costs.overlap_compute_slowdown, 2);
+  EXPECT_DOUBLE_EQ(costs.overlap_collective_slowdown, 1.5);
+  // Every sample as its work alone: the ops' alone times, the collectives on their line.
+  ASSERT_EQ(costs.op_seconds.size(), 3u);
+  EXPECT_DOUBLE_EQ(costs.op_seconds[0], 1000e-9);
+  EXPECT_DOUBLE_EQ(costs.op_seconds[1], 2000e-9);
+  EXPECT_DOUBLE_EQ(costs.op_seconds[2], 3000e-9);
+  EXPECT_NEAR(costs.all_gather.latency_seconds, 1000e-9, 1e-15);
+  EXPECT_NEAR(costs.all_gather.bandwidth_bytes_per_second, 1e9, 1e-3);
+  EXPECT_NEAR(costs.reduce_scatter.Seconds(2000), 3000e-9, 1e-15);
+}
+
+TEST(ProfileConcurrencyTest, SerialRunGivesSerialStreamsAndNoSlowdown) {
+  TempDir dir;
+  const std::string path = WriteConcurrencyTrace(dir, /*concurrent=*/false);
+  ASSERT_FALSE(path.empty());
+  StatusOr<Profile> profile = ProfileOf(path);
+  ASSERT_TRUE(profile.ok()) << profile.status().message();
+  EXPECT_TRUE(profile->costs.serial_streams);
+  EXPECT_EQ(profile->costs.overlap_compute_slowdown, 1);
+  EXPECT_EQ(profile->costs.overlap_collective_slowdown, 1);
+  EXPECT_DOUBLE_EQ(profile->costs.op_seconds[2], 3000e-9);
 }
 
 }  // namespace

@@ -180,6 +180,10 @@ std::string CostModelText(const CostModel& costs) {
   add("release_seconds", costs.release_seconds);
   add("serial_streams", costs.serial_streams ? 1 : 0);
   add("overlap_compute_slowdown", costs.overlap_compute_slowdown);
+  // Only where it slows something: the digests of profiles without it stay as they were.
+  if (costs.overlap_collective_slowdown != 1) {
+    add("overlap_collective_slowdown", costs.overlap_collective_slowdown);
+  }
   return text;
 }
 

@@ -33,12 +33,16 @@ struct CostModel {
   // elements of the params it updates over this rate; 0: its OpSeconds (the host is the device).
   double host_optimizer_elements_per_second = 0;
   double release_seconds = 0;
-  // True when the backend runs one instruction at a time (the cpu backend today): streams do not
-  // overlap and the simulator serializes them.
+  // True when the backend runs one instruction at a time (the cpu backend under
+  // DC_CPU_STREAMS=serial): streams do not overlap and the simulator serializes them.
   bool serial_streams = false;
   // Compute runs this much slower (1 = no slowdown) over the part of it that overlaps an
   // all-gather or reduce-scatter in flight (machine/simulator.h).
   double overlap_compute_slowdown = 1.0;
+  // A collective's transfer (past its latency term) runs this much slower (1 = no slowdown) over
+  // the part of it that overlaps a compute on the device: on the cpu backend Gloo's copies and
+  // loopback TCP take the cores the compute thread runs on (machine/simulator.h).
+  double overlap_collective_slowdown = 1.0;
 
   // Measured seconds of `op_id` if op_seconds has them (>= 0), else its roofline estimate.
   double OpSeconds(const proto::Program& program, int op_id) const;

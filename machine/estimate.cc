@@ -147,9 +147,18 @@ CostModel EstimateCostModel(const proto::Program& program, const HardwareProfile
   costs.device_to_host = costs.host_to_device;
   costs.host_optimizer_elements_per_second = hw.host_optimizer_elements_per_s;
   costs.release_seconds = 0;  // a release is bookkeeping in the executor's arena
-  costs.serial_streams = hw.serial_streams;
-  costs.overlap_compute_slowdown = hw.overlap_compute_slowdown;
+  ApplyConcurrency(hw, &costs);
   return costs;
+}
+
+void ApplyConcurrency(const HardwareProfile& hw, CostModel* costs) {
+  costs->serial_streams = hw.serial_streams;
+  costs->overlap_compute_slowdown = hw.overlap_compute_slowdown;
+  costs->overlap_collective_slowdown = hw.overlap_collective_slowdown;
+}
+
+std::string BackendOf(const HardwareProfile& hw) {
+  return hw.host_optimizer_elements_per_s == 0 ? "cpu" : "cuda";
 }
 
 }  // namespace dc

@@ -42,9 +42,19 @@ OpRoofline EstimateOp(const proto::Program& program, const proto::Op& op, const 
 // so it is min(NVLink busBw, gpus_per_node × network bandwidth per GPU). One rank: a local copy.
 LinearCost RingCollectiveCost(const HardwareProfile& hw, const ClusterShape& cluster);
 
+// How the backend of `hw` runs streams side by side, into `costs`: serial_streams and the two
+// overlap slowdowns. The one home of that rule for every cost model: estimated ones, the default
+// one a plan is re-simulated with, and the fallback of a profile whose trace could not measure
+// them (analyzer/profile.h).
+void ApplyConcurrency(const HardwareProfile& hw, CostModel* costs);
+
+// The backend that runs plans for `hw`: "cpu" where the host is the device (the profile's
+// host_optimizer_elements_per_s is 0), else "cuda".
+std::string BackendOf(const HardwareProfile& hw);
+
 // The whole cost model of `program` on `cluster` of `hw`: op_seconds for every op (EstimateOp),
 // all_gather and reduce_scatter (RingCollectiveCost), host copies over the host link, the
-// fallback flops rate, serial_streams and overlap_compute_slowdown from the profile.
+// fallback flops rate, and the concurrency of ApplyConcurrency.
 CostModel EstimateCostModel(const proto::Program& program, const HardwareProfile& hw,
                             const ClusterShape& cluster);
 

@@ -210,9 +210,18 @@ TEST_F(Llama70bEstimateTest, CostModelFields) {
   EXPECT_DOUBLE_EQ(costs.reduce_scatter.bandwidth_bytes_per_second,
                    costs.all_gather.bandwidth_bytes_per_second);
 
-  const CostModel cpu = EstimateCostModel(*program_, Hardware("cpu"), ClusterShape{1, 4});
-  EXPECT_TRUE(cpu.serial_streams);
-  EXPECT_DOUBLE_EQ(cpu.overlap_compute_slowdown, 1.0);
+  EXPECT_DOUBLE_EQ(costs.overlap_collective_slowdown, 1.0);
+  EXPECT_EQ(BackendOf(hw), "cuda");
+
+  // The cpu backend runs its streams on threads that share the rank's cores: both slow.
+  const HardwareProfile cpu_hw = Hardware("cpu");
+  const CostModel cpu = EstimateCostModel(*program_, cpu_hw, ClusterShape{1, 4});
+  EXPECT_FALSE(cpu.serial_streams);
+  EXPECT_GT(cpu.overlap_compute_slowdown, 1.0);
+  EXPECT_DOUBLE_EQ(cpu.overlap_compute_slowdown, cpu_hw.overlap_compute_slowdown);
+  EXPECT_GT(cpu.overlap_collective_slowdown, 1.0);
+  EXPECT_DOUBLE_EQ(cpu.overlap_collective_slowdown, cpu_hw.overlap_collective_slowdown);
+  EXPECT_EQ(BackendOf(cpu_hw), "cpu");
 }
 
 // How fast the 70B estimate runs (cheap enough to redo for every plan) is bench/speed_bench's to

@@ -70,6 +70,8 @@ const Field kFields[] = {
     {"kernel_launch_seconds", &HardwareProfile::kernel_launch_seconds, Range::kNonNegative, "s"},
     {"overlap_compute_slowdown", &HardwareProfile::overlap_compute_slowdown, Range::kAtLeastOne,
      "ratio"},
+    {"overlap_collective_slowdown", &HardwareProfile::overlap_collective_slowdown,
+     Range::kAtLeastOne, "ratio"},
     {"serial_streams", &HardwareProfile::serial_streams, Range::kBoolean, "boolean"},
     {"max_gpus_per_node", &HardwareProfile::max_gpus_per_node, Range::kNonNegative, "gpus"},
 };

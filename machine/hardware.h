@@ -51,7 +51,10 @@ struct HardwareProfile {
   double kernel_launch_seconds = 0;
   // Compute that overlaps a collective runs this much slower (>= 1).
   double overlap_compute_slowdown = 1;
-  // The backend runs one instruction at a time (the cpu backend).
+  // A collective's transfer that overlaps compute runs this much slower (>= 1): on the cpu
+  // backend Gloo over loopback shares the rank's cores with the compute thread.
+  double overlap_collective_slowdown = 1;
+  // The backend runs one instruction at a time (the cpu backend under DC_CPU_STREAMS=serial).
   bool serial_streams = false;
   // GPUs in one NVLink domain; 0 = no limit.
   int max_gpus_per_node = 0;

@@ -60,9 +60,15 @@ TEST(HardwareTest, DatasheetNumbers) {
 
   const auto cpu = FindHardware("cpu");
   ASSERT_TRUE(cpu.ok()) << cpu.status().message();
-  EXPECT_TRUE(cpu->serial_streams);
+  EXPECT_FALSE(cpu->serial_streams);  // a thread per stream (executor/cpu_device.cc)
   EXPECT_DOUBLE_EQ(cpu->peak_fp32_flops_per_s, 30e9);
-  EXPECT_DOUBLE_EQ(cpu->overlap_compute_slowdown, 1.0);
+  // Measured by bench/overlap_bench: compute and Gloo share the rank's cores.
+  EXPECT_GT(cpu->overlap_compute_slowdown, 1.0);
+  EXPECT_GT(cpu->overlap_collective_slowdown, 1.0);
+  EXPECT_NE(cpu->sources.at("overlap_compute_slowdown").find("overlap_bench"), std::string::npos);
+  EXPECT_NE(cpu->sources.at("overlap_collective_slowdown").find("overlap_bench"),
+            std::string::npos);
+  EXPECT_DOUBLE_EQ(h100->overlap_collective_slowdown, 1.0);
 }
 
 // Aliases and case do not matter.
@@ -106,6 +112,7 @@ constexpr char kToyConstants[] = R"(
   "host_optimizer_elements_per_s": {"value": 1e8, "unit": "elements/s", "source": "s"},
   "kernel_launch_seconds": {"value": 1e-6, "unit": "s", "source": "s"},
   "overlap_compute_slowdown": {"value": 1.0, "unit": "ratio", "source": "s"},
+  "overlap_collective_slowdown": {"value": 1.0, "unit": "ratio", "source": "s"},
   "serial_streams": {"value": false, "unit": "boolean", "source": "s"},
   "max_gpus_per_node": {"value": 4, "unit": "gpus", "source": "s"})";
 
@@ -280,6 +287,12 @@ TEST(HardwareFileTest, ErrorsNameTheFileAndTheKey) {
        R"("value": 85520809984,)",
        R"("value": 85520809984.5,)",
        {"device_memory_bytes", "not an integer"}},
+      {"collective speed-up",
+       R"("overlap_collective_slowdown": {
+          "value": 1.0,)",
+       R"("overlap_collective_slowdown": {
+          "value": 0.5,)",
+       {"overlap_collective_slowdown", "out of range", ">= 1"}},
       {"string for a boolean",
        R"("value": false,)",
        R"("value": "false",)",

@@ -104,14 +104,15 @@ struct Facts {
 //   before or after it), else 1;
 // - a collective: 1 during its latency term (the first latency_seconds of its work; the term
 //   stands for per-step synchronization, which sharing does not slow), then the number of
-//   collectives past their latency term at that instant: an all-gather and a reduce-scatter in
+//   collectives past their latency term at that instant (an all-gather and a reduce-scatter in
 //   flight together share the rank's links by processor sharing, each getting an equal share of
-//   the time;
+//   the time), times CostModel::overlap_collective_slowdown while a compute runs beside it;
 // - copies and releases: 1. PCIe is full duplex, so h2d and d2h each have a direction of their
 //   own and never share (machine/HARDWARE.md).
 // Events are starts, ends and the end of a collective's latency term while another collective is
-// in flight (the only time it can change a rate). An instruction whose rate never changed ends at
-// exactly start + duration, as a plain list schedule would say. O(n * streams).
+// in flight or a compute runs beside a slowed collective (the only times it can change a rate). An
+// instruction whose rate never changed ends at exactly start + duration, as a plain list schedule
+// would say. O(n * streams).
 class TimeReplay {
  public:
   TimeReplay(const proto::Schedule& schedule, const CostModel& costs, const Facts& facts,
@@ -210,17 +211,22 @@ class TimeReplay {
   // Sets every running instruction's stretch for what is in flight at `now`.
   void Retime(double now) {
     in_flight_ = 0;
+    computing_ = false;
     int transferring = 0;
     for (const Slot& slot : slots_) {
+      computing_ = computing_ || (slot.busy() && slot.compute);
       if (!slot.busy() || !slot.collective) continue;
       ++in_flight_;
       transferring += slot.Transferring(now);
     }
+    const double collective_slowdown = computing_ ? costs_.overlap_collective_slowdown : 1.0;
     for (Slot& slot : slots_) {
       if (!slot.busy()) continue;
       double stretch = 1;
       if (slot.compute && in_flight_ > 0) stretch = costs_.overlap_compute_slowdown;
-      if (slot.collective && slot.Transferring(now)) stretch = std::max(1, transferring);
+      if (slot.collective && slot.Transferring(now)) {
+        stretch = std::max(1, transferring) * collective_slowdown;
+      }
       if (!slot.fresh && stretch == slot.stretch) continue;
       if (!slot.fresh) slot.Progress(now);
       slot.fresh = false;
@@ -234,8 +240,11 @@ class TimeReplay {
     for (const Slot& slot : slots_) {
       if (!slot.busy()) continue;
       next = std::min(next, slot.end);
-      // The end of a latency term changes rates only when another collective is in flight.
-      if (slot.collective && in_flight_ > 1 && !slot.Transferring(now)) {
+      // The end of a latency term changes rates only when another collective is in flight or a
+      // compute slows the transfer.
+      const bool rate_changes =
+          in_flight_ > 1 || (computing_ && costs_.overlap_collective_slowdown != 1);
+      if (slot.collective && rate_changes && !slot.Transferring(now)) {
         next = std::min(next, slot.since + slot.latency_left);
       }
     }
@@ -267,6 +276,7 @@ class TimeReplay {
   std::array<Slot, kNumStreams> slots_{};                // what runs on each stream
   std::vector<uint8_t> done_;                            // by instruction
   int started_ = 0, finished_ = 0, busy_ = 0, in_flight_ = 0;
+  bool computing_ = false;  // a compute runs (set by Retime)
 };
 
 void ComputeBusy(const proto::Schedule& schedule, SimResult* result) {

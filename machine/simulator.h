@@ -9,7 +9,9 @@
 // the part of its interval that overlaps an all-gather or reduce-scatter in flight (issued
 // before or after it). A collective pays its latency term at full speed; past it, collectives
 // in flight together (an all-gather and a reduce-scatter on one rank's links) share the
-// bandwidth equally, each progressing at 1/k of its rate while k transfer. Host copies never
+// bandwidth equally, each progressing at 1/k of its rate while k transfer, and a transfer runs
+// CostModel::overlap_collective_slowdown times slower while a compute runs beside it (the cpu
+// backend: Gloo and the kernels share the rank's cores). Host copies never
 // share: PCIe is full duplex, h2d and d2h each have a direction (machine/HARDWARE.md). An
 // instruction that met no contention lasts exactly its cost model duration.
 //

@@ -194,6 +194,64 @@ TEST(SimulatorTest, ComputeSlowsWhenACollectiveStartsDuringIt) {
   EXPECT_EQ(result->end_seconds, (std::vector<double>{1.5, 2, 3, 4.5}));
 }
 
+// w0's gather [0, 1.5), then fwd0 (1 s) beside w1's gather (0.5 s latency + 2 s transfer), both
+// from 1.5.
+proto::Schedule ComputeBesideGather() {
+  ScheduleBuilder b;
+  b.Gather({kW0}).Compute(kFwd0, {0}).Gather({kW1});
+  return b.schedule();
+}
+
+TEST(SimulatorTest, CollectiveTransferSlowsBesideCompute) {
+  // w1's latency [1.5, 2) at full speed; its transfer at half speed while fwd0 runs [2, 2.5)
+  // (0.25 s of work), the other 1.75 s alone: it ends at 4.25, not 4. fwd0 is not slowed.
+  CostModel costs = Costs();
+  costs.overlap_collective_slowdown = 2;
+  StatusOr<SimResult> result = SimulateWith(ComputeBesideGather(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_EQ(result->start_seconds, (std::vector<double>{0, 1.5, 1.5}));
+  EXPECT_EQ(result->end_seconds, (std::vector<double>{1.5, 2.5, 4.25}));
+}
+
+TEST(SimulatorTest, ComputeAndCollectiveSlowEachOther) {
+  // The cpu backend's shape: both share the rank's cores. fwd0 at half speed while w1's gather
+  // is in flight: [1.5, 3.5). w1's transfer at half speed from the end of its latency (2) to 3.5
+  // (0.75 s of work), the other 1.25 s alone: it ends at 4.75.
+  CostModel costs = Costs();
+  costs.overlap_compute_slowdown = 2;
+  costs.overlap_collective_slowdown = 2;
+  StatusOr<SimResult> result = SimulateWith(ComputeBesideGather(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_EQ(result->end_seconds, (std::vector<double>{1.5, 3.5, 4.75}));
+  EXPECT_DOUBLE_EQ(result->exposed_communication_seconds, 1.5 + 1.25);
+}
+
+TEST(SimulatorTest, CollectiveLatencyIsNotSlowedByCompute) {
+  // fwd0 (0.4 s) ends inside w1's latency term [1.5, 2): the transfer never meets it, so the
+  // gather lasts exactly its cost model duration.
+  CostModel costs = Costs();
+  costs.op_seconds[kFwd0] = 0.4;
+  costs.overlap_collective_slowdown = 3;
+  StatusOr<SimResult> result = SimulateWith(ComputeBesideGather(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_DOUBLE_EQ(result->end_seconds[1], 1.9);
+  EXPECT_DOUBLE_EQ(result->end_seconds[2], 4);
+}
+
+TEST(SimulatorTest, SerialStreamsIgnoreTheOverlapSlowdowns) {
+  // Under DC_CPU_STREAMS=serial nothing runs beside anything: the slowdowns never apply.
+  CostModel serial = Costs();
+  serial.serial_streams = true;
+  CostModel slowed = serial;
+  slowed.overlap_compute_slowdown = 2;
+  slowed.overlap_collective_slowdown = 2;
+  StatusOr<SimResult> plain = SimulateWith(Zero3Schedule(), serial);
+  StatusOr<SimResult> result = SimulateWith(Zero3Schedule(), slowed);
+  ASSERT_TRUE(plain.ok() && result.ok());
+  EXPECT_EQ(result->end_seconds, plain->end_seconds);
+  EXPECT_DOUBLE_EQ(result->step_seconds, 12.5);
+}
+
 // The zero3 shape up to bwd, then w1 gathered again while g0 is reduce-scattered:
 //   0 AG w0 | 1 AG w1 | 2 fwd0 | 3 fwd1 | 4 R w1 | 5 bwd | 6 RS g0 | 7 AG w1
 proto::Schedule GatherDuringReduceScatter() {

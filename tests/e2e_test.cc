@@ -23,6 +23,13 @@ using testing::RunCommand;
 using testing::Tool;
 using json = nlohmann::json;
 
+// dc-collect with the cpu backend's streams serial (DC_CPU_STREAMS=serial), so that the plans made
+// from its trace are simulated serially. The tests that hold a run's live peak equal to the plan's
+// predicted peak need that: the executor counts live bytes in issue order, and so does the
+// simulator only when no two streams overlap; with concurrent streams it counts them in simulated
+// time, where a gather may start before the compute issued ahead of it has freed its buffers.
+std::string SerialCollect() { return "DC_CPU_STREAMS=serial " + Tool("dc-collect"); }
+
 json ParseJson(const std::string& text) {
   json j = json::parse(text, nullptr, false);
   EXPECT_FALSE(j.is_discarded()) << "not JSON: " << text;
@@ -468,7 +475,7 @@ class OptimizedPlans : public ::testing::TestWithParam<std::string> {
     base_ = &b;
     if (!b.dir.empty()) return;
     b.dir = FreshDir("optimized-" + GetParam());
-    auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model " + GetParam() +
+    auto collect = RunCommand(SerialCollect() + " --backend cpu --model " + GetParam() +
                               " --nproc 2 --gas 4 --steps 2 --warmup 1 -o " + b.dir + "/t.db");
     ASSERT_EQ(collect.exit_code, 0) << collect.err;
     std::tie(b.plan, b.run) = PlanAndRun("--policy baseline", "", "baseline");
@@ -545,7 +552,7 @@ TEST(Recompute, TrainsBitIdenticallyInLessMemory) {
     json plans[2], runs[2];
     for (int recompute = 0; recompute < 2; ++recompute) {
       const std::string name = dir + "/" + (recompute ? "recompute" : "plain");
-      auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model " + model +
+      auto collect = RunCommand(SerialCollect() + " --backend cpu --model " + model +
                                 " --layers 4" + (recompute ? " --recompute" : "") +
                                 " --nproc 2 --gas 2 --steps 2 --warmup 1 -o " + name + ".db");
       ASSERT_EQ(collect.exit_code, 0) << collect.err;
@@ -575,7 +582,7 @@ TEST(KeepActivations, SkippedRecomputesTrainBitIdentically) {
     const std::string dir = FreshDir("keep-" + model);
     auto plan_and_run = [&](const std::string& name, const std::string& collect_flags,
                             const std::string& plan_flags) {
-      auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model " + model +
+      auto collect = RunCommand(SerialCollect() + " --backend cpu --model " + model +
                                 " --layers 4 --nproc 2 --gas 2 --steps 2 --warmup 1 " +
                                 collect_flags + " -o " + dir + "/" + name + ".db");
       EXPECT_EQ(collect.exit_code, 0) << collect.err;
@@ -614,7 +621,7 @@ TEST(KeepActivations, SkippedRecomputesTrainBitIdentically) {
 // exactly as the baseline does, inside the budget it was planned for.
 TEST(MasterOffload, Bf16MastersOnTheHostTrainBitIdentically) {
   const std::string dir = FreshDir("master-offload");
-  auto collect = RunCommand(Tool("dc-collect") +
+  auto collect = RunCommand(SerialCollect() +
                             " --backend cpu --model tiny --dtype bf16 --micro-batch 8 "
                             "--nproc 2 --gas 2 --steps 2 --warmup 1 -o " +
                             dir + "/t.db");
@@ -663,7 +670,7 @@ TEST(MasterOffload, Bf16MastersOnTheHostTrainBitIdentically) {
 TEST(HostOptimizer, ZeroOffloadKeepsNoStateOnTheDeviceAndTrainsBitIdentically) {
   for (const std::string dtype : {"f32", "bf16"}) {
     const std::string dir = FreshDir("host-optimizer-" + dtype);
-    auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model tiny --dtype " + dtype +
+    auto collect = RunCommand(SerialCollect() + " --backend cpu --model tiny --dtype " + dtype +
                               " --nproc 2 --gas 2 --steps 2 --warmup 1 -o " + dir + "/t.db");
     ASSERT_EQ(collect.exit_code, 0) << collect.err;
     auto plan_and_run = [&](const std::string& policy) {
@@ -704,7 +711,7 @@ TEST(HostOptimizer, ZeroOffloadKeepsNoStateOnTheDeviceAndTrainsBitIdentically) {
 // offloaded as it must be: both kinds of step in one plan train exactly as the baseline does.
 TEST(HostOptimizer, PartOnTheHostPartOnTheDeviceTrainsBitIdentically) {
   const std::string dir = FreshDir("host-optimizer-part");
-  auto collect = RunCommand(Tool("dc-collect") + " --backend cpu --model tiny --dtype bf16 " +
+  auto collect = RunCommand(SerialCollect() + " --backend cpu --model tiny --dtype bf16 " +
                             "--nproc 2 --gas 2 --steps 2 --warmup 1 -o " + dir + "/t.db");
   ASSERT_EQ(collect.exit_code, 0) << collect.err;
   auto base_plan =

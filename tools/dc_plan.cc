@@ -123,7 +123,7 @@ Status SyntheticRequest(const cli::ModelFlags& model, const std::string& hardwar
   DC_ASSIGN_OR_RETURN(ClusterShape cluster, MakeCluster(world, gpus_per_node));
   DC_RETURN_IF_ERROR(ValidateCluster(hw, cluster));
   request->world_size = world;
-  request->backend = hw.serial_streams ? "cpu" : "cuda";
+  request->backend = BackendOf(hw);
   request->device = hw.name + " x" + std::to_string(world) + " (" + std::to_string(cluster.nodes) +
                     " x " + std::to_string(cluster.gpus_per_node) + ")";
   request->costs = EstimateCostModel(program, hw, cluster);

@@ -20,6 +20,8 @@
 #include "analyzer/limits.h"
 #include "analyzer/profile.h"
 #include "analyzer/trace.h"
+#include "machine/estimate.h"
+#include "machine/hardware.h"
 #include "machine/intervals.h"
 #include "schemas/digest.h"
 #include "schemas/plan_file.h"
@@ -153,7 +155,10 @@ std::unique_ptr<Timeline> PlanTimeline(const std::string& path, const proto::Sch
 StatusOr<PlanCosts> CostsForPlan(const proto::Schedule& plan, const std::string& profile_trace) {
   PlanCosts result;
   if (profile_trace.empty()) {
-    result.costs.serial_streams = plan.backend() == "cpu";
+    if (plan.backend() == "cpu") {
+      DC_ASSIGN_OR_RETURN(HardwareProfile cpu, FindHardware("cpu"));
+      ApplyConcurrency(cpu, &result.costs);
+    }
     result.note =
         "re-simulated with the default cost model (pass --profile TRACE for measured costs); "
         "its times are rough estimates";
