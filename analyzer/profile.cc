@@ -55,11 +55,6 @@ class StepIndex {
 
 // ----- costs -----
 
-struct CostSamples {
-  std::vector<std::vector<double>> op_seconds;  // by op id
-  std::vector<CostSample> all_gather, reduce_scatter, host_to_device, device_to_host;
-};
-
 StatusOr<CostSamples> CollectSamples(const Trace& trace, const proto::Schedule& schedule,
                                      const StepIndex& steps) {
   CostSamples samples;
@@ -165,6 +160,15 @@ Status FitCosts(const Trace& trace, const StepIndex& steps, Profile* profile) {
   Fit("offload", samples.device_to_host, &costs.device_to_host, &profile->notes);
   return Status::Ok();
 }
+
+}  // namespace
+
+StatusOr<CostSamples> CollectCostSamples(const Trace& trace) {
+  if (!trace.schedule()) return Status::Error(trace.path() + ": no schedule: not a dc trace");
+  return CollectSamples(trace, *trace.schedule(), StepIndex(trace.Steps()));
+}
+
+namespace {
 
 // ----- overlap -----
 
