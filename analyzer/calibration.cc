@@ -89,7 +89,8 @@ StatusOr<std::vector<FitGroup>> TraceGroups(const Trace& trace, const HardwarePr
       peaks.push_back("peak_bf16_flops_per_s");
     }
     ops.keys = EfficiencyOrRateKeys(base, "matmul_efficiency", peaks);
-    for (const std::string& k : EfficiencyOrRateKeys(base, "memory_efficiency", {"memory_bandwidth_bytes_per_s"})) {
+    for (const std::string& k :
+         EfficiencyOrRateKeys(base, "memory_efficiency", {"memory_bandwidth_bytes_per_s"})) {
       ops.keys.push_back(k);
     }
     ops.keys.push_back("kernel_launch_seconds");

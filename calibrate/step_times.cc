@@ -87,11 +87,11 @@ Status SetColumn(const std::string& column, const std::string& text,
     row->budget_bytes = *bytes;
   } else {
     const std::map<std::string, std::optional<int64_t> ModelOverrides::*> ints = {
-        {"gas", &ModelOverrides::gas},         {"micro_batch", &ModelOverrides::micro_batch},
-        {"layers", &ModelOverrides::layers},   {"hidden", &ModelOverrides::hidden},
-        {"heads", &ModelOverrides::heads},     {"kv_heads", &ModelOverrides::kv_heads},
-        {"ffn", &ModelOverrides::ffn},         {"vocab", &ModelOverrides::vocab},
-        {"seq", &ModelOverrides::seq},         {"experts", &ModelOverrides::experts},
+        {"gas", &ModelOverrides::gas},       {"micro_batch", &ModelOverrides::micro_batch},
+        {"layers", &ModelOverrides::layers}, {"hidden", &ModelOverrides::hidden},
+        {"heads", &ModelOverrides::heads},   {"kv_heads", &ModelOverrides::kv_heads},
+        {"ffn", &ModelOverrides::ffn},       {"vocab", &ModelOverrides::vocab},
+        {"seq", &ModelOverrides::seq},       {"experts", &ModelOverrides::experts},
         {"top_k", &ModelOverrides::top_k}};
     const auto it = ints.find(column);
     if (it == ints.end()) return Status::Error("unknown column '" + column + "'");
@@ -201,7 +201,8 @@ StatusOr<FitGroup> StepTimeGroup(const std::vector<StepTimeRow>& rows, const std
     request.backend = plan_profile.serial_streams ? "cpu" : "cuda";
     request.device = plan_profile.name;
     request.costs = EstimateCostModel(program, plan_profile, cluster);
-    request.budget_bytes = row.budget_bytes > 0 ? row.budget_bytes : plan_profile.device_memory_bytes;
+    request.budget_bytes =
+        row.budget_bytes > 0 ? row.budget_bytes : plan_profile.device_memory_bytes;
     request.policy = row.policy;
     request.program = program;
     StatusOr<proto::Schedule> plan = MakePlan(request);
@@ -232,8 +233,8 @@ StatusOr<FitGroup> StepTimeGroup(const std::vector<StepTimeRow>& rows, const std
     group.keys = kept;
   }
   if (rows.size() < group.keys.size()) {
-    group.undetermined.push_back("fewer rows (" + std::to_string(rows.size()) + ") than constants (" +
-                                 std::to_string(group.keys.size()) +
+    group.undetermined.push_back("fewer rows (" + std::to_string(rows.size()) +
+                                 ") than constants (" + std::to_string(group.keys.size()) +
                                  "): the fit is not unique; measure more configurations");
   }
   return group;

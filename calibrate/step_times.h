@@ -29,16 +29,17 @@ struct StepTimeRow {
 // The columns a step-time CSV may have; the first seven are required, the rest may be left
 // empty (the preset's value).
 inline constexpr const char* kStepTimeColumns[] = {
-    "name",   "model",   "world",   "gas",   "micro_batch", "policy", "measured_seconds",
-    "gpus_per_node", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab",
-    "seq",    "experts", "top_k",   "dtype", "recompute",   "budget"};
+    "name",          "model",   "world",  "gas",   "micro_batch", "policy", "measured_seconds",
+    "gpus_per_node", "layers",  "hidden", "heads", "kv_heads",    "ffn",    "vocab",
+    "seq",           "experts", "top_k",  "dtype", "recompute",   "budget"};
 
 // Parses a CSV with a header line naming its columns (any order, kStepTimeColumns only), one
 // configuration per line; '#' lines and blank lines are skipped. Errors name the origin and line:
 // an unknown, repeated or missing column, a row of the wrong width, a quoted field, a value that
 // is not a whole number (or too large), an unknown policy, a measured time that is not a positive
 // finite number of seconds, a bad byte size, a file with no rows.
-StatusOr<std::vector<StepTimeRow>> ParseStepTimes(const std::string& text, const std::string& origin);
+StatusOr<std::vector<StepTimeRow>> ParseStepTimes(const std::string& text,
+                                                  const std::string& origin);
 
 // The rows as one group: each row's program (MakeConfig, BuildProgram) planned once by its policy
 // on `plan_profile`'s cost model (the plan stays fixed while constants move), then predicted by

@@ -90,7 +90,8 @@ Status FitOne(const std::string& key, const SearchRange& range, const FitGroup& 
     if (f < best_f) best_f = f, best_x = xs[i], best_i = i;
   }
   double lo = best_i < 0 ? std::max(a, best_x - (b - a) / (n - 1)) : xs[std::max(0, best_i - 1)];
-  double hi = best_i < 0 ? std::min(b, best_x + (b - a) / (n - 1)) : xs[std::min(n - 1, best_i + 1)];
+  double hi =
+      best_i < 0 ? std::min(b, best_x + (b - a) / (n - 1)) : xs[std::min(n - 1, best_i + 1)];
   const double ratio = (std::sqrt(5.0) - 1) / 2;
   double x1 = hi - ratio * (hi - lo), x2 = lo + ratio * (hi - lo);
   double f1 = eval(x1), f2 = eval(x2);
@@ -122,7 +123,8 @@ Status CheckGroup(const FitGroup& group, const HardwareProfile& base) {
   }
   for (const Observation& o : group.observations) {
     if (!std::isfinite(o.measured_seconds) || o.measured_seconds <= 0) {
-      return Status::Error(group.input + ": " + o.what + ": measured time is not a positive number");
+      return Status::Error(group.input + ": " + o.what +
+                           ": measured time is not a positive number");
     }
     const double predicted = o.predict(base);
     if (!std::isfinite(predicted) || predicted <= 0) {
@@ -168,8 +170,7 @@ StatusOr<Calibration> Calibrate(const HardwareProfile& base, const std::vector<F
     std::vector<SearchRange> ranges;
     for (const std::string& key : group.keys) {
       const double value = *GetHardwareConstant(out.profile, key);
-      DC_ASSIGN_OR_RETURN(SearchRange range,
-                          RangeOf(infos.at(key), value, options.range_factor));
+      DC_ASSIGN_OR_RETURN(SearchRange range, RangeOf(infos.at(key), value, options.range_factor));
       ranges.push_back(range);
       result.fitted.push_back({key, value, value, false});
     }
@@ -248,8 +249,10 @@ StatusOr<NcclTestsTable> ParseNcclTests(const std::string& text, const std::stri
     std::vector<std::string> tokens = Tokens(line);
     if (tokens.empty()) continue;
     if (tokens[0] == "#" || StartsWith(tokens[0], "#")) {
-      if (tokens[0] != "#") tokens[0] = tokens[0].substr(1);  // "#Rank" spelled without a space
-      else tokens.erase(tokens.begin());
+      if (tokens[0] != "#")
+        tokens[0] = tokens[0].substr(1);  // "#Rank" spelled without a space
+      else
+        tokens.erase(tokens.begin());
       if (tokens.size() >= 4 && tokens[0] == "Collective" && tokens[1] == "test" &&
           tokens[2] == "starting:") {
         named_test = tokens[3];
@@ -298,9 +301,9 @@ StatusOr<NcclTestsTable> ParseNcclTests(const std::string& text, const std::stri
       const char* name;
       double* value;
     };
-    for (const Cell& c : {Cell{time_col, "time", &row.time_us},
-                          Cell{algbw_col, "algbw", &row.algbw_gb_per_s},
-                          Cell{busbw_col, "busbw", &row.busbw_gb_per_s}}) {
+    for (const Cell& c :
+         {Cell{time_col, "time", &row.time_us}, Cell{algbw_col, "algbw", &row.algbw_gb_per_s},
+          Cell{busbw_col, "busbw", &row.busbw_gb_per_s}}) {
       if (!ParseNumber(tokens[c.col], c.value) || *c.value < 0) {
         return Status::Error(at(line_no) + c.name + " '" + tokens[c.col] +
                              "' is not a finite number >= 0");
@@ -326,8 +329,9 @@ StatusOr<NcclTestsTable> ParseNcclTests(const std::string& text, const std::stri
                          "and the file name holds neither all_gather nor reduce_scatter");
   }
   if (table.ranks == 0) {
-    return Status::Error(origin + ": no '#  Rank N ... on HOST' lines: cannot tell the ranks; "
-                                  "keep nccl-tests' whole output");
+    return Status::Error(origin +
+                         ": no '#  Rank N ... on HOST' lines: cannot tell the ranks; "
+                         "keep nccl-tests' whole output");
   }
   if (size_col < 0) {
     return Status::Error(origin + ": no table header (a '#' line naming size, time and busbw)");

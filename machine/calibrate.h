@@ -76,11 +76,11 @@ struct Calibration {
 };
 
 // Fits the groups in order, each from the profile the earlier ones left (a later group fitting a
-// key an earlier one fitted has the last word), minimizing the group's FitGroup::Error. Each fitted constant's source becomes "fitted
-// from <input> (<N> points, residual <X>%)" (X: the group's median error after its fit); the
-// others keep theirs. `name`, when not empty, renames the profile. Errors: a key that is not a
-// numeric constant, a group with no observations, a measurement that is not a positive finite
-// time, an observation the base cannot predict.
+// key an earlier one fitted has the last word), minimizing the group's FitGroup::Error. Each fitted
+// constant's source becomes "fitted from <input> (<N> points, residual <X>%)" (X: the group's
+// median error after its fit); the others keep theirs. `name`, when not empty, renames the profile.
+// Errors: a key that is not a numeric constant, a group with no observations, a measurement that is
+// not a positive finite time, an observation the base cannot predict.
 StatusOr<Calibration> Calibrate(const HardwareProfile& base, const std::vector<FitGroup>& groups,
                                 const CalibrateOptions& options = {});
 

@@ -70,15 +70,14 @@ nlohmann::json ReportJson(const Flags& f, const Calibration& c) {
                         {"after", k.after},
                         {"at_bound", k.at_bound}});
     }
-    inputs.push_back({{"input", g.input},
-                      {"kind", g.kind},
-                      {"points", g.points},
-                      {"fitted", fitted},
-                      {"undetermined", g.undetermined},
-                      {"error_before", {{"median", g.median_error_before},
-                                        {"worst", g.worst_error_before}}},
-                      {"error_after", {{"median", g.median_error_after},
-                                       {"worst", g.worst_error_after}}}});
+    inputs.push_back(
+        {{"input", g.input},
+         {"kind", g.kind},
+         {"points", g.points},
+         {"fitted", fitted},
+         {"undetermined", g.undetermined},
+         {"error_before", {{"median", g.median_error_before}, {"worst", g.worst_error_before}}},
+         {"error_after", {{"median", g.median_error_after}, {"worst", g.worst_error_after}}}});
   }
   return {{"base", f.base}, {"name", c.profile.name}, {"output", f.out}, {"inputs", inputs}};
 }
@@ -89,8 +88,8 @@ void PrintReport(const Flags& f, const Calibration& c) {
   for (const GroupResult& g : c.groups) {
     std::printf("%s (%s): %d point%s, error median %.1f%% -> %.1f%%, worst %.1f%% -> %.1f%%\n",
                 g.kind.c_str(), g.input.c_str(), g.points, g.points == 1 ? "" : "s",
-                100 * g.median_error_before, 100 * g.median_error_after,
-                100 * g.worst_error_before, 100 * g.worst_error_after);
+                100 * g.median_error_before, 100 * g.median_error_after, 100 * g.worst_error_before,
+                100 * g.worst_error_after);
     for (const FittedConstant& k : g.fitted) {
       std::printf("  fitted %-40s %.4g -> %.4g %s%s\n", k.key.c_str(), k.before, k.after,
                   UnitOf(k.key).c_str(), k.at_bound ? " (at the end of its search range)" : "");
@@ -121,7 +120,8 @@ Status Run(const Flags& f) {
   for (const GroupResult& g : c.groups) {
     if (inputs.empty() || inputs.back() != g.input) inputs.push_back(g.input);
   }
-  c.profile.description = base.description + "; calibrated by dc-calibrate from " + Join(inputs, ", ");
+  c.profile.description =
+      base.description + "; calibrated by dc-calibrate from " + Join(inputs, ", ");
   if (!f.out.empty()) DC_RETURN_IF_ERROR(WriteFileAtomic(f.out, HardwareProfileJson(c.profile)));
   if (f.json) {
     std::cout << ReportJson(f, c).dump() << "\n";
