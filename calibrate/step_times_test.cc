@@ -63,8 +63,7 @@ TEST(StepTimes, RefusesHostileRows) {
        }) {
     auto rows = ParseStepTimes(c.text, "s.csv");
     ASSERT_FALSE(rows.ok()) << c.words;
-    EXPECT_NE(rows.status().message().find(c.words), std::string::npos)
-        << rows.status().message();
+    EXPECT_NE(rows.status().message().find(c.words), std::string::npos) << rows.status().message();
     EXPECT_EQ(rows.status().message().find('\n'), std::string::npos);
   }
 }

@@ -42,9 +42,15 @@ StatusOr<std::vector<FitGroup>> Groups(const Flags& f, const HardwareProfile& ba
     DC_ASSIGN_OR_RETURN(FitGroup group, NcclTestsGroup(tables));
     groups.push_back(std::move(group));
   }
-  for (const std::string& path : f.traces) {
-    DC_ASSIGN_OR_RETURN(std::unique_ptr<Trace> trace, Trace::Open(path));
-    DC_ASSIGN_OR_RETURN(std::vector<FitGroup> trace_groups, TraceGroups(*trace, base));
+  if (!f.traces.empty()) {
+    std::vector<std::unique_ptr<Trace>> traces;
+    std::vector<const Trace*> views;
+    for (const std::string& path : f.traces) {
+      DC_ASSIGN_OR_RETURN(std::unique_ptr<Trace> trace, Trace::Open(path));
+      views.push_back(trace.get());
+      traces.push_back(std::move(trace));
+    }
+    DC_ASSIGN_OR_RETURN(std::vector<FitGroup> trace_groups, TraceGroups(views, base));
     for (FitGroup& g : trace_groups) groups.push_back(std::move(g));
   }
   for (const std::string& key : f.fit_steps) {
