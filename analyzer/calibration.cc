@@ -175,7 +175,7 @@ StatusOr<std::vector<FitGroup>> TraceGroups(const std::vector<const Trace*>& tra
   fits.coll.kind = "trace collectives";
   fits.link.kind = "trace host link";
   fits.step.kind = "trace step";
-  for (FitGroup* g : {&fits.ops, &fits.host_adam, &fits.coll, &fits.link}) {
+  for (FitGroup* g : {&fits.host_adam, &fits.coll, &fits.link}) {
     g->error = FitGroup::Error::kAbsolute;
   }
   for (const Trace* trace : traces) DC_RETURN_IF_ERROR(AddTrace(*trace, &fits));

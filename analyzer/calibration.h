@@ -12,7 +12,9 @@ namespace dc {
 
 // The groups of dc traces (each with a program, a schedule and measured steps), every trace's
 // measurements in the same groups, for a profile that starts from `base`:
-// - "trace ops": every measured op's median against its roofline (machine/estimate.h). Fits the
+// - "trace ops": every measured op's median against its roofline (machine/estimate.h), by
+//   relative error (a roofline of a few constants cannot match every op; the others are fitted
+//   by least squares in seconds, so that the samples add up to the time they took). Fits the
 //   matmul efficiency and the memory efficiency, or, where the base already folds an efficiency
 //   into its peak (efficiency 1, as the cpu profile does), the peak flops of the program's
 //   compute dtype and the memory bandwidth; and the launch time.

@@ -169,8 +169,13 @@ StatusOr<Calibration> Calibrate(const HardwareProfile& base, const std::vector<F
     result.undetermined = group.undetermined;
     std::vector<SearchRange> ranges;
     for (const std::string& key : group.keys) {
+      // The range is around the base's value, not an earlier group's: a group that fitted a
+      // constant badly (a roofline that cannot describe every op) does not fence in a later one.
       const double value = *GetHardwareConstant(out.profile, key);
-      DC_ASSIGN_OR_RETURN(SearchRange range, RangeOf(infos.at(key), value, options.range_factor));
+      DC_ASSIGN_OR_RETURN(SearchRange range, RangeOf(infos.at(key), *GetHardwareConstant(base, key),
+                                                     options.range_factor));
+      range.lo = std::min(range.lo, value);
+      range.hi = std::max(range.hi, value);
       ranges.push_back(range);
       result.fitted.push_back({key, value, value, false});
     }

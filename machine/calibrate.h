@@ -45,10 +45,11 @@ struct FitGroup {
 };
 
 struct CalibrateOptions {
-  // Each constant is searched within [value / range_factor, value * range_factor] of its value
-  // when its group starts, clipped to its valid range (machine/hardware.h).
+  // Each constant is searched within [value / range_factor, value * range_factor] of its value in
+  // the base profile (widened to hold its value when its group starts), clipped to its valid
+  // range (machine/hardware.h).
   double range_factor = 1000;
-  int sweeps = 3;         // coordinate-descent sweeps over a group's constants
+  int sweeps = 4;         // coordinate-descent sweeps over a group's constants
   int grid_points = 13;   // a log-spaced grid first (the objective need not be unimodal) ...
   int golden_steps = 24;  // ... then golden-section steps between the best point's neighbours
 };

@@ -63,8 +63,8 @@ TEST_F(DcCalibrate, ATraceGivesAProfileThatPredictsItsOwnStep) {
                              EstimateCostModel(*(*trace)->program(), fit->profile, cluster));
   ASSERT_TRUE(calibrated.ok());
   const double calibrated_error = RelativeError(calibrated->step_seconds, measured);
-  auto uncalibrated = Simulate(*(*trace)->schedule(),
-                               EstimateCostModel(*(*trace)->program(), *base, cluster));
+  auto uncalibrated =
+      Simulate(*(*trace)->schedule(), EstimateCostModel(*(*trace)->program(), *base, cluster));
   ASSERT_TRUE(uncalibrated.ok());
   EXPECT_LE(calibrated_error, std::max(2 * trace_error, trace_error + 0.15))
       << "measured " << measured << " s, from the trace " << from_trace->step_seconds
