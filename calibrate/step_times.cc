@@ -168,9 +168,11 @@ StatusOr<std::vector<StepTimeRow>> ParseStepTimes(const std::string& text,
   return rows;
 }
 
-std::vector<std::string> DefaultStepTimeKeys(const HardwareProfile& profile) {
-  std::vector<std::string> keys =
-      EfficiencyOrRateKeys(profile, "matmul_efficiency", {"peak_fp32_flops_per_s"});
+std::vector<std::string> DefaultStepTimeKeys(const HardwareProfile& profile, bool rates_measured) {
+  std::vector<std::string> keys;
+  if (!rates_measured) {
+    keys = EfficiencyOrRateKeys(profile, "matmul_efficiency", {"peak_fp32_flops_per_s"});
+  }
   keys.push_back("kernel_launch_seconds");
   keys.push_back("collective_base_latency_s");
   return keys;
@@ -182,7 +184,7 @@ StatusOr<FitGroup> StepTimeGroup(const std::vector<StepTimeRow>& rows, const std
   FitGroup group;
   group.input = origin;
   group.kind = "step times";
-  group.keys = keys.empty() ? DefaultStepTimeKeys(plan_profile) : keys;
+  group.keys = keys.empty() ? DefaultStepTimeKeys(plan_profile, false) : keys;
   bool any_collective = false;
   for (const StepTimeRow& row : rows) {
     const std::string at = origin + ":" + std::to_string(row.line) + ": ";

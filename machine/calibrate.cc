@@ -25,7 +25,8 @@ double Objective(const FitGroup& group, const HardwareProfile& profile) {
     const double predicted = o.predict(profile);
     if (!std::isfinite(predicted) || predicted <= 0) return std::numeric_limits<double>::infinity();
     if (group.error == FitGroup::Error::kRelative) {
-      sum += std::abs(std::log(predicted / o.measured_seconds));
+      const double e = std::log(predicted / o.measured_seconds);
+      sum += e * e;
     } else {
       sum += (predicted - o.measured_seconds) * (predicted - o.measured_seconds);
     }
@@ -204,6 +205,10 @@ StatusOr<Calibration> Calibrate(const HardwareProfile& base, const std::vector<F
     out.groups[g].worst_error_before = before.worst;
     out.groups[g].median_error_after = after.median;
     out.groups[g].worst_error_after = after.worst;
+    for (const Observation& o : groups[g].observations) {
+      out.groups[g].observations.push_back(
+          {o.what, o.measured_seconds, o.predict(base), o.predict(out.profile)});
+    }
   }
   return out;
 }

@@ -30,9 +30,9 @@ struct Observation {
 // could have told but cannot, with why ("collective_base_latency_s: one message size: latency and
 // bandwidth cannot both be fitted").
 struct FitGroup {
-  // What the fit minimizes. kRelative: the mean |log(predicted / measured)|, for measurements
-  // that span orders of magnitude (nccl-tests' 8 B to 8 GiB, steps of different models), robust to
-  // a few outliers. kAbsolute: the sum of squared (predicted - measured) seconds, the least
+  // What the fit minimizes. kRelative: the mean squared log(predicted / measured), for
+  // measurements that span orders of magnitude (nccl-tests' 8 B to 8 GiB, steps of different
+  // models). kAbsolute: the sum of squared (predicted - measured) seconds, the least
   // squares of machine/cost_model.h's fits: the line through the mean, so that the many samples
   // of a trace add up to the time they took, stalls included.
   enum class Error { kRelative, kAbsolute };
@@ -69,6 +69,12 @@ struct GroupResult {
   // profile and under the calibrated one (every group fitted).
   double median_error_before = 0, worst_error_before = 0;
   double median_error_after = 0, worst_error_after = 0;
+  // Each observation under the base profile and under the calibrated one.
+  struct Point {
+    std::string what;
+    double measured_seconds = 0, before_seconds = 0, after_seconds = 0;
+  };
+  std::vector<Point> observations;
 };
 
 struct Calibration {

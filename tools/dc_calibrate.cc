@@ -59,7 +59,9 @@ StatusOr<std::vector<FitGroup>> Groups(const Flags& f, const HardwareProfile& ba
   for (const std::string& path : f.steps) {
     DC_ASSIGN_OR_RETURN(std::string text, ReadFileBytes(path));
     DC_ASSIGN_OR_RETURN(std::vector<StepTimeRow> rows, ParseStepTimes(text, path));
-    DC_ASSIGN_OR_RETURN(FitGroup group, StepTimeGroup(rows, path, base, f.fit_steps));
+    const std::vector<std::string> keys =
+        f.fit_steps.empty() ? DefaultStepTimeKeys(base, !f.traces.empty()) : f.fit_steps;
+    DC_ASSIGN_OR_RETURN(FitGroup group, StepTimeGroup(rows, path, base, keys));
     groups.push_back(std::move(group));
   }
   return groups;
@@ -76,12 +78,20 @@ nlohmann::json ReportJson(const Flags& f, const Calibration& c) {
                         {"after", k.after},
                         {"at_bound", k.at_bound}});
     }
+    nlohmann::json points = nlohmann::json::array();
+    for (const GroupResult::Point& p : g.observations) {
+      points.push_back({{"what", p.what},
+                        {"measured_seconds", p.measured_seconds},
+                        {"predicted_before_seconds", p.before_seconds},
+                        {"predicted_after_seconds", p.after_seconds}});
+    }
     inputs.push_back(
         {{"input", g.input},
          {"kind", g.kind},
          {"points", g.points},
          {"fitted", fitted},
          {"undetermined", g.undetermined},
+         {"observations", points},
          {"error_before", {{"median", g.median_error_before}, {"worst", g.worst_error_before}}},
          {"error_after", {{"median", g.median_error_after}, {"worst", g.worst_error_after}}}});
   }
@@ -151,7 +161,7 @@ int main(int argc, char** argv) {
            ", ") +
       "; the first seven required) for what only whole steps show. Each fitted constant's source "
       "says what it was fitted from; the output says, per input, what it could and could not "
-      "determine and the error before and after.\n"
+      "determine and the error before and after (--json: every observation too).\n"
       "Example: dc-calibrate --base h100-sxm --nccl-tests ag.txt --trace t.db --steps steps.csv "
       "-o mine.json"};
   app.add_option("--base", f.base, "the profile to start from: a built-in name or a FILE.json")
@@ -164,8 +174,8 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   app.add_option("--fit-steps", f.fit_steps,
                  "the constants the step times fit, by their keys in the profile file (default: "
-                 "matmul_efficiency or the peak it scales, kernel_launch_seconds, "
-                 "collective_base_latency_s)")
+                 "kernel_launch_seconds, collective_base_latency_s, and without --trace "
+                 "matmul_efficiency or the peak it scales)")
       ->delimiter(',');
   app.add_option("--name", f.name, "the calibrated profile's name (default: <base>-calibrated)");
   app.add_option("-o,--output", f.out, "the profile file to write (atomically)")
