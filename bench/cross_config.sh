@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Cross-configuration validation of dc-calibrate on the cpu backend: calibrate a profile from small
-# runs only (traces of `tiny` on 1 and 2 ranks, and the measured steps of three tiny
-# configurations), then predict 13 other configurations from it with dc-plan --synthetic
-# --hardware calibrated.json and run each with dc-run; print predicted, measured (median step)
+# runs only (traces of `tiny` on 1, 2 and 4 ranks: two world sizes with collectives tell the
+# per-step latency from the base; and the measured steps of four tiny configurations), then
+# predict 13 other configurations from it with dc-plan --synthetic --hardware calibrated.json and
+# run each with dc-run; print predicted, measured (median step)
 # and error, then the median and worst absolute error. Goal: median <= 5%, worst <= 15%.
 #   bench/cross_config.sh [build-dir] [steps]
 # About 5-10 minutes on a 2-core machine; the load average is printed before and after (errors
@@ -41,14 +42,16 @@ measured() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["st
 # 1. Calibration inputs: small runs only.
 "$bin/dc-collect" --model tiny --nproc 1 --gas 2 --steps 3 --warmup 1 -o "$work/t1.db" --quiet >/dev/null
 "$bin/dc-collect" --model tiny --nproc 2 --gas 2 --steps 3 --warmup 1 -o "$work/t2.db" --quiet >/dev/null
+"$bin/dc-collect" --model tiny --nproc 4 --gas 1 --steps 3 --warmup 1 -o "$work/t4.db" --quiet >/dev/null
 echo "name,model,world,gas,micro_batch,policy,measured_seconds" >"$work/steps.csv"
-for spec in "tiny1 1 1 baseline" "tiny2 2 2 baseline" "tiny2dc 2 4 dc"; do
+for spec in "tiny1 1 1 baseline" "tiny2 2 2 baseline" "tiny2dc 2 4 dc" "tiny4 4 2 baseline"; do
   read -r name world gas policy <<<"$spec"
   plan "$name" cpu "$policy" "$world" --model tiny --gas "$gas"
   run "$name" "$world"
   echo "$name,tiny,$world,$gas,1,$policy,$(measured "$name")" >>"$work/steps.csv"
 done
-"$bin/dc-calibrate" --base cpu --trace "$work/t1.db" --trace "$work/t2.db" --steps "$work/steps.csv" \
+"$bin/dc-calibrate" --base cpu --trace "$work/t1.db" --trace "$work/t2.db" --trace "$work/t4.db" \
+  --steps "$work/steps.csv" \
   --name cpu-calibrated -o "$work/calibrated.json"
 
 # 2. Other configurations, predicted from the calibrated profile and measured.
