@@ -57,11 +57,6 @@ class StepIndex {
 
 // ----- costs -----
 
-struct CostSamples {
-  std::vector<std::vector<double>> op_seconds;  // by op id
-  std::vector<CostSample> all_gather, reduce_scatter, host_to_device, device_to_host;
-};
-
 // One instruction as a measured step ran it, with how much of it ran beside the other class of
 // work on its rank (compute beside collectives, a collective beside compute).
 struct TimedSample {
@@ -342,6 +337,21 @@ Status FitCosts(const Trace& trace, const StepIndex& steps, Profile* profile) {
   Fit("offload", samples.device_to_host, &costs.device_to_host, &profile->notes);
   return Status::Ok();
 }
+
+}  // namespace
+
+StatusOr<CostSamples> CollectCostSamples(const Trace& trace) {
+  if (!trace.schedule()) return Status::Error(trace.path() + ": no schedule: not a dc trace");
+  const proto::Schedule& schedule = *trace.schedule();
+  const StepIndex steps(trace.Steps());
+  DC_ASSIGN_OR_RETURN(std::vector<TimedSample> timed, ReadSamples(trace, schedule, steps));
+  // The samples as BuildProfile fits them: each as the work it would take alone.
+  Profile concurrency;
+  DC_RETURN_IF_ERROR(FitConcurrency(trace, schedule, &timed, &concurrency));
+  return CollectSamples(schedule, timed, concurrency.costs);
+}
+
+namespace {
 
 // ----- overlap -----
 

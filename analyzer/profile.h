@@ -75,6 +75,15 @@ struct Profile {
   std::vector<SkippedRecords> skipped;
 };
 
+// What a dc trace measured, warm-up steps left out: every compute's seconds by op id, every
+// collective's and host copy's bytes and seconds (for BuildProfile's fits and dc-calibrate's),
+// each as the work it would take alone (the run's overlap slowdowns taken out).
+struct CostSamples {
+  std::vector<std::vector<double>> op_seconds;  // by op id
+  std::vector<CostSample> all_gather, reduce_scatter, host_to_device, device_to_host;
+};
+StatusOr<CostSamples> CollectCostSamples(const Trace& trace);
+
 // Per-instruction durations as medians over measured steps (warm-up excluded), collective
 // costs fitted by least squares as latency + bytes / bandwidth per kind, memory timeline,
 // overlap and exposed communication per step. dc traces give op medians (mapped to ops through

@@ -357,6 +357,70 @@ std::string HardwareProfileJson(const HardwareProfile& profile) {
   return root.dump(2) + "\n";
 }
 
+std::vector<HardwareConstantInfo> HardwareConstants() {
+  std::vector<HardwareConstantInfo> constants;
+  for (const Field& field : kFields) {
+    if (field.range == Range::kBoolean) continue;
+    HardwareConstantInfo info;
+    info.key = field.key;
+    info.unit = field.unit;
+    info.integral = !std::holds_alternative<double HardwareProfile::*>(field.member);
+    info.max_value =
+        field.range == Range::kFraction ? 1.0 : std::numeric_limits<double>::infinity();
+    info.min_value = field.range == Range::kAtLeastOne ? 1.0 : 0.0;
+    info.min_exclusive = field.range == Range::kPositive || field.range == Range::kFraction;
+    constants.push_back(std::move(info));
+  }
+  return constants;
+}
+
+namespace {
+const Field* FindNumericField(const std::string& key) {
+  for (const Field& field : kFields) {
+    if (field.key == key && field.range != Range::kBoolean) return &field;
+  }
+  return nullptr;
+}
+
+Status UnknownConstant(const std::string& key) {
+  std::vector<std::string> keys;
+  for (const HardwareConstantInfo& info : HardwareConstants()) keys.push_back(info.key);
+  std::string known;
+  for (const std::string& k : keys) known += (known.empty() ? "" : ", ") + k;
+  return Status::Error("unknown constant '" + key + "'; known: " + known);
+}
+}  // namespace
+
+StatusOr<double> GetHardwareConstant(const HardwareProfile& profile, const std::string& key) {
+  const Field* field = FindNumericField(key);
+  if (!field) return UnknownConstant(key);
+  return std::visit([&](auto member) { return static_cast<double>(profile.*member); },
+                    field->member);
+}
+
+Status SetHardwareConstant(HardwareProfile* profile, const std::string& key, double value) {
+  const Field* field = FindNumericField(key);
+  if (!field) return UnknownConstant(key);
+  if (!InRange(value, field->range)) {
+    return Status::Error("constant '" + key + "': value " + std::to_string(value) +
+                         " is out of range (must be " + RangeText(field->range) + ")");
+  }
+  return std::visit(
+      [&](auto member) -> Status {
+        using T = std::remove_reference_t<decltype(profile->*member)>;
+        if constexpr (std::is_integral_v<T>) {
+          if (value > static_cast<double>(std::numeric_limits<T>::max())) {
+            return Status::Error("constant '" + key + "': value is too large");
+          }
+          profile->*member = static_cast<T>(std::llround(value));
+        } else {
+          profile->*member = value;
+        }
+        return Status::Ok();
+      },
+      field->member);
+}
+
 StatusOr<ClusterShape> MakeCluster(int world, int gpus_per_node) {
   if (world < 1) {
     return Status::Error("--world " + std::to_string(world) + ": need at least one rank");

@@ -108,6 +108,26 @@ std::string HardwareProfileJson(const HardwareProfile& profile);
 // otherwise the world must be a whole number of nodes. Messages name the command-line flags.
 StatusOr<ClusterShape> MakeCluster(int world, int gpus_per_node);
 
+// The numeric constants of a profile by their key in the file, for code that treats them alike
+// (dc-calibrate fits any of them; machine/calibrate.h): every constant of the file's field table
+// but the booleans, in file order, with its unit and the values it may take.
+struct HardwareConstantInfo {
+  std::string key;
+  std::string unit;
+  bool integral = false;
+  double min_value = 0;  // the smallest valid value (inclusive unless min_exclusive)
+  bool min_exclusive = false;
+  double max_value = 0;  // the largest valid value; +inf where none
+};
+std::vector<HardwareConstantInfo> HardwareConstants();
+
+// The value of the numeric constant `key`, or an error naming the known keys.
+StatusOr<double> GetHardwareConstant(const HardwareProfile& profile, const std::string& key);
+
+// Sets the numeric constant `key` to `value` (rounded for integral ones) after checking it is in
+// the constant's range; errors name the key and the range.
+Status SetHardwareConstant(HardwareProfile* profile, const std::string& key, double value);
+
 // Checks that `cluster` can be built from `hw` (no more GPUs per node than one NVLink domain).
 Status ValidateCluster(const HardwareProfile& hw, const ClusterShape& cluster);
 

@@ -135,7 +135,63 @@ TEST_F(BadInput, EveryRowOfTheTable) {
   }
   WriteFile(dir_ + "/offset.dcplan", SerializePlan(offset));
 
+  const std::string calibrate = Tool("dc-calibrate") + " --base cpu";
+  const std::string steps_header = "name,model,world,gas,micro_batch,policy,measured_seconds\n";
+  WriteFile(dir_ + "/columns.csv", "name,model,world,colour\n");
+  WriteFile(dir_ + "/policy.csv", steps_header + "a,tiny,2,1,1,fastest,0.1\n");
+  WriteFile(dir_ + "/nan.csv", steps_header + "a,tiny,2,1,1,dc,nan\n");
+  WriteFile(dir_ + "/negative.csv", steps_header + "a,tiny,2,1,1,dc,-0.5\n");
+  WriteFile(dir_ + "/preset.csv", steps_header + "a,gpt5,2,1,1,dc,0.5\n");
+  WriteFile(dir_ + "/all_gather_norows.txt",
+            "# Collective test starting: all_gather_perf\n"
+            "#  Rank  0 Group  0 Pid  1 on  a device  0 [0x18] X\n"
+            "#       size         count      type   redop    root     time   algbw   busbw\n");
+  WriteFile(dir_ + "/all_gather_nan.txt",
+            "# Collective test starting: all_gather_perf\n"
+            "#  Rank  0 Group  0 Pid  1 on  a device  0 [0x18] X\n"
+            "#       size         count      type   redop    root     time   algbw   busbw\n"
+            "  1024  256  float  none  -1  nan  0.1  0.1\n");
   const std::vector<Row> rows = {
+      {calibrate + " --steps $D/columns.csv -o $D/c.json",
+       1,
+       {"$D/columns.csv:1: unknown column 'colour'"},
+       {"c.json"}},
+      {calibrate + " --steps $D/policy.csv -o $D/c.json",
+       1,
+       {"$D/policy.csv:2: column 'policy': unknown policy 'fastest'"},
+       {"c.json"}},
+      {calibrate + " --steps $D/nan.csv -o $D/c.json",
+       1,
+       {"$D/nan.csv:2: column 'measured_seconds': 'nan' is not a positive finite number"},
+       {"c.json"}},
+      {calibrate + " --steps $D/negative.csv -o $D/c.json",
+       1,
+       {"$D/negative.csv:2: column 'measured_seconds': '-0.5'"},
+       {"c.json"}},
+      {calibrate + " --steps $D/preset.csv -o $D/c.json",
+       1,
+       {"$D/preset.csv:2: ", "gpt5"},
+       {"c.json"}},
+      {calibrate + " --nccl-tests $D/all_gather_norows.txt -o $D/c.json",
+       1,
+       {"$D/all_gather_norows.txt: the table has no rows"},
+       {"c.json"}},
+      {calibrate + " --nccl-tests $D/all_gather_nan.txt -o $D/c.json",
+       1,
+       {"$D/all_gather_nan.txt:4: time 'nan' is not a finite number"},
+       {"c.json"}},
+      {calibrate + " --trace $D/columns.csv -o $D/c.json", 1, {"$D/columns.csv"}, {"c.json"}},
+      {calibrate + " -o $D/c.json", 1, {"nothing to fit"}, {"c.json"}},
+      {Tool("dc-calibrate") + " --base nosuch --trace $D/good.db -o $D/c.json",
+       1,
+       {"unknown hardware 'nosuch'"},
+       {"c.json"}},
+      {calibrate + " --steps $D/policy.csv --fit-steps warp_speed -o $D/c.json",
+       1,
+       {"--fit-steps: unknown constant 'warp_speed'"},
+       {"c.json"}},
+      {calibrate + " --trace $D/good.db -o $D/good.db", 1, {"the output is also the input"}, {}},
+      {calibrate + " --trace $D/good.db -o ''", 2, {"--output", "must not be empty"}, {}},
       {collect + " --model tiny --vocab 1 -o $D/v1.db",
        1,
        {"--vocab must be at least 2"},

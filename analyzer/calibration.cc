@@ -1,0 +1,258 @@
+#include "analyzer/calibration.h"
+
+#include <algorithm>
+#include <memory>
+#include <set>
+#include <string>
+
+#include "analyzer/profile.h"
+#include "machine/estimate.h"
+#include "machine/simulator.h"
+
+namespace dc {
+
+namespace {
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string Plural(size_t n, const char* what) {
+  return std::to_string(n) + " " + what + (n == 1 ? "" : "s");
+}
+
+// Samples of one transfer kind against `predict`, into `group`.
+void AddTransfers(const char* kind, const std::vector<CostSample>& samples,
+                  const std::function<LinearCost(const HardwareProfile&)>& cost, FitGroup* group,
+                  std::set<int64_t>* sizes) {
+  for (const CostSample& s : samples) {
+    if (s.seconds <= 0) continue;
+    sizes->insert(s.bytes);
+    Observation o;
+    o.what = std::string(kind) + " " + std::to_string(s.bytes) + " B";
+    o.measured_seconds = s.seconds;
+    o.predict = [cost, bytes = s.bytes](const HardwareProfile& hw) {
+      return cost(hw).Seconds(bytes);
+    };
+    group->observations.push_back(std::move(o));
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// The groups every trace adds to, and what decides their keys.
+struct TraceFits {
+  FitGroup ops, host_adam, coll, link, step;
+  bool bf16 = false;
+  std::set<int64_t> coll_sizes, link_sizes;
+  std::set<int> coll_ranks;  // world sizes of traces with collectives, on one node
+  bool inter = false, one_rank = false, overlap = false;
+};
+
+void AddInput(FitGroup* group, const std::string& path) {
+  group->input += (group->input.empty() ? "" : ", ") + path;
+}
+
+Status AddTrace(const Trace& trace, TraceFits* fits) {
+  if (!trace.program() || !trace.schedule()) {
+    return Status::Error(trace.path() +
+                         ": not a dc trace (no program): record one with dc-collect or dc-run "
+                         "--trace");
+  }
+  DC_ASSIGN_OR_RETURN(CostSamples samples, CollectCostSamples(trace));
+  DC_ASSIGN_OR_RETURN(Profile profile, BuildProfile(trace));
+  const auto program = std::make_shared<proto::Program>(*trace.program());
+  const auto schedule = std::make_shared<proto::Schedule>(*trace.schedule());
+  const int world = std::max<int>(1, static_cast<int>(trace.ranks().size()));
+  std::set<std::string> hosts;
+  for (const TraceRank& r : trace.ranks()) hosts.insert(r.hostname);
+  const int nodes = hosts.size() > 1 && world % static_cast<int>(hosts.size()) == 0
+                        ? static_cast<int>(hosts.size())
+                        : 1;
+  const ClusterShape cluster{nodes, world / nodes};
+  const std::string& path = trace.path();
+  fits->bf16 = fits->bf16 || program->config().compute_dtype() != proto::DTYPE_F32;
+
+  // Ops: every measured op but the host optimizer's (its own rate, below).
+  std::set<int> host_ops;
+  for (const proto::Instruction& in : schedule->instructions()) {
+    if (in.kind() == proto::INSTR_COMPUTE && in.stream() == proto::STREAM_HOST) {
+      host_ops.insert(in.op());
+    }
+  }
+  const size_t ops_before = fits->ops.observations.size();
+  for (int id = 0; id < program->ops_size(); ++id) {
+    if (samples.op_seconds[id].empty() || host_ops.count(id)) continue;
+    Observation o;
+    o.what = path + ": op " + program->ops(id).name() + " (" + program->ops(id).kind() + ")";
+    o.measured_seconds = Median(samples.op_seconds[id]);
+    if (o.measured_seconds <= 0) continue;
+    o.predict = [program, id, world](const HardwareProfile& hw) {
+      return EstimateOp(*program, program->ops(id), hw, world).seconds;
+    };
+    fits->ops.observations.push_back(std::move(o));
+  }
+  if (fits->ops.observations.size() > ops_before) AddInput(&fits->ops, path);
+
+  // Host optimizer: elements of the rank's shards over the time.
+  const size_t adam_before = fits->host_adam.observations.size();
+  for (const proto::Instruction& in : schedule->instructions()) {
+    if (in.kind() != proto::INSTR_COMPUTE || in.stream() != proto::STREAM_HOST) continue;
+    if (in.op() < 0 || in.op() >= program->ops_size() || samples.op_seconds[in.op()].empty()) {
+      continue;
+    }
+    const int64_t elements = HostOptimizerElements(*program, world, in);
+    if (elements <= 0) continue;
+    Observation o;
+    o.what = path + ": host optimizer " + program->ops(in.op()).name();
+    o.measured_seconds = Median(samples.op_seconds[in.op()]);
+    o.predict = [elements](const HardwareProfile& hw) {
+      return hw.host_optimizer_elements_per_s > 0 ? elements / hw.host_optimizer_elements_per_s
+                                                  : 0.0;
+    };
+    fits->host_adam.observations.push_back(std::move(o));
+  }
+  if (fits->host_adam.observations.size() > adam_before) AddInput(&fits->host_adam, path);
+
+  // Collectives over the trace's ranks.
+  if (world < 2) {
+    fits->one_rank = true;
+  } else {
+    const size_t before = fits->coll.observations.size();
+    auto ring = [cluster](const HardwareProfile& hw) { return RingCollectiveCost(hw, cluster); };
+    AddTransfers("all_gather", samples.all_gather, ring, &fits->coll, &fits->coll_sizes);
+    AddTransfers("reduce_scatter", samples.reduce_scatter, ring, &fits->coll, &fits->coll_sizes);
+    if (fits->coll.observations.size() > before) {
+      AddInput(&fits->coll, path);
+      if (nodes > 1) {
+        fits->inter = true;
+      } else {
+        fits->coll_ranks.insert(world);
+      }
+    }
+  }
+
+  // Host link: offloads and reloads.
+  const size_t link_before = fits->link.observations.size();
+  auto host = [](const HardwareProfile& hw) {
+    return LinearCost{hw.host_link_latency_s, hw.host_link_bandwidth_bytes_per_s};
+  };
+  AddTransfers("reload", samples.host_to_device, host, &fits->link, &fits->link_sizes);
+  AddTransfers("offload", samples.device_to_host, host, &fits->link, &fits->link_sizes);
+  if (fits->link.observations.size() > link_before) AddInput(&fits->link, path);
+
+  // The whole step.
+  if (profile.step_seconds_median > 0) {
+    Observation o;
+    o.what = path + ": median step of " + Plural(schedule->instructions_size(), "instruction");
+    o.measured_seconds = profile.step_seconds_median;
+    o.predict = [program, schedule, cluster](const HardwareProfile& hw) {
+      SimOptions options;
+      options.memory_timeline = false;
+      const StatusOr<SimResult> sim =
+          Simulate(*schedule, EstimateCostModel(*program, hw, cluster), options);
+      return sim.ok() ? sim->step_seconds : -1.0;
+    };
+    fits->step.observations.push_back(std::move(o));
+    AddInput(&fits->step, path);
+    for (const StepOverlap& s : profile.overlap)
+      fits->overlap = fits->overlap || s.overlap_seconds > 0;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+StatusOr<std::vector<FitGroup>> TraceGroups(const std::vector<const Trace*>& traces,
+                                            const HardwareProfile& base) {
+  TraceFits fits;
+  fits.ops.kind = "trace ops";
+  fits.host_adam.kind = "trace host optimizer";
+  fits.coll.kind = "trace collectives";
+  fits.link.kind = "trace host link";
+  fits.step.kind = "trace step";
+  for (FitGroup* g : {&fits.host_adam, &fits.coll, &fits.link}) {
+    g->error = FitGroup::Error::kAbsolute;
+  }
+  for (const Trace* trace : traces) DC_RETURN_IF_ERROR(AddTrace(*trace, &fits));
+  std::vector<FitGroup> groups;
+
+  if (!fits.ops.observations.empty()) {
+    std::vector<std::string> peaks = {"peak_fp32_flops_per_s"};
+    if (fits.bf16) peaks.push_back("peak_bf16_flops_per_s");
+    fits.ops.keys = EfficiencyOrRateKeys(base, "matmul_efficiency", peaks);
+    for (const std::string& k :
+         EfficiencyOrRateKeys(base, "memory_efficiency", {"memory_bandwidth_bytes_per_s"})) {
+      fits.ops.keys.push_back(k);
+    }
+    fits.ops.keys.push_back("kernel_launch_seconds");
+    groups.push_back(std::move(fits.ops));
+  }
+  if (!fits.host_adam.observations.empty() && base.host_optimizer_elements_per_s > 0) {
+    fits.host_adam.keys = {"host_optimizer_elements_per_s"};
+    groups.push_back(std::move(fits.host_adam));
+  }
+
+  FitGroup& coll = fits.coll;
+  if (coll.observations.empty()) {
+    if (fits.one_rank) {
+      coll.input = traces.empty() ? "" : traces.front()->path();
+      coll.undetermined.push_back(
+          "intra_node_bus_bandwidth_bytes_per_s, collective_base_latency_s: one rank: its "
+          "collectives are local copies");
+      groups.push_back(std::move(coll));
+    }
+  } else {
+    if (!fits.coll_ranks.empty()) coll.keys.push_back("intra_node_bus_bandwidth_bytes_per_s");
+    if (fits.inter) coll.keys.push_back("inter_node_bandwidth_per_gpu_bytes_per_s");
+    if (fits.coll_sizes.size() >= 2) {
+      coll.keys.push_back("collective_base_latency_s");
+      if (fits.coll_ranks.size() >= 2) {
+        coll.keys.push_back("intra_node_step_latency_s");
+      } else if (!fits.coll_ranks.empty()) {
+        coll.undetermined.push_back(
+            "intra_node_step_latency_s: one rank count: the base latency takes the whole (trace "
+            "two world sizes to tell them apart)");
+      }
+      if (fits.inter) coll.keys.push_back("inter_node_step_latency_s");
+    } else {
+      coll.undetermined.push_back(
+          "collective_base_latency_s: one message size: latency and bandwidth cannot both be "
+          "fitted");
+    }
+    groups.push_back(std::move(coll));
+  }
+
+  FitGroup& link = fits.link;
+  if (!link.observations.empty()) {
+    link.keys.push_back("host_link_bandwidth_bytes_per_s");
+    if (fits.link_sizes.size() >= 2 && base.host_link_latency_s > 0) {
+      link.keys.push_back("host_link_latency_s");
+    } else {
+      link.undetermined.push_back(
+          "host_link_latency_s: one copy size: latency and bandwidth cannot both be fitted");
+    }
+    groups.push_back(std::move(link));
+  }
+
+  FitGroup& step = fits.step;
+  if (!step.observations.empty()) {
+    if (base.serial_streams) {
+      step.undetermined.push_back(
+          "overlap_compute_slowdown: the backend runs one instruction at a time");
+    } else if (!fits.overlap) {
+      step.undetermined.push_back(
+          "overlap_compute_slowdown: no compute beside a collective in the trace");
+    } else {
+      step.keys.push_back("overlap_compute_slowdown");
+    }
+    groups.push_back(std::move(step));
+  }
+  return groups;
+}
+
+}  // namespace dc

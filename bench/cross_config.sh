@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Cross-configuration validation of dc-calibrate on the cpu backend: calibrate a profile from small
+# runs only (traces of `tiny` on 1, 2 and 4 ranks: two world sizes with collectives tell the
+# per-step latency from the base; and the measured steps of four tiny configurations), then
+# predict 13 other configurations from it with dc-plan --synthetic --hardware calibrated.json and
+# run each with dc-run; print predicted, measured (median step)
+# and error, then the median and worst absolute error. Goal: median <= 5%, worst <= 15%.
+#   bench/cross_config.sh [build-dir] [steps]
+# About 5-10 minutes on a 2-core machine; the load average is printed before and after (errors
+# taken under load say more about the load than about the model).
+set -euo pipefail
+build=${1:-build}
+steps=${2:-5}
+bin="$build/tools"
+work=$(mktemp -d /tmp/dc-cross-XXXXXX)
+trap 'rm -rf "$work"' EXIT
+echo "date: $(date -u +%Y-%m-%dT%H:%MZ)  machine: $(nproc) cores  load: $(cut -d' ' -f1-3 /proc/loadavg)  steps: $steps"
+
+# A plan on `hardware` of one configuration; with budget "tight", 70% of its unlimited peak
+# (offload where the policy has it). Prints the plan's JSON path.
+plan() {  # name hardware policy world model-flags... ; env: budget
+  local name=$1 hardware=$2 policy=$3 world=$4
+  shift 4
+  local budget_flag=()
+  if [[ ${budget:-} == tight ]]; then
+    "$bin/dc-plan" --synthetic --hardware "$hardware" --policy "$policy" --world "$world" "$@" \
+      --no-cache -o "$work/$name.free.dcplan" --json >"$work/$name.free.json"
+    local peak
+    peak=$(python3 -c 'import json,sys; print(int(json.load(open(sys.argv[1]))["predicted"]["peak_device_bytes"] * 0.7))' "$work/$name.free.json")
+    budget_flag=(--budget "$peak")
+  fi
+  "$bin/dc-plan" --synthetic --hardware "$hardware" --policy "$policy" --world "$world" "$@" \
+    "${budget_flag[@]}" --no-cache -o "$work/$name.dcplan" --json >"$work/$name.plan.json"
+}
+
+run() {  # name world
+  "$bin/dc-run" "$work/$1.dcplan" --nproc "$2" --steps "$steps" --warmup 1 --json >"$work/$1.run.json"
+}
+
+measured() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["step_seconds_median"])' "$work/$1.run.json"; }
+
+# 1. Calibration inputs: small runs only.
+"$bin/dc-collect" --model tiny --nproc 1 --gas 2 --steps 3 --warmup 1 -o "$work/t1.db" --quiet >/dev/null
+"$bin/dc-collect" --model tiny --nproc 2 --gas 2 --steps 3 --warmup 1 -o "$work/t2.db" --quiet >/dev/null
+"$bin/dc-collect" --model tiny --nproc 4 --gas 1 --steps 3 --warmup 1 -o "$work/t4.db" --quiet >/dev/null
+echo "name,model,world,gas,micro_batch,policy,measured_seconds" >"$work/steps.csv"
+for spec in "tiny1 1 1 baseline" "tiny2 2 2 baseline" "tiny2dc 2 4 dc" "tiny4 4 2 baseline"; do
+  read -r name world gas policy <<<"$spec"
+  plan "$name" cpu "$policy" "$world" --model tiny --gas "$gas"
+  run "$name" "$world"
+  echo "$name,tiny,$world,$gas,1,$policy,$(measured "$name")" >>"$work/steps.csv"
+done
+"$bin/dc-calibrate" --base cpu --trace "$work/t1.db" --trace "$work/t2.db" --trace "$work/t4.db" \
+  --steps "$work/steps.csv" \
+  --name cpu-calibrated -o "$work/calibrated.json"
+
+# 2. Other configurations, predicted from the calibrated profile and measured.
+printf "\n%-34s %-13s %5s %10s %10s %8s\n" configuration policy ranks predicted measured error
+rows=(
+  "small        2 baseline      --model small --gas 1"
+  "small-gas2   2 dc            --model small --gas 2"
+  "small-w4     4 deepcompile   --model small --gas 1"
+  "moe          2 dc            --model mixtral-tiny --gas 1"
+  "moe-gas4     2 deepcompile   --model mixtral-tiny --gas 4"
+  "moe-w4       4 baseline      --model mixtral-tiny --gas 2"
+  "tiny-l6-gas4 2 dc            --model tiny --layers 6 --gas 4"
+  "tiny-h256    2 baseline      --model tiny --hidden 256 --ffn 768 --gas 2"
+  "tiny-seq256  4 dc            --model tiny --seq 256 --gas 1"
+  "tiny-w4-gas8 4 baseline      --model tiny --gas 8"
+  "tiny-recomp  2 zero3-offload --model tiny --recompute --gas 4"
+  "tiny-tight   2 dc            --model tiny --layers 4 --gas 2 tight"
+  "small-tight  2 dc            --model small --gas 2 tight"
+)
+: >"$work/errors"
+for row in "${rows[@]}"; do
+  read -r name world policy flags <<<"$row"
+  budget=""
+  if [[ $flags == *" tight" ]]; then
+    budget=tight
+    flags=${flags% tight}
+  fi
+  # shellcheck disable=SC2086  # the flags are words
+  if ! budget=$budget plan "$name" "$work/calibrated.json" "$policy" "$world" $flags 2>"$work/$name.err"; then
+    printf "%-34s %-13s %5s %s\n" "$name" "$policy" "$world" "plan failed: $(tail -1 "$work/$name.err")"
+    continue
+  fi
+  run "$name" "$world"
+  python3 - "$name$([[ $budget == tight ]] && echo ' (70% budget)')" "$policy" "$world" \
+    "$work/$name.plan.json" "$work/$name.run.json" "$work/errors" <<'PY'
+import json, sys
+name, policy, world, plan, run, errors = sys.argv[1:]
+p = json.load(open(plan))["predicted"]["step_seconds"]
+m = json.load(open(run))["step_seconds_median"]
+e = p / m - 1
+print(f"{name:<34} {policy:<13} {world:>5} {p:10.4f} {m:10.4f} {100 * e:+7.1f}%")
+open(errors, "a").write(f"{abs(e)}\n")
+PY
+done
+python3 - "$work/errors" <<'PY'
+import statistics, sys
+e = [float(x) for x in open(sys.argv[1])]
+print(f"\n{len(e)} configurations: median |error| {100 * statistics.median(e):.1f}%, worst {100 * max(e):.1f}% (goal: <= 5%, <= 15%)")
+PY
+echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"

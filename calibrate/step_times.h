@@ -1,0 +1,60 @@
+// Measured step times of named configurations (a CSV from dc-run or any framework) as
+// dc-calibrate's input (machine/calibrate.h): each row planned by its policy and simulated on a
+// candidate profile, for the constants only whole steps reveal (matmul efficiency at the model's
+// shapes, per-op and per-collective overheads). Thread-safe (pure functions).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "machine/calibrate.h"
+#include "models/model.h"
+#include "schemas/status.h"
+
+namespace dc {
+
+// One configuration and its measured step.
+struct StepTimeRow {
+  int line = 0;  // 1-based, in the file
+  std::string name;
+  std::string model;  // a preset (models/model.h)
+  ModelOverrides overrides;
+  int world = 1, gpus_per_node = 0;  // 0: the whole world on one node
+  std::string policy;                // one of PolicyNames() (rewriter/policy.h)
+  int64_t budget_bytes = 0;          // 0: the profile's device memory
+  double measured_seconds = 0;       // one optimizer step
+};
+
+// The columns a step-time CSV may have; the first seven are required, the rest may be left
+// empty (the preset's value).
+inline constexpr const char* kStepTimeColumns[] = {
+    "name",          "model",   "world",  "gas",   "micro_batch", "policy", "measured_seconds",
+    "gpus_per_node", "layers",  "hidden", "heads", "kv_heads",    "ffn",    "vocab",
+    "seq",           "experts", "top_k",  "dtype", "recompute",   "budget"};
+
+// Parses a CSV with a header line naming its columns (any order, kStepTimeColumns only), one
+// configuration per line; '#' lines and blank lines are skipped. Errors name the origin and line:
+// an unknown, repeated or missing column, a row of the wrong width, a quoted field, a value that
+// is not a whole number (or too large), an unknown policy, a measured time that is not a positive
+// finite number of seconds, a bad byte size, a file with no rows.
+StatusOr<std::vector<StepTimeRow>> ParseStepTimes(const std::string& text,
+                                                  const std::string& origin);
+
+// The rows as one group: each row's program (MakeConfig, BuildProgram) planned once by its policy
+// on `plan_profile`'s cost model (the plan stays fixed while constants move), then predicted by
+// simulating that plan on the candidate profile's cost model (machine/estimate.h). `keys`: the
+// constants to fit; empty: DefaultStepTimeKeys(plan_profile, false). Errors name the origin and
+// line (an unknown preset, a cluster the profile cannot build, a budget no plan meets).
+StatusOr<FitGroup> StepTimeGroup(const std::vector<StepTimeRow>& rows, const std::string& origin,
+                                 const HardwareProfile& plan_profile,
+                                 const std::vector<std::string>& keys);
+
+// What a step-time table fits by default: the launch time per op and the base latency per
+// collective (the overheads only whole steps show), and, unless `rates_measured` (a trace beside
+// it measured the ops), the matmul efficiency (or the peak, where the profile folds it in:
+// EfficiencyOrRateKeys). Small models' steps are mostly overhead: fitting the rate from them
+// alone trades it against the overheads.
+std::vector<std::string> DefaultStepTimeKeys(const HardwareProfile& profile, bool rates_measured);
+
+}  // namespace dc

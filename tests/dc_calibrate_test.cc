@@ -1,0 +1,129 @@
+// dc-calibrate end to end: a trace from dc-collect on the cpu backend, an nccl-tests table and a
+// step-time CSV in; a profile file out that dc-plan --hardware reads.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "analyzer/calibration.h"
+#include "analyzer/profile.h"
+#include "analyzer/trace.h"
+#include "machine/estimate.h"
+#include "machine/simulator.h"
+#include "schemas/files.h"
+#include "tests/run_command.h"
+
+namespace dc {
+namespace {
+
+using testing::FreshDir;
+using testing::RunCommand;
+using testing::Tool;
+
+class DcCalibrate : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = FreshDir("calibrate");
+    auto r = RunCommand(Tool("dc-collect") +
+                        " --backend cpu --model tiny --nproc 2 --steps 3 --warmup 1 -o " + dir_ +
+                        "/t.db");
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+  }
+  static std::string dir_;
+};
+std::string DcCalibrate::dir_;
+
+double RelativeError(double predicted, double measured) {
+  return std::abs(predicted / measured - 1);
+}
+
+// The profile fitted from a trace predicts that trace's own step about as well as the profile
+// dc-plan builds from it (op medians and fitted lines): a roofline over a few constants cannot
+// match every op, so allow it some more.
+TEST_F(DcCalibrate, ATraceGivesAProfileThatPredictsItsOwnStep) {
+  auto trace = Trace::Open(dir_ + "/t.db");
+  ASSERT_TRUE(trace.ok()) << trace.status().message();
+  auto profile = BuildProfile(**trace);
+  ASSERT_TRUE(profile.ok()) << profile.status().message();
+  const double measured = profile->step_seconds_median;
+  ASSERT_GT(measured, 0);
+  auto from_trace = Simulate(*(*trace)->schedule(), profile->costs);
+  ASSERT_TRUE(from_trace.ok());
+  const double trace_error = RelativeError(from_trace->step_seconds, measured);
+
+  auto base = FindHardware("cpu");
+  ASSERT_TRUE(base.ok());
+  auto groups = TraceGroups({trace->get()}, *base);
+  ASSERT_TRUE(groups.ok()) << groups.status().message();
+  auto fit = Calibrate(*base, *groups);
+  ASSERT_TRUE(fit.ok()) << fit.status().message();
+  const ClusterShape cluster{1, 2};
+  auto calibrated = Simulate(*(*trace)->schedule(),
+                             EstimateCostModel(*(*trace)->program(), fit->profile, cluster));
+  ASSERT_TRUE(calibrated.ok());
+  const double calibrated_error = RelativeError(calibrated->step_seconds, measured);
+  auto uncalibrated =
+      Simulate(*(*trace)->schedule(), EstimateCostModel(*(*trace)->program(), *base, cluster));
+  ASSERT_TRUE(uncalibrated.ok());
+  EXPECT_LE(calibrated_error, std::max(2 * trace_error, trace_error + 0.15))
+      << "measured " << measured << " s, from the trace " << from_trace->step_seconds
+      << " s, calibrated " << calibrated->step_seconds << " s";
+  EXPECT_LT(calibrated_error, RelativeError(uncalibrated->step_seconds, measured));
+  // The groups say what they fitted and what a two-rank trace cannot tell.
+  bool said_step_latency = false;
+  for (const FitGroup& g : *groups) {
+    for (const std::string& u : g.undetermined) {
+      said_step_latency = said_step_latency || u.find("intra_node_step_latency_s") == 0;
+    }
+  }
+  EXPECT_TRUE(said_step_latency);
+}
+
+TEST_F(DcCalibrate, WritesAProfileDcPlanReads) {
+  const std::string csv = dir_ + "/steps.csv";
+  {
+    std::ofstream out(csv);
+    out << "name,model,world,gas,micro_batch,policy,measured_seconds\n"
+           "tiny-2,tiny,2,1,1,baseline,0.08\n"
+           "tiny-2-gas2,tiny,2,2,1,baseline,0.15\n"
+           "tiny-2-dc,tiny,2,2,1,dc,0.12\n";
+  }
+  const std::string nccl = std::string(DC_SOURCE_DIR) + "/tests/data/all_gather_perf_h100.txt";
+  const std::string out = dir_ + "/mine.json";
+  auto r = RunCommand(Tool("dc-calibrate") + " --base cpu --trace " + dir_ + "/t.db --nccl-tests " +
+                      nccl + " --steps " + csv + " --name mine -o " + out + " --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto report = nlohmann::json::parse(r.out);
+  EXPECT_EQ(report["name"], "mine");
+  ASSERT_GE(report["inputs"].size(), 3u);
+  EXPECT_EQ(report["inputs"][0]["kind"], "nccl-tests");
+  bool fitted_step_kind = false;
+  for (const auto& input : report["inputs"]) {
+    EXPECT_TRUE(input.contains("error_before") && input.contains("error_after"));
+    if (input["kind"] == "step times") fitted_step_kind = !input["fitted"].empty();
+  }
+  EXPECT_TRUE(fitted_step_kind);
+
+  auto hw = LoadHardwareFile(out);
+  ASSERT_TRUE(hw.ok()) << hw.status().message();
+  EXPECT_EQ(hw->name, "mine");
+  EXPECT_EQ(hw->sources.at("matmul_efficiency").find("fitted from"), std::string::npos)
+      << "the cpu profile folds the efficiency into its peak: the peak is fitted instead";
+  EXPECT_EQ(hw->sources.at("peak_fp32_flops_per_s").find("fitted from "), 0u);
+  EXPECT_EQ(hw->sources.at("host_optimizer_elements_per_s"),
+            FindHardware("cpu")->sources.at("host_optimizer_elements_per_s"));
+
+  auto plan = RunCommand(Tool("dc-plan") + " --synthetic --hardware " + out +
+                         " --model tiny --world 2 --no-cache -o " + dir_ + "/p.dcplan");
+  EXPECT_EQ(plan.exit_code, 0) << plan.err;
+
+  // Text output names each input and what it could not determine.
+  auto text = RunCommand(Tool("dc-calibrate") + " --base cpu --trace " + dir_ + "/t.db");
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("trace collectives"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("not determined: intra_node_step_latency_s"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace dc
