@@ -53,6 +53,8 @@ std::string CollectiveKernelName(proto::InstrKind kind) {
       return "gloo:AllGather";
     case proto::INSTR_REDUCE_SCATTER:
       return "gloo:ReduceScatter";
+    case proto::INSTR_ALL_REDUCE:
+      return "gloo:AllReduce";
     default:
       return std::string("gloo:") + InstrKindName(kind);
   }
@@ -174,6 +176,7 @@ StatusOr<int64_t> HostTracer::EndInstruction(const InstructionRef& ref, int64_t 
       break;
     case proto::INSTR_ALL_GATHER:
     case proto::INSTR_REDUCE_SCATTER:
+    case proto::INSTR_ALL_REDUCE:
       id = Collective(traced.kind, traced.stream, start_ns, end_ns, traced.bytes, traced.tensors,
                       traced.bucket, ref);
       break;

@@ -42,9 +42,9 @@ class HostTracer : public ExecutionTracer {
   // Each returns the activity's correlation id (unique within the rank).
   int64_t Kernel(const std::string& name, proto::Stream stream, int64_t start_ns, int64_t end_ns,
                  const InstructionRef& ref);
-  // A collective (INSTR_ALL_GATHER or INSTR_REDUCE_SCATTER) moving `bytes` (the whole gathered
-  // params or the whole grads, as InstructionBytes counts them). Recorded twice under one
-  // correlation id: in TC_COLLECTIVE with its bytes, and as a kernel named as NCCL would
+  // A collective (INSTR_ALL_GATHER, INSTR_REDUCE_SCATTER or INSTR_ALL_REDUCE) moving `bytes` (the
+  // whole gathered params or the whole grads, as InstructionBytes counts them). Recorded twice
+  // under one correlation id: in TC_COLLECTIVE with its bytes, and as a kernel named as NCCL would
   // name it ("gloo:AllGather") so nsys-literate SQL sees it on its stream.
   int64_t Collective(proto::InstrKind kind, proto::Stream stream, int64_t start_ns, int64_t end_ns,
                      int64_t bytes, int num_tensors, int bucket, const InstructionRef& ref);

@@ -42,6 +42,9 @@ struct Field {
       member;
   Range range;
   const char* unit;
+  // For a constant added after files were written without it: the value a file that lacks it
+  // means (the member's default), and the source recorded for it. Null: the file must say it.
+  const char* absent_source = nullptr;
 };
 
 const Field kFields[] = {
@@ -71,7 +74,9 @@ const Field kFields[] = {
     {"overlap_compute_slowdown", &HardwareProfile::overlap_compute_slowdown, Range::kAtLeastOne,
      "ratio"},
     {"overlap_collective_slowdown", &HardwareProfile::overlap_collective_slowdown,
-     Range::kAtLeastOne, "ratio"},
+     Range::kAtLeastOne, "ratio",
+     "not in the file (written before the constant existed): 1, collectives not slowed beside "
+     "compute"},
     {"serial_streams", &HardwareProfile::serial_streams, Range::kBoolean, "boolean"},
     {"max_gpus_per_node", &HardwareProfile::max_gpus_per_node, Range::kNonNegative, "gpus"},
 };
@@ -208,6 +213,10 @@ Status ParseProfileBody(const Json& object, HardwareProfile* profile) {
   for (const Field& field : kFields) {
     known.insert(field.key);
     const auto entry = constants->find(field.key);
+    if (entry == constants->end() && field.absent_source != nullptr) {
+      profile->sources[field.key] = field.absent_source;
+      continue;
+    }
     if (entry == constants->end()) {
       return Status::Error(std::string("constant '") + field.key + "' is missing");
     }

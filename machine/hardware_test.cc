@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "machine/cost_model.h"
@@ -223,6 +224,31 @@ TEST(HardwareFileTest, PrintThenLoadIsTheSameProfile) {
   EXPECT_TRUE(IsHardwareFile("my.json"));
   EXPECT_TRUE(IsHardwareFile("profiles/h100"));
   EXPECT_FALSE(IsHardwareFile("h100-sxm"));
+}
+
+// A file printed before overlap_collective_slowdown existed still loads: the constant is 1
+// (collectives not slowed), and its source says why.
+TEST(HardwareFileTest, AFileWithoutALaterConstantLoadsWithItsDefault) {
+  auto h100 = FindHardware("h100-sxm");
+  ASSERT_TRUE(h100.ok());
+  nlohmann::json file = nlohmann::json::parse(HardwareProfileJson(*h100));
+  size_t erased = 0;
+  for (auto& profile : file["profiles"]) {
+    erased += profile["constants"].erase("overlap_collective_slowdown");
+  }
+  ASSERT_EQ(erased, 1u);
+  auto loaded = LoadHardwareFile(WriteTemp("older.json", file.dump(2)));
+  ASSERT_TRUE(loaded.ok()) << loaded.status().message();
+  EXPECT_EQ(loaded->overlap_collective_slowdown, 1.0);
+  EXPECT_NE(loaded->sources.at("overlap_collective_slowdown").find("not in the file"),
+            std::string::npos);
+  // Any other constant is still required.
+  file["profiles"][0]["constants"].erase("overlap_compute_slowdown");
+  auto older = LoadHardwareFile(WriteTemp("older2.json", file.dump(2)));
+  ASSERT_FALSE(older.ok());
+  EXPECT_NE(older.status().message().find("'overlap_compute_slowdown' is missing"),
+            std::string::npos)
+      << older.status().message();
 }
 
 // Each way a file can be wrong is one line naming the file and the key, and what to do.
