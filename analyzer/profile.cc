@@ -84,10 +84,6 @@ StatusOr<std::vector<TimedSample>> ReadSamples(const Trace& trace, const proto::
   return samples;
 }
 
-bool IsCollective(proto::InstrKind kind) {
-  return kind == proto::INSTR_ALL_GATHER || kind == proto::INSTR_REDUCE_SCATTER;
-}
-
 // Compute on the device, as the simulator slows it (the host's optimizer steps are not).
 bool IsDeviceCompute(const proto::Instruction& instr) {
   return instr.kind() == proto::INSTR_COMPUTE && instr.stream() != proto::STREAM_HOST;
@@ -175,7 +171,8 @@ double CollectiveSlowdown(const proto::Schedule& schedule, const std::vector<Tim
   std::vector<const TimedSample*> beside;
   for (const TimedSample& s : samples) {
     const proto::InstrKind kind = schedule.instructions(s.instruction).kind();
-    if (!IsCollective(kind)) continue;
+    // The lines fitted are the all-gather's and the reduce-scatter's.
+    if (kind != proto::INSTR_ALL_GATHER && kind != proto::INSTR_REDUCE_SCATTER) continue;
     if (s.beside_fraction <= 0) {
       alone[kind == proto::INSTR_REDUCE_SCATTER].push_back({s.bytes, SampleSeconds(s)});
     }

@@ -174,14 +174,12 @@ StatusOr<int64_t> HostTracer::EndInstruction(const InstructionRef& ref, int64_t 
     case proto::INSTR_RELOAD:
       id = Copy(traced.kind, traced.stream, start_ns, end_ns, traced.bytes, ref);
       break;
-    case proto::INSTR_ALL_GATHER:
-    case proto::INSTR_REDUCE_SCATTER:
-    case proto::INSTR_ALL_REDUCE:
-      id = Collective(traced.kind, traced.stream, start_ns, end_ns, traced.bytes, traced.tensors,
-                      traced.bucket, ref);
+    default:  // releases and renames only change memory
+      if (IsCollective(traced.kind)) {
+        id = Collective(traced.kind, traced.stream, start_ns, end_ns, traced.bytes, traced.tensors,
+                        traced.bucket, ref);
+      }
       break;
-    default:
-      break;  // releases and renames only change memory
   }
   recorded.kernels_end = records_->kernels.size();
   recorded.collectives_end = records_->collectives.size();

@@ -18,11 +18,6 @@ using Span = analyzer_internal::Interval<double>;
 
 constexpr int kNumStreams = proto::Stream_MAX + 1;
 
-bool IsCollective(proto::InstrKind kind) {
-  return kind == proto::INSTR_ALL_GATHER || kind == proto::INSTR_REDUCE_SCATTER ||
-         kind == proto::INSTR_ALL_REDUCE;
-}
-
 // Per-tensor and per-op numbers the replay looks up many times, computed once.
 struct Facts {
   Facts(const proto::Schedule& schedule, const CostModel& costs)

@@ -69,6 +69,11 @@ const char* PhaseName(proto::Phase phase) {
   }
 }
 
+bool IsCollective(proto::InstrKind kind) {
+  return kind == proto::INSTR_ALL_GATHER || kind == proto::INSTR_REDUCE_SCATTER ||
+         kind == proto::INSTR_ALL_REDUCE;
+}
+
 const char* InstrKindName(proto::InstrKind kind) {
   switch (kind) {
     case proto::INSTR_COMPUTE:

@@ -24,6 +24,8 @@ const char* DTypeName(proto::DType dtype);
 const char* RoleName(proto::Role role);
 const char* PhaseName(proto::Phase phase);
 const char* InstrKindName(proto::InstrKind kind);
+// All-gather, reduce-scatter and all-reduce: the kinds that talk to the other ranks.
+bool IsCollective(proto::InstrKind kind);
 const char* StreamName(proto::Stream stream);
 
 int64_t NumElements(const proto::Tensor& tensor);

@@ -762,7 +762,7 @@ TEST(HostOptimizer, PartOnTheHostPartOnTheDeviceTrainsBitIdentically) {
 TEST(Clipping, EveryPlanTrainsBitIdenticallyAndAHugeMaxIsNoClipping) {
   const std::string dir = FreshDir("clip");
   auto collect = [&](const std::string& name, const std::string& flags) {
-    auto run = RunCommand(Tool("dc-collect") + " --backend cpu --model tiny --dtype bf16 " +
+    auto run = RunCommand(SerialCollect() + " --backend cpu --model tiny --dtype bf16 " +
                           "--nproc 2 --gas 2 --steps 3 --warmup 0 " + flags + " -o " + dir + "/" +
                           name + ".db --json");
     EXPECT_EQ(run.exit_code, 0) << name << ": " << run.err;
