@@ -54,6 +54,11 @@ void Fill0(void* to, int64_t bytes) {
   if (bytes > 0) std::memset(to, 0, static_cast<size_t>(bytes));
 }
 
+// All-ones bytes: a quiet NaN in every fp32 element (and -1 in every int32 one).
+void FillNaN(void* to, int64_t bytes) {
+  if (bytes > 0) std::memset(to, 0xff, static_cast<size_t>(bytes));
+}
+
 // The grouped collectives' math. The shards are packed side by side, gathered once, and each
 // rank's chunk unpacked into the whole params; a world of one copies (shard = whole, unpadded).
 Status AllGatherNow(Communicator* comm, int world, const std::vector<GatherItem>& items) {
@@ -209,22 +214,26 @@ class CpuDevice : public RankDevice {
     return Status::Ok();
   }
 
-  // The arena's bytes may still be in use by another stream's earlier user until the plan's
-  // waits on `stream` are met, so their zeroing runs on `stream`. Pooled buffers are fresh
-  // (zeroed here: no one else can see them yet).
+  // New buffers are not zeroed (see the header); poisoned in a test, in stream order for the
+  // arena's bytes, which another stream's earlier user may still read until the plan's waits on
+  // `stream` are met.
   StatusOr<void*> Allocate(int64_t arena_offset_bytes, int64_t bytes, proto::Stream stream,
                            const std::string& what, const std::string& /*tensor*/) override {
     DC_RETURN_IF_ERROR(Failed());
     if (arena_offset_bytes >= 0) {
       std::byte* place = arena_.data() + arena_offset_bytes;
-      DC_RETURN_IF_ERROR(Enqueue(stream, what, [place, bytes] {
-        Fill0(place, bytes);
-        return Status::Ok();
-      }));
+      if (options_.poison_new_buffers) {
+        DC_RETURN_IF_ERROR(Enqueue(stream, what, [place, bytes] {
+          FillNaN(place, bytes);
+          return Status::Ok();
+        }));
+      }
       return static_cast<void*>(place);
     }
-    auto storage = std::make_unique<std::byte[]>(static_cast<size_t>(std::max<int64_t>(bytes, 1)));
+    auto storage = std::make_unique_for_overwrite<std::byte[]>(
+        static_cast<size_t>(std::max<int64_t>(bytes, 1)));
     void* data = storage.get();
+    if (options_.poison_new_buffers) FillNaN(data, bytes);
     std::lock_guard<std::mutex> lock(owned_mu_);
     owned_.emplace(data, std::move(storage));
     return data;
@@ -561,6 +570,13 @@ class CpuDevice : public RankDevice {
 
 StatusOr<CpuDeviceOptions> CpuDeviceOptionsFromEnv() {
   CpuDeviceOptions options;
+  if (const char* poison = std::getenv("DC_CPU_POISON"); poison != nullptr) {
+    const std::string text = poison;
+    if (text != "0" && text != "1" && !text.empty()) {
+      return Status::Error("DC_CPU_POISON=" + text + ": takes 1 (poison new buffers) or 0");
+    }
+    options.poison_new_buffers = text == "1";
+  }
   const char* value = std::getenv("DC_CPU_STREAMS");
   if (value == nullptr) return options;
   const std::string text = value;

@@ -4,8 +4,9 @@
 // naming a stream enqueues its work there and returns, events order the streams as CUDA events
 // do, and Gloo collectives run on their stream's thread (each stream its own communicator
 // channel) while compute goes on. STREAM_HOST work runs at once on the calling thread. Every
-// float buffer is stored in fp32 whatever the compute dtype; new buffers are zeroed (in stream
-// order).
+// float buffer is stored in fp32 whatever the compute dtype. New buffers hold whatever was there
+// before, as cudaMallocAsync's do: every kernel writes all of its outputs, and the interpreter
+// zeroes what it accumulates into (CpuDeviceOptions::poison_new_buffers checks both).
 #pragma once
 
 #include <cstdint>
@@ -34,10 +35,15 @@ struct CpuDeviceOptions {
   // each item of work (seeded by this and the stream), to shake out missing cross-stream order.
   uint64_t jitter_seed = 0;
   int64_t jitter_max_ns = 200'000;
+  // Test-only: fill every new buffer (arena placement or pool) with NaNs (in stream order), so
+  // that a kernel reading an output before writing it, or an accumulator nobody zeroed, turns
+  // the loss into NaN instead of depending on what the memory held.
+  bool poison_new_buffers = false;
 };
 
 // The options from the environment: DC_CPU_STREAMS=threads (the default), serial, or
-// jitter:<seed>. Errors name the variable and what it takes.
+// jitter:<seed>; DC_CPU_POISON=1 (or 0, the default) sets poison_new_buffers. Errors name the
+// variable and what it takes.
 StatusOr<CpuDeviceOptions> CpuDeviceOptionsFromEnv();
 
 // The cpu kernels' context for an op's arguments, with `num_threads` BLAS threads: the cpu

@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <thread>
 
@@ -136,6 +137,9 @@ TEST_P(Streams, ShakenThreadsGiveTheSerialResultsBitForBit) {
   for (uint64_t seed : {0, 1, 2, 3}) {
     CpuDeviceOptions threads;
     threads.jitter_seed = seed;
+    // New buffers full of NaNs: no kernel may read what it did not write, nothing may
+    // accumulate into a buffer the interpreter did not zero.
+    threads.poison_new_buffers = true;
     const Outcome shaken = RunPlan(*plan, threads, "seed" + std::to_string(seed));
     const std::string what = Name(c) + ", jitter seed " + std::to_string(seed);
     ASSERT_EQ(shaken.losses.size(), reference.losses.size()) << what;
@@ -260,6 +264,56 @@ TEST(CpuDeviceOptions, ComeFromTheEnvironment) {
   ASSERT_TRUE(unset.ok());
   EXPECT_FALSE(unset->serial);
   EXPECT_EQ(unset->jitter_seed, 0u);
+  ::setenv("DC_CPU_POISON", "1", 1);
+  auto poison = CpuDeviceOptionsFromEnv();
+  ASSERT_TRUE(poison.ok());
+  EXPECT_TRUE(poison->poison_new_buffers);
+  ::setenv("DC_CPU_POISON", "yes", 1);
+  auto bad_poison = CpuDeviceOptionsFromEnv();
+  ASSERT_FALSE(bad_poison.ok());
+  EXPECT_NE(bad_poison.status().message().find("DC_CPU_POISON=yes"), std::string::npos);
+  ::setenv("DC_CPU_POISON", "0", 1);
+  auto no_poison = CpuDeviceOptionsFromEnv();
+  ASSERT_TRUE(no_poison.ok());
+  EXPECT_FALSE(no_poison->poison_new_buffers);
+  ::unsetenv("DC_CPU_POISON");
+}
+
+// New buffers are not zeroed (a step would pay a memset per buffer); in the test mode they are
+// NaNs, in the arena (in stream order) and from the pool alike.
+TEST(CpuDevice, PoisonsNewBuffersOnlyWhenAsked) {
+  auto plan = Plan(Case("tiny", 1, "baseline"), 0);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  auto layout = MakeScheduleLayout(*plan);
+  ASSERT_TRUE(layout.ok());
+  auto comm = Connect(RendezvousOptions{});
+  ASSERT_TRUE(comm.ok());
+  for (bool poison : {false, true}) {
+    CpuDeviceOptions options;
+    options.poison_new_buffers = poison;
+    auto device = MakeCpuDevice(comm->get(), 1, options);
+    ASSERT_TRUE(device.ok()) << device.status().message();
+    RankDevice& d = **device;
+    ASSERT_TRUE(d.Prepare(*plan, *layout).ok());
+    ASSERT_TRUE(d.CreateArena(64).ok());
+    auto placed = d.Allocate(16, 32, proto::STREAM_GATHER, "placed", "t");
+    ASSERT_TRUE(placed.ok()) << placed.status().message();
+    auto pooled = d.Allocate(-1, 32, proto::STREAM_COMPUTE, "pooled", "t");
+    ASSERT_TRUE(pooled.ok()) << pooled.status().message();
+    ASSERT_TRUE(d.JoinStreams("join").ok());
+    const float* floats[] = {static_cast<const float*>(*placed),
+                             static_cast<const float*>(*pooled)};
+    if (poison) {
+      for (const float* f : floats) {
+        for (int i = 0; i < 8; ++i) EXPECT_TRUE(std::isnan(f[i])) << i;
+      }
+    } else {
+      // The arena starts zeroed and nothing overwrote it.
+      for (int i = 0; i < 8; ++i) EXPECT_EQ(floats[0][i], 0.0f) << i;
+    }
+    ASSERT_TRUE(d.Free(*pooled, proto::STREAM_COMPUTE, "free", "t").ok());
+    ASSERT_TRUE(d.JoinStreams("join").ok());
+  }
 }
 
 }  // namespace
