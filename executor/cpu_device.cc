@@ -59,6 +59,22 @@ void FillNaN(void* to, int64_t bytes) {
   if (bytes > 0) std::memset(to, 0xff, static_cast<size_t>(bytes));
 }
 
+// Whether a device with `options` on `comm` runs its streams in issue order (CpuStreams).
+bool RunsSerially(const CpuDeviceOptions& options, const Communicator* comm) {
+  const int world = comm->world_size();
+  // Streams need a channel each when collectives cross ranks; without, issue order it is.
+  if (world > 1 && comm->channels() < kCpuDeviceChannels) return true;
+  switch (options.streams) {
+    case CpuStreams::kSerial:
+      return true;
+    case CpuStreams::kThreads:
+      return false;
+    case CpuStreams::kAuto:
+      return world == 1 && options.jitter_seed == 0;
+  }
+  return false;
+}
+
 // The grouped collectives' math. The shards are packed side by side, gathered once, and each
 // rank's chunk unpacked into the whole params; a world of one copies (shard = whole, unpadded).
 Status AllGatherNow(Communicator* comm, int world, const std::vector<GatherItem>& items) {
@@ -167,8 +183,7 @@ class CpuDevice : public RankDevice {
         num_threads_(num_threads),
         options_(options),
         tracer_(tracer),
-        // Streams need a channel each when collectives cross ranks; without, issue order it is.
-        serial_(options.serial || (world_ > 1 && comm->channels() < kCpuDeviceChannels)) {
+        serial_(RunsSerially(options, comm)) {
     if (serial_) return;
     for (int s = 0; s < kNumDeviceStreams; ++s) {
       streams_[s].jitter.seed(options_.jitter_seed * kNumDeviceStreams + s);
@@ -581,18 +596,24 @@ StatusOr<CpuDeviceOptions> CpuDeviceOptionsFromEnv() {
   if (value == nullptr) return options;
   const std::string text = value;
   const std::string jitter = "jitter:";
-  if (text.empty() || text == "threads") return options;
+  if (text.empty() || text == "auto") return options;
+  if (text == "threads") {
+    options.streams = CpuStreams::kThreads;
+    return options;
+  }
   if (text == "serial") {
-    options.serial = true;
+    options.streams = CpuStreams::kSerial;
     return options;
   }
   if (text.rfind(jitter, 0) == 0) {
     char* end = nullptr;
     options.jitter_seed = std::strtoull(text.c_str() + jitter.size(), &end, 10);
+    options.streams = CpuStreams::kThreads;
     if (end != nullptr && *end == '\0' && options.jitter_seed != 0) return options;
   }
   return Status::Error("DC_CPU_STREAMS=" + text +
-                       ": takes threads (the default), serial, or jitter:<seed> (a seed > 0)");
+                       ": takes auto (the default: threads when there are peers), threads, "
+                       "serial, or jitter:<seed> (a seed > 0)");
 }
 
 KernelContext CpuKernelContext(const OpArgs& args, int num_threads) {

@@ -3,10 +3,11 @@
 // gather, reduce, host-to-device, device-to-host) is a worker thread with a FIFO of work: a call
 // naming a stream enqueues its work there and returns, events order the streams as CUDA events
 // do, and Gloo collectives run on their stream's thread (each stream its own communicator
-// channel) while compute goes on. STREAM_HOST work runs at once on the calling thread. Every
-// float buffer is stored in fp32 whatever the compute dtype. New buffers hold whatever was there
-// before, as cudaMallocAsync's do: every kernel writes all of its outputs, and the interpreter
-// zeroes what it accumulates into (CpuDeviceOptions::poison_new_buffers checks both).
+// channel) while compute goes on (CpuStreams: when the rank has peers). STREAM_HOST work runs
+// at once on the calling thread. Every float buffer is stored in fp32 whatever the compute
+// dtype. New buffers hold whatever was there before, as cudaMallocAsync's do: every kernel
+// writes all of its outputs, and the interpreter zeroes what it accumulates into
+// (CpuDeviceOptions::poison_new_buffers checks both).
 #pragma once
 
 #include <cstdint>
@@ -27,12 +28,23 @@ namespace dc {
 // than one rank) makes the device run its streams serially.
 inline constexpr int kCpuDeviceChannels = 1 + kNumDeviceStreams;
 
+// Where the device's streams run. A stream thread pays for itself only where its work can wait
+// on something other than this process's cores: a peer's collective. One rank has none (its
+// "collectives" are local copies), so by default it runs in issue order, sparing a thread
+// hand-off per instruction (a tenth of a small step on one core).
+enum class CpuStreams {
+  kAuto,     // threads when the rank has peers, issue order when it is alone
+  kThreads,  // a thread per stream even for one rank
+  // Every call at once on the calling thread, in issue order (the order the plan's streams and
+  // events allow, one of many): the reference the threaded streams must match bit for bit.
+  kSerial,
+};
+
 struct CpuDeviceOptions {
-  // Runs every call at once on the calling thread, in issue order (the order the plan's streams
-  // and events allow, one of many): the reference the threaded streams must match bit for bit.
-  bool serial = false;
+  CpuStreams streams = CpuStreams::kAuto;
   // Test-only: when non-zero, each stream sleeps a random time of up to `jitter_max_ns` before
   // each item of work (seeded by this and the stream), to shake out missing cross-stream order.
+  // Implies threads (unless kSerial).
   uint64_t jitter_seed = 0;
   int64_t jitter_max_ns = 200'000;
   // Test-only: fill every new buffer (arena placement or pool) with NaNs (in stream order), so
@@ -41,9 +53,9 @@ struct CpuDeviceOptions {
   bool poison_new_buffers = false;
 };
 
-// The options from the environment: DC_CPU_STREAMS=threads (the default), serial, or
-// jitter:<seed>; DC_CPU_POISON=1 (or 0, the default) sets poison_new_buffers. Errors name the
-// variable and what it takes.
+// The options from the environment: DC_CPU_STREAMS=auto (the default), threads, serial, or
+// jitter:<seed> (threads, shaken); DC_CPU_POISON=1 (or 0, the default) sets poison_new_buffers.
+// Errors name the variable and what it takes.
 StatusOr<CpuDeviceOptions> CpuDeviceOptionsFromEnv();
 
 // The cpu kernels' context for an op's arguments, with `num_threads` BLAS threads: the cpu

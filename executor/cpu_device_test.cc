@@ -131,11 +131,12 @@ TEST_P(Streams, ShakenThreadsGiveTheSerialResultsBitForBit) {
   }
 
   CpuDeviceOptions serial;
-  serial.serial = true;
+  serial.streams = CpuStreams::kSerial;
   const Outcome reference = RunPlan(*plan, serial, "serial");
   ASSERT_EQ(reference.losses.size(), 3u) << Name(c);
   for (uint64_t seed : {0, 1, 2, 3}) {
     CpuDeviceOptions threads;
+    threads.streams = CpuStreams::kThreads;  // one rank too, and seed 0 unshaken
     threads.jitter_seed = seed;
     // New buffers full of NaNs: no kernel may read what it did not write, nothing may
     // accumulate into a buffer the interpreter did not zero.
@@ -172,7 +173,9 @@ TEST(CpuDevice, AWorkerErrorComesBackNamingTheInstruction) {
   ASSERT_TRUE(layout.ok());
   auto comm = Connect(RendezvousOptions{});
   ASSERT_TRUE(comm.ok());
-  auto device = MakeCpuDevice(comm->get(), 1);
+  CpuDeviceOptions threads;
+  threads.streams = CpuStreams::kThreads;
+  auto device = MakeCpuDevice(comm->get(), 1, threads);
   ASSERT_TRUE(device.ok()) << device.status().message();
   RankDevice& d = **device;
   ASSERT_TRUE(d.Prepare(*plan, *layout).ok());
@@ -200,7 +203,9 @@ TEST(CpuDevice, AbortEndsAWaitForAnEventNeverRecorded) {
   ASSERT_TRUE(layout.ok());
   auto comm = Connect(RendezvousOptions{});
   ASSERT_TRUE(comm.ok());
-  auto device = MakeCpuDevice(comm->get(), 1);
+  CpuDeviceOptions threads;
+  threads.streams = CpuStreams::kThreads;
+  auto device = MakeCpuDevice(comm->get(), 1, threads);
   ASSERT_TRUE(device.ok()) << device.status().message();
   RankDevice& d = **device;
   ASSERT_TRUE(d.Prepare(*plan, *layout).ok());
@@ -249,11 +254,15 @@ TEST(CpuDeviceOptions, ComeFromTheEnvironment) {
   ::setenv("DC_CPU_STREAMS", "serial", 1);
   auto serial = CpuDeviceOptionsFromEnv();
   ASSERT_TRUE(serial.ok());
-  EXPECT_TRUE(serial->serial);
+  EXPECT_EQ(serial->streams, CpuStreams::kSerial);
+  ::setenv("DC_CPU_STREAMS", "threads", 1);
+  auto threads = CpuDeviceOptionsFromEnv();
+  ASSERT_TRUE(threads.ok());
+  EXPECT_EQ(threads->streams, CpuStreams::kThreads);
   ::setenv("DC_CPU_STREAMS", "jitter:42", 1);
   auto jitter = CpuDeviceOptionsFromEnv();
   ASSERT_TRUE(jitter.ok());
-  EXPECT_FALSE(jitter->serial);
+  EXPECT_EQ(jitter->streams, CpuStreams::kThreads);
   EXPECT_EQ(jitter->jitter_seed, 42u);
   ::setenv("DC_CPU_STREAMS", "fast", 1);
   auto bad = CpuDeviceOptionsFromEnv();
@@ -262,7 +271,7 @@ TEST(CpuDeviceOptions, ComeFromTheEnvironment) {
   ::unsetenv("DC_CPU_STREAMS");
   auto unset = CpuDeviceOptionsFromEnv();
   ASSERT_TRUE(unset.ok());
-  EXPECT_FALSE(unset->serial);
+  EXPECT_EQ(unset->streams, CpuStreams::kAuto);
   EXPECT_EQ(unset->jitter_seed, 0u);
   ::setenv("DC_CPU_POISON", "1", 1);
   auto poison = CpuDeviceOptionsFromEnv();
@@ -277,6 +286,47 @@ TEST(CpuDeviceOptions, ComeFromTheEnvironment) {
   ASSERT_TRUE(no_poison.ok());
   EXPECT_FALSE(no_poison->poison_new_buffers);
   ::unsetenv("DC_CPU_POISON");
+}
+
+// Counts what the device tells a tracer of the work its stream threads ran.
+class RanCounter : public ExecutionTracer {
+ public:
+  int64_t NowNs() const override { return 0; }
+  void DescribeInstruction(int, const TracedInstruction&) override {}
+  Status BeginInstruction(const InstructionRef&) override { return Status::Ok(); }
+  StatusOr<int64_t> EndInstruction(const InstructionRef&, int64_t, int64_t) override { return 0; }
+  void InstructionRan(const InstructionRef&, int64_t, int64_t) override { ++ran; }
+  void Memory(int64_t, int64_t, int64_t, bool, const std::string&, BufferKind, int64_t) override {}
+  void Step(int, int64_t, int64_t, double, bool) override {}
+  int ran = 0;
+};
+
+// One rank has no peer to wait for: by default its streams run in issue order on the calling
+// thread (no work is handed to a stream thread, so none is reported as run there), with the
+// same losses as a thread per stream.
+TEST(CpuDevice, OneRankRunsInIssueOrderByDefault) {
+  auto plan = Plan(Case("tiny", 1, "dc"), 0);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  std::vector<double> losses[2];
+  int ran[2] = {0, 0};
+  for (int i = 0; i < 2; ++i) {
+    CpuDeviceOptions options;
+    if (i == 1) options.streams = CpuStreams::kThreads;
+    auto comm = Connect(RendezvousOptions{});
+    ASSERT_TRUE(comm.ok());
+    RanCounter tracer;
+    auto device = MakeCpuDevice(comm->get(), 1, options, &tracer);
+    ASSERT_TRUE(device.ok()) << device.status().message();
+    RunOptions run;
+    run.steps = 2;
+    auto result = Interpret(*plan, run, device->get(), comm->get(), &tracer);
+    ASSERT_TRUE(result.ok()) << result.status().message();
+    losses[i] = result->losses;
+    ran[i] = tracer.ran;
+  }
+  EXPECT_EQ(ran[0], 0);
+  EXPECT_GT(ran[1], 0);
+  EXPECT_EQ(losses[0], losses[1]);
 }
 
 // New buffers are not zeroed (a step would pay a memset per buffer); in the test mode they are
