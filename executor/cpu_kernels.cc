@@ -317,25 +317,50 @@ Status CheckRope(const proto::Op& op, const TensorRef& x, const TensorRef& y, Ro
   return CheckF32Shape(op, y, x.shape, Out(0, "y"));
 }
 
-// Rotates each (i, i + head_dim / 2) pair by +angle (forward) or -angle (backward, the
-// transpose of the rotation).
-void ApplyRope(const RopeDims& d, const float* x, float* y, float sign) {
+// The rotation's cos and sin per (position, pair), for one (seq, head_dim, theta): every rope of
+// a step shares them, so each thread keeps the last table it made (a step's ropes all have the
+// same shape) instead of paying seq * head_dim / 2 sincos per call.
+struct RopeTable {
+  int64_t seq = -1;
+  int64_t head_dim = -1;
+  double theta = 0;
+  std::vector<float> cos, sin, minus_sin;
+};
+
+const RopeTable& RopeTableFor(const RopeDims& d) {
+  thread_local RopeTable table;
+  if (table.seq == d.seq && table.head_dim == d.head_dim && table.theta == d.theta) return table;
   const int64_t half = d.head_dim / 2;
-  std::vector<float> cos_table(d.seq * half), sin_table(d.seq * half);
+  table.cos.resize(d.seq * half);
+  table.sin.resize(d.seq * half);
+  table.minus_sin.resize(d.seq * half);
   for (int64_t i = 0; i < half; ++i) {
     const double inv_freq =
         std::pow(d.theta, -2.0 * static_cast<double>(i) / static_cast<double>(d.head_dim));
     for (int64_t s = 0; s < d.seq; ++s) {
       const double angle = static_cast<double>(s) * inv_freq;
-      cos_table[s * half + i] = static_cast<float>(std::cos(angle));
-      sin_table[s * half + i] = sign * static_cast<float>(std::sin(angle));
+      table.cos[s * half + i] = static_cast<float>(std::cos(angle));
+      table.sin[s * half + i] = static_cast<float>(std::sin(angle));
+      table.minus_sin[s * half + i] = -table.sin[s * half + i];
     }
   }
+  table.seq = d.seq;
+  table.head_dim = d.head_dim;
+  table.theta = d.theta;
+  return table;
+}
+
+// Rotates each (i, i + head_dim / 2) pair by +angle (forward) or -angle (backward, the
+// transpose of the rotation).
+void ApplyRope(const RopeDims& d, const float* x, float* y, bool backward) {
+  const int64_t half = d.head_dim / 2;
+  const RopeTable& table = RopeTableFor(d);
+  const std::vector<float>& sin_table = backward ? table.minus_sin : table.sin;
   const int64_t width = d.heads * d.head_dim;
   const simd::Kernels& k = simd::SimdKernels();
   for (int64_t b = 0; b < d.batch; ++b) {
     for (int64_t s = 0; s < d.seq; ++s) {
-      const float* c = cos_table.data() + s * half;
+      const float* c = table.cos.data() + s * half;
       const float* sn = sin_table.data() + s * half;
       for (int64_t h = 0; h < d.heads; ++h) {
         const int64_t base = (b * d.seq + s) * width + h * d.head_dim;
@@ -349,7 +374,7 @@ Status Rope(const proto::Op& op, Refs in, Refs out, const KernelContext&) {
   DC_RETURN_IF_ERROR(CheckArity(op, in, out, 1, 1));
   RopeDims dims{};
   DC_RETURN_IF_ERROR(CheckRope(op, in[0], out[0], &dims));
-  ApplyRope(dims, in[0].f32, out[0].f32, 1.0f);
+  ApplyRope(dims, in[0].f32, out[0].f32, /*backward=*/false);
   return Status::Ok();
 }
 
@@ -357,7 +382,7 @@ Status RopeBackward(const proto::Op& op, Refs in, Refs out, const KernelContext&
   DC_RETURN_IF_ERROR(CheckArity(op, in, out, 1, 1));
   RopeDims dims{};
   DC_RETURN_IF_ERROR(CheckRope(op, in[0], out[0], &dims));
-  ApplyRope(dims, in[0].f32, out[0].f32, -1.0f);
+  ApplyRope(dims, in[0].f32, out[0].f32, /*backward=*/true);
   return Status::Ok();
 }
 
