@@ -7,6 +7,9 @@
 # --layers 4 --hidden 512 --heads 8 --kv-heads 4 --ffn 1376 --vocab 4096 --seq 256 --micro-batch 2.
 # Prints each pair's tokens/s, then per config both medians, their ratio (dc / PyTorch) and the
 # load average before and after. Python: $PYTHON, default /usr/bin/python3 (needs torch).
+# dc's plans: one rank's from `dc-plan --synthetic --hardware cpu`; two or more ranks' from a
+# trace of this machine (dc-collect, 3 steps, then dc-plan on it: dc's own workflow, where the
+# plan sees the Gloo costs it will meet). DC_PLAN=synthetic plans every config synthetically.
 set -euo pipefail
 build=${1:-build}
 pairs=${2:-5}
@@ -56,7 +59,15 @@ for config in "${configs[@]}"; do
   pin=()
   ddp=()
   if [ "$world" = 1 ]; then pin=(taskset -c 0); else ddp=(--ddp "$world"); fi
-  "$bin/dc-plan" --synthetic --hardware cpu "${flags[@]}" --world "$world" -o "$work/$config.dcplan" >/dev/null
+  if [ "$world" = 1 ] || [ "${DC_PLAN:-trace}" = synthetic ]; then
+    "$bin/dc-plan" --synthetic --hardware cpu "${flags[@]}" --world "$world" -o "$work/$config.dcplan" >/dev/null
+    echo "$config: plan from dc-plan --synthetic --hardware cpu"
+  else
+    "$bin/dc-collect" "${flags[@]}" --nproc "$world" --steps 3 --warmup 1 "${dc_threads[@]}" \
+      -o "$work/$config.db" --quiet >/dev/null
+    "$bin/dc-plan" "$work/$config.db" --no-cache -o "$work/$config.dcplan" >/dev/null
+    echo "$config: plan from a dc-collect trace of this machine ($world ranks, 3 steps)"
+  fi
   load_before=$(cut -d' ' -f1-3 /proc/loadavg)
   dc_runs=()
   torch_runs=()
