@@ -75,6 +75,29 @@ bool RunsSerially(const CpuDeviceOptions& options, const Communicator* comm) {
   return false;
 }
 
+// The packing buffers of the grouped collectives, kept by each stream thread from one call to
+// the next: a fresh vector per call paid a zero-fill and the page faults of its first touch.
+class CollectiveScratch {
+ public:
+  // At least `elements` floats each, contents unspecified; valid until the next call.
+  float* Packed(int64_t elements) { return Reserve(&packed_, elements); }
+  float* Result(int64_t elements) { return Reserve(&result_, elements); }
+
+ private:
+  static float* Reserve(std::vector<float>* buffer, int64_t elements) {
+    if (static_cast<int64_t>(buffer->size()) < elements) {
+      buffer->resize(static_cast<size_t>(elements));
+    }
+    return buffer->data();
+  }
+  std::vector<float> packed_, result_;
+};
+
+CollectiveScratch& ThisThreadsScratch() {
+  thread_local CollectiveScratch scratch;
+  return scratch;
+}
+
 // The grouped collectives' math. The shards are packed side by side, gathered once, and each
 // rank's chunk unpacked into the whole params; a world of one copies (shard = whole, unpadded).
 Status AllGatherNow(Communicator* comm, int world, const std::vector<GatherItem>& items) {
@@ -87,14 +110,16 @@ Status AllGatherNow(Communicator* comm, int world, const std::vector<GatherItem>
   }
   int64_t packed_elements = 0;
   for (const GatherItem& item : items) packed_elements += item.shard_elements;
-  std::vector<float> packed(packed_elements), gathered(packed_elements * world);
+  CollectiveScratch& scratch = ThisThreadsScratch();
+  float* packed = scratch.Packed(packed_elements);
+  float* gathered = scratch.Result(packed_elements * world);
   int64_t offset = 0;
   for (const GatherItem& item : items) {
     const float* shard = Floats(item.shard);
-    std::copy(shard, shard + item.shard_elements, packed.begin() + offset);
+    std::copy(shard, shard + item.shard_elements, packed + offset);
     offset += item.shard_elements;
   }
-  DC_RETURN_IF_ERROR(comm->AllGather(packed.data(), packed_elements, gathered.data()));
+  DC_RETURN_IF_ERROR(comm->AllGather(packed, packed_elements, gathered));
   offset = 0;
   for (const GatherItem& item : items) {
     const int64_t shard = item.shard_elements, numel = item.whole.NumElements();
@@ -102,7 +127,7 @@ Status AllGatherNow(Communicator* comm, int world, const std::vector<GatherItem>
     for (int r = 0; r < world; ++r) {
       const int64_t begin = r * shard;
       const int64_t count = std::max<int64_t>(0, std::min(shard, numel - begin));
-      const float* chunk = gathered.data() + r * packed_elements + offset;
+      const float* chunk = gathered + r * packed_elements + offset;
       std::copy(chunk, chunk + count, whole + begin);
     }
     offset += shard;
@@ -126,7 +151,9 @@ Status ReduceScatterAddNow(Communicator* comm, int world,
   }
   int64_t packed_elements = 0;
   for (const ReduceScatterItem& item : items) packed_elements += item.shard_elements;
-  std::vector<float> packed(packed_elements * world, 0.0f), reduced(packed_elements);
+  CollectiveScratch& scratch = ThisThreadsScratch();
+  float* packed = scratch.Packed(packed_elements * world);
+  float* reduced = scratch.Result(packed_elements);
   int64_t offset = 0;
   for (const ReduceScatterItem& item : items) {
     const float* grad = Floats(item.grad);
@@ -134,11 +161,13 @@ Status ReduceScatterAddNow(Communicator* comm, int world,
     for (int r = 0; r < world; ++r) {
       const int64_t begin = r * shard;
       const int64_t count = std::max<int64_t>(0, std::min(shard, numel - begin));
-      std::copy(grad + begin, grad + begin + count, packed.begin() + r * packed_elements + offset);
+      float* chunk = packed + r * packed_elements + offset;
+      std::copy(grad + begin, grad + begin + count, chunk);
+      std::fill(chunk + count, chunk + shard, 0.0f);  // the padding past the grad's end
     }
     offset += shard;
   }
-  DC_RETURN_IF_ERROR(comm->ReduceScatterSum(packed.data(), packed_elements, reduced.data()));
+  DC_RETURN_IF_ERROR(comm->ReduceScatterSum(packed, packed_elements, reduced));
   offset = 0;
   for (const ReduceScatterItem& item : items) {
     float* accumulator = Floats(item.shard);
