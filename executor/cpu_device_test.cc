@@ -166,19 +166,41 @@ INSTANTIATE_TEST_SUITE_P(
 // A kernel that fails on the compute stream's thread: the call that enqueued it returns at once,
 // the failure comes back at the next synchronization, naming the instruction, and every later
 // call refuses.
-TEST(CpuDevice, AWorkerErrorComesBackNamingTheInstruction) {
-  auto plan = Plan(Case("tiny", 1, "baseline"), 0);
-  ASSERT_TRUE(plan.ok()) << plan.status().message();
-  auto layout = MakeScheduleLayout(*plan);
-  ASSERT_TRUE(layout.ok());
-  auto comm = Connect(RendezvousOptions{});
-  ASSERT_TRUE(comm.ok());
-  CpuDeviceOptions threads;
-  threads.streams = CpuStreams::kThreads;
-  auto device = MakeCpuDevice(comm->get(), 1, threads);
-  ASSERT_TRUE(device.ok()) << device.status().message();
-  RankDevice& d = **device;
-  ASSERT_TRUE(d.Prepare(*plan, *layout).ok());
+// A one-rank device prepared for tiny's baseline plan, with the given options (threads by
+// default: these tests drive the stream threads call by call).
+class OneDevice : public ::testing::Test {
+ protected:
+  void Make(CpuDeviceOptions options = Threads()) {
+    device_.reset();  // before the communicator it uses
+    auto made = Plan(Case("tiny", 1, "baseline"), 0);
+    ASSERT_TRUE(made.ok()) << made.status().message();
+    plan_ = std::move(*made);
+    auto layout = MakeScheduleLayout(plan_);
+    ASSERT_TRUE(layout.ok());
+    layout_ = std::move(*layout);
+    auto comm = Connect(RendezvousOptions{});
+    ASSERT_TRUE(comm.ok());
+    comm_ = std::move(*comm);
+    auto device = MakeCpuDevice(comm_.get(), 1, options);
+    ASSERT_TRUE(device.ok()) << device.status().message();
+    device_ = std::move(*device);
+    ASSERT_TRUE(device_->Prepare(plan_, layout_).ok());
+  }
+  static CpuDeviceOptions Threads() {
+    CpuDeviceOptions threads;
+    threads.streams = CpuStreams::kThreads;
+    return threads;
+  }
+  proto::Schedule plan_;
+  ScheduleLayout layout_;
+  std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<RankDevice> device_;
+};
+
+TEST_F(OneDevice, AWorkerErrorComesBackNamingTheInstruction) {
+  Make();
+  ASSERT_FALSE(HasFatalFailure());
+  RankDevice& d = *device_;
   ASSERT_TRUE(d.AfterInstruction(2, proto::STREAM_COMPUTE).ok());  // issuing instruction 3 now
   proto::Op op;
   op.set_name("broken");
@@ -186,7 +208,7 @@ TEST(CpuDevice, AWorkerErrorComesBackNamingTheInstruction) {
   EXPECT_TRUE(d.RunOp(op, {}, {}, OpArgs{}).ok());  // enqueued, not run yet
   const Status synced = d.Synchronize("checking");
   ASSERT_FALSE(synced.ok());
-  EXPECT_NE(synced.message().find("checking on rank 0: " + DescribeInstruction(*plan, 3, 0)),
+  EXPECT_NE(synced.message().find("checking on rank 0: " + DescribeInstruction(plan_, 3, 0)),
             std::string::npos)
       << synced.message();
   EXPECT_NE(synced.message().find("no-such-kind"), std::string::npos) << synced.message();
@@ -196,19 +218,10 @@ TEST(CpuDevice, AWorkerErrorComesBackNamingTheInstruction) {
 }
 
 // A wait for an event that will never be recorded (here: the host waiting) ends with Abort.
-TEST(CpuDevice, AbortEndsAWaitForAnEventNeverRecorded) {
-  auto plan = Plan(Case("tiny", 1, "baseline"), 0);
-  ASSERT_TRUE(plan.ok()) << plan.status().message();
-  auto layout = MakeScheduleLayout(*plan);
-  ASSERT_TRUE(layout.ok());
-  auto comm = Connect(RendezvousOptions{});
-  ASSERT_TRUE(comm.ok());
-  CpuDeviceOptions threads;
-  threads.streams = CpuStreams::kThreads;
-  auto device = MakeCpuDevice(comm->get(), 1, threads);
-  ASSERT_TRUE(device.ok()) << device.status().message();
-  RankDevice& d = **device;
-  ASSERT_TRUE(d.Prepare(*plan, *layout).ok());
+TEST_F(OneDevice, AbortEndsAWaitForAnEventNeverRecorded) {
+  Make();
+  ASSERT_FALSE(HasFatalFailure());
+  RankDevice& d = *device_;
   // A stream waiting too: Abort drops it and the drain ends.
   ASSERT_TRUE(d.Wait(1, 0, proto::STREAM_GATHER).ok());
   Status waited;
@@ -222,19 +235,12 @@ TEST(CpuDevice, AbortEndsAWaitForAnEventNeverRecorded) {
 // An event recorded in one step does not satisfy the same wait in the next: the wait holds the
 // stream until the next step's record, in stream order, so work queued behind it sees the
 // record's stream's work of that step.
-TEST(CpuDevice, EventsBelongToTheirStep) {
-  auto plan = Plan(Case("tiny", 1, "baseline"), 0);
-  ASSERT_TRUE(plan.ok()) << plan.status().message();
-  auto layout = MakeScheduleLayout(*plan);
-  ASSERT_TRUE(layout.ok());
-  auto comm = Connect(RendezvousOptions{});
-  ASSERT_TRUE(comm.ok());
+TEST_F(OneDevice, EventsBelongToTheirStep) {
   CpuDeviceOptions shaken;
   shaken.jitter_seed = 5;
-  auto device = MakeCpuDevice(comm->get(), 1, shaken);
-  ASSERT_TRUE(device.ok()) << device.status().message();
-  RankDevice& d = **device;
-  ASSERT_TRUE(d.Prepare(*plan, *layout).ok());
+  Make(shaken);
+  ASSERT_FALSE(HasFatalFailure());
+  RankDevice& d = *device_;
   std::vector<float> a(1), b(1);
   for (int step = 0; step < 20; ++step) {
     // The gather stream writes a, records 0; the reduce stream waits for 0 and copies a to b.
@@ -331,20 +337,13 @@ TEST(CpuDevice, OneRankRunsInIssueOrderByDefault) {
 
 // New buffers are not zeroed (a step would pay a memset per buffer); in the test mode they are
 // NaNs, in the arena (in stream order) and from the pool alike.
-TEST(CpuDevice, PoisonsNewBuffersOnlyWhenAsked) {
-  auto plan = Plan(Case("tiny", 1, "baseline"), 0);
-  ASSERT_TRUE(plan.ok()) << plan.status().message();
-  auto layout = MakeScheduleLayout(*plan);
-  ASSERT_TRUE(layout.ok());
-  auto comm = Connect(RendezvousOptions{});
-  ASSERT_TRUE(comm.ok());
+TEST_F(OneDevice, PoisonsNewBuffersOnlyWhenAsked) {
   for (bool poison : {false, true}) {
     CpuDeviceOptions options;
     options.poison_new_buffers = poison;
-    auto device = MakeCpuDevice(comm->get(), 1, options);
-    ASSERT_TRUE(device.ok()) << device.status().message();
-    RankDevice& d = **device;
-    ASSERT_TRUE(d.Prepare(*plan, *layout).ok());
+    Make(options);
+    ASSERT_FALSE(HasFatalFailure());
+    RankDevice& d = *device_;
     ASSERT_TRUE(d.CreateArena(64).ok());
     auto placed = d.Allocate(16, 32, proto::STREAM_GATHER, "placed", "t");
     ASSERT_TRUE(placed.ok()) << placed.status().message();
