@@ -1,0 +1,81 @@
+// verifier_bench: what the happens-before check (schemas/happens_before.h) adds to the verifier
+// that runs after every pass, and to a plan's validation on load, on one plan file.
+//
+//   verifier_bench PLAN [ROUNDS]
+//
+// Each round times, one after another (so a busy machine slows all alike): the verifier
+// (VerifySchedule, simulating, no memo: as after a pass that changed instructions), the
+// happens-before check alone, the issue-order buffer replay alone (what the check replays on top
+// of), and ValidatePlan (dc-run's check on load). Prints each step's median and the check's share.
+// Make a big plan with e.g. `dc-plan --synthetic --model llama3-405b --world 64 --hardware
+// h100-sxm --gpus-per-node 8 --gas 4 -o big.dcplan`.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "rewriter/verifier.h"
+#include "schemas/effects.h"
+#include "schemas/happens_before.h"
+#include "schemas/plan_check.h"
+#include "schemas/plan_file.h"
+
+namespace {
+
+constexpr int kDefaultRounds = 5;
+
+double Seconds(const std::function<dc::Status()>& step, bool* ok) {
+  const auto start = std::chrono::steady_clock::now();
+  const dc::Status status = step();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!status.ok()) {
+    std::fprintf(stderr, "verifier_bench: %s\n", status.message().c_str());
+    *ok = false;
+  }
+  return seconds;
+}
+
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: verifier_bench PLAN [ROUNDS]\n");
+    return 2;
+  }
+  const int rounds = argc > 2 ? std::max(1, std::atoi(argv[2])) : kDefaultRounds;
+  auto plan = dc::LoadPlan(argv[1]);
+  if (!plan.ok()) {
+    std::fprintf(stderr, "verifier_bench: %s: %s\n", argv[1], plan.status().message().c_str());
+    return 1;
+  }
+  const dc::PassContext context{};
+  std::vector<double> verify, order, replay, validate;
+  bool ok = true;
+  for (int r = 0; r < rounds && ok; ++r) {
+    verify.push_back(Seconds([&] { return dc::VerifySchedule(*plan, context); }, &ok));
+    order.push_back(Seconds([&] { return dc::CheckHappensBefore(*plan); }, &ok));
+    replay.push_back(Seconds([&] { return dc::BufferReplay(*plan, nullptr).Run(); }, &ok));
+    validate.push_back(Seconds([&] { return dc::ValidatePlan(*plan); }, &ok));
+  }
+  if (!ok) return 1;
+  const double v = Median(verify), o = Median(order), b = Median(replay), p = Median(validate);
+  std::printf("plan %s: %d instructions, %d rounds (medians)\n", argv[1],
+              plan->instructions_size(), rounds);
+  std::printf("verifier (with the check)      %.4f s\n", v);
+  std::printf("happens-before check alone     %.4f s\n", o);
+  std::printf("verifier without it (diff)     %.4f s; the check adds %.1f%%\n", v - o,
+              100.0 * o / std::max(1e-9, v - o));
+  std::printf("issue-order replay alone       %.4f s\n", b);
+  std::printf("ValidatePlan (with the check)  %.4f s; the check is %.1f%% of it\n", p,
+              100.0 * o / std::max(1e-9, p));
+  return 0;
+}
