@@ -16,7 +16,8 @@ HappensBefore::HappensBefore(const proto::Schedule& schedule) {
   const int n = schedule.instructions_size();
   stream_.resize(n);
   position_.resize(n);
-  clock_.assign(static_cast<size_t>(n) * kStreams, 0);
+  // Every row is written whole below (copied or zeroed): no need to zero it first.
+  clock_.reset(new int32_t[static_cast<size_t>(n) * kStreams]);
   std::array<int, kStreams> last_on_stream;
   last_on_stream.fill(-1);
   std::array<int32_t, kStreams> count{};
@@ -31,7 +32,13 @@ HappensBefore::HappensBefore(const proto::Schedule& schedule) {
       for (int k = 0; k < kStreams; ++k) row[k] = std::max(row[k], from[k]);
       row[stream_[d]] = std::max(row[stream_[d]], position_[d]);
     };
-    if (last_on_stream[s] >= 0) follow(last_on_stream[s]);
+    if (last_on_stream[s] >= 0) {
+      const int previous = last_on_stream[s];
+      std::copy_n(&clock_[static_cast<size_t>(previous) * kStreams], kStreams, row);
+      row[s] = position_[previous];
+    } else {
+      std::fill_n(row, kStreams, 0);
+    }
     for (int d : instr.deps()) follow(d);
     if (instr.kind() == proto::INSTR_RELOAD) {
       for (int t : instr.tensors()) {
@@ -59,9 +66,8 @@ std::string Describe(const proto::Schedule& schedule, int index) {
   if (index < 0) return "start-up";
   const proto::Instruction& instr = schedule.instructions(index);
   const proto::Program& program = schedule.program();
-  std::string text = "instruction " + std::to_string(index) + " (" +
-                     InstrKindName(instr.kind()) + " on the " + StreamName(instr.stream()) +
-                     " stream, " +
+  std::string text = "instruction " + std::to_string(index) + " (" + InstrKindName(instr.kind()) +
+                     " on the " + StreamName(instr.stream()) + " stream, " +
                      (instr.micro_step() < 0 ? std::string("optimizer phase")
                                              : "micro-step " + std::to_string(instr.micro_step()));
   if (instr.kind() == proto::INSTR_COMPUTE || instr.kind() == proto::INSTR_RENAME) {
@@ -176,23 +182,39 @@ class OrderChecker : public BufferListener {
   void Fail(int earlier, int later, const BufferKey& key, const char* did, const char* does) {
     if (!status_.ok()) return;
     const proto::Program& program = schedule_.program();
-    status_ = Status::Error(Describe(schedule_, later) + " " + does + " " +
-                            BufferName(program, key) + ", which " +
-                            Describe(schedule_, earlier) + " " + did +
-                            ", but nothing orders the two: no chain of deps (or one stream's order) "
-                            "leads from instruction " +
-                            std::to_string(earlier) + " to instruction " + std::to_string(later) +
-                            "; add a dependency of instruction " + std::to_string(later) +
-                            " on instruction " + std::to_string(earlier));
+    status_ =
+        Status::Error(Describe(schedule_, later) + " " + does + " " + BufferName(program, key) +
+                      ", which " + Describe(schedule_, earlier) + " " + did +
+                      ", but nothing orders the two: no chain of deps (or one stream's order) "
+                      "leads from instruction " +
+                      std::to_string(earlier) + " to instruction " + std::to_string(later) +
+                      "; add a dependency of instruction " + std::to_string(later) +
+                      " on instruction " + std::to_string(earlier));
   }
 
   // The arena bytes of the new buffer: whoever held them last must be freed, and freed before
   // this allocation starts.
   void Place(int instruction, const BufferKey& key, int64_t size_bytes, int handle) {
     const std::tuple<int, int, int> wanted{instruction, key.tensor, key.placement_micro_step()};
-    auto it = std::upper_bound(offsets_.begin(), offsets_.end(), wanted,
+    // Allocations come in instruction order: search only this instruction's placements.
+    if (instruction != range_instruction_) {
+      range_instruction_ = instruction;
+      range_begin_ = range_end_;
+      while (range_begin_ < offsets_.size() &&
+             std::get<0>(offsets_[range_begin_].first) < instruction) {
+        ++range_begin_;
+      }
+      range_end_ = range_begin_;
+      while (range_end_ < offsets_.size() &&
+             std::get<0>(offsets_[range_end_].first) == instruction) {
+        ++range_end_;
+      }
+    }
+    const auto begin = offsets_.begin() + static_cast<std::ptrdiff_t>(range_begin_);
+    const auto end_of_range = offsets_.begin() + static_cast<std::ptrdiff_t>(range_end_);
+    auto it = std::upper_bound(begin, end_of_range, wanted,
                                [](const auto& k, const auto& entry) { return k < entry.first; });
-    if (it == offsets_.begin() || std::prev(it)->first != wanted) return;
+    if (it == begin || std::prev(it)->first != wanted) return;
     const int64_t start = std::prev(it)->second;
     if (start < 0 || size_bytes > std::numeric_limits<int64_t>::max() - start) return;
     const int64_t end = start + size_bytes;
@@ -241,6 +263,10 @@ class OrderChecker : public BufferListener {
   std::vector<Buffer> buffers_;  // by handle
   // (instruction, tensor, placement micro-step) -> offset, sorted by key.
   std::vector<std::pair<std::tuple<int, int, int>, int64_t>> offsets_;
+  // offsets_[range_begin_, range_end_): the placements of instruction range_instruction_, the
+  // latest that allocated (allocations come in instruction order).
+  int range_instruction_ = kNone;
+  size_t range_begin_ = 0, range_end_ = 0;
   // Arena byte ranges -> the buffer that holds or last held them.
   Segments segments_;
   Status status_;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "schemas/program.h"
@@ -40,7 +41,7 @@ class HappensBefore {
   std::vector<int32_t> position_;
   // [instruction * kStreams + s]: how many of stream s's first instructions end before the
   // instruction starts.
-  std::vector<int32_t> clock_;
+  std::unique_ptr<int32_t[]> clock_;
 };
 
 // Every pair of effects on one device buffer that must be ordered is ordered (HappensBefore):

@@ -18,13 +18,13 @@ proto::Schedule Program() {
   schedule.set_world_size(2);
   proto::Program& program = *schedule.mutable_program();
   program.mutable_config()->set_compute_dtype(proto::DTYPE_F32);
-  test::AddTensor(&program, "w", 4, proto::ROLE_PARAM);                  // 0
-  test::AddTensor(&program, "w2", 4, proto::ROLE_PARAM);                 // 1
+  test::AddTensor(&program, "w", 4, proto::ROLE_PARAM);                    // 0
+  test::AddTensor(&program, "w2", 4, proto::ROLE_PARAM);                   // 1
   test::AddTensor(&program, "x", 2, proto::ROLE_INPUT, proto::DTYPE_I32);  // 2
-  test::AddTensor(&program, "a", 4, proto::ROLE_ACTIVATION);             // 3
-  test::AddTensor(&program, "c", 4, proto::ROLE_ACTIVATION);             // 4
-  test::AddTensor(&program, "c2", 4, proto::ROLE_ACTIVATION);            // 5
-  test::AddTensor(&program, "h", 4, proto::ROLE_ACTIVATION);             // 6
+  test::AddTensor(&program, "a", 4, proto::ROLE_ACTIVATION);               // 3
+  test::AddTensor(&program, "c", 4, proto::ROLE_ACTIVATION);               // 4
+  test::AddTensor(&program, "c2", 4, proto::ROLE_ACTIVATION);              // 5
+  test::AddTensor(&program, "h", 4, proto::ROLE_ACTIVATION);               // 6
   test::AddOp(&program, "fwd", proto::PHASE_FORWARD, {2, 0}, {3});
   test::AddOp(&program, "side", proto::PHASE_FORWARD, {2}, {4});
   test::AddOp(&program, "late", proto::PHASE_FORWARD, {2, 1}, {5});
