@@ -5,7 +5,8 @@
 //
 // Each round times, one after another (so a busy machine slows all alike): the verifier
 // (VerifySchedule, simulating, no memo: as after a pass that changed instructions), the
-// happens-before check alone, the issue-order buffer replay alone (what the check replays on top
+// happens-before check alone (and on the plan without its memory plan, as every pass before
+// memory-plan sees it), the issue-order buffer replay alone (what the check replays on top
 // of), and ValidatePlan (dc-run's check on load), in the thread's CPU seconds. Prints each step's
 // median and the check's share.
 // Make a big plan with e.g. `dc-plan --synthetic --model llama3-405b --world 64 --hardware
@@ -66,11 +67,15 @@ int main(int argc, char** argv) {
     return 1;
   }
   const dc::PassContext context{};
-  std::vector<double> verify, order, replay, validate;
+  // The passes before memory-plan see no memory plan: the check without its arena part.
+  dc::proto::Schedule unplaced = *plan;
+  unplaced.clear_memory_plan();
+  std::vector<double> verify, order, order_unplaced, replay, validate;
   bool ok = true;
   for (int r = 0; r < rounds && ok; ++r) {
     verify.push_back(Seconds([&] { return dc::VerifySchedule(*plan, context); }, &ok));
     order.push_back(Seconds([&] { return dc::CheckHappensBefore(*plan); }, &ok));
+    order_unplaced.push_back(Seconds([&] { return dc::CheckHappensBefore(unplaced); }, &ok));
     replay.push_back(Seconds([&] { return dc::BufferReplay(*plan, nullptr).Run(); }, &ok));
     validate.push_back(Seconds([&] { return dc::ValidatePlan(*plan); }, &ok));
   }
@@ -82,6 +87,8 @@ int main(int argc, char** argv) {
   std::printf("happens-before check alone     %.4f s\n", o);
   std::printf("verifier without it (diff)     %.4f s; the check adds %.1f%%\n", v - o,
               100.0 * o / std::max(1e-9, v - o));
+  std::printf("the check without the memory plan %.4f s (%d placements in the plan)\n",
+              Median(order_unplaced), plan->memory_plan().placements_size());
   std::printf("issue-order replay alone       %.4f s\n", b);
   std::printf("ValidatePlan (with the check)  %.4f s; the check is %.1f%% of it\n", p,
               100.0 * o / std::max(1e-9, p));

@@ -218,31 +218,41 @@ class OrderChecker : public BufferListener {
     const int64_t start = std::prev(it)->second;
     if (start < 0 || size_bytes > std::numeric_limits<int64_t>::max() - start) return;
     const int64_t end = start + size_bytes;
+    // Most buffers take exactly the bytes of one earlier tenant: one lookup, no splitting.
+    if (auto same = segments_.find(start); same != segments_.end() && same->second.first == end) {
+      CheckTenant(same->second.second, instruction, key);
+      same->second.second = handle;
+      return;
+    }
     const auto first = SplitAt(start);
     const auto stop = SplitAt(end);
-    const proto::Program& program = schedule_.program();
-    for (auto seg = first; seg != stop && status_.ok(); ++seg) {
-      const Buffer& previous = buffers_[seg->second.second];
-      if (previous.freed_by == kNone) {
-        status_ = Status::Error("the memory plan places " + BufferName(program, key) + " of " +
-                                Describe(schedule_, instruction) + " over " +
-                                BufferName(program, previous.key) +
-                                ", which is still live there; re-plan it");
-      } else if (previous.freed_by != instruction &&
-                 !order_.Ordered(previous.freed_by, instruction)) {
-        status_ = Status::Error(
-            Describe(schedule_, instruction) + " allocates " + BufferName(program, key) +
-            " in arena bytes that " + BufferName(program, previous.key) + " held until " +
-            Describe(schedule_, previous.freed_by) +
-            " freed it, but nothing orders the two: no chain of deps (or one stream's order) "
-            "leads from instruction " +
-            std::to_string(previous.freed_by) + " to instruction " + std::to_string(instruction) +
-            "; add a dependency of instruction " + std::to_string(instruction) +
-            " on instruction " + std::to_string(previous.freed_by));
-      }
-    }
+    for (auto seg = first; seg != stop; ++seg) CheckTenant(seg->second.second, instruction, key);
     segments_.erase(first, stop);
     segments_.emplace_hint(stop, start, std::make_pair(end, handle));
+  }
+
+  // The buffer `tenant` held bytes that instruction `instruction` now allocates for `key`.
+  void CheckTenant(int tenant, int instruction, const BufferKey& key) {
+    const Buffer& previous = buffers_[tenant];
+    const proto::Program& program = schedule_.program();
+    if (!status_.ok()) return;
+    if (previous.freed_by == kNone) {
+      status_ = Status::Error("the memory plan places " + BufferName(program, key) + " of " +
+                              Describe(schedule_, instruction) + " over " +
+                              BufferName(program, previous.key) +
+                              ", which is still live there; re-plan it");
+    } else if (previous.freed_by != instruction &&
+               !order_.Ordered(previous.freed_by, instruction)) {
+      status_ = Status::Error(
+          Describe(schedule_, instruction) + " allocates " + BufferName(program, key) +
+          " in arena bytes that " + BufferName(program, previous.key) + " held until " +
+          Describe(schedule_, previous.freed_by) +
+          " freed it, but nothing orders the two: no chain of deps (or one stream's order) "
+          "leads from instruction " +
+          std::to_string(previous.freed_by) + " to instruction " + std::to_string(instruction) +
+          "; add a dependency of instruction " + std::to_string(instruction) + " on instruction " +
+          std::to_string(previous.freed_by));
+    }
   }
 
   using Segments = std::map<int64_t, std::pair<int64_t, int>>;  // start -> (end, handle)
