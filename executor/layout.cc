@@ -64,7 +64,8 @@ StatusOr<ScheduleLayout> MakeScheduleLayout(const proto::Schedule& schedule) {
   layout.waits.resize(n);
   layout.records_event.assign(n, false);
   const proto::DType compute_dtype = program.config().compute_dtype();
-  // The latest OFFLOAD of each tensor in issue order: a RELOAD's host copy comes from it.
+  // The latest OFFLOAD of each tensor in issue order: a RELOAD's host copy comes from it, and the
+  // RELOAD waits for it (schemas/happens_before.h counts that wait as an ordering).
   std::map<int, int> last_offload;
 
   for (int i = 0; i < n; ++i) {

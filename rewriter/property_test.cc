@@ -26,6 +26,7 @@
 #include "models/model.h"
 #include "rewriter/planner.h"
 #include "rewriter/verifier.h"
+#include "schemas/happens_before.h"
 
 namespace dc {
 namespace {
@@ -312,6 +313,9 @@ TEST_P(PlanProperties, Holds) {
     const PassContext context{&request.costs, budget};
     const Status verified = VerifySchedule(*plan, context);
     EXPECT_TRUE(verified.ok()) << policy << ": " << verified.message();
+    // The streams run concurrently: the plan's deps order every pair of effects on a buffer.
+    const Status ordered = CheckHappensBefore(*plan);
+    EXPECT_TRUE(ordered.ok()) << policy << ": " << ordered.message();
     auto sim = Simulate(*plan, request.costs);
     ASSERT_TRUE(sim.ok()) << policy << ": " << sim.status().message();
     EXPECT_EQ(sim->peak_device_bytes, plan->prediction().peak_device_bytes()) << policy;

@@ -5,6 +5,7 @@
 
 #include "machine/simulator.h"
 #include "schemas/effects.h"
+#include "schemas/happens_before.h"
 #include "schemas/units.h"
 
 namespace dc {
@@ -103,6 +104,9 @@ Status VerifySchedule(const proto::Schedule& schedule, const PassContext& contex
       memo->simulation = sim;
     }
   }
+  // The streams run concurrently: the plan's deps must order what the replay checked in issue
+  // order (references are checked: the simulation, or the memo's of identical instructions).
+  DC_RETURN_IF_ERROR(CheckHappensBefore(schedule));
   if (context.budget_bytes > 0 && sim.peak_device_bytes > context.budget_bytes) {
     return Status::Error("the schedule needs " + FormatBytes(sim.peak_device_bytes) +
                          " of device memory at its peak (instruction " +

@@ -287,6 +287,7 @@ BufferReplay::BufferReplay(const proto::Schedule& schedule, BufferListener* list
   compute_shard_ = std::move(residency.compute_shard);
   persistent_.assign(n, -1);
   gathered_.assign(n, -1);
+  compute_shard_handle_.assign(n, -1);
   transient_.assign(static_cast<size_t>(n) * stride_, -1);
   transient_on_host_.assign(static_cast<size_t>(n) * stride_, 0);
 }
@@ -303,6 +304,10 @@ void BufferReplay::Open(int index, const BufferKey& key, int64_t bytes, BufferKi
   if (listener_) listener_->Allocated(index, key, bytes, kind, AtEnd(index), *handle);
 }
 
+void BufferReplay::Use(int index, const BufferKey& key, BufferAccess access, int handle) {
+  if (listener_ && handle >= 0) listener_->Accessed(index, key, access, handle);
+}
+
 void BufferReplay::Close(int index, const BufferKey& key, int64_t bytes, BufferKind kind,
                          int* handle) {
   if (listener_) listener_->Freed(index, key, bytes, kind, AtEnd(index), *handle);
@@ -316,9 +321,9 @@ void BufferReplay::Start() {
   }
   for (int t = 0; t < program_.tensors_size(); ++t) {
     if (!compute_shard_[t]) continue;
-    int handle = -1;  // lives for the whole run: never freed, never looked up
+    // Lives for the whole run: never freed; gathers read it, optimizer ops write it.
     Open(-1, BufferKey::ComputeShard(t), ComputeShardBytes(program_, program_.tensors(t), world_),
-         BufferKind::kShard, &handle);
+         BufferKind::kShard, &compute_shard_handle_[t]);
   }
 }
 
@@ -362,7 +367,14 @@ Status BufferReplay::Gather(int i, const proto::Instruction& instr) {
       return Status::Error(InstructionWhere(i, instr) + " gathers " + Name(t) +
                            ", which is already gathered and not released");
     }
+    // What the gather sends: the compute-dtype shard where there is one, else the master.
+    if (compute_shard_handle_[t] >= 0) {
+      Use(i, BufferKey::ComputeShard(t), BufferAccess::kRead, compute_shard_handle_[t]);
+    } else {
+      Use(i, BufferKey::Persistent(t), BufferAccess::kRead, persistent_[t]);
+    }
     Open(i, BufferKey::Gathered(t), transient_bytes_[t], BufferKind::kGathered, &gathered_[t]);
+    Use(i, BufferKey::Gathered(t), BufferAccess::kWrite, gathered_[t]);
   }
   return Status::Ok();
 }
@@ -386,6 +398,7 @@ Status BufferReplay::ReadInput(int i, const proto::Instruction& instr, bool opti
       return Status::Error(InstructionWhere(i, instr) + " reads " + Name(tensor) +
                            ", which is offloaded to the host; reload it first");
     }
+    Use(i, BufferKey::Persistent(tensor), BufferAccess::kRead, persistent_[tensor]);
     return Status::Ok();
   }
   if (role == proto::ROLE_PARAM) {
@@ -393,13 +406,19 @@ Status BufferReplay::ReadInput(int i, const proto::Instruction& instr, bool opti
       return Status::Error(InstructionWhere(i, instr) + " reads param " + Name(tensor) +
                            ", which is not gathered");
     }
+    Use(i, BufferKey::Gathered(tensor), BufferAccess::kRead, gathered_[tensor]);
     return Status::Ok();
   }
+  const BufferKey key = BufferKey::Transient(tensor, micro);
   int& handle = TransientHandle(tensor, micro);
-  if (handle >= 0) return Status::Ok();
+  if (handle >= 0) {
+    Use(i, key, BufferAccess::kRead, handle);
+    return Status::Ok();
+  }
   if (role == proto::ROLE_INPUT) {  // inputs arrive with the first compute that reads them
-    Open(i, BufferKey::Transient(tensor, micro), transient_bytes_[tensor], BufferKind::kInput,
-         &handle);
+    Open(i, key, transient_bytes_[tensor], BufferKind::kInput, &handle);
+    Use(i, key, BufferAccess::kWrite, handle);
+    Use(i, key, BufferAccess::kRead, handle);
     return Status::Ok();
   }
   return Status::Error(InstructionWhere(i, instr) + " reads " + Name(tensor) + " (micro-step " +
@@ -412,13 +431,24 @@ Status BufferReplay::Compute(int i, const proto::Instruction& instr) {
   const int micro = instr.micro_step();
   for (int t : op.inputs()) DC_RETURN_IF_ERROR(ReadInput(i, instr, optimizer, t));
   for (int t : op.outputs()) {
-    if (optimizer && IsPersistentRole(role_[t])) continue;  // updated in place
+    if (optimizer && IsPersistentRole(role_[t])) {  // updated in place (on the host: no buffer)
+      Use(i, BufferKey::Persistent(t), BufferAccess::kWrite, persistent_[t]);
+      continue;
+    }
     int& handle = TransientHandle(t, micro);
     if (handle >= 0) {
       return Status::Error(InstructionWhere(i, instr) + " writes " + Name(t) +
                            ", which is still live from an earlier write");
     }
     Open(i, BufferKey::Transient(t, micro), transient_bytes_[t], transient_kind_[t], &handle);
+    Use(i, BufferKey::Transient(t, micro), BufferAccess::kWrite, handle);
+  }
+  // An optimizer op refreshes the compute-dtype shard of each param it updates.
+  if (optimizer) {
+    for (int t : op.inputs()) {
+      if (role_[t] != proto::ROLE_PARAM) continue;
+      Use(i, BufferKey::ComputeShard(t), BufferAccess::kWrite, compute_shard_handle_[t]);
+    }
   }
   return Status::Ok();
 }
@@ -459,6 +489,8 @@ Status BufferReplay::ReduceScatter(int i, const proto::Instruction& instr) {
       return Status::Error(InstructionWhere(i, instr) + " reduce-scatters " + Name(t) +
                            " into its shard, which is offloaded to the host; reload it first");
     }
+    Use(i, BufferKey::Transient(t, micro), BufferAccess::kRead, TransientHandle(t, micro));
+    Use(i, BufferKey::Persistent(t), BufferAccess::kWrite, persistent_[t]);
   }
   return Status::Ok();
 }
@@ -476,6 +508,7 @@ Status BufferReplay::AllReduce(int i, const proto::Instruction& instr) {
       return Status::Error(InstructionWhere(i, instr) + " all-reduces " + Name(t) +
                            " (micro-step " + std::to_string(micro) + "), which is not live");
     }
+    Use(i, BufferKey::Transient(t, micro), BufferAccess::kWrite, TransientHandle(t, micro));
   }
   return Status::Ok();
 }
@@ -490,6 +523,7 @@ Status BufferReplay::Offload(int i, const proto::Instruction& instr) {
         return Status::Error(InstructionWhere(i, instr) + " offloads " + Name(t) +
                              ", which is already offloaded");
       }
+      Use(i, BufferKey::Persistent(t), BufferAccess::kRead, persistent_[t]);
       Close(i, BufferKey::Persistent(t), shard_bytes_[t], PersistentKind(role), &persistent_[t]);
       continue;
     }
@@ -498,6 +532,7 @@ Status BufferReplay::Offload(int i, const proto::Instruction& instr) {
       return Status::Error(InstructionWhere(i, instr) + " offloads " + Name(t) +
                            ", which is not live");
     }
+    Use(i, BufferKey::Transient(t, micro), BufferAccess::kRead, handle);
     Close(i, BufferKey::Transient(t, micro), transient_bytes_[t], transient_kind_[t], &handle);
     transient_on_host_[static_cast<size_t>(t) * stride_ + (micro + 1)] = 1;
   }
@@ -515,6 +550,7 @@ Status BufferReplay::Reload(int i, const proto::Instruction& instr) {
                              ", which is not offloaded");
       }
       Open(i, BufferKey::Persistent(t), shard_bytes_[t], PersistentKind(role), &persistent_[t]);
+      Use(i, BufferKey::Persistent(t), BufferAccess::kWrite, persistent_[t]);
       continue;
     }
     uint8_t& on_host = transient_on_host_[static_cast<size_t>(t) * stride_ + (micro + 1)];
@@ -525,6 +561,7 @@ Status BufferReplay::Reload(int i, const proto::Instruction& instr) {
     on_host = 0;
     Open(i, BufferKey::Transient(t, micro), transient_bytes_[t], transient_kind_[t],
          &TransientHandle(t, micro));
+    Use(i, BufferKey::Transient(t, micro), BufferAccess::kWrite, TransientHandle(t, micro));
   }
   return Status::Ok();
 }

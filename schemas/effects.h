@@ -116,6 +116,12 @@ Status CheckReferences(const proto::Schedule& schedule);
 // order). Call CheckReferences first. Cheap where the program has no shard reduction.
 Status CheckShardReductions(const proto::Schedule& schedule);
 
+// How an instruction uses the contents of a live buffer (BufferListener::Accessed).
+enum class BufferAccess : uint8_t {
+  kRead,   // reads them
+  kWrite,  // writes them (an update in place, a sum into them, also reads them)
+};
+
 // What BufferReplay tells its listener. Handles number the allocations in the order they are
 // made (start-up's first), so a listener can keep per-buffer records in a vector.
 class BufferListener {
@@ -129,6 +135,15 @@ class BufferListener {
   // The buffer `handle` goes on under `to` (a rename): no allocation, no free.
   virtual void Renamed(int /*instruction*/, const BufferKey& /*from*/, const BufferKey& /*to*/,
                        int /*handle*/) {}
+  // Instruction `instruction` reads or writes the live buffer `handle` (told after its
+  // Allocated, before its Freed, by the same instruction). Every use of every device buffer's
+  // contents: a gather reads the param's shard (the compute-dtype one where there is one) and
+  // writes the gathered param; a compute reads its inputs (an input it stages: writes, then
+  // reads), writes its outputs (an optimizer op its persistent shards in place, and each param's
+  // compute-dtype shard); a reduce-scatter reads the grad and writes its shard; an all-reduce
+  // writes its tensors; an offload reads what it copies. Releases and renames use no contents.
+  virtual void Accessed(int /*instruction*/, const BufferKey& /*key*/, BufferAccess /*access*/,
+                        int /*handle*/) {}
 };
 
 // Replays the buffer effects of a schedule's instructions in issue order, checking every use
@@ -154,6 +169,7 @@ class BufferReplay {
   void Open(int index, const BufferKey& key, int64_t bytes, BufferKind kind, int* handle);
   void Close(int index, const BufferKey& key, int64_t bytes, BufferKind kind, int* handle);
   bool AtEnd(int index) const;
+  void Use(int index, const BufferKey& key, BufferAccess access, int handle);
   std::string Name(int tensor) const;
 
   Status Gather(int index, const proto::Instruction& instr);
@@ -178,6 +194,7 @@ class BufferReplay {
   // Open buffers' handles (-1: none): persistent shards on the device, gathered params, and
   // transients by (tensor, micro-step); transients kept on the host by an offload.
   std::vector<int> persistent_, gathered_, transient_;
+  std::vector<int> compute_shard_handle_;  // the compute-dtype shards' (-1: none)
   std::vector<uint8_t> transient_on_host_;
   int next_handle_ = 0;
 };

@@ -99,7 +99,8 @@ const char* SlotName(BufferSlot slot) {
   return "?";
 }
 
-// Every event as one line: "instruction +/-/= tensor slot micro-step bytes kind start|end #handle".
+// Every event as one line: "instruction +/-/= tensor slot micro-step bytes kind start|end #handle",
+// a use of a buffer's contents "instruction r|w tensor slot micro-step #handle".
 class Recorder : public BufferListener {
  public:
   explicit Recorder(const proto::Program& program) : program_(program) {}
@@ -114,6 +115,11 @@ class Recorder : public BufferListener {
   void Renamed(int instruction, const BufferKey& from, const BufferKey& to, int handle) override {
     text += std::to_string(instruction) + " = " + program_.tensors(from.tensor).name() + " -> " +
             program_.tensors(to.tensor).name() + " #" + std::to_string(handle) + "\n";
+  }
+  void Accessed(int instruction, const BufferKey& key, BufferAccess access, int handle) override {
+    text += std::to_string(instruction) + (access == BufferAccess::kRead ? " r " : " w ") +
+            program_.tensors(key.tensor).name() + " " + SlotName(key.slot) + " " +
+            std::to_string(key.placement_micro_step()) + " #" + std::to_string(handle) + "\n";
   }
   std::string text;
 
@@ -144,20 +150,43 @@ TEST(Effects, EveryInstructionKindsEffectsAsATable) {
             "-1 + w persistent -1 8 shard start #0\n"
             "-1 + g persistent -1 8 grad_shard start #1\n"
             "-1 + m persistent -1 8 optimizer_state start #2\n"
+            "0 r w persistent -1 #0\n"
             "0 + w gathered -2 16 gathered start #3\n"
+            "0 w w gathered -2 #3\n"
             "1 + x transient 0 8 input start #4\n"
+            "1 w x transient 0 #4\n"
+            "1 r x transient 0 #4\n"
+            "1 r w gathered -2 #3\n"
             "1 + a transient 0 16 activation start #5\n"
+            "1 w a transient 0 #5\n"
+            "2 r a transient 0 #5\n"
             "2 + b transient 0 16 activation start #6\n"
+            "2 w b transient 0 #6\n"
             "3 = b -> b2 #6\n"
+            "4 r b2 transient 0 #6\n"
+            "4 r w gathered -2 #3\n"
             "4 + g transient 0 16 grad start #7\n"
+            "4 w g transient 0 #7\n"
             "5 - w gathered -2 16 gathered start #3\n"
             "5 - x transient 0 8 input start #4\n"
             "5 - a transient 0 16 activation start #5\n"
             "5 - b2 transient 0 16 activation start #6\n"
+            "6 r g transient 0 #7\n"
+            "6 w g persistent -1 #1\n"
             "7 - g transient 0 16 grad start #7\n"
+            "8 r m persistent -1 #2\n"
             "8 - m persistent -1 8 optimizer_state end #2\n"
             "9 + m persistent -1 8 optimizer_state start #8\n"
+            "9 w m persistent -1 #8\n"
+            "10 r g persistent -1 #1\n"
             "10 + n transient -1 4 activation start #9\n"
+            "10 w n transient -1 #9\n"
+            "11 w n transient -1 #9\n"
+            "12 r w persistent -1 #0\n"
+            "12 r g persistent -1 #1\n"
+            "12 r m persistent -1 #8\n"
+            "12 w w persistent -1 #0\n"
+            "12 w m persistent -1 #8\n"
             "13 - n transient -1 4 activation start #9\n");
 }
 
@@ -209,10 +238,13 @@ TEST(Effects, HostOptimizerKeepsMasterAndStatesOnTheHostWithAComputeShard) {
   proto::Schedule s = Empty();
   s.mutable_program()->mutable_config()->set_compute_dtype(proto::DTYPE_BF16);
   Add(&s, proto::INSTR_COMPUTE, kAdam, {}, -1, proto::STREAM_HOST);
-  // Only the grad shard is on the device; the bf16 compute shard of w (4 B) sits beside it.
+  // Only the grad shard is on the device; the bf16 compute shard of w (4 B) sits beside it. The
+  // step reads the grad shard from the device and writes w's compute shard back.
   EXPECT_EQ(Replay(s),
             "-1 + g persistent -1 8 grad_shard start #0\n"
-            "-1 + w compute-shard -3 4 shard start #1\n");
+            "-1 + w compute-shard -3 4 shard start #1\n"
+            "0 r g persistent -1 #0\n"
+            "0 w w compute-shard -3 #1\n");
 }
 
 TEST(Effects, KeysNameBuffersAsTheMemoryPlanDoes) {

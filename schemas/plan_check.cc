@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "schemas/effects.h"
+#include "schemas/happens_before.h"
 #include "schemas/op_kinds.h"
 #include "schemas/units.h"
 
@@ -139,6 +140,7 @@ Status ValidatePlan(const proto::Schedule& schedule, const PlanLimits& limits) {
   PeakListener peak;
   DC_RETURN_IF_ERROR(BufferReplay(schedule, &peak).Run().Prefixed("the plan's schedule: "));
   DC_RETURN_IF_ERROR(CheckShardReductions(schedule).Prefixed("the plan's schedule: "));
+  DC_RETURN_IF_ERROR(CheckHappensBefore(schedule).Prefixed("the plan's schedule: "));
   if (limits.memory_bytes > 0) {
     // Device bytes, and the token ids of every micro-step staged in host memory beside them;
     // a sum past int64 saturates (and is refused).

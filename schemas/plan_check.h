@@ -35,7 +35,9 @@ struct PlanLimits {
 //    micro-step known, its offset aligned and not negative, and its buffer inside the arena
 //    (checked without overflow);
 //  - every buffer effect (BufferReplay), the order of the grads' norm and its all-reduce
-//    (CheckShardReductions), and the arena and the peak of live bytes within `limits`.
+//    (CheckShardReductions), the order of every pair of effects on one buffer or arena range
+//    across streams (CheckHappensBefore), and the arena and the peak of live bytes within
+//    `limits`.
 // The message says what is wrong, without a remedy: callers name the file and add
 // "re-plan with dc-plan".
 Status ValidatePlan(const proto::Schedule& schedule, const PlanLimits& limits = {});

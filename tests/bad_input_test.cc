@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "schemas/happens_before.h"
 #include "schemas/plan_file.h"
 #include "tests/run_command.h"
 #include "tests/support/test_traces.h"
@@ -134,6 +135,23 @@ TEST_F(BadInput, EveryRowOfTheTable) {
     offset.mutable_instructions(offset.instructions_size() - 1)->add_tensors(1 << 30);
   }
   WriteFile(dir_ + "/offset.dcplan", SerializePlan(offset));
+  // A plan with one wait removed, its digests recomputed: the first compute that waits for an
+  // all-gather on the gather stream no longer does, so it may read the param before it arrives.
+  proto::Schedule race = *parsed;
+  bool removed = false;
+  for (proto::Instruction& instr : *race.mutable_instructions()) {
+    if (removed || instr.kind() != proto::INSTR_COMPUTE) continue;
+    auto& deps = *instr.mutable_deps();
+    for (int k = 0; k < deps.size() && !removed; ++k) {
+      const proto::Instruction& dep = race.instructions(deps.Get(k));
+      if (dep.kind() != proto::INSTR_ALL_GATHER || dep.stream() == instr.stream()) continue;
+      deps.erase(deps.begin() + k);
+      removed = true;
+    }
+  }
+  ASSERT_TRUE(removed) << "good.dcplan has no compute that waits for a gather";
+  ASSERT_FALSE(CheckHappensBefore(race).ok()) << "the removed wait left the plan ordered";
+  WriteFile(dir_ + "/race.dcplan", SerializePlan(race));
 
   const std::string calibrate = Tool("dc-calibrate") + " --base cpu";
   const std::string steps_header = "name,model,world,gas,micro_batch,policy,measured_seconds\n";
@@ -243,6 +261,10 @@ TEST_F(BadInput, EveryRowOfTheTable) {
        {"$D/vocab0.dcplan", "--vocab must be at least 2", "re-plan with dc-plan"},
        {}},
       {run + " $D/offset.dcplan", 1, {"$D/offset.dcplan", "re-plan with dc-plan"}, {}},
+      {run + " $D/race.dcplan",
+       1,
+       {"$D/race.dcplan", "reads", "nothing orders the two", "re-plan with dc-plan"},
+       {}},
       {run + " $D/good.dcplan --no-such-flag", 2, {"--no-such-flag"}, {}},
       {plan + " $D/good.db -o ''", 2, {"--output", "must not be empty"}, {}},
       {plan + " $D/good.db --budget 10EiB -o $D/b.dcplan",
