@@ -351,11 +351,17 @@ class TimeOrder {
 };
 
 // The buffer effects (schemas/effects.h) as timed memory events: each allocation and free at its
-// instruction's start or end; the persistent buffers of start-up summed by kind.
+// instruction's start or end; the persistent buffers of start-up summed by kind. Also the peak in
+// issue order: the bytes live after each effect as the replay tells them, instruction by
+// instruction, which is how the executor counts (it applies an instruction's effects when it
+// issues it, whatever the streams' times).
 class MemoryEvents : public BufferListener {
  public:
   MemoryEvents(const proto::Schedule& schedule, const SimResult& times)
-      : schedule_(schedule), times_(times), start_up_bytes_(kNumBufferKinds, 0) {
+      : schedule_(schedule),
+        times_(times),
+        start_up_bytes_(kNumBufferKinds, 0),
+        issue_bytes_by_kind_(kNumBufferKinds, 0) {
     events_.reserve(2 * static_cast<size_t>(schedule.instructions_size()));
   }
   void Allocated(int instruction, const BufferKey& /*key*/, int64_t size_bytes, BufferKind kind,
@@ -368,9 +374,21 @@ class MemoryEvents : public BufferListener {
   }
   const std::vector<MemoryEvent>& events() const { return events_; }
   const std::vector<int64_t>& start_up_bytes() const { return start_up_bytes_; }
+  // The issue-order peak: its bytes, the instruction whose effect reached it (-1: start-up) and
+  // the bytes by kind then.
+  int64_t issue_peak_bytes() const { return issue_peak_bytes_; }
+  int issue_peak_instruction() const { return issue_peak_instruction_; }
+  const std::vector<int64_t>& issue_peak_by_kind() const { return issue_peak_by_kind_; }
 
  private:
   void Emit(int i, bool at_end, int64_t delta, BufferKind kind) {
+    issue_bytes_ += delta;
+    issue_bytes_by_kind_[static_cast<int>(kind)] += delta;
+    if (issue_bytes_ > issue_peak_bytes_) {
+      issue_peak_bytes_ = issue_bytes_;
+      issue_peak_instruction_ = i;
+      issue_peak_by_kind_ = issue_bytes_by_kind_;
+    }
     if (i < 0) {
       start_up_bytes_[static_cast<int>(kind)] += delta;
       return;
@@ -382,7 +400,23 @@ class MemoryEvents : public BufferListener {
   const SimResult& times_;
   std::vector<MemoryEvent> events_;  // in instruction order
   std::vector<int64_t> start_up_bytes_;
+  int64_t issue_bytes_ = 0, issue_peak_bytes_ = 0;
+  int issue_peak_instruction_ = -1;
+  std::vector<int64_t> issue_bytes_by_kind_, issue_peak_by_kind_;
 };
+
+// The promise a plan makes is the larger of the two peaks: the time-resolved one (what the
+// device holds when the streams overlap as simulated) and the issue-order one (what the
+// executor's accounting holds, and what a capacity check fails on). They differ only where an
+// allocation issued before a free starts after it in time, or the other way round.
+void TakeIssueOrderPeak(const MemoryEvents& events, SimResult* result) {
+  if (events.issue_peak_bytes() <= result->peak_device_bytes) return;
+  result->peak_device_bytes = events.issue_peak_bytes();
+  result->peak_instruction = events.issue_peak_instruction();
+  result->peak_at_seconds =
+      result->peak_instruction < 0 ? 0 : result->start_seconds[result->peak_instruction];
+  result->peak_by_kind = events.issue_peak_by_kind();
+}
 
 // Sweeps the events in time order (ties in instruction order); one timeline point per
 // instruction's change, the peak the first instant the total is highest.
@@ -453,6 +487,7 @@ StatusOr<SimResult> Simulate(const proto::Schedule& schedule, const CostModel& c
   MemoryEvents events(schedule, result);
   DC_RETURN_IF_ERROR(BufferReplay(schedule, &events).Run());
   SweepMemory(events.start_up_bytes(), events.events(), options.memory_timeline, &result);
+  TakeIssueOrderPeak(events, &result);
   ComputeBusy(schedule, &result);
   return result;
 }

@@ -22,7 +22,11 @@
 // persistent shards (or a transient) at its end and a reload allocates them at its start.
 // Transients are identified by (tensor, micro-step), gathered params by tensor. Optimizer-phase ops
 // work on persistent shards and read no gathered buffers. Events at one instant apply in
-// instruction order. Use checks run in instruction order. Thread-safe (pure function).
+// instruction order. Use checks run in instruction order. The peak is the larger of the
+// time-resolved peak and the issue-order peak (every effect applied when its instruction is
+// issued, as the executor counts live bytes and checks a device's capacity), so a plan's
+// predicted peak bounds what a run holds however its streams overlap. Thread-safe (pure
+// function).
 #pragma once
 
 #include <array>
@@ -43,6 +47,8 @@ struct MemoryPoint {
 
 struct SimResult {
   double step_seconds = 0;
+  // The larger of the time-resolved and the issue-order peak (see above); where the issue-order
+  // one is larger, peak_at_seconds is its instruction's start.
   int64_t peak_device_bytes = 0;
   double peak_at_seconds = 0;
   int peak_instruction = -1;          // whose change reached the peak; -1: the persistent shards

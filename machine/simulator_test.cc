@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <initializer_list>
 #include <string>
@@ -331,6 +332,42 @@ TEST(SimulatorTest, SerialPeakMovesWithTheTimes) {
   ASSERT_TRUE(result.ok()) << result.status().message();
   EXPECT_EQ(result->peak_device_bytes, 128);
   EXPECT_DOUBLE_EQ(result->peak_at_seconds, 5);
+}
+
+// A gather issued before a release but started after it (it waits for micro-step 1's forward,
+// while the release on the reduce stream runs as soon as micro-step 0's forward ends): in time
+// the release frees x's 8 bytes first, in issue order the gather allocates w1's 32 first. The
+// executor counts in issue order, so the prediction promises that larger peak.
+TEST(SimulatorTest, PeakIsAtLeastTheIssueOrderPeak) {
+  ScheduleBuilder b;
+  b.Gather({kW0})              // 0: 0-1.5, +16
+      .Compute(kFwd0, {0}, 0)  // 1: 1.5-2.5, +8 (x) +16 (a0)
+      .Compute(kFwd0, {}, 1)   // 2: 2.5-3.5, +8 +16
+      .Gather({kW1}, {2})      // 3: from 3.5, +32
+      .Add(proto::INSTR_RELEASE, proto::STREAM_REDUCE, -1, {kX}, {1}, 0);  // 4: at 2.5, -8
+  StatusOr<SimResult> result = SimulateWith(b.schedule());
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  // In time: 48 + 16 + 24 + 24 - 8 + 32 = 136 at 3.5; in issue order the gather's 32 come
+  // before the release's -8: 144.
+  ASSERT_FALSE(result->memory_timeline.empty());
+  int64_t timed_peak = 0;
+  for (const MemoryPoint& p : result->memory_timeline)
+    timed_peak = std::max(timed_peak, p.total_bytes);
+  EXPECT_EQ(timed_peak, kPersistentBytes + 88);
+  EXPECT_EQ(result->peak_device_bytes, kPersistentBytes + 96);
+  EXPECT_EQ(result->peak_instruction, 3);
+  EXPECT_DOUBLE_EQ(result->peak_at_seconds, 3.5);
+  int64_t by_kind_sum = 0;
+  for (int64_t bytes : result->peak_by_kind) by_kind_sum += bytes;
+  EXPECT_EQ(by_kind_sum, result->peak_device_bytes);
+  EXPECT_EQ(result->peak_by_kind[static_cast<int>(BufferKind::kGathered)], 48);
+
+  // Serial streams run in issue order: the two peaks are one.
+  CostModel serial = Costs();
+  serial.serial_streams = true;
+  StatusOr<SimResult> in_order = SimulateWith(b.schedule(), serial);
+  ASSERT_TRUE(in_order.ok()) << in_order.status().message();
+  EXPECT_EQ(in_order->peak_device_bytes, kPersistentBytes + 96);
 }
 
 TEST(SimulatorTest, ToPredictionNamesNonzeroKinds) {

@@ -546,6 +546,35 @@ TEST_P(OptimizedPlans, EveryPolicyTrainsBitIdenticallyInsideABudgetTheBaselineEx
 // Activation checkpointing recomputes each layer's forward in its backward from the same
 // inputs with the same kernels: training is bit-identical, and the baseline's peak falls (four
 // layers, so the activations the checkpoints save outweigh the params the recomputes gather).
+// A trace taken with the cpu backend's streams on threads (the default) gives plans simulated
+// with overlapping streams, whose time-resolved peak can fall below what the executor holds in
+// issue order; the prediction is the larger of the two, so a run capped at the plan's
+// predicted peak (or its arena, where it has one) never runs out and holds no more than that.
+TEST(ThreadedTrace, PredictedPeakBoundsTheRun) {
+  const std::string dir = FreshDir("threaded-peak");
+  auto collect = RunCommand(Tool("dc-collect") +
+                            " --backend cpu --model tiny --nproc 2 --gas 4 --steps 2 --warmup 1 "
+                            "-o " +
+                            dir + "/t.db");
+  ASSERT_EQ(collect.exit_code, 0) << collect.err;
+  for (const std::string flags : {"--policy baseline", "--policy dc --disable memory-plan",
+                                  "--policy deepcompile", "--policy dc"}) {
+    const std::string plan_path = dir + "/p.dcplan";
+    auto planned = RunCommand(Tool("dc-plan") + " " + dir + "/t.db --no-cache " + flags +
+                              " --json -o " + plan_path);
+    ASSERT_EQ(planned.exit_code, 0) << flags << ": " << planned.err;
+    const json plan = ParseJson(planned.out);
+    const int64_t predicted = plan["predicted"]["peak_device_bytes"].get<int64_t>();
+    const int64_t capacity = std::max(predicted, plan.value("arena_bytes", int64_t{0}));
+    auto run = RunCommand(Tool("dc-run") + " --backend cpu " + plan_path +
+                          " --steps 3 --json --device-memory " + std::to_string(capacity));
+    ASSERT_EQ(run.exit_code, 0) << flags << ": " << run.err;
+    const json ran = ParseJson(run.out);
+    EXPECT_LE(ran["peak_live_bytes"].get<int64_t>(), predicted) << flags;
+    EXPECT_LE(ran["peak_device_bytes"].get<int64_t>(), capacity) << flags;
+  }
+}
+
 TEST(Recompute, TrainsBitIdenticallyInLessMemory) {
   for (const std::string model : {"tiny", "mixtral-tiny"}) {
     const std::string dir = FreshDir("recompute-" + model);
