@@ -198,30 +198,34 @@ TEST_F(Checkpoints, WhatCannotBeResumedIsRefusedInOneLine) {
   EXPECT_NE(damaged.err.find("SHA-256"), std::string::npos) << damaged.err;
 }
 
-// Background saving (the default) and --save-blocking write the same checkpoints, byte for byte.
+// Background saving (the default) and --save-blocking write the same checkpoints, byte for
+// byte: from shards on the device (baseline) and from host-resident ones (ZeRO-3 offload).
 TEST_F(Checkpoints, BackgroundAndBlockingSavesWriteTheSameBytes) {
-  const std::string background = dir_ + "/background", blocking = dir_ + "/blocking";
-  const auto overlapped = Run("two", "--steps 3 --save " + background + " --save-every 1");
-  const auto between =
-      Run("two", "--steps 3 --save " + blocking + " --save-every 1 --save-blocking");
-  EXPECT_EQ(overlapped["losses"], between["losses"]);
-  EXPECT_EQ(overlapped["params_digest"], between["params_digest"]);
-  ASSERT_EQ(overlapped["saves"].size(), 3u);
-  for (const auto& save : overlapped["saves"]) {
-    EXPECT_GE(save["blocking_seconds"].get<double>(), 0.0);
-    EXPECT_GT(save["background_seconds"].get<double>(), 0.0);
-  }
   const auto bytes = [](const std::string& path) {
     std::ifstream in(path, std::ios::binary);
     return std::string(std::istreambuf_iterator<char>(in), {});
   };
-  ASSERT_EQ(Entries(background), Entries(blocking));
-  for (const std::string step : {"/step-00000002", "/step-00000003"}) {
-    ASSERT_EQ(Entries(background + step), Entries(blocking + step));
-    for (const std::string& file : Entries(background + step)) {
-      const std::string a = bytes(background + step + "/" + file);
-      ASSERT_GT(a.size(), 100u) << file;
-      EXPECT_EQ(a, bytes(blocking + step + "/" + file)) << step << "/" << file;
+  for (const std::string plan : {"two", "two-offload"}) {
+    const std::string background = dir_ + "/background-" + plan,
+                      blocking = dir_ + "/blocking-" + plan;
+    const auto overlapped = Run(plan, "--steps 3 --save " + background + " --save-every 1");
+    const auto between =
+        Run(plan, "--steps 3 --save " + blocking + " --save-every 1 --save-blocking");
+    EXPECT_EQ(overlapped["losses"], between["losses"]) << plan;
+    EXPECT_EQ(overlapped["params_digest"], between["params_digest"]) << plan;
+    ASSERT_EQ(overlapped["saves"].size(), 3u) << plan;
+    for (const auto& save : overlapped["saves"]) {
+      EXPECT_GE(save["blocking_seconds"].get<double>(), 0.0) << plan;
+      EXPECT_GT(save["background_seconds"].get<double>(), 0.0) << plan;
+    }
+    ASSERT_EQ(Entries(background), Entries(blocking)) << plan;
+    for (const std::string step : {"/step-00000002", "/step-00000003"}) {
+      ASSERT_EQ(Entries(background + step), Entries(blocking + step)) << plan;
+      for (const std::string& file : Entries(background + step)) {
+        const std::string a = bytes(background + step + "/" + file);
+        ASSERT_GT(a.size(), 100u) << plan << ": " << file;
+        EXPECT_EQ(a, bytes(blocking + step + "/" + file)) << plan << ": " << step << "/" << file;
+      }
     }
   }
 }
@@ -296,6 +300,16 @@ TEST_F(Checkpoints, AKillDuringABackgroundWriteLeavesThePreviousCheckpoint) {
   ASSERT_TRUE(WaitForText(out, "step   4  loss")) << Contents(out);
   const std::string partial = save + "/.partial-step-3";
   ASSERT_TRUE(fs::exists(partial)) << Contents(out);
+  // Both ranks' files are open, their headers written (the writers wait after them).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline && Entries(partial).size() < 2) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_EQ(Entries(partial).size(), 2u);
+  for (const std::string& name : Entries(partial)) {
+    EXPECT_NE(name.find(".safetensors.tmp"), std::string::npos) << name;
+    EXPECT_GT(fs::file_size(partial + "/" + name), 0u) << name;
+  }
   // The launcher dies, and its ranks with it (PR_SET_PDEATHSIG).
   ASSERT_EQ(::kill(pid, SIGKILL), 0);
   RunCommand("while kill -0 " + std::to_string(pid) + " 2>/dev/null; do sleep 0.01; done");

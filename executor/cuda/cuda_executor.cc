@@ -138,10 +138,14 @@ class CudaDevice : public RankDevice {
     DC_RETURN_IF_ERROR(snapshot_done_.Record(StreamOf(proto::STREAM_D2H)).Prefixed(what + ": "));
     snapshot_open_ = false;
     // The event is recorded again only when the next snapshot begins, after its saver has
-    // waited for this one.
+    // waited for this one. The waiting thread makes this rank's device its own first, or the
+    // runtime would open a context on device 0 for it.
+    DC_ASSIGN_OR_RETURN(const int ordinal, CurrentCudaDevice());
     const CudaEvent* done = &snapshot_done_;
-    return std::function<Status()>(
-        [done, what] { return done->Synchronize().Prefixed(what + ": waiting for the copies: "); });
+    return std::function<Status()>([done, ordinal, what]() -> Status {
+      DC_RETURN_IF_ERROR(UseCudaDevice(ordinal).Prefixed(what + ": "));
+      return done->Synchronize().Prefixed(what + ": waiting for the copies: ");
+    });
   }
   Status WaitForSnapshot(proto::Stream stream, const std::string& what) override {
     const Status waited = stream == proto::STREAM_HOST
