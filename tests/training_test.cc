@@ -231,17 +231,17 @@ TEST_F(Checkpoints, BackgroundAndBlockingSavesWriteTheSameBytes) {
 }
 
 // Runs dc-run in the background with its writers held half-way until `gate` exists; its stdout
-// and stderr go to `out`. Returns dc-run's pid, or with `exit_code_file`, the pid of a shell
-// that writes dc-run's exit code to `out`.rc when it ends.
-int StartGated(const std::string& command, const std::string& gate, const std::string& out,
-               bool exit_code_file) {
+// and stderr go to `out`, its exit code to `out`.rc when it ends. Returns its pid.
+int StartGated(const std::string& command, const std::string& gate, const std::string& out) {
   const std::string pid_file = out + ".pid";
-  const std::string run =
-      "env DC_TEST_CHECKPOINT_GATE=" + gate + " " + command + " > " + out + " 2>&1";
-  auto started =
-      RunCommand("((" + (exit_code_file ? run + "; echo $? > " + out + ".rc" : "exec " + run) +
-                 ") & echo $! > " + pid_file + ")");
+  auto started = RunCommand("((env DC_TEST_CHECKPOINT_GATE=" + gate + " " + command + " > " + out +
+                            " 2>&1 & echo $! > " + pid_file + ".new; mv " + pid_file + ".new " +
+                            pid_file + "; wait $!; echo $? > " + out + ".rc) > /dev/null 2>&1 &)");
   EXPECT_EQ(started.exit_code, 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline && !fs::exists(pid_file)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   std::ifstream pid_in(pid_file);
   int pid = 0;
   pid_in >> pid;
@@ -269,7 +269,7 @@ TEST_F(Checkpoints, StepsTrainWhileASaveIsWritten) {
   const std::string save = dir_ + "/overlap", gate = dir_ + "/overlap-gate",
                     out = dir_ + "/overlap.out";
   StartGated(Tool("dc-run") + " " + Plan("two") + " --steps 4 --save " + save + " --save-every 2",
-             gate, out, /*exit_code_file=*/true);
+             gate, out);
   ASSERT_TRUE(WaitForText(out, "step   4  loss")) << Contents(out);
   EXPECT_FALSE(fs::exists(save + "/step-00000002")) << Contents(out);
   EXPECT_EQ(Contents(out).find("saved"), std::string::npos) << Contents(out);
@@ -294,7 +294,7 @@ TEST_F(Checkpoints, AKillDuringABackgroundWriteLeavesThePreviousCheckpoint) {
   Run("two", "--steps 2 --save " + save);
   const int pid = StartGated(Tool("dc-run") + " " + Plan("two") + " --steps 100000 --resume " +
                                  save + " --save " + save + " --save-every 1",
-                             dir_ + "/never-opened", out, /*exit_code_file=*/false);
+                             dir_ + "/never-opened", out);
   ASSERT_GT(pid, 0);
   // Step 3's save is in flight, its files half-written, and step 4 trained meanwhile.
   ASSERT_TRUE(WaitForText(out, "step   4  loss")) << Contents(out);
@@ -319,6 +319,30 @@ TEST_F(Checkpoints, AKillDuringABackgroundWriteLeavesThePreviousCheckpoint) {
   EXPECT_EQ(resumed["losses"].get<std::vector<double>>(), FullLossesFrom(2));
   EXPECT_EQ(resumed["params_digest"], (*full_)["params_digest"]);
   EXPECT_EQ(Entries(save), (std::vector<std::string>{"step-00000002", "step-00000006"}));
+}
+
+// A run asked to stop (SIGTERM; a traced run stops after its step) while a save is in flight
+// waits for it and publishes it before it ends.
+TEST_F(Checkpoints, AStoppedRunPublishesTheSaveInFlight) {
+  const std::string save = dir_ + "/stopped", gate = dir_ + "/stopped-gate",
+                    out = dir_ + "/stopped.out";
+  const int pid = StartGated(Tool("dc-run") + " " + Plan("one") + " --steps 100000 --save " + save +
+                                 " --save-every 10 --trace " + dir_ + "/stopped.db",
+                             gate, out);
+  ASSERT_GT(pid, 0);
+  // The save of step 10 is held half-way; steps 11 to 19 train meanwhile.
+  ASSERT_TRUE(WaitForText(out, "step  11  loss")) << Contents(out);
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  // The run stops after its step and waits for the writer; then the writer may finish.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  std::ofstream(gate) << "open";
+  ASSERT_TRUE(WaitForText(out + ".rc", "\n")) << Contents(out);
+  EXPECT_EQ(Contents(out + ".rc"), std::to_string(128 + SIGTERM) + "\n") << Contents(out);
+  EXPECT_NE(Contents(out).find("saved " + save + "/step-00000010"), std::string::npos)
+      << Contents(out);
+  EXPECT_EQ(Entries(save), (std::vector<std::string>{"step-00000010"})) << Contents(out);
+  EXPECT_EQ(Entries(save + "/step-00000010"),
+            (std::vector<std::string>{"manifest.json", "rank-00000-of-00001.safetensors"}));
 }
 
 // A writer's error (here a file size limit, as a full disk) stops the run at the next step
