@@ -348,21 +348,24 @@ TEST_F(Checkpoints, AStoppedRunPublishesTheSaveInFlight) {
 // A writer's error (here a file size limit, as a full disk) stops the run at the next step
 // with one line naming the file; no checkpoint of that step appears.
 TEST_F(Checkpoints, AWriterErrorStopsTheRunInOneLine) {
-  const std::string save = dir_ + "/too-large";
-  // Far below a shard file of tiny (tens of KiB), far above anything else a run writes.
+  // Far below a shard file of tiny (hundreds of KiB), far above anything else a run writes.
   const int limit_kib = 4;
-  auto r =
-      RunCommand("bash -c 'ulimit -f " + std::to_string(limit_kib) + " && exec " + Tool("dc-run") +
-                 " " + Plan("one") + " --steps 4 --save " + save + " --save-every 1 --quiet'");
-  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
-  EXPECT_NE(r.err.find("saving the checkpoint of step 1: " + save +
-                       "/.partial-step-1/rank-00000-of-00001.safetensors"),
-            std::string::npos)
-      << r.err;
-  EXPECT_NE(r.err.find("File too large"), std::string::npos) << r.err;
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
-  for (const auto& name : Entries(save)) {
-    EXPECT_NE(name.rfind("step-", 0), 0u) << name << " should not exist";
+  for (const std::string plan : {"one", "two"}) {
+    const std::string save = dir_ + "/too-large-" + plan;
+    auto r = RunCommand("bash -c 'ulimit -f " + std::to_string(limit_kib) + " && exec " +
+                        Tool("dc-run") + " " + Plan(plan) + " --steps 4 --save " + save +
+                        " --save-every 1 --quiet'");
+    EXPECT_EQ(r.exit_code, 1) << plan << ": " << r.out << r.err;
+    // On two ranks, the launcher names the first rank that failed.
+    EXPECT_NE(r.err.find("saving the checkpoint of step 1: " + save + "/.partial-step-1/rank-0000"),
+              std::string::npos)
+        << plan << ": " << r.err;
+    EXPECT_NE(r.err.find(".safetensors: write failed (File too large)"), std::string::npos)
+        << plan << ": " << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << plan << ": " << r.err;
+    for (const auto& name : Entries(save)) {
+      EXPECT_NE(name.rfind("step-", 0), 0u) << plan << ": " << name << " should not exist";
+    }
   }
 }
 
