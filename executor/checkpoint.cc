@@ -252,7 +252,7 @@ std::vector<std::pair<int64_t, fs::path>> CompleteCheckpoints(const std::string&
 }
 
 // Rank 0, once every rank's file is in `partial`: the manifest, then the rename that makes the
-// checkpoint complete, then the pruning of old and partial ones.
+// checkpoint complete (Prune removes the old ones).
 Status Publish(const CheckpointOptions& options, const proto::Program& program, int world,
                int64_t step, const fs::path& partial, const std::vector<RankFile>& files) {
   json manifest;
@@ -288,17 +288,24 @@ Status Publish(const CheckpointOptions& options, const proto::Program& program, 
     return Status::Error(final_dir.string() + ": cannot publish the checkpoint (" +
                          error.message() + "); is the directory writable?");
   }
-  // Old checkpoints past `keep`, and what killed saves left.
-  const auto complete = CompleteCheckpoints(options.dir);
-  for (size_t i = static_cast<size_t>(std::max(options.keep, 1)); i < complete.size(); ++i) {
+  return Status::Ok();
+}
+
+// Rank 0, after a publish: the complete checkpoints past `keep` and what killed saves left,
+// except the partial directory of the save in flight (`writing`, when one is). Unlinking a
+// checkpoint's files (tens of MiB just written) takes longer than the publish itself, so a
+// background saver does it on its writer thread.
+void Prune(const std::string& dir, int keep, std::optional<int64_t> writing) {
+  std::error_code error;
+  const auto complete = CompleteCheckpoints(dir);
+  for (size_t i = static_cast<size_t>(std::max(keep, 1)); i < complete.size(); ++i) {
     fs::remove_all(complete[i].second, error);
   }
-  for (const auto& entry : fs::directory_iterator(options.dir, error)) {
-    if (StepOfName(entry.path().filename().string(), kPartialPrefix)) {
-      fs::remove_all(entry.path(), error);
-    }
+  for (const auto& entry : fs::directory_iterator(dir, error)) {
+    const std::optional<int64_t> step =
+        StepOfName(entry.path().filename().string(), kPartialPrefix);
+    if (step && step != writing) fs::remove_all(entry.path(), error);
   }
-  return Status::Ok();
 }
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
@@ -338,6 +345,8 @@ class Saver {
     } else if (in_flight_) {
       finished = Finish(state);
     }
+    if (finished.ok() && !run_failed && prune_due_) Prune(options_.dir, options_.keep, {});
+    prune_due_ = false;
     snapshot_.host.reset();  // while the device that made it is there (pinned on cuda)
     return finished;
   }
@@ -391,8 +400,11 @@ class Saver {
         written_ = Written{snapped, 0};
       } else {
         if (writer_ == nullptr) writer_ = std::make_unique<WriterThread>();
-        writer_->Start([this, path, entries, rank, world, step] {
+        const bool prune = prune_due_;
+        prune_due_ = false;
+        writer_->Start([this, path, entries, rank, world, step, prune] {
           const auto write_start = std::chrono::steady_clock::now();
+          if (prune) Prune(options_.dir, options_.keep, step);
           Written written;
           const Status copied = snapshot_.wait();
           const char* host =
@@ -449,6 +461,10 @@ class Saver {
       return Status::Error("rank 0 could not publish the checkpoint of step " +
                            std::to_string(saving.step));
     }
+    // Rank 0 prunes between steps when it writes between steps, else on its writer thread
+    // before the next save's file (or at the end).
+    if (rank == 0 && !options_.background) Prune(options_.dir, options_.keep, {});
+    prune_due_ = rank == 0 && options_.background;
     if (rank == 0 && options_.on_saved) {
       SavedCheckpoint saved;
       saved.step = saving.step;
@@ -465,6 +481,7 @@ class Saver {
   const CheckpointOptions options_;
   std::optional<InFlight> in_flight_;
   std::optional<Written> written_;  // the save in flight's file, when written here
+  bool prune_due_ = false;          // rank 0: a publish since the last Prune
   ShardSnapshot snapshot_;
   std::unique_ptr<WriterThread> writer_;  // after snapshot_: stops before it goes
 };

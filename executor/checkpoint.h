@@ -36,10 +36,12 @@ struct SavedCheckpoint {
   std::string path;   // DIR/step-N
   int64_t bytes = 0;  // every rank's shard file
   // Rank 0's training thread, blocked by this save: the snapshot, the waits for its writer (at
-  // the next save point or the end), the agreement and the publishing.
+  // the next save point or the end), the agreement and the publishing (the manifest and the
+  // rename).
   double blocking_seconds = 0;
-  // Rank 0's writer: serializing, writing, fsyncing and hashing its shard file, while training
-  // went on (with `background` false, on the training thread, inside blocking_seconds).
+  // Rank 0's writer: removing the checkpoints past `keep` that the last publish left, then
+  // serializing, writing, fsyncing and hashing its shard file, while training went on (with
+  // `background` false, the file's write on the training thread, inside blocking_seconds).
   double background_seconds = 0;
   double seconds = 0;  // from the snapshot to the publishing
 };
