@@ -3,16 +3,22 @@
 #include <algorithm>
 #include <chrono>
 #include <cinttypes>
+#include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <thread>
 #include <utility>
 
 #include "executor/data.h"
 #include "schemas/digest.h"
 #include "schemas/effects.h"
 #include "schemas/files.h"
+#include "schemas/units.h"
 
 namespace dc {
 namespace {
@@ -96,36 +102,128 @@ StatusOr<bool> AllOk(Communicator* comm, bool ok) {
   return failures == 0.0;
 }
 
-Status WriteRankFile(TrainingState& state, const std::string& path, int64_t step) {
-  const proto::Program& program = state.program();
-  const int world = state.comm()->world_size();
-  std::vector<safetensors::TensorToWrite> tensors;
+// One saved tensor's shard, as a rank's file holds it.
+struct ShardEntry {
+  int tensor = 0;  // id
+  std::string name;
+  int64_t elements = 0;
+};
+
+std::vector<ShardEntry> ShardEntries(const proto::Program& program, int world) {
+  std::vector<ShardEntry> entries;
   for (const proto::Tensor& t : program.tensors()) {
-    if (!IsSaved(t)) continue;
+    if (IsSaved(t)) entries.push_back({t.id(), t.name(), ShardElements(NumElements(t), world)});
+  }
+  return entries;
+}
+
+// Fills `bytes` of entry `index`'s shard into `out`.
+using ShardReader = std::function<Status(size_t index, char* out, int64_t bytes)>;
+
+// Waits until `gate` exists (CheckpointOptions::writer_gate_for_tests); empty: at once.
+void WaitForGate(const std::string& gate) {
+  constexpr auto kGatePoll = std::chrono::milliseconds(10);
+  std::error_code error;
+  while (!gate.empty() && !fs::exists(gate, error)) std::this_thread::sleep_for(kGatePoll);
+}
+
+// A rank's shard file at `path`, one tensor at a time from `read`, then its size and SHA-256.
+StatusOr<RankFile> WriteRankFile(const std::string& path, const std::vector<ShardEntry>& entries,
+                                 const ShardReader& read, int rank, int world, int64_t step,
+                                 const std::string& gate) {
+  std::vector<safetensors::TensorToWrite> tensors;
+  bool gated = false;
+  for (size_t i = 0; i < entries.size(); ++i) {
     safetensors::TensorToWrite w;
-    w.name = t.name();
+    w.name = entries[i].name;
     w.dtype = proto::DTYPE_F32;
-    w.shape = {ShardElements(NumElements(t), world)};
-    const int id = t.id();
-    // Read when the writer reaches it: one shard in host memory at a time.
-    w.fill = [&state, id](char* out, int64_t bytes) {
-      DC_ASSIGN_OR_RETURN(const std::vector<float> shard, state.ReadShard(id));
-      if (static_cast<int64_t>(shard.size() * sizeof(float)) != bytes) {
-        return Status::Error("its shard has " + std::to_string(shard.size()) +
-                             " elements, not the expected " +
-                             std::to_string(bytes / sizeof(float)));
-      }
-      std::memcpy(out, shard.data(), static_cast<size_t>(bytes));
-      return Status::Ok();
+    w.shape = {entries[i].elements};
+    w.fill = [&, i](char* out, int64_t bytes) {
+      if (!gated) WaitForGate(gate);  // after the header: the file is half-written
+      gated = true;
+      return read(i, out, bytes);
     };
     tensors.push_back(std::move(w));
   }
-  return safetensors::Write(path, std::move(tensors),
-                            {{"format", "dc-checkpoint-shard"},
-                             {"rank", std::to_string(state.comm()->rank())},
-                             {"world_size", std::to_string(world)},
-                             {"step", std::to_string(step)}});
+  DC_RETURN_IF_ERROR(safetensors::Write(path, std::move(tensors),
+                                        {{"format", "dc-checkpoint-shard"},
+                                         {"rank", std::to_string(rank)},
+                                         {"world_size", std::to_string(world)},
+                                         {"step", std::to_string(step)}}));
+  RankFile file;
+  DC_ASSIGN_OR_RETURN(file.sha256, Sha256OfFile(path));
+  std::error_code error;
+  file.bytes = static_cast<int64_t>(fs::file_size(path, error));
+  if (error) return Status::Error(path + ": cannot read its size (" + error.message() + ")");
+  file.ok = true;
+  return file;
 }
+
+// The outcome of one rank's shard file.
+struct Written {
+  StatusOr<RankFile> file = Status::Error("not written");
+  double seconds = 0;
+};
+
+// One thread that runs one job at a time: a rank's background writer.
+class WriterThread {
+ public:
+  WriterThread() : thread_([this] { Loop(); }) {}
+  ~WriterThread() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      quit_ = true;
+    }
+    changed_.notify_all();
+    thread_.join();
+  }
+  WriterThread(const WriterThread&) = delete;
+  WriterThread& operator=(const WriterThread&) = delete;
+
+  // Precondition: no job, or the last one's Wait has returned.
+  void Start(std::function<Written()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = std::move(job);
+      done_.reset();
+    }
+    changed_.notify_all();
+  }
+  bool Done() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_.has_value();
+  }
+  Written Wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    changed_.wait(lock, [&] { return done_.has_value(); });
+    Written written = std::move(*done_);
+    done_.reset();
+    return written;
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      changed_.wait(lock, [&] { return quit_ || job_ != nullptr; });
+      if (job_ == nullptr) return;  // quit, nothing left to write
+      std::function<Written()> job = std::move(job_);
+      job_ = nullptr;
+      lock.unlock();
+      Written written = job();
+      lock.lock();
+      done_ = std::move(written);
+      changed_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::function<Written()> job_;
+  std::optional<Written> done_;
+  bool quit_ = false;
+  std::thread thread_;  // last: starts once the rest is made
+};
 
 std::optional<int64_t> StepOfName(const std::string& name, const std::string& prefix) {
   if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size() ||
@@ -154,7 +252,7 @@ std::vector<std::pair<int64_t, fs::path>> CompleteCheckpoints(const std::string&
 }
 
 // Rank 0, once every rank's file is in `partial`: the manifest, then the rename that makes the
-// checkpoint complete, then the pruning of old and partial ones.
+// checkpoint complete (Prune removes the old ones).
 Status Publish(const CheckpointOptions& options, const proto::Program& program, int world,
                int64_t step, const fs::path& partial, const std::vector<RankFile>& files) {
   json manifest;
@@ -190,66 +288,203 @@ Status Publish(const CheckpointOptions& options, const proto::Program& program, 
     return Status::Error(final_dir.string() + ": cannot publish the checkpoint (" +
                          error.message() + "); is the directory writable?");
   }
-  // Old checkpoints past `keep`, and what killed saves left.
-  const auto complete = CompleteCheckpoints(options.dir);
-  for (size_t i = static_cast<size_t>(std::max(options.keep, 1)); i < complete.size(); ++i) {
-    fs::remove_all(complete[i].second, error);
-  }
-  for (const auto& entry : fs::directory_iterator(options.dir, error)) {
-    if (StepOfName(entry.path().filename().string(), kPartialPrefix)) {
-      fs::remove_all(entry.path(), error);
-    }
-  }
   return Status::Ok();
 }
 
-Status Save(const CheckpointOptions& options, TrainingState& state, int64_t step) {
-  const auto start = std::chrono::steady_clock::now();
-  Communicator* comm = state.comm();
-  const int rank = comm->rank(), world = comm->world_size();
-  const fs::path partial = fs::path(options.dir) / (kPartialPrefix + std::to_string(step));
-  // A killed save of this step may have left files: rank 0 clears them before anyone writes.
+// Rank 0, after a publish: the complete checkpoints past `keep` and what killed saves left,
+// except the partial directory of the save in flight (`writing`, when one is). Unlinking a
+// checkpoint's files (tens of MiB just written) takes longer than the publish itself, so a
+// background saver does it on its writer thread.
+void Prune(const std::string& dir, int keep, std::optional<int64_t> writing) {
   std::error_code error;
-  if (rank == 0) fs::remove_all(partial, error);
-  DC_RETURN_IF_ERROR(AllOk(comm, true).status());
-  fs::create_directories(partial, error);
-  const std::string path = (partial / ShardFileName(rank, world)).string();
-  RankFile mine;
-  Status wrote = error ? Status::Error(partial.string() + ": cannot create (" + error.message() +
-                                       "); is --save writable?")
-                       : WriteRankFile(state, path, step);
-  if (wrote.ok()) {
-    StatusOr<std::string> sha = Sha256OfFile(path);
-    mine.ok = sha.ok();
-    mine.bytes = mine.ok ? static_cast<int64_t>(fs::file_size(path, error)) : 0;
-    if (sha.ok()) mine.sha256 = *sha;
-    if (!sha.ok()) wrote = sha.status();
+  const auto complete = CompleteCheckpoints(dir);
+  for (size_t i = static_cast<size_t>(std::max(keep, 1)); i < complete.size(); ++i) {
+    fs::remove_all(complete[i].second, error);
   }
-  DC_ASSIGN_OR_RETURN(const std::vector<RankFile> files, Exchange(comm, mine));
-  if (!wrote.ok())
-    return wrote.Prefixed("saving the checkpoint of step " + std::to_string(step) + ": ");
-  for (int r = 0; r < world; ++r) {
-    if (!files[r].ok) {
-      return Status::Error("saving the checkpoint of step " + std::to_string(step) + ": rank " +
-                           std::to_string(r) + " could not write its shard (see its error)");
-    }
+  for (const auto& entry : fs::directory_iterator(dir, error)) {
+    const std::optional<int64_t> step =
+        StepOfName(entry.path().filename().string(), kPartialPrefix);
+    if (step && step != writing) fs::remove_all(entry.path(), error);
   }
-  const Status published =
-      rank == 0 ? Publish(options, state.program(), world, step, partial, files) : Status::Ok();
-  DC_ASSIGN_OR_RETURN(const bool all, AllOk(comm, published.ok()));
-  if (!published.ok()) return published;
-  if (!all) {
-    return Status::Error("rank 0 could not publish the checkpoint of step " + std::to_string(step));
-  }
-  if (rank == 0 && options.on_saved) {
-    int64_t bytes = 0;
-    for (const RankFile& f : files) bytes += f.bytes;
-    options.on_saved(
-        step, (fs::path(options.dir) / CheckpointDirName(step)).string(), bytes,
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
-  return Status::Ok();
 }
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// One rank's checkpoint saving over a run (AttachCheckpointSaver).
+class Saver {
+ public:
+  explicit Saver(CheckpointOptions options) : options_(std::move(options)) {}
+
+  Status AfterStep(TrainingState& state) {
+    const int64_t step = state.steps_done();
+    const bool due = step == options_.final_step ||
+                     (options_.every_steps > 0 && step % options_.every_steps == 0);
+    if (in_flight_ && !due) {
+      // Published as soon as every rank's writer is done, not at the next save point: a run
+      // killed before that still has this checkpoint.
+      const auto start = std::chrono::steady_clock::now();
+      double busy = written_ || writer_->Done() ? 0.0 : 1.0;
+      DC_RETURN_IF_ERROR(state.comm()->AllReduceSum(&busy, 1));
+      in_flight_->blocking_seconds += SecondsSince(start);
+      return busy == 0.0 ? Finish(state) : Status::Ok();
+    }
+    if (!due) return Status::Ok();
+    if (in_flight_) DC_RETURN_IF_ERROR(Finish(state));
+    DC_RETURN_IF_ERROR(Begin(state, step));
+    return options_.background ? Status::Ok() : Finish(state);
+  }
+
+  Status AtEnd(TrainingState& state, bool run_failed) {
+    Status finished = Status::Ok();
+    if (in_flight_ && run_failed) {
+      if (!written_) (void)writer_->Wait();
+      in_flight_.reset();
+      written_.reset();
+    } else if (in_flight_) {
+      finished = Finish(state);
+    }
+    if (finished.ok() && !run_failed && prune_due_) Prune(options_.dir, options_.keep, {});
+    prune_due_ = false;
+    snapshot_.host.reset();  // while the device that made it is there (pinned on cuda)
+    return finished;
+  }
+
+ private:
+  struct InFlight {
+    int64_t step = 0;
+    fs::path partial;
+    std::chrono::steady_clock::time_point start;
+    double blocking_seconds = 0;
+  };
+
+  // Step `step`'s save: its partial directory, then the rank's file written here
+  // (!background) or the state's snapshot handed to the writer.
+  Status Begin(TrainingState& state, int64_t step) {
+    const auto start = std::chrono::steady_clock::now();
+    Communicator* comm = state.comm();
+    const int rank = comm->rank(), world = comm->world_size();
+    const fs::path partial = fs::path(options_.dir) / (kPartialPrefix + std::to_string(step));
+    // A killed save of this step may have left files: rank 0 clears them before anyone writes.
+    std::error_code error;
+    if (rank == 0) fs::remove_all(partial, error);
+    DC_RETURN_IF_ERROR(AllOk(comm, true).status());
+    fs::create_directories(partial, error);
+    const std::string path = (partial / ShardFileName(rank, world)).string();
+    in_flight_ = InFlight{step, partial, start, 0};
+    const std::vector<ShardEntry> entries = ShardEntries(state.program(), world);
+    if (error) {
+      written_ = Written{Status::Error(partial.string() + ": cannot create (" + error.message() +
+                                       "); is --save writable?"),
+                         0};
+    } else if (!options_.background) {
+      // Read when the writer reaches it: one shard in host memory at a time.
+      const ShardReader read = [&](size_t i, char* out, int64_t bytes) -> Status {
+        DC_ASSIGN_OR_RETURN(const std::vector<float> shard, state.ReadShard(entries[i].tensor));
+        if (static_cast<int64_t>(shard.size() * sizeof(float)) != bytes) {
+          return Status::Error("its shard has " + std::to_string(shard.size()) +
+                               " elements, not the expected " +
+                               std::to_string(bytes / sizeof(float)));
+        }
+        std::memcpy(out, shard.data(), static_cast<size_t>(bytes));
+        return Status::Ok();
+      };
+      const auto write_start = std::chrono::steady_clock::now();
+      written_ = Written{WriteRankFile(path, entries, read, rank, world, step, ""), 0};
+      written_->seconds = SecondsSince(write_start);
+    } else {
+      std::vector<int> tensors;
+      for (const ShardEntry& e : entries) tensors.push_back(e.tensor);
+      if (Status snapped = state.StartSnapshot(tensors, &snapshot_); !snapped.ok()) {
+        written_ = Written{snapped, 0};
+      } else {
+        if (writer_ == nullptr) writer_ = std::make_unique<WriterThread>();
+        const bool prune = prune_due_;
+        prune_due_ = false;
+        writer_->Start([this, path, entries, rank, world, step, prune] {
+          const auto write_start = std::chrono::steady_clock::now();
+          if (prune) Prune(options_.dir, options_.keep, step);
+          Written written;
+          const Status copied = snapshot_.wait();
+          const char* host =
+              static_cast<const char*>(copied.ok() ? snapshot_.host->data() : nullptr);
+          const ShardReader read = [&](size_t i, char* out, int64_t bytes) -> Status {
+            if (snapshot_.offsets_bytes[i + 1] - snapshot_.offsets_bytes[i] != bytes) {
+              return Status::Error("its snapshot is not the expected " + FormatBytes(bytes));
+            }
+            std::memcpy(out, host + snapshot_.offsets_bytes[i], static_cast<size_t>(bytes));
+            return Status::Ok();
+          };
+          written.file = copied.ok() ? WriteRankFile(path, entries, read, rank, world, step,
+                                                     options_.writer_gate_for_tests)
+                                     : StatusOr<RankFile>(copied);
+          written.seconds = SecondsSince(write_start);
+          return written;
+        });
+      }
+    }
+    in_flight_->blocking_seconds = SecondsSince(start);
+    return Status::Ok();
+  }
+
+  // The save in flight: waits for this rank's file, agrees with the other ranks, and rank 0
+  // publishes the checkpoint.
+  Status Finish(TrainingState& state) {
+    const auto start = std::chrono::steady_clock::now();
+    Written written = written_ ? std::move(*written_) : writer_->Wait();
+    written_.reset();
+    const InFlight saving = *in_flight_;
+    in_flight_.reset();
+    Communicator* comm = state.comm();
+    const int rank = comm->rank(), world = comm->world_size();
+    const std::string what = "saving the checkpoint of step " + std::to_string(saving.step) + ": ";
+    const RankFile mine = written.file.ok() ? *written.file : RankFile{};
+    DC_ASSIGN_OR_RETURN(const std::vector<RankFile> files, Exchange(comm, mine));
+    if (!written.file.ok()) {
+      return Status::Error(what + written.file.status().message() +
+                           "; the run stops here and the newest complete checkpoint in " +
+                           options_.dir + " is kept: make room, then --resume it");
+    }
+    for (int r = 0; r < world; ++r) {
+      if (!files[r].ok) {
+        return Status::Error(what + "rank " + std::to_string(r) +
+                             " could not write its shard (see its error)");
+      }
+    }
+    const Status published =
+        rank == 0 ? Publish(options_, state.program(), world, saving.step, saving.partial, files)
+                  : Status::Ok();
+    DC_ASSIGN_OR_RETURN(const bool all, AllOk(comm, published.ok()));
+    if (!published.ok()) return published;
+    if (!all) {
+      return Status::Error("rank 0 could not publish the checkpoint of step " +
+                           std::to_string(saving.step));
+    }
+    // Rank 0 prunes between steps when it writes between steps, else on its writer thread
+    // before the next save's file (or at the end).
+    if (rank == 0 && !options_.background) Prune(options_.dir, options_.keep, {});
+    prune_due_ = rank == 0 && options_.background;
+    if (rank == 0 && options_.on_saved) {
+      SavedCheckpoint saved;
+      saved.step = saving.step;
+      saved.path = (fs::path(options_.dir) / CheckpointDirName(saving.step)).string();
+      for (const RankFile& f : files) saved.bytes += f.bytes;
+      saved.blocking_seconds = saving.blocking_seconds + SecondsSince(start);
+      saved.background_seconds = written.seconds;
+      saved.seconds = SecondsSince(saving.start);
+      options_.on_saved(saved);
+    }
+    return Status::Ok();
+  }
+
+  const CheckpointOptions options_;
+  std::optional<InFlight> in_flight_;
+  std::optional<Written> written_;  // the save in flight's file, when written here
+  bool prune_due_ = false;          // rank 0: a publish since the last Prune
+  ShardSnapshot snapshot_;
+  std::unique_ptr<WriterThread> writer_;  // after snapshot_: stops before it goes
+};
 
 // The checkpoint at `dir` (a step-N directory) against the program it would resume.
 Status CheckManifest(const json& m, const proto::Program& program, int world_size) {
@@ -340,12 +575,11 @@ Status PrepareCheckpointDir(const std::string& dir) {
   return Status::Ok();
 }
 
-std::function<Status(TrainingState&)> CheckpointSaver(CheckpointOptions options) {
-  return [options = std::move(options)](TrainingState& state) {
-    const int64_t step = state.steps_done();
-    const bool due =
-        step == options.final_step || (options.every_steps > 0 && step % options.every_steps == 0);
-    return due ? Save(options, state, step) : Status::Ok();
+void AttachCheckpointSaver(CheckpointOptions options, RunOptions* run) {
+  auto saver = std::make_shared<Saver>(std::move(options));
+  run->after_step = [saver](TrainingState& state) { return saver->AfterStep(state); };
+  run->at_end = [saver](TrainingState& state, bool run_failed) {
+    return saver->AtEnd(state, run_failed);
   };
 }
 

@@ -30,25 +30,51 @@
 
 namespace dc {
 
+// One published checkpoint, as rank 0 saw its save.
+struct SavedCheckpoint {
+  int64_t step = 0;
+  std::string path;   // DIR/step-N
+  int64_t bytes = 0;  // every rank's shard file
+  // Rank 0's training thread, blocked by this save: the snapshot, the waits for its writer (at
+  // the next save point or the end), the agreement and the publishing (the manifest and the
+  // rename).
+  double blocking_seconds = 0;
+  // Rank 0's writer: removing the checkpoints past `keep` that the last publish left, then
+  // serializing, writing, fsyncing and hashing its shard file, while training went on (with
+  // `background` false, the file's write on the training thread, inside blocking_seconds).
+  double background_seconds = 0;
+  double seconds = 0;  // from the snapshot to the publishing
+};
+
 struct CheckpointOptions {
   std::string dir;
   int64_t every_steps = 0;  // also every this many steps; 0: only at `final_step`
   int64_t final_step = 0;   // the run's last step count: always saved
   int keep = 2;             // complete checkpoints kept, newest first
   std::string plan_digest;  // recorded in the manifest, for people
-  // On rank 0 after each published checkpoint: its step, directory, the bytes of its shard
-  // files and the save's wall seconds (every rank's write, the agreement and the publish).
-  std::function<void(int64_t step, const std::string& path, int64_t bytes, double seconds)>
-      on_saved;
+  // true: a save point only copies the rank's state into host memory (kept from one save to the
+  // next: the size of the rank's shards) and a writer thread writes the file while the next
+  // steps train. false: the file is written between steps, shard by shard, with no host copy of
+  // the state (for a host without the memory for one).
+  bool background = true;
+  // Tests: the background writer waits, after writing a shard file's header, until this file
+  // exists (a save provably in flight). Empty: it never waits.
+  std::string writer_gate_for_tests;
+  // On rank 0 after each published checkpoint.
+  std::function<void(const SavedCheckpoint&)> on_saved;
 };
 
 // Creates `dir` if needed and checks that files can be written in it, before a run starts.
 Status PrepareCheckpointDir(const std::string& dir);
 
-// The RunOptions::after_step hook that saves checkpoints as `options` asks. Every rank calls
-// it; the ranks agree on success, so either every rank goes on or every rank stops with the
-// error.
-std::function<Status(TrainingState&)> CheckpointSaver(CheckpointOptions options);
+// Sets `run`'s after_step and at_end to save checkpoints as `options` asks (every rank). A save
+// point (every `every_steps` steps and the last step) snapshots the rank's state and hands it
+// to the rank's writer thread; at most one save is in flight per rank: the next save point, a
+// stop or the end of the run waits for it first. Once every rank's writer is done (asked once a
+// step while a save is in flight: one number summed over the ranks), the ranks agree on the
+// outcome on the training thread and rank 0 publishes the checkpoint; so either every rank goes
+// on or every rank stops with the error, at the step after the writer failed at the latest.
+void AttachCheckpointSaver(CheckpointOptions options, RunOptions* run);
 
 // A complete checkpoint, open for resuming.
 class Checkpoint {

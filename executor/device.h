@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -96,6 +97,21 @@ class RankDevice {
   // `to` = `from` elementwise in `to`'s dtype (same element count).
   virtual Status Cast(const DeviceTensor& from, const DeviceTensor& to, proto::Stream stream,
                       const std::string& what) = 0;
+
+  // Checkpoint snapshots (TrainingState::StartSnapshot), between steps. SnapshotToHost copies
+  // `bytes` of a persistent shard into `host` (AllocateHost's memory) after all the work issued
+  // so far; a device that can copies asynchronously (cuda: on the d2h stream, after an event on
+  // the compute stream), so neither the host nor the compute stream waits for it. EndSnapshot,
+  // after a snapshot's last copy, gives a function that blocks, on any thread, until every copy
+  // is in host memory (and says if one failed); it may be called until the next snapshot
+  // begins. WaitForSnapshot orders the next work on `stream` after the last snapshot's copies:
+  // the interpreter calls it before the next step writes or frees a persistent shard (the
+  // optimizer's in-place update, an offload). The cpu device's copies are done when
+  // SnapshotToHost returns.
+  virtual Status SnapshotToHost(void* host, const void* device, int64_t bytes,
+                                const std::string& what) = 0;
+  virtual StatusOr<std::function<Status()>> EndSnapshot(const std::string& what) = 0;
+  virtual Status WaitForSnapshot(proto::Stream stream, const std::string& what) = 0;
 
   // Grouped collectives over the ranks, one call for all items.
   virtual Status AllGather(std::span<const GatherItem> items, proto::Stream stream,

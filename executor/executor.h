@@ -12,11 +12,25 @@
 #include <vector>
 
 #include "executor/comm.h"
+#include "executor/device.h"
 #include "executor/tracer.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 
 namespace dc {
+
+// This rank's shards of some persistent tensors in host memory (pinned on cuda), as
+// TrainingState::StartSnapshot copies them: tensor tensors[i]'s shard at bytes
+// [offsets_bytes[i], offsets_bytes[i + 1]) of `host`. A checkpoint saver keeps one and its memory
+// from one snapshot to the next.
+struct ShardSnapshot {
+  std::vector<int> tensors;
+  std::vector<int64_t> offsets_bytes;  // tensors.size() + 1
+  std::unique_ptr<HostBuffer> host;
+  // Blocks, on any thread, until every copy is in `host`; the copies' error if one failed.
+  // Valid until the next StartSnapshot.
+  std::function<Status()> wait;
+};
 
 // One rank's training state between two steps, as checkpoints and exports read it: the fp32
 // shard of each persistent tensor (param master, Adam m and v; grads are empty between steps),
@@ -32,6 +46,12 @@ class TrainingState {
   virtual int64_t steps_done() const = 0;
   // This rank's shard of persistent tensor `tensor` (by id), S elements.
   virtual StatusOr<std::vector<float>> ReadShard(int tensor) = 0;
+  // Starts copying this rank's shard of each persistent tensor in `tensors` (by id) into
+  // `snapshot` (its host memory allocated here the first time, or when the size changes, and
+  // reused after). Returns once the copies are issued: where the device copies asynchronously
+  // (cuda: the d2h stream) they overlap the next step, whose writes of the shards wait for
+  // them; snapshot->wait() waits for them. The previous snapshot's wait() must have returned.
+  virtual Status StartSnapshot(const std::vector<int>& tensors, ShardSnapshot* snapshot) = 0;
 };
 
 // Held-out evaluation (dc-run --eval-data): after every `every_steps`-th optimizer step (counted
@@ -76,6 +96,13 @@ struct RunOptions {
   // once with the start-up state when the run has no steps; an error stops the run.
   // Checkpoints are written here.
   std::function<Status(TrainingState& state)> after_step;
+  // Called on every rank once after the run's last step (or the step a stop signal ended it
+  // after, or at start-up in a run of no steps), after after_step, with `run_failed` false: what
+  // after_step left running finishes here (a checkpoint's background write, its agreement and
+  // its publishing); an error fails the run. When the run fails (here or before), called again
+  // with `run_failed` true before the device goes away: stop what after_step started, without
+  // the other ranks (the error is the run's already).
+  std::function<Status(TrainingState& state, bool run_failed)> at_end;
   // Called on every rank in the run's first step with each grad's reduced fp32 shard (the
   // gradient of the step's mean loss over the global batch, this rank's chunk), just before
   // the optimizer reads it: what parity tests compare with another framework's gradients.

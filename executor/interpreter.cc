@@ -102,6 +102,7 @@ class Interpreter : public TrainingState {
   Communicator* comm() override { return comm_; }
   int64_t steps_done() const override { return steps_done_; }
   StatusOr<std::vector<float>> ReadShard(int tensor) override;
+  Status StartSnapshot(const std::vector<int>& tensors, ShardSnapshot* snapshot) override;
 
  private:
   struct PendingMemoryEvent {  // of the instruction being issued
@@ -154,6 +155,9 @@ class Interpreter : public TrainingState {
   // synchronous copy to the device.
   Status RefreshComputeShardFromHost(int param, const std::string& what);
 
+  // In the step after a snapshot, before the first write or free of a persistent shard on
+  // `stream`: the stream waits for the snapshot's copies (RankDevice::WaitForSnapshot).
+  Status AfterSnapshot(proto::Stream stream, const std::string& what);
   Status Execute(int index, int64_t step);
   Status Dispatch(const proto::Instruction& instr, int index, int64_t step);
   Status Compute(const proto::Instruction& instr, int index, int64_t step);
@@ -212,6 +216,9 @@ class Interpreter : public TrainingState {
   std::vector<char> is_loss_term_;  // by tensor id: the cross-entropy and the MoE aux losses
   int64_t steps_done_;
   OpArgs step_args_;  // ArgsFor the step being run
+  // A snapshot was taken after the last step: the streams that already wait for its copies.
+  bool snapshot_pending_ = false;
+  std::set<proto::Stream> snapshot_waited_;
 
   // Evaluation (RunOptions::eval): the held-out tokens, the plan's forward prefix, and while a
   // pass runs, which held-out micro-batch LoadInput reads (else the training data's).
@@ -591,7 +598,10 @@ Status Interpreter::Compute(const proto::Instruction& instr, int index, int64_t 
     outputs.push_back(buffer->View({t.shape().begin(), t.shape().end()}));
   }
   // Each grad once, by its step (the grads' norm reads them all too).
-  if (IsOptimizerStep(program_, op)) DC_RETURN_IF_ERROR(HandOverGrads(op, stream, step, what));
+  if (IsOptimizerStep(program_, op)) {
+    DC_RETURN_IF_ERROR(HandOverGrads(op, stream, step, what));
+    DC_RETURN_IF_ERROR(AfterSnapshot(stream, what));  // the step updates the shards in place
+  }
   DC_RETURN_IF_ERROR(device_->RunOp(op, inputs, outputs, step_args_).Prefixed(what + ": "));
   if (optimizer) {
     for (int tensor : op.inputs()) {
@@ -769,6 +779,8 @@ Status Interpreter::Offload(const proto::Instruction& instr, int index) {
     DC_RETURN_IF_ERROR(device_->CopyToHost(host->second->data(), shard->data,
                                            shard->storage_bytes(), instr.stream(),
                                            what + ": " + t.name()));
+    // The shard's bytes may go to another buffer once it is freed.
+    DC_RETURN_IF_ERROR(AfterSnapshot(instr.stream(), what));
     DC_RETURN_IF_ERROR(Release(BufferKey::Persistent(tensor), instr.stream(), what));
     offloaded_.insert(tensor);
   }
@@ -890,6 +902,9 @@ Status Interpreter::RunStep(int64_t step, bool warmup, double* loss, double* sec
                                      what + ": zeroing " + program_.tensors(key.tensor).name()));
   }
   DC_ASSIGN_OR_RETURN(double sum, device_->FinishStep(static_cast<int>(step)));
+  // The step's end joined every stream, the snapshot's copies included.
+  snapshot_pending_ = false;
+  snapshot_waited_.clear();
   DC_RETURN_IF_ERROR(comm_->AllReduceSum(&sum, 1));
   *loss = sum / static_cast<double>(TokensPerStep(program_.config(), world_));
   *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
@@ -982,6 +997,53 @@ StatusOr<std::vector<float>> Interpreter::ReadShard(int tensor) {
   return values;
 }
 
+Status Interpreter::StartSnapshot(const std::vector<int>& tensors, ShardSnapshot* snapshot) {
+  const std::string what =
+      Who() + ": the checkpoint's snapshot after step " + std::to_string(steps_done_);
+  snapshot->tensors = tensors;
+  snapshot->offsets_bytes.assign(1, 0);
+  for (int tensor : tensors) {
+    if (tensor < 0 || tensor >= program_.tensors_size() ||
+        !IsPersistentRole(program_.tensors(tensor).role())) {
+      return Status::Error(what + ": tensor " + std::to_string(tensor) +
+                           " is not a persistent tensor (a dc bug)");
+    }
+    snapshot->offsets_bytes.push_back(snapshot->offsets_bytes.back() +
+                                      ShardOf(tensor) * static_cast<int64_t>(sizeof(float)));
+  }
+  const int64_t total_bytes = snapshot->offsets_bytes.back();
+  if (snapshot->host == nullptr || snapshot->host->size_bytes() != total_bytes) {
+    snapshot->host.reset();
+    DC_ASSIGN_OR_RETURN(snapshot->host, device_->AllocateHost(total_bytes, what));
+  }
+  char* host = static_cast<char*>(snapshot->host->data());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const int tensor = tensors[i];
+    const proto::Tensor& t = program_.tensors(tensor);
+    char* to = host + snapshot->offsets_bytes[i];
+    const int64_t bytes = snapshot->offsets_bytes[i + 1] - snapshot->offsets_bytes[i];
+    if (layout_.host_resident[tensor]) {
+      std::memcpy(to, host_shards_.at(tensor)->data(), static_cast<size_t>(bytes));
+      continue;
+    }
+    const Buffer* shard = Shard(tensor);
+    if (shard == nullptr || shard->storage_bytes() != bytes) {
+      return Status::Error(what + ": " + t.name() +
+                           " has no fp32 shard on the device between steps");
+    }
+    DC_RETURN_IF_ERROR(device_->SnapshotToHost(to, shard->data, bytes, what + ": " + t.name()));
+  }
+  DC_ASSIGN_OR_RETURN(snapshot->wait, device_->EndSnapshot(what));
+  snapshot_pending_ = true;
+  snapshot_waited_.clear();
+  return Status::Ok();
+}
+
+Status Interpreter::AfterSnapshot(proto::Stream stream, const std::string& what) {
+  if (!snapshot_pending_ || !snapshot_waited_.insert(stream).second) return Status::Ok();
+  return device_->WaitForSnapshot(stream, what);
+}
+
 StatusOr<std::string> Interpreter::ParamsDigest() {
   std::string bytes;
   for (const auto& t : program_.tensors()) {
@@ -1051,6 +1113,7 @@ StatusOr<RunResult> RunSteps(Interpreter* runner, const proto::Schedule& schedul
       }
     }
   }
+  if (options.at_end) DC_RETURN_IF_ERROR(options.at_end(*runner, /*run_failed=*/false));
   double peaks[2] = {static_cast<double>(runner->peak_live_bytes()),
                      static_cast<double>(runner->arena_bytes())};
   DC_RETURN_IF_ERROR(comm->AllReduceMax(peaks, 2));
@@ -1098,6 +1161,7 @@ StatusOr<RunResult> Interpret(const proto::Schedule& schedule, const RunOptions&
   if (result.ok()) result->startup_seconds = startup_seconds;
   // Before the runner's destructor waits for the device.
   if (!result.ok()) device->Abort();
+  if (!result.ok() && options.at_end) (void)options.at_end(runner, /*run_failed=*/true);
   return result;
 }
 

@@ -198,6 +198,177 @@ TEST_F(Checkpoints, WhatCannotBeResumedIsRefusedInOneLine) {
   EXPECT_NE(damaged.err.find("SHA-256"), std::string::npos) << damaged.err;
 }
 
+// Background saving (the default) and --save-blocking write the same checkpoints, byte for
+// byte: from shards on the device (baseline) and from host-resident ones (ZeRO-3 offload).
+TEST_F(Checkpoints, BackgroundAndBlockingSavesWriteTheSameBytes) {
+  const auto bytes = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  for (const std::string plan : {"two", "two-offload"}) {
+    const std::string background = dir_ + "/background-" + plan,
+                      blocking = dir_ + "/blocking-" + plan;
+    const auto overlapped = Run(plan, "--steps 3 --save " + background + " --save-every 1");
+    const auto between =
+        Run(plan, "--steps 3 --save " + blocking + " --save-every 1 --save-blocking");
+    EXPECT_EQ(overlapped["losses"], between["losses"]) << plan;
+    EXPECT_EQ(overlapped["params_digest"], between["params_digest"]) << plan;
+    ASSERT_EQ(overlapped["saves"].size(), 3u) << plan;
+    for (const auto& save : overlapped["saves"]) {
+      EXPECT_GE(save["blocking_seconds"].get<double>(), 0.0) << plan;
+      EXPECT_GT(save["background_seconds"].get<double>(), 0.0) << plan;
+    }
+    ASSERT_EQ(Entries(background), Entries(blocking)) << plan;
+    for (const std::string step : {"/step-00000002", "/step-00000003"}) {
+      ASSERT_EQ(Entries(background + step), Entries(blocking + step)) << plan;
+      for (const std::string& file : Entries(background + step)) {
+        const std::string a = bytes(background + step + "/" + file);
+        ASSERT_GT(a.size(), 100u) << plan << ": " << file;
+        EXPECT_EQ(a, bytes(blocking + step + "/" + file)) << plan << ": " << step << "/" << file;
+      }
+    }
+  }
+}
+
+// Runs dc-run in the background with its writers held half-way until `gate` exists; its stdout
+// and stderr go to `out`, its exit code to `out`.rc when it ends. Returns its pid.
+int StartGated(const std::string& command, const std::string& gate, const std::string& out) {
+  const std::string pid_file = out + ".pid";
+  auto started = RunCommand("((env DC_TEST_CHECKPOINT_GATE=" + gate + " " + command + " > " + out +
+                            " 2>&1 & echo $! > " + pid_file + ".new; mv " + pid_file + ".new " +
+                            pid_file + "; wait $!; echo $? > " + out + ".rc) > /dev/null 2>&1 &)");
+  EXPECT_EQ(started.exit_code, 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline && !fs::exists(pid_file)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::ifstream pid_in(pid_file);
+  int pid = 0;
+  pid_in >> pid;
+  return pid;
+}
+
+std::string Contents(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Waits (up to a minute) until `path` holds `text`.
+bool WaitForText(const std::string& path, const std::string& text) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (Contents(path).find(text) != std::string::npos) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+// The steps after a save point train while the save is written: with the writers held
+// half-way, steps 3 and 4 finish before the checkpoint of step 2 can exist.
+TEST_F(Checkpoints, StepsTrainWhileASaveIsWritten) {
+  const std::string save = dir_ + "/overlap", gate = dir_ + "/overlap-gate",
+                    out = dir_ + "/overlap.out";
+  StartGated(Tool("dc-run") + " " + Plan("two") + " --steps 4 --save " + save + " --save-every 2",
+             gate, out);
+  ASSERT_TRUE(WaitForText(out, "step   4  loss")) << Contents(out);
+  EXPECT_FALSE(fs::exists(save + "/step-00000002")) << Contents(out);
+  EXPECT_EQ(Contents(out).find("saved"), std::string::npos) << Contents(out);
+  std::ofstream(gate) << "open";
+  ASSERT_TRUE(WaitForText(out + ".rc", "\n")) << Contents(out);
+  EXPECT_EQ(Contents(out + ".rc"), "0\n") << Contents(out);
+  const std::string text = Contents(out);
+  const size_t saved = text.find("saved " + save + "/step-00000002");
+  ASSERT_NE(saved, std::string::npos) << text;
+  EXPECT_LT(text.find("step   4  loss"), saved) << text;
+  EXPECT_EQ(Entries(save), (std::vector<std::string>{"step-00000002", "step-00000004"}));
+  const auto resumed = Run("two", "--steps 6 --resume " + save);
+  EXPECT_EQ(resumed["first_step"], 4);
+  EXPECT_EQ(resumed["losses"].get<std::vector<double>>(), FullLossesFrom(4));
+  EXPECT_EQ(resumed["params_digest"], (*full_)["params_digest"]);
+}
+
+// kill -9 while a background write is half-way (the gate never opens): the checkpoint before it
+// resumes, and the next save clears the partial one.
+TEST_F(Checkpoints, AKillDuringABackgroundWriteLeavesThePreviousCheckpoint) {
+  const std::string save = dir_ + "/killed-writing", out = dir_ + "/killed-writing.out";
+  Run("two", "--steps 2 --save " + save);
+  const int pid = StartGated(Tool("dc-run") + " " + Plan("two") + " --steps 100000 --resume " +
+                                 save + " --save " + save + " --save-every 1",
+                             dir_ + "/never-opened", out);
+  ASSERT_GT(pid, 0);
+  // Step 3's save is in flight, its files half-written, and step 4 trained meanwhile.
+  ASSERT_TRUE(WaitForText(out, "step   4  loss")) << Contents(out);
+  const std::string partial = save + "/.partial-step-3";
+  ASSERT_TRUE(fs::exists(partial)) << Contents(out);
+  // Both ranks' files are open, their headers written (the writers wait after them).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline && Entries(partial).size() < 2) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_EQ(Entries(partial).size(), 2u);
+  for (const std::string& name : Entries(partial)) {
+    EXPECT_NE(name.find(".safetensors.tmp"), std::string::npos) << name;
+    EXPECT_GT(fs::file_size(partial + "/" + name), 0u) << name;
+  }
+  // The launcher dies, and its ranks with it (PR_SET_PDEATHSIG).
+  ASSERT_EQ(::kill(pid, SIGKILL), 0);
+  RunCommand("while kill -0 " + std::to_string(pid) + " 2>/dev/null; do sleep 0.01; done");
+  EXPECT_EQ(Entries(save), (std::vector<std::string>{".partial-step-3", "step-00000002"}));
+  const auto resumed = Run("two", "--steps 6 --resume " + save + " --save " + save);
+  EXPECT_EQ(resumed["first_step"], 2);
+  EXPECT_EQ(resumed["losses"].get<std::vector<double>>(), FullLossesFrom(2));
+  EXPECT_EQ(resumed["params_digest"], (*full_)["params_digest"]);
+  EXPECT_EQ(Entries(save), (std::vector<std::string>{"step-00000002", "step-00000006"}));
+}
+
+// A run asked to stop (SIGTERM; a traced run stops after its step) while a save is in flight
+// waits for it and publishes it before it ends.
+TEST_F(Checkpoints, AStoppedRunPublishesTheSaveInFlight) {
+  const std::string save = dir_ + "/stopped", gate = dir_ + "/stopped-gate",
+                    out = dir_ + "/stopped.out";
+  const int pid = StartGated(Tool("dc-run") + " " + Plan("one") + " --steps 100000 --save " + save +
+                                 " --save-every 10 --trace " + dir_ + "/stopped.db",
+                             gate, out);
+  ASSERT_GT(pid, 0);
+  // The save of step 10 is held half-way; steps 11 to 19 train meanwhile.
+  ASSERT_TRUE(WaitForText(out, "step  11  loss")) << Contents(out);
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  // The run stops after its step and waits for the writer; then the writer may finish.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  std::ofstream(gate) << "open";
+  ASSERT_TRUE(WaitForText(out + ".rc", "\n")) << Contents(out);
+  EXPECT_EQ(Contents(out + ".rc"), std::to_string(128 + SIGTERM) + "\n") << Contents(out);
+  EXPECT_NE(Contents(out).find("saved " + save + "/step-00000010"), std::string::npos)
+      << Contents(out);
+  EXPECT_EQ(Entries(save), (std::vector<std::string>{"step-00000010"})) << Contents(out);
+  EXPECT_EQ(Entries(save + "/step-00000010"),
+            (std::vector<std::string>{"manifest.json", "rank-00000-of-00001.safetensors"}));
+}
+
+// A writer's error (here a file size limit, as a full disk) stops the run at the next step
+// with one line naming the file; no checkpoint of that step appears.
+TEST_F(Checkpoints, AWriterErrorStopsTheRunInOneLine) {
+  // Far below a shard file of tiny (hundreds of KiB), far above anything else a run writes.
+  const int limit_kib = 4;
+  for (const std::string plan : {"one", "two"}) {
+    const std::string save = dir_ + "/too-large-" + plan;
+    auto r = RunCommand("bash -c 'ulimit -f " + std::to_string(limit_kib) + " && exec " +
+                        Tool("dc-run") + " " + Plan(plan) + " --steps 4 --save " + save +
+                        " --save-every 1 --quiet'");
+    EXPECT_EQ(r.exit_code, 1) << plan << ": " << r.out << r.err;
+    // On two ranks, the launcher names the first rank that failed.
+    EXPECT_NE(r.err.find("saving the checkpoint of step 1: " + save + "/.partial-step-1/rank-0000"),
+              std::string::npos)
+        << plan << ": " << r.err;
+    EXPECT_NE(r.err.find(".safetensors: write failed (File too large)"), std::string::npos)
+        << plan << ": " << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << plan << ": " << r.err;
+    for (const auto& name : Entries(save)) {
+      EXPECT_NE(name.rfind("step-", 0), 0u) << plan << ": " << name << " should not exist";
+    }
+  }
+}
+
 TEST(TokenFile, ThePlanRecordsItAndAChangedFileIsRefused) {
   const std::string dir = FreshDir("token-file");
   auto write_tokens = [](const std::string& path, uint16_t salt) {

@@ -1,6 +1,8 @@
 // dc-run: train by a plan with the lean executor.
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -31,7 +33,7 @@ int main(int argc, char** argv) {
   int steps = 20, warmup = 0, nproc = 0, timeout_s = 60, save_every = 0, keep = 2;
   EvalOptions eval;
   int64_t device_memory = 0;
-  bool json = false, quiet = false;
+  bool json = false, quiet = false, save_blocking = false;
   app.add_option("plan", plan_path, "plan file written by dc-plan")
       ->required()
       ->check(cli::NonEmptyPath());
@@ -64,10 +66,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--save", save_dir,
                  "write checkpoints (params and Adam states, each rank its shard) into this "
-                 "directory: at the end, and every --save-every steps");
+                 "directory: at the end, and every --save-every steps. A save copies the rank's "
+                 "state into host memory (the size of its shards, kept for the run) and writes "
+                 "it in the background while the next steps train; the checkpoint appears once "
+                 "every rank's file is written (a next save or the end waits for it)");
   app.add_option("--save-every", save_every, "also save every this many steps (0: at the end only)")
       ->check(CLI::Range(0, 100000000))
       ->capture_default_str();
+  app.add_flag("--save-blocking", save_blocking,
+               "write each checkpoint between steps instead, shard by shard, with no host copy "
+               "of the state (for a host without the memory for one)");
   app.add_option("--keep", keep, "complete checkpoints to keep in --save, newest first")
       ->check(CLI::Range(1, 1000000))
       ->capture_default_str();
@@ -120,6 +128,10 @@ int main(int argc, char** argv) {
     return cli::Fail("dc-run", Status::Error("--resume " + resume_dir + " and --init-from " +
                                              weights.init_from_dir +
                                              " both give the starting weights; use one"));
+  }
+  if (save_blocking && save_dir.empty()) {
+    return cli::Fail("dc-run", Status::Error("--save-blocking needs --save DIR, the directory to "
+                                             "save into"));
   }
   if (save_every > 0 && save_dir.empty()) {
     return cli::Fail("dc-run", Status::Error("--save-every " + std::to_string(save_every) +
@@ -231,6 +243,9 @@ int main(int argc, char** argv) {
       return LaunchLocal(launch, cli::Args(argc, argv));
     }
   }
+  // A file size limit (ulimit -f) fails a checkpoint's write with an error naming the file,
+  // instead of killing the rank.
+  std::signal(SIGXFSZ, SIG_IGN);
   auto rank_backend = MakeBackend(*chosen);
   if (!rank_backend.ok()) return cli::Fail("dc-run", rank_backend.status());
   SessionOptions session;
@@ -244,15 +259,25 @@ int main(int argc, char** argv) {
     saving.final_step = total_steps;
     saving.keep = keep;
     saving.plan_digest = DigestOf(*plan);
-    saving.on_saved = [&, quiet_saves = json || quiet](int64_t step, const std::string& path,
-                                                       int64_t bytes, double seconds) {
-      saves.push_back({{"step", step}, {"path", path}, {"bytes", bytes}, {"seconds", seconds}});
+    saving.background = !save_blocking;
+    // Tests: hold every background write half-way until this file exists.
+    if (const char* gate = std::getenv("DC_TEST_CHECKPOINT_GATE")) {
+      saving.writer_gate_for_tests = gate;
+    }
+    saving.on_saved = [&, quiet_saves = json || quiet](const SavedCheckpoint& saved) {
+      saves.push_back({{"step", saved.step},
+                       {"path", saved.path},
+                       {"bytes", saved.bytes},
+                       {"seconds", saved.seconds},
+                       {"blocking_seconds", saved.blocking_seconds},
+                       {"background_seconds", saved.background_seconds}});
       if (!quiet_saves) {
-        std::printf("saved %s: %s in %.3f s\n", path.c_str(), FormatBytes(bytes).c_str(), seconds);
+        std::printf("saved %s: %s in %.3f s (%.3f s of it blocking training)\n", saved.path.c_str(),
+                    FormatBytes(saved.bytes).c_str(), saved.seconds, saved.blocking_seconds);
         std::fflush(stdout);
       }
     };
-    session.run.after_step = CheckpointSaver(saving);
+    AttachCheckpointSaver(saving, &session.run);
   }
   session.run.eval = eval;
   if (!json) {  // --quiet too: an evaluation is a result, not progress

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -119,6 +120,38 @@ class CudaDevice : public RankDevice {
   Status Cast(const DeviceTensor& from, const DeviceTensor& to, proto::Stream stream,
               const std::string& what) override {
     return CudaCast(from, to, StreamOf(stream)).Prefixed(what + ": ");
+  }
+
+  // A snapshot's copies run on the d2h stream into pinned memory, after an event on the compute
+  // stream (the step's optimizer); the host and the compute stream go on.
+  Status SnapshotToHost(void* host, const void* device, int64_t bytes,
+                        const std::string& what) override {
+    const cudaStream_t d2h = StreamOf(proto::STREAM_D2H);
+    if (!snapshot_open_) {
+      DC_RETURN_IF_ERROR(snapshot_start_.Record(compute_stream()).Prefixed(what + ": "));
+      DC_RETURN_IF_ERROR(snapshot_start_.MakeStreamWait(d2h).Prefixed(what + ": "));
+      snapshot_open_ = true;
+    }
+    return CopyAsync(host, device, bytes, d2h, what);
+  }
+  StatusOr<std::function<Status()>> EndSnapshot(const std::string& what) override {
+    DC_RETURN_IF_ERROR(snapshot_done_.Record(StreamOf(proto::STREAM_D2H)).Prefixed(what + ": "));
+    snapshot_open_ = false;
+    // The event is recorded again only when the next snapshot begins, after its saver has
+    // waited for this one. The waiting thread makes this rank's device its own first, or the
+    // runtime would open a context on device 0 for it.
+    DC_ASSIGN_OR_RETURN(const int ordinal, CurrentCudaDevice());
+    const CudaEvent* done = &snapshot_done_;
+    return std::function<Status()>([done, ordinal, what]() -> Status {
+      DC_RETURN_IF_ERROR(UseCudaDevice(ordinal).Prefixed(what + ": "));
+      return done->Synchronize().Prefixed(what + ": waiting for the copies: ");
+    });
+  }
+  Status WaitForSnapshot(proto::Stream stream, const std::string& what) override {
+    const Status waited = stream == proto::STREAM_HOST
+                              ? snapshot_done_.Synchronize()
+                              : snapshot_done_.MakeStreamWait(StreamOf(stream));
+    return waited.ok() ? waited : waited.Prefixed(what + ": waiting for the snapshot: ");
   }
 
   Status AllGather(std::span<const GatherItem> items, proto::Stream stream,
@@ -240,7 +273,10 @@ class CudaDevice : public RankDevice {
   DeviceBuffer kernel_scratch_;
   std::vector<CudaEvent> events_;  // by instruction; only where the layout records one
   std::array<CudaEvent, kNumDeviceStreams> stream_done_;  // joins the streams at a step's end
-  std::array<DeviceBuffer, kNumDeviceStreams> staging_;   // collective padding, by stream
+  CudaEvent snapshot_start_;  // on the compute stream: the d2h stream's snapshot copies wait
+  CudaEvent snapshot_done_;   // on the d2h stream after a snapshot's last copy
+  bool snapshot_open_ = false;
+  std::array<DeviceBuffer, kNumDeviceStreams> staging_;  // collective padding, by stream
   std::optional<DeviceArena> arena_;
   DeviceBuffer loss_sum_;  // fp32 [1]: the step's summed loss on the device
   PinnedHostBuffer loss_host_;
@@ -267,6 +303,11 @@ Status CudaDevice::Prepare(const proto::Schedule& schedule, const ScheduleLayout
     auto created = CudaEvent::Create();
     if (!created.ok()) return created.status().Prefixed("creating the step-end events: ");
     event = std::move(*created);
+  }
+  for (CudaEvent* event : {&snapshot_start_, &snapshot_done_}) {
+    auto created = CudaEvent::Create();
+    if (!created.ok()) return created.status().Prefixed("creating the snapshot events: ");
+    *event = std::move(*created);
   }
   for (int s = 0; s < kNumDeviceStreams; ++s) {
     DC_ASSIGN_OR_RETURN(staging_[s],
