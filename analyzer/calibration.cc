@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 
@@ -49,7 +50,8 @@ struct TraceFits {
   FitGroup ops, host_adam, coll, link, step;
   bool bf16 = false;
   std::set<int64_t> coll_sizes, link_sizes;
-  std::set<int> coll_ranks;  // world sizes of traces with collectives, on one node
+  std::set<int> coll_ranks;   // world sizes of traces with collectives, on one node
+  std::set<OpKind> op_kinds;  // the kinds of the ops measured
   bool inter = false, one_rank = false, overlap = false;
 };
 
@@ -95,6 +97,9 @@ Status AddTrace(const Trace& trace, TraceFits* fits) {
       return EstimateOp(*program, program->ops(id), hw, world).seconds;
     };
     fits->ops.observations.push_back(std::move(o));
+    if (const std::optional<OpKind> kind = FindOpKind(program->ops(id).kind())) {
+      fits->op_kinds.insert(*kind);
+    }
   }
   if (fits->ops.observations.size() > ops_before) AddInput(&fits->ops, path);
 
@@ -190,7 +195,16 @@ StatusOr<std::vector<FitGroup>> TraceGroups(const std::vector<const Trace*>& tra
       fits.ops.keys.push_back(k);
     }
     fits.ops.keys.push_back("kernel_launch_seconds");
+    // Then each kind's factor on that roofline, from the same ops: the rates above are what all
+    // kinds share, the factors what sets a kind's kernels apart (a fused attention, a loop that
+    // does not vectorise).
+    FitGroup by_kind;
+    by_kind.kind = "trace ops by kind";
+    by_kind.input = fits.ops.input;
+    by_kind.observations = fits.ops.observations;
+    for (OpKind kind : fits.op_kinds) by_kind.keys.push_back(OpTimeScaleKey(kind));
     groups.push_back(std::move(fits.ops));
+    groups.push_back(std::move(by_kind));
   }
   if (!fits.host_adam.observations.empty() && base.host_optimizer_elements_per_s > 0) {
     fits.host_adam.keys = {"host_optimizer_elements_per_s"};

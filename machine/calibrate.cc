@@ -116,7 +116,9 @@ Status FitOne(const std::string& key, const SearchRange& range, const FitGroup& 
 }
 
 Status CheckGroup(const FitGroup& group, const HardwareProfile& base) {
-  if (group.observations.empty()) {
+  // A group that fits nothing may only say what its input cannot determine (a one-rank trace's
+  // collectives are local copies): reported, not fitted.
+  if (group.observations.empty() && (!group.keys.empty() || group.undetermined.empty())) {
     return Status::Error(group.input + ": no measurements to fit (" + group.kind + ")");
   }
   for (const std::string& key : group.keys) {

@@ -13,13 +13,6 @@ namespace {
 // Persistent shards (params, grad accumulators, optimizer states) are fp32 (schemas/program.h).
 constexpr int64_t kShardElementBytes = 4;
 
-// How `kind` computes (schemas/op_kinds.h); a kind the table does not name counts as vector
-// math.
-OpMath MathOf(const std::string& kind) {
-  const std::optional<OpKind> known = FindOpKind(kind);
-  return known ? InfoOf(*known).math : OpMath::kVector;
-}
-
 double TensorCorePeak(const HardwareProfile& hw, proto::DType compute_dtype) {
   return compute_dtype == proto::DTYPE_F32 ? hw.peak_fp32_flops_per_s : hw.peak_bf16_flops_per_s;
 }
@@ -92,7 +85,8 @@ OpRoofline EstimateOp(const proto::Program& program, const proto::Op& op, const 
   OpRoofline r;
   const bool on_shards = op.phase() == proto::PHASE_OPTIMIZER;
   r.flops = on_shards ? op.flops() / world_size : op.flops();
-  const OpMath math = MathOf(op.kind());
+  const std::optional<OpKind> kind = FindOpKind(op.kind());
+  const OpMath math = kind ? InfoOf(*kind).math : OpMath::kVector;
   r.bytes =
       on_shards ? OptimizerOpBytes(program, op, world_size) : MicroStepOpBytes(program, op, math);
   const double peak_flops_per_s = PeakFlopsPerSecond(hw, program.config().compute_dtype(), math);
@@ -100,7 +94,8 @@ OpRoofline EstimateOp(const proto::Program& program, const proto::Op& op, const 
   const double bytes_per_s = hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency;
   r.compute_seconds = flops_per_s > 0 ? r.flops / flops_per_s : 0;
   r.memory_seconds = bytes_per_s > 0 ? static_cast<double>(r.bytes) / bytes_per_s : 0;
-  r.seconds = std::max(r.compute_seconds, r.memory_seconds) + hw.kernel_launch_seconds;
+  const double scale = kind ? hw.op_time_scale[static_cast<size_t>(*kind)] : 1.0;
+  r.seconds = std::max(r.compute_seconds, r.memory_seconds) * scale + hw.kernel_launch_seconds;
   return r;
 }
 

@@ -18,11 +18,12 @@ struct OpRoofline {
   int64_t bytes = 0;           // device memory read and written
   double compute_seconds = 0;  // flops / (peak for its math × matmul_efficiency)
   double memory_seconds = 0;   // bytes / (memory bandwidth × memory_efficiency)
-  double seconds = 0;          // max(compute, memory) + kernel launch
+  double seconds = 0;          // max(compute, memory) × the kind's op_time_scale + kernel launch
   bool memory_bound() const { return memory_seconds > compute_seconds; }
 };
 
-// Roofline of `op` on one of `world_size` ranks.
+// Roofline of `op` on one of `world_size` ranks, times HardwareProfile::op_time_scale of its kind
+// (1 for a kind the table does not name).
 // - Peak: by the kind's OpMath (schemas/op_kinds.h). Matrix products (matmuls and attention
 //   and their backwards) run on tensor cores at the rate of the program's compute dtype
 //   (bf16 / fp16: peak_bf16, fp32: peak_fp32); every other op runs on the vector units at

@@ -95,6 +95,22 @@ TEST_F(Llama70bEstimateTest, ElementwiseIsMemoryBound) {
                                   hw.kernel_launch_seconds);
 }
 
+// An op kind's time scale multiplies its roofline time (not the launch) and no other kind's.
+TEST_F(Llama70bEstimateTest, OpTimeScaleMultipliesOnlyItsKind) {
+  HardwareProfile hw = Hardware("h100-sxm");
+  const proto::Op& swiglu = LargestForward(op_kind::kSwiglu);
+  const proto::Op& matmul = LargestForward(op_kind::kMatmul);
+  const OpRoofline plain = EstimateOp(*program_, swiglu, hw, cluster_.world_size());
+  const OpRoofline plain_matmul = EstimateOp(*program_, matmul, hw, cluster_.world_size());
+  ASSERT_TRUE(SetHardwareConstant(&hw, "op_time_scale.swiglu", 2.5).ok());
+  const OpRoofline scaled = EstimateOp(*program_, swiglu, hw, cluster_.world_size());
+  EXPECT_DOUBLE_EQ(scaled.seconds - hw.kernel_launch_seconds,
+                   2.5 * (plain.seconds - hw.kernel_launch_seconds));
+  EXPECT_EQ(scaled.bytes, plain.bytes);
+  EXPECT_DOUBLE_EQ(EstimateOp(*program_, matmul, hw, cluster_.world_size()).seconds,
+                   plain_matmul.seconds);
+}
+
 // The embedding reads the rows of its tokens, not the whole table.
 TEST_F(Llama70bEstimateTest, EmbeddingReadsOnlyItsRows) {
   const HardwareProfile hw = Hardware("h100-sxm");

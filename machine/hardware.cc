@@ -5,7 +5,9 @@
 #include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
+#include <string_view>
 #include <type_traits>
 #include <variant>
 
@@ -81,6 +83,17 @@ const Field kFields[] = {
     {"max_gpus_per_node", &HardwareProfile::max_gpus_per_node, Range::kNonNegative, "gpus"},
 };
 
+// The op kinds' time scales (HardwareProfile::op_time_scale): optional, positive ratios.
+constexpr char kOpTimeScalePrefix[] = "op_time_scale.";
+constexpr char kOpTimeScaleUnit[] = "ratio";
+constexpr char kOpTimeScaleAbsentSource[] = "not in the file: 1, the roofline as it is";
+
+// The op kind whose time scale `key` names.
+std::optional<OpKind> OpTimeScaleKind(const std::string& key) {
+  if (key.rfind(kOpTimeScalePrefix, 0) != 0) return std::nullopt;
+  return FindOpKind(std::string_view(key).substr(sizeof(kOpTimeScalePrefix) - 1));
+}
+
 bool InRange(double v, Range range) {
   if (!std::isfinite(v)) return false;
   switch (range) {
@@ -120,8 +133,10 @@ std::string Lower(std::string s) {
   return s;
 }
 
-// Sets one constant from its {"value": ..., "source": "..."} entry.
-Status ParseField(const Field& field, const Json& entry, HardwareProfile* profile) {
+// The "value" of a constant's {"value": ..., "unit": ..., "source": "..."} entry, after checking
+// the entry's keys, its source (recorded in `profile` under `key`) and that its unit is `unit`.
+StatusOr<const Json*> CheckedValue(const std::string& key, const char* unit, const Json& entry,
+                                   HardwareProfile* profile) {
   if (!entry.is_object()) {
     return Status::Error("is not an object {\"value\", \"unit\", \"source\"}");
   }
@@ -135,17 +150,23 @@ Status ParseField(const Field& field, const Json& entry, HardwareProfile* profil
   if (source == entry.end() || !source->is_string() || source->get<std::string>().empty()) {
     return Status::Error("has no \"source\": say where the number comes from");
   }
-  const auto unit = entry.find("unit");
-  if (unit == entry.end() || !unit->is_string()) {
-    return Status::Error(std::string("has no \"unit\"; add \"unit\": \"") + field.unit + "\"");
+  const auto found_unit = entry.find("unit");
+  if (found_unit == entry.end() || !found_unit->is_string()) {
+    return Status::Error(std::string("has no \"unit\"; add \"unit\": \"") + unit + "\"");
   }
-  if (unit->get<std::string>() != field.unit) {
-    return Status::Error("is in " + unit->dump() + ", not \"" + field.unit +
-                         "\"; give the value in " + field.unit);
+  if (found_unit->get<std::string>() != unit) {
+    return Status::Error("is in " + found_unit->dump() + ", not \"" + unit +
+                         "\"; give the value in " + unit);
   }
   const auto value = entry.find("value");
   if (value == entry.end()) return Status::Error("has no \"value\"");
-  profile->sources[field.key] = source->get<std::string>();
+  profile->sources[key] = source->get<std::string>();
+  return &*value;
+}
+
+// Sets one constant from its entry.
+Status ParseField(const Field& field, const Json& entry, HardwareProfile* profile) {
+  DC_ASSIGN_OR_RETURN(const Json* value, CheckedValue(field.key, field.unit, entry, profile));
   return std::visit(
       [&](auto member) -> Status {
         using T = std::remove_reference_t<decltype(profile->*member)>;
@@ -222,6 +243,22 @@ Status ParseProfileBody(const Json& object, HardwareProfile* profile) {
     }
     DC_RETURN_IF_ERROR(
         ParseField(field, *entry, profile).Prefixed(std::string("constant '") + field.key + "' "));
+  }
+  for (const OpKindInfo& info : kOpKinds) {
+    const std::string key = OpTimeScaleKey(info.kind);
+    known.insert(key);
+    const auto entry = constants->find(key);
+    if (entry == constants->end()) {
+      profile->sources[key] = kOpTimeScaleAbsentSource;
+      continue;
+    }
+    StatusOr<const Json*> value = CheckedValue(key, kOpTimeScaleUnit, *entry, profile);
+    if (value.ok() && !(*value)->is_number()) value = Status::Error("value is not a number");
+    if (value.ok() && !InRange((*value)->get<double>(), Range::kPositive)) {
+      value = Status::Error("value " + (*value)->dump() + " is out of range (must be > 0)");
+    }
+    if (!value.ok()) return value.status().Prefixed("constant '" + key + "' ");
+    profile->op_time_scale[static_cast<size_t>(info.kind)] = (*value)->get<double>();
   }
   for (auto it = constants->begin(); it != constants->end(); ++it) {
     if (!known.count(it.key())) return Status::Error("unknown constant '" + it.key() + "'");
@@ -351,6 +388,20 @@ std::string HardwareProfileJson(const HardwareProfile& profile) {
     entry["source"] = source != profile.sources.end() ? source->second : std::string("unknown");
     constants[field.key] = std::move(entry);
   }
+  // An op kind's scale where it says something: a value other than 1, or a source of its own.
+  for (const OpKindInfo& info : kOpKinds) {
+    const std::string key = OpTimeScaleKey(info.kind);
+    const double value = profile.op_time_scale[static_cast<size_t>(info.kind)];
+    const auto source = profile.sources.find(key);
+    const bool sourced =
+        source != profile.sources.end() && source->second != kOpTimeScaleAbsentSource;
+    if (value == 1 && !sourced) continue;
+    Ordered entry = Ordered::object();
+    entry["value"] = value;
+    entry["unit"] = kOpTimeScaleUnit;
+    entry["source"] = sourced ? source->second : std::string("unknown");
+    constants[key] = std::move(entry);
+  }
   Ordered one = Ordered::object();
   one["name"] = profile.name;
   one["aliases"] = profile.aliases;
@@ -380,7 +431,19 @@ std::vector<HardwareConstantInfo> HardwareConstants() {
     info.min_exclusive = field.range == Range::kPositive || field.range == Range::kFraction;
     constants.push_back(std::move(info));
   }
+  for (const OpKindInfo& kind : kOpKinds) {
+    HardwareConstantInfo info;
+    info.key = OpTimeScaleKey(kind.kind);
+    info.unit = kOpTimeScaleUnit;
+    info.min_exclusive = true;
+    info.max_value = std::numeric_limits<double>::infinity();
+    constants.push_back(std::move(info));
+  }
   return constants;
+}
+
+std::string OpTimeScaleKey(OpKind kind) {
+  return kOpTimeScalePrefix + std::string(InfoOf(kind).name);
 }
 
 namespace {
@@ -392,15 +455,20 @@ const Field* FindNumericField(const std::string& key) {
 }
 
 Status UnknownConstant(const std::string& key) {
-  std::vector<std::string> keys;
-  for (const HardwareConstantInfo& info : HardwareConstants()) keys.push_back(info.key);
   std::string known;
-  for (const std::string& k : keys) known += (known.empty() ? "" : ", ") + k;
-  return Status::Error("unknown constant '" + key + "'; known: " + known);
+  for (const HardwareConstantInfo& info : HardwareConstants()) {
+    if (OpTimeScaleKind(info.key)) continue;
+    known += (known.empty() ? "" : ", ") + info.key;
+  }
+  return Status::Error("unknown constant '" + key + "'; known: " + known + ", and " +
+                       kOpTimeScalePrefix + "<op kind> (schemas/op_kinds.h)");
 }
 }  // namespace
 
 StatusOr<double> GetHardwareConstant(const HardwareProfile& profile, const std::string& key) {
+  if (const std::optional<OpKind> kind = OpTimeScaleKind(key)) {
+    return profile.op_time_scale[static_cast<size_t>(*kind)];
+  }
   const Field* field = FindNumericField(key);
   if (!field) return UnknownConstant(key);
   return std::visit([&](auto member) { return static_cast<double>(profile.*member); },
@@ -408,6 +476,14 @@ StatusOr<double> GetHardwareConstant(const HardwareProfile& profile, const std::
 }
 
 Status SetHardwareConstant(HardwareProfile* profile, const std::string& key, double value) {
+  if (const std::optional<OpKind> kind = OpTimeScaleKind(key)) {
+    if (!InRange(value, Range::kPositive)) {
+      return Status::Error("constant '" + key + "': value " + std::to_string(value) +
+                           " is out of range (must be > 0)");
+    }
+    profile->op_time_scale[static_cast<size_t>(*kind)] = value;
+    return Status::Ok();
+  }
   const Field* field = FindNumericField(key);
   if (!field) return UnknownConstant(key);
   if (!InRange(value, field->range)) {

@@ -5,14 +5,26 @@
 // replaced by measurements. Thread-safe: profiles are parsed once and never change.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "schemas/op_kinds.h"
 #include "schemas/status.h"
 
 namespace dc {
+
+// Every op kind's roofline time as it is (HardwareProfile::op_time_scale's default).
+constexpr std::array<double, kNumOpKinds> OpTimeScaleOnes() {
+  std::array<double, kNumOpKinds> ones{};
+  for (double& one : ones) one = 1;
+  return ones;
+}
+
+// The file key of op kind `kind`'s time scale: "op_time_scale.attention".
+std::string OpTimeScaleKey(OpKind kind);
 
 // One accelerator and its links, per GPU. Rates are what the hardware can sustain before the
 // efficiency factors, except where the source says the number is already an achievable rate.
@@ -58,6 +70,12 @@ struct HardwareProfile {
   bool serial_streams = false;
   // GPUs in one NVLink domain; 0 = no limit.
   int max_gpus_per_node = 0;
+  // A factor on the roofline time of each op kind's kernels (index = OpKind, schemas/op_kinds.h):
+  // the time they take over what the rates above say, 1 where nothing was measured. A roofline of
+  // two rates cannot tell a backend's fused attention from its plain elementwise loops; these
+  // can, and dc-calibrate fits them per kind from traces (file keys "op_time_scale.<kind>",
+  // optional: an absent one is 1).
+  std::array<double, kNumOpKinds> op_time_scale = OpTimeScaleOnes();
 
   // Where each constant's value comes from, by its key in the file ("ASSUMPTION: ..." marks one
   // to be replaced by a measurement).

@@ -5,6 +5,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "machine/cost_model.h"
 #include "machine/estimate.h"
@@ -249,6 +251,56 @@ TEST(HardwareFileTest, AFileWithoutALaterConstantLoadsWithItsDefault) {
   EXPECT_NE(older.status().message().find("'overlap_compute_slowdown' is missing"),
             std::string::npos)
       << older.status().message();
+}
+
+// The op kinds' time scales are optional in a file (1 where absent); one that is given is printed
+// and loads back; a kind the table does not name, a wrong unit or a value that is not positive is
+// one line naming the key.
+TEST(HardwareFileTest, OpTimeScalesAreOptionalAndRoundTrip) {
+  auto cpu = FindHardware("cpu");
+  ASSERT_TRUE(cpu.ok());
+  for (double scale : cpu->op_time_scale) EXPECT_EQ(scale, 1.0);
+  EXPECT_EQ(HardwareProfileJson(*cpu).find("op_time_scale"), std::string::npos);
+  HardwareProfile fitted = *cpu;
+  ASSERT_TRUE(SetHardwareConstant(&fitted, "op_time_scale.attention", 4.25).ok());
+  fitted.sources["op_time_scale.attention"] = "fitted from t.db";
+  auto loaded = LoadHardwareFile(WriteTemp("scaled.json", HardwareProfileJson(fitted)));
+  ASSERT_TRUE(loaded.ok()) << loaded.status().message();
+  EXPECT_EQ(loaded->op_time_scale, fitted.op_time_scale);
+  EXPECT_EQ(*GetHardwareConstant(*loaded, "op_time_scale.attention"), 4.25);
+  EXPECT_EQ(loaded->sources.at("op_time_scale.attention"), "fitted from t.db");
+  EXPECT_EQ(HardwareProfileJson(*loaded), HardwareProfileJson(fitted));
+
+  const std::string good = HardwareProfileJson(fitted);
+  const std::string entry = R"("op_time_scale.attention": {
+          "value": 4.25,
+          "unit": "ratio",)";
+  ASSERT_NE(good.find(entry), std::string::npos) << good;
+  const std::pair<std::string, std::vector<std::string>> cases[] = {
+      {R"("op_time_scale.atention": {"value": 4.25, "unit": "ratio",)",
+       {"unknown constant 'op_time_scale.atention'"}},
+      {R"("op_time_scale.attention": {"value": 0, "unit": "ratio",)",
+       {"'op_time_scale.attention'", "out of range (must be > 0)"}},
+      {R"("op_time_scale.attention": {"value": -2, "unit": "ratio",)",
+       {"'op_time_scale.attention'", "out of range"}},
+      {R"("op_time_scale.attention": {"value": "x", "unit": "ratio",)",
+       {"'op_time_scale.attention'", "not a number"}},
+      {R"("op_time_scale.attention": {"value": 4.25, "unit": "%",)",
+       {"'op_time_scale.attention'", "give the value in ratio"}},
+  };
+  for (const auto& [to, wanted] : cases) {
+    std::string text = good;
+    text.replace(text.find(entry), entry.size(), to);
+    auto bad = LoadHardwareFile(WriteTemp("bad-scale.json", text));
+    ASSERT_FALSE(bad.ok()) << to;
+    for (const std::string& w : wanted) {
+      EXPECT_NE(bad.status().message().find(w), std::string::npos) << bad.status().message();
+    }
+  }
+  EXPECT_FALSE(SetHardwareConstant(&fitted, "op_time_scale.attention", 0).ok());
+  auto unknown = GetHardwareConstant(fitted, "op_time_scale.conv2d");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.status().message().find("op_time_scale.<op kind>"), std::string::npos);
 }
 
 // Each way a file can be wrong is one line naming the file and the key, and what to do.

@@ -2,9 +2,11 @@
 // step-time CSV in; a profile file out that dc-plan --hardware reads.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "analyzer/calibration.h"
 #include "analyzer/profile.h"
@@ -78,6 +80,65 @@ TEST_F(DcCalibrate, ATraceGivesAProfileThatPredictsItsOwnStep) {
     }
   }
   EXPECT_TRUE(said_step_latency);
+  // Each op kind's factor on the shared roofline: the shared rates alone put this backend's
+  // attention (forward and backward) 3-5x too fast; with its factor it is within 35%.
+  std::vector<FitGroup> shared_only;
+  for (const FitGroup& g : *groups) {
+    if (g.kind != "trace ops by kind") shared_only.push_back(g);
+  }
+  ASSERT_EQ(shared_only.size() + 1, groups->size());
+  auto shared_fit = Calibrate(*base, shared_only);
+  ASSERT_TRUE(shared_fit.ok()) << shared_fit.status().message();
+  // The median |predicted / measured - 1| of the attention ops under a calibration.
+  auto attention_error = [](const Calibration& c) {
+    std::vector<double> errors;
+    for (const GroupResult& g : c.groups) {
+      if (g.kind != "trace ops") continue;
+      for (const GroupResult::Point& p : g.observations) {
+        if (p.what.find("(attention") != std::string::npos) {
+          errors.push_back(std::abs(p.after_seconds / p.measured_seconds - 1));
+        }
+      }
+    }
+    std::sort(errors.begin(), errors.end());
+    return errors.empty() ? -1.0 : errors[errors.size() / 2];
+  };
+  for (const GroupResult& g : fit->groups) {
+    if (g.kind == "trace ops by kind") {
+      EXPECT_GE(g.fitted.size(), 10u);
+    }
+  }
+  EXPECT_GT(attention_error(*shared_fit), 0.5);
+  EXPECT_LT(attention_error(*fit), 0.35);
+}
+
+// A one-rank trace alone (its plan issues no collectives) fits the op rates and says that the
+// collectives cannot be told from it, instead of refusing the whole input.
+TEST(DcCalibrateOneRank, FitsTheOpsAndSaysTheCollectivesAreUndetermined) {
+  const std::string dir = FreshDir("calibrate-one-rank");
+  auto collect = RunCommand(Tool("dc-collect") +
+                            " --backend cpu --model tiny --nproc 1 --gas 2 --steps 2 --warmup 1 "
+                            "-o " +
+                            dir + "/t1.db");
+  ASSERT_EQ(collect.exit_code, 0) << collect.err;
+  auto r = RunCommand(Tool("dc-calibrate") + " --base cpu --trace " + dir + "/t1.db -o " + dir +
+                      "/one.json --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto report = nlohmann::json::parse(r.out);
+  bool ops_fitted = false, collectives_undetermined = false;
+  for (const auto& input : report["inputs"]) {
+    if (input["kind"] == "trace ops") ops_fitted = !input["fitted"].empty();
+    if (input["kind"] == "trace collectives") {
+      EXPECT_TRUE(input["fitted"].empty());
+      for (const auto& u : input["undetermined"]) {
+        collectives_undetermined =
+            collectives_undetermined || u.get<std::string>().find("one rank") != std::string::npos;
+      }
+    }
+  }
+  EXPECT_TRUE(ops_fitted) << r.out;
+  EXPECT_TRUE(collectives_undetermined) << r.out;
+  EXPECT_TRUE(LoadHardwareFile(dir + "/one.json").ok());
 }
 
 TEST_F(DcCalibrate, WritesAProfileDcPlanReads) {
