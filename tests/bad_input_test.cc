@@ -336,6 +336,10 @@ TEST_F(BadInput, EveryRowOfTheTable) {
        {"warning: $D/good.db (1 rank(s)) and $D/two.dcplan (2 rank(s)) are not of the same "
         "program"},
        {}},
+      {"WORLD_SIZE=1 RANK=0 " + run + " $D/two.dcplan",
+       1,
+       {"the plan is for 2 rank(s) and this run has 1", "WORLD_SIZE=2"},
+       {}},
       {trace + " show $D/good.db", 2, {"unknown subcommand 'show'; use one of summary"}, {}},
       {calibrate + " --trace $D/nope.db -o $D/c.json", 1, {"$D/nope.db: cannot open"}, {"c.json"}},
       {collect + " --model tiny --hidden 32768 -o $D/big.db",
