@@ -97,6 +97,13 @@ class TraceTimeline : public Timeline {
  public:
   static StatusOr<std::unique_ptr<Timeline>> Open(const std::string& path) {
     DC_ASSIGN_OR_RETURN(std::unique_ptr<Trace> trace, Trace::Open(path));
+    // A dc trace's steps are its windows: without one, windows guessed from the activities would
+    // be a different step time that looks like a measurement (dc-plan refuses it too).
+    if (trace->source() == TraceSource::kDc && trace->schedule() && trace->Steps().empty()) {
+      return Status::Error(path +
+                           ": no usable step rows in TC_STEP: the recording did not finish a "
+                           "step; re-record it with dc-collect");
+    }
     std::unique_ptr<TraceTimeline> timeline(new TraceTimeline());
     timeline->trace_ = std::move(trace);
     DC_RETURN_IF_ERROR(timeline->Load());

@@ -159,6 +159,17 @@ class ProblemCase {
     }
     return *this;
   }
+  // A kernel's name id (an integer, as dc and current nsys exports write it) that StringIds does
+  // not hold: the name would print as a number, and a collective's name decides its kind.
+  ProblemCase& NameInStrings(const std::string& column) {
+    if (c_.Has(column)) {
+      const std::string v = c_.Or(column, "");
+      Add("typeof(" + v + ") = 'integer' AND NOT EXISTS (SELECT 1 FROM StringIds WHERE id = " + v +
+              ")",
+          column + " not in StringIds");
+    }
+    return *this;
+  }
   std::string Sql() const { return whens_.empty() ? "NULL" : "(CASE" + whens_ + " END)"; }
 
  private:
@@ -171,12 +182,23 @@ class ProblemCase {
   std::string whens_;
 };
 
-// An activity row (kernel, memcpy, memset): times, owner and stream, and bytes where it has them.
+// The column a kernel's name is read from (KernelNameSql), or "" where it has none.
+std::string KernelNameColumn(const Columns& k) {
+  for (const char* column : {"shortName", "demangledName", "name", "mangledName"}) {
+    if (k.Has(column)) return column;
+  }
+  return "";
+}
+
+// An activity row (kernel, memcpy, memset): times, owner and stream, and bytes where it has them;
+// with `names_in_strings` (kernels of a file with StringIds), a name id the table holds.
 // `owners`: the ranks' globalPids as SQL (Trace::owners_sql_), or empty.
-std::string ActivityProblems(const Columns& c, bool with_bytes, const std::string& owners) {
+std::string ActivityProblems(const Columns& c, bool with_bytes, const std::string& owners,
+                             bool names_in_strings = false) {
   ProblemCase p(c);
   p.Integer("start").Integer("end").Integer("globalPid").Integer("streamId");
   if (with_bytes) p.Integer("bytes");
+  if (names_in_strings) p.NameInStrings(KernelNameColumn(c));
   p.OwnedBy("globalPid", owners);
   p.Time("start").Time("end").Ordered("start", "end");
   p.Range("streamId", 0, TraceLimits::kMaxStreamId, "negative or over 2^48");
@@ -250,7 +272,8 @@ std::string KernelSelect(const Columns& k, bool dc, bool have_strings,
   const std::string common = k.Or("globalPid", "0") + ", " + k.Or("deviceId", "0") + ", " +
                              k.Or("streamId", "0") + ", k.start, k.\"end\", " +
                              k.Or("correlationId", "0");
-  const std::string where = " WHERE " + ActivityProblems(k, false, owners) + " IS NULL";
+  const std::string where =
+      " WHERE " + ActivityProblems(k, false, owners, have_strings) + " IS NULL";
   if (!dc) {
     return "SELECT 0, " + common + ", 0, " + name + " FROM " + kKernelTable + " AS k" + where;
   }
@@ -673,8 +696,10 @@ Status Trace::BuildQueries(const std::set<std::string>& tables) {
   if (dc) owners_sql_ = kDcOwners;
   const std::string& owners = owners_sql_;
   const size_t kernel_problems = skipped_.size();  // the kernel table's come next
-  DC_ASSIGN_OR_RETURN(int64_t kernels,
-                      CountSkipped(kKernelTable, "k", ActivityProblems(k, false, owners)));
+  DC_ASSIGN_OR_RETURN(
+      int64_t kernels,
+      CountSkipped(kKernelTable, "k",
+                   ActivityProblems(k, false, owners, tables.contains("StringIds"))));
   if (kernels == 0) {
     const std::string how =
         dc ? std::string(kRerecord) : "record it again with nsys profile --trace=cuda";
@@ -731,7 +756,7 @@ Status Trace::BuildQueries(const std::set<std::string>& tables) {
         "COALESCE(c.bytes, 0) FROM TC_INSTRUCTION_MAP AS m "
         "JOIN CUPTI_ACTIVITY_KIND_KERNEL AS k ON k.globalPid = m.globalPid AND "
         "k.correlationId = m.correlationId AND " +
-        ActivityProblems(kk, false, owners) +
+        ActivityProblems(kk, false, owners, tables.contains("StringIds")) +
         " IS NULL "
         "LEFT JOIN TC_COLLECTIVE AS c ON c.globalPid = m.globalPid AND "
         "c.correlationId = m.correlationId AND " +

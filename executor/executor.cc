@@ -39,7 +39,9 @@ Status CheckRunnable(const proto::Schedule& schedule, int world_size, const std:
   if (schedule.world_size() != world_size) {
     return Status::Error("the plan is for " + std::to_string(schedule.world_size()) +
                          " rank(s) and this run has " + std::to_string(world_size) +
-                         "; pass --nproc " + std::to_string(schedule.world_size()) + " or re-plan");
+                         "; pass --nproc " + std::to_string(schedule.world_size()) +
+                         " (under an outside launcher: start that many ranks, WORLD_SIZE=" +
+                         std::to_string(schedule.world_size()) + ") or re-plan");
   }
   // Every index, offset, shape and buffer effect holds before a backend touches a device (the
   // plan file's reader checked the same, but a plan may come from memory): a plan edited by hand

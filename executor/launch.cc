@@ -156,12 +156,15 @@ StatusOr<RankEnv> RankEnvFromEnvironment(const std::string& rendezvous_flag) {
   return env;
 }
 
-Status CheckNprocAgainstEnvironment(int nproc, const RankEnv& env) {
-  if (nproc <= 0 || env.under_local_launcher || !IsRankProcess() || nproc == env.world_size) {
+Status CheckNprocAgainstEnvironment(int nproc) {
+  if (nproc <= 0 || std::getenv(kLocalLaunchVar) != nullptr || !IsRankProcess()) {
     return Status::Ok();
   }
+  DC_ASSIGN_OR_RETURN(std::optional<int> world,
+                      EnvInt(EnvSet("WORLD_SIZE") ? "WORLD_SIZE" : "SLURM_NTASKS"));
+  if (!world || nproc == *world) return Status::Ok();
   return Status::Error("--nproc " + std::to_string(nproc) + " disagrees with the launcher's " +
-                       "WORLD_SIZE " + std::to_string(env.world_size) +
+                       "WORLD_SIZE " + std::to_string(*world) +
                        " (RANK/WORLD_SIZE or SLURM_* are set, so an outside launcher starts the "
                        "ranks); drop --nproc, or unset those variables to start the ranks here");
 }
@@ -200,6 +203,35 @@ std::string TempRoot() {
   return tmpdir && *tmpdir ? tmpdir : "/tmp";
 }
 
+// The file in a launcher's rendezvous directory that names its owner: "<hostname> <pid>".
+constexpr char kOwnerFile[] = "launcher";
+
+std::string ThisHost() {
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+// A launcher killed outright (SIGKILL: nothing runs after it) leaves its rendezvous directory,
+// and its ranks die with it (PR_SET_PDEATHSIG). The next launch in the same TMPDIR removes such
+// directories: those whose owner file names this host and a process that no longer exists. A
+// directory of another host (a TMPDIR shared over the network), of a live launcher, or without
+// an owner file is left alone.
+void RemoveDirsOfKilledLaunchers(const std::string& root) {
+  std::error_code ec;
+  const std::string host = ThisHost();
+  for (const auto& entry : std::filesystem::directory_iterator(root, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("dc-rendezvous-", 0) != 0 || !entry.is_directory(ec)) continue;
+    std::ifstream owner(entry.path() / kOwnerFile);
+    std::string owner_host;
+    long pid = 0;
+    if (!(owner >> owner_host >> pid) || owner_host != host || pid <= 0) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+    std::filesystem::remove_all(entry.path(), ec);
+  }
+}
+
 // Sends `sig` to every rank still running.
 void SignalRanks(const std::vector<pid_t>& pids, int sig) {
   for (pid_t p : pids) {
@@ -211,6 +243,7 @@ void SignalRanks(const std::vector<pid_t>& pids, int sig) {
 
 int LaunchLocal(const LaunchOptions& options, const std::vector<std::string>& argv) {
   const std::string root = TempRoot();
+  RemoveDirsOfKilledLaunchers(root);
   std::string dir_template = root + "/dc-rendezvous-XXXXXX";
   if (!::mkdtemp(dir_template.data())) {
     std::cerr << options.program << ": cannot create a rendezvous directory in " << root << " ("
@@ -228,6 +261,7 @@ int LaunchLocal(const LaunchOptions& options, const std::vector<std::string>& ar
   } remove_dir{dir};
   std::error_code ec;
   std::filesystem::create_directories(dir + "/store", ec);
+  std::ofstream(dir + "/" + kOwnerFile) << ThisHost() << " " << ::getpid() << "\n";
   // A fresh identity per run: nothing in the store is ever from another run.
   const std::string run_id = "local-" + std::to_string(::getpid());
   const StopSignals stop_signals;

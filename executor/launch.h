@@ -38,7 +38,9 @@ bool IsRankProcess();
 
 // The --nproc flag against the launcher's variables: outside LaunchLocal's ranks, an --nproc that
 // differs from WORLD_SIZE (or SLURM_NTASKS) is refused rather than ignored. `nproc` 0: not given.
-Status CheckNprocAgainstEnvironment(int nproc, const RankEnv& env);
+// Reads the variables itself, so that it can run before RankEnvFromEnvironment's rendezvous
+// checks (a WORLD_SIZE that is not a number is named here too).
+Status CheckNprocAgainstEnvironment(int nproc);
 // This run's identity, so that a rendezvous directory used before holds nothing this run reads:
 // DC_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID (with its restart count), else Slurm's
 // SLURM_JOB_ID (with SLURM_STEP_ID); empty when none is set. Only [A-Za-z0-9._-] are kept.

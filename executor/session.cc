@@ -149,9 +149,16 @@ StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const Session
     if (env.world_size == 1) {
       MergeOptions merge;
       merge.incomplete = "the run failed: " + ran.status().message();
-      kept = MergeRankTraces({own_part}, schedule, options.trace_path, merge).ok()
-                 ? "; " + options.trace_path + " keeps the steps done before (marked incomplete)"
-                 : "";
+      if (MergeRankTraces({own_part}, schedule, options.trace_path, merge).ok()) {
+        kept = "; " + options.trace_path + " keeps the steps done before (marked incomplete)";
+      } else {
+        // No complete step to keep (a failure at start-up): nothing half-written is left beside
+        // the trace either.
+        for (const char* suffix : {"", "-wal", "-shm", "-journal"}) {
+          std::error_code ec;
+          std::filesystem::remove(own_part + suffix, ec);
+        }
+      }
     }
     return Status::Error(ran.status().message() + kept);
   }

@@ -184,6 +184,12 @@ constexpr int64_t kMaxGas = 65536;
 // instruction count (1000 pairs of a small model: 1.4 GB; 2000: 5.5 GB). Past this, planning
 // would need hundreds of GB and hours, so the config is refused before anything is built.
 constexpr int64_t kMaxLayerMicroSteps = 8192;
+// Experts times decoder layers times micro-steps (mixtral presets): each expert adds its own
+// matmuls to every layer, so a million experts built a program for minutes and then ran out of
+// memory (issue 13). Building takes about 3 ms per expert layer micro-step (2 layers of 4096
+// experts: 27 s); this bound keeps it under a minute and still holds DeepSeek-V3's 256 experts
+// times 61 layers.
+constexpr int64_t kMaxExpertLayerMicroSteps = 16384;
 
 std::string Str(int64_t v) { return std::to_string(v); }
 
@@ -288,10 +294,33 @@ Status ValidateConfig(const proto::ModelConfig& c) {
                          " for one schedule; use fewer layers or micro-steps (a larger "
                          "--micro-batch)");
   }
+  if (c.family() == kFamilyMixtral &&
+      c.experts() * c.layers() * c.gas() > kMaxExpertLayerMicroSteps) {
+    return Status::Error(
+        "--experts " + Str(c.experts()) + " times --layers " + Str(c.layers()) + " times --gas " +
+        Str(c.gas()) + " is " + Str(c.experts() * c.layers() * c.gas()) +
+        " expert layer micro-steps, over dc's limit of " + Str(kMaxExpertLayerMicroSteps) +
+        " for one schedule; use fewer experts, layers or micro-steps");
+  }
   if (c.seq() * c.micro_batch() > kMaxConfigDimension) {
     return Status::Error("--seq " + Str(c.seq()) + " times --micro-batch " + Str(c.micro_batch()) +
                          " is over dc's limit of " + Str(kMaxConfigDimension) +
                          " tokens per micro-batch");
+  }
+  // The largest weights, checked here so that the message names the flags (a program's own check
+  // can only name the tensor).
+  const struct {
+    const char* flags;
+    int64_t a, b;
+  } weights[] = {{"--hidden times --hidden", c.hidden(), c.hidden()},
+                 {"--hidden times --ffn", c.hidden(), c.ffn()},
+                 {"--vocab times --hidden", c.vocab(), c.hidden()}};
+  for (const auto& w : weights) {
+    if (w.a * w.b > kMaxTensorElements) {
+      return Status::Error(std::string(w.flags) + " is " + Str(w.a * w.b) +
+                           " elements for one weight, over dc's limit of " +
+                           Str(kMaxTensorElements) + "; give smaller sizes");
+    }
   }
   if (c.hidden() % c.heads() != 0) {
     return Status::Error("--heads " + Str(c.heads()) + " does not divide --hidden " +

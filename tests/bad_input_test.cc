@@ -283,8 +283,65 @@ TEST_F(BadInput, EveryRowOfTheTable) {
        {"l.dcplan"}},
       {collect + " --model tiny --hidden 2000000000 -o $D/h.db",
        1,
-       {"layers.0.attn.wq has more than"},
+       {"--hidden times --hidden is 4000000000000000000 elements for one weight"},
        {"h.db"}},
+      // Issue 13's sweep, run again (bench/results/fault_sweep-2026-11-27.md): one row per case
+      // it found unclear, partial, silently wrong or hung.
+      {collect + " --model mixtral-tiny --experts 1000000 -o $D/e.db",
+       1,
+       {"--experts 1000000 times --layers 2 times --gas 1 is 2000000 expert layer micro-steps"},
+       {"e.db"}},
+      {collect + " --model tiny --seq 100000000 -o $D/s.db",
+       1,
+       {"the plan needs", "collect a smaller model"},
+       {"s.db"}},
+      {collect + " --model tiny --device-memory 1KiB -o $D/dm.db",
+       1,
+       {"out of device memory at start-up"},
+       {"dm.db", "dm.db.rank0.part", "dm.db.rank0.part-wal"}},
+      {collect + " --model tiny -o $D/x.db extra", 2, {"unexpected argument 'extra'"}, {"x.db"}},
+      {"WORLD_SIZE=1 RANK=0 LOCAL_WORLD_SIZE=abc " + collect + " --model tiny -o $D/l.db",
+       1,
+       {"LOCAL_WORLD_SIZE='abc' is not a whole number"},
+       {"l.db"}},
+      {"WORLD_SIZE=2 RANK=0 " + collect + " --model tiny --nproc 4 -o $D/n.db",
+       1,
+       {"--nproc 4 disagrees with the launcher's WORLD_SIZE 2"},
+       {"n.db"}},
+      {plan + " $D/good.db -o $D/pp.dcplan --perfetto $D/pp.dcplan",
+       1,
+       {"--perfetto $D/pp.dcplan is also the plan file"},
+       {"pp.dcplan"}},
+      {plan + " $D/good.db -o $D/pp.dcplan --perfetto $D/nodir/x.json",
+       1,
+       {"$D/nodir/x.json: cannot write here"},
+       {"pp.dcplan"}},
+      {plan + " $D/good.db -o $D/pp.dcplan --perfetto ''",
+       2,
+       {"--perfetto", "must not be empty"},
+       {"pp.dcplan"}},
+      {plan + " $D/good.db --synthetic -o $D/pp.dcplan",
+       2,
+       {"a trace and --synthetic exclude each other"},
+       {"pp.dcplan"}},
+      {plan + " -o $D/pp.dcplan", 2, {"give a trace, or --synthetic"}, {"pp.dcplan"}},
+      {run + " $D/good.dcplan --save ''", 2, {"--save", "must not be empty"}, {}},
+      {run + " $D/good.dcplan --export ''", 2, {"--export", "must not be empty"}, {}},
+      {plan + " $D/good.db --passes '' -o $D/pp.dcplan",
+       2,
+       {"--passes has an empty pass name"},
+       {"pp.dcplan"}},
+      {trace + " diff $D/good.db $D/two.dcplan",
+       0,
+       {"warning: $D/good.db (1 rank(s)) and $D/two.dcplan (2 rank(s)) are not of the same "
+        "program"},
+       {}},
+      {"WORLD_SIZE=1 RANK=0 " + run + " $D/two.dcplan",
+       1,
+       {"the plan is for 2 rank(s) and this run has 1", "WORLD_SIZE=2"},
+       {}},
+      {trace + " show $D/good.db", 2, {"unknown subcommand 'show'; use one of summary"}, {}},
+      {calibrate + " --trace $D/nope.db -o $D/c.json", 1, {"$D/nope.db: cannot open"}, {"c.json"}},
       {collect + " --model tiny --hidden 32768 -o $D/big.db",
        1,
        {"the plan needs", "GiB per rank", "this host has"},
@@ -318,6 +375,8 @@ TEST_F(BadInput, AnOutputThatIsAnInputIsRefused) {
                              std::filesystem::copy_options::overwrite_existing);
   std::filesystem::copy_file(dir_ + "/good.dcplan", plan,
                              std::filesystem::copy_options::overwrite_existing);
+  const std::string tokens = dir_ + "/victim-tokens.bin";
+  WriteFile(tokens, std::string(4096, '\x07'));
   const std::string trace_bytes = ReadFile(trace), plan_bytes = ReadFile(plan);
   const std::string other_spelling = dir_ + "/./victim.db";
   const std::vector<std::pair<std::string, std::string>> cases = {
@@ -327,6 +386,19 @@ TEST_F(BadInput, AnOutputThatIsAnInputIsRefused) {
       {Tool("dc-trace") + " perfetto " + trace + " -o " + trace, trace},
       {Tool("dc-trace") + " memory " + trace + " -o " + trace, trace},
       {Tool("dc-run") + " --backend cpu " + plan + " --steps 1 --trace " + plan, plan},
+      // Through a token file (issue 13's sweep): the trace or plan went over the tokens.
+      {Tool("dc-collect") + " --backend cpu --model tiny --vocab 256 --steps 1 --data " + tokens +
+           " -o " + tokens,
+       tokens},
+      {Tool("dc-plan") + " --synthetic --model tiny --vocab 256 --world 1 --hardware cpu --data " +
+           tokens + " --no-cache -o " + tokens,
+       tokens},
+      {Tool("dc-run") + " --backend cpu " + plan + " --steps 1 --data " + tokens + " --trace " +
+           tokens,
+       tokens},
+      {Tool("dc-run") + " --backend cpu " + plan + " --steps 1 --eval-data " + tokens +
+           " --trace " + tokens,
+       tokens},
   };
   for (const auto& [command, output] : cases) {
     auto r = RunCommand(command);
@@ -338,6 +410,7 @@ TEST_F(BadInput, AnOutputThatIsAnInputIsRefused) {
   }
   EXPECT_EQ(ReadFile(trace), trace_bytes);
   EXPECT_EQ(ReadFile(plan), plan_bytes);
+  EXPECT_EQ(ReadFile(tokens), std::string(4096, '\x07'));
 }
 
 TEST_F(BadInput, EmptyTrace) {
@@ -544,7 +617,26 @@ TEST_F(BadInput, CorruptTraceRows) {
        "plan",
        1,
        {"no measured step in TC_STEP", "re-record it with dc-collect"}},
+      {"no-step-rows-summary",
+       "DELETE FROM TC_STEP",
+       "summary",
+       1,
+       {"no usable step rows in TC_STEP", "re-record it with dc-collect"}},
       {"duplicate-rank", "UPDATE TC_RANK SET rank = 0", "plan", 1, {"TC_RANK lists rank 0 twice"}},
+      // One kernel's name id missing from StringIds: it was read as a number (and a collective's
+      // name decides its kind), so the plan changed without a word.
+      {"missing-string-id",
+       "DELETE FROM StringIds WHERE id = (SELECT shortName FROM CUPTI_ACTIVITY_KIND_KERNEL LIMIT "
+       "1)",
+       "summary",
+       0,
+       {"warning: CUPTI_ACTIVITY_KIND_KERNEL: ", "record(s) skipped (shortName not in StringIds)"}},
+      {"missing-string-id-plan",
+       "DELETE FROM StringIds WHERE id = (SELECT shortName FROM CUPTI_ACTIVITY_KIND_KERNEL LIMIT "
+       "1)",
+       "plan",
+       0,
+       {"dc-plan: warning: ", "(shortName not in StringIds)"}},
       {"missing-string-ids",
        "DROP TABLE StringIds",
        "summary",
@@ -736,6 +828,22 @@ TEST_F(Launcher, RanksDieWithAKilledLauncher) {
   ASSERT_EQ(::kill(launcher, SIGKILL), 0);
   ::waitpid(launcher, nullptr, 0);
   EXPECT_TRUE(AllGone(plan_, std::chrono::seconds(5))) << "a rank outlived its killed launcher";
+}
+
+// Nothing runs after SIGKILL, so the killed launcher's rendezvous directory stays; the next
+// launch in the same TMPDIR removes it (its owner is gone), and leaves none of its own.
+TEST_F(Launcher, TheNextLaunchRemovesAKilledLaunchersDirectory) {
+  const pid_t launcher =
+      Start({Tool("dc-run"), plan_, "--backend", "cpu", "--nproc", "2", "--steps", "100000"});
+  ASSERT_TRUE(WaitForAStep()) << ReadFile(tmp_ + ".err");
+  ASSERT_EQ(::kill(launcher, SIGKILL), 0);
+  ::waitpid(launcher, nullptr, 0);
+  ASSERT_TRUE(AllGone(plan_, std::chrono::seconds(5)));
+  ASSERT_EQ(Leftovers().size(), 1u) << "the killed launcher left no directory to clean";
+  auto next = RunCommand("TMPDIR=" + tmp_ + " " + Tool("dc-run") + " " + plan_ +
+                         " --backend cpu --nproc 2 --steps 1 --quiet");
+  EXPECT_EQ(next.exit_code, 0) << next.err;
+  EXPECT_TRUE(Leftovers().empty()) << Leftovers().front();
 }
 
 // dc-collect stopped mid-run finishes the step it is in on every rank and writes the steps done

@@ -434,8 +434,9 @@ TEST(Synthetic, BadHardwareAndClusterAreOneClearLine) {
                  " --synthetic --model tiny --world 12 --gpus-per-node 8 --no-cache -o /dev/null");
   EXPECT_EQ(cluster.exit_code, 1);
   EXPECT_EQ(std::count(cluster.err.begin(), cluster.err.end(), '\n'), 1) << cluster.err;
+  // Neither a trace nor --synthetic: a missing argument, so a usage error (README, "Exit codes").
   auto neither = RunCommand(Tool("dc-plan") + " --no-cache");
-  EXPECT_EQ(neither.exit_code, 1);
+  EXPECT_EQ(neither.exit_code, 2);
   EXPECT_NE(neither.err.find("--synthetic"), std::string::npos) << neither.err;
 }
 

@@ -3,6 +3,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <iostream>
 #include <thread>
@@ -124,9 +125,17 @@ StatusOr<int> ThreadsPerRankFlag::Resolve(int world_size) const {
   }
   if (threads > 0) return threads;
   int ranks_on_host = std::max(1, world_size);
-  if (const char* local = std::getenv("LOCAL_WORLD_SIZE")) {
-    const int n = std::atoi(local);
-    if (n > 0) ranks_on_host = n;
+  if (const char* local = std::getenv("LOCAL_WORLD_SIZE"); local != nullptr && *local != '\0') {
+    // A value that is not a count of ranks is a mistake, not "unset" (as WORLD_SIZE=abc is).
+    errno = 0;
+    char* end = nullptr;
+    const long n = std::strtol(local, &end, 10);
+    if (*end != '\0' || errno == ERANGE || n < 1 || n > kMaxThreadsPerRank) {
+      return Status::Error(std::string("LOCAL_WORLD_SIZE='") + local +
+                           "' is not a whole number of ranks on this host; set it as torchrun "
+                           "does (e.g. LOCAL_WORLD_SIZE=2) or unset it");
+    }
+    ranks_on_host = static_cast<int>(n);
   }
   return std::max(1, cores / ranks_on_host);
 }

@@ -166,12 +166,12 @@ int main(int argc, char** argv) {
       "-o mine.json"};
   app.add_option("--base", f.base, "the profile to start from: a built-in name or a FILE.json")
       ->required();
-  app.add_option("--trace", f.traces, "a dc trace (repeatable)")->check(CLI::ExistingFile);
+  // A missing input file is the readers' one line (exit 1), as in every other dc command, not
+  // CLI11's two (exit 2).
+  app.add_option("--trace", f.traces, "a dc trace (repeatable)");
   app.add_option("--nccl-tests", f.nccl_tests,
-                 "the text output of all_gather_perf or reduce_scatter_perf (repeatable)")
-      ->check(CLI::ExistingFile);
-  app.add_option("--steps", f.steps, "a CSV of measured step times (repeatable)")
-      ->check(CLI::ExistingFile);
+                 "the text output of all_gather_perf or reduce_scatter_perf (repeatable)");
+  app.add_option("--steps", f.steps, "a CSV of measured step times (repeatable)");
   app.add_option("--fit-steps", f.fit_steps,
                  "the constants the step times fit, by their keys in the profile file (default: "
                  "kernel_launch_seconds, collective_base_latency_s, and without --trace "

@@ -18,6 +18,7 @@
 #include "executor/session.h"
 #include "rewriter/planner.h"
 #include "schemas/files.h"
+#include "schemas/plan_check.h"
 #include "tools/cli.h"
 
 int main(int argc, char** argv) {
@@ -90,18 +91,25 @@ int main(int argc, char** argv) {
 #endif
   }
   if (!command.empty()) {
-    return cli::Fail("dc-collect", Status::Error("a command after -- needs --attach"));
+    // A usage error (exit 2): a word the command line does not take, or a command without
+    // --attach.
+    const bool after_dashes = std::find(argv + 1, argv + argc, std::string("--")) != argv + argc;
+    std::cerr << "dc-collect: "
+              << (after_dashes ? "a command after -- needs --attach"
+                               : "unexpected argument '" + command.front() +
+                                     "'; dc-collect takes no file to read (the trace to write "
+                                     "is -o FILE; a program to trace goes after --attach --)")
+              << "\n";
+    return cli::kUsageExitCode;
   }
 
-  // The launcher's variables are read, and checked, before anything else.
+  // The launcher's variables are read, and checked, before anything else: --nproc against
+  // WORLD_SIZE first, as the rendezvous matters only once that is settled.
+  if (Status s = CheckNprocAgainstEnvironment(app.count("--nproc") > 0 ? nproc : 0); !s.ok()) {
+    return cli::Fail("dc-collect", s);
+  }
   auto env = RankEnvFromEnvironment(rendezvous);
   if (!env.ok()) return cli::Fail("dc-collect", env.status());
-  if (IsRankProcess()) {
-    const int nproc_given = app.count("--nproc") > 0 ? nproc : 0;
-    if (Status s = CheckNprocAgainstEnvironment(nproc_given, *env); !s.ok()) {
-      return cli::Fail("dc-collect", s);
-    }
-  }
   const StatusOr<int> blas_threads =
       threads_per_rank.Resolve(env->world_size > 1 ? env->world_size : nproc);
   if (!blas_threads.ok()) return cli::Fail("dc-collect", blas_threads.status());
@@ -109,6 +117,10 @@ int main(int argc, char** argv) {
   auto chosen = ResolveBackend(backend, available, "dc-collect");
   if (!chosen.ok()) return cli::Fail("dc-collect", chosen.status());
   // Before any step: a trace that cannot be written is one line now, not after the whole run.
+  if (Status distinct = CheckOutputIsNotAnInput(out, {model.overrides.data_path.value_or("")});
+      !distinct.ok()) {
+    return cli::Fail("dc-collect", distinct);
+  }
   if (env->rank == 0) {
     if (Status writable = CheckOutputWritable(out); !writable.ok()) {
       return cli::Fail("dc-collect", writable);
@@ -145,6 +157,18 @@ int main(int argc, char** argv) {
   request.policy = "baseline";
   auto schedule = MakePlan(request);
   if (!schedule.ok()) return cli::Fail("dc-collect", schedule.status());
+  if (*chosen == "cpu") {
+    // The run would refuse the schedule with "re-plan with dc-plan", which is no advice here:
+    // dc-collect made it from the model flags.
+    PlanLimits limits;
+    limits.memory_bytes = PhysicalMemoryBytes();
+    if (Status fits = ValidatePlan(*schedule, limits); !fits.ok()) {
+      return cli::Fail(
+          "dc-collect",
+          Status::Error(fits.message() + "; collect a smaller model (--hidden, --ffn, --layers, "
+                                         "--vocab) or fewer tokens (--seq, --micro-batch)"));
+    }
+  }
 
   auto rank_backend = MakeBackend(*chosen);
   if (!rank_backend.ok()) return cli::Fail("dc-collect", rank_backend.status());

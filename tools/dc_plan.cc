@@ -377,10 +377,11 @@ void AddFlags(CLI::App& app, Flags* f) {
   app.add_option("--round-steps", f->rounds.steps, "measured steps per round")
       ->check(CLI::Range(1, 1000000))
       ->capture_default_str();
-  app.add_option(
-      "--perfetto", f->perfetto,
-      "write the plan's simulated timeline as Chrome trace-event JSON (ui.perfetto.dev), to open "
-      "beside `dc-trace perfetto` of a measured trace");
+  app.add_option("--perfetto", f->perfetto,
+                 "write the plan's simulated timeline as Chrome trace-event JSON "
+                 "(ui.perfetto.dev), to open "
+                 "beside `dc-trace perfetto` of a measured trace")
+      ->check(cli::NonEmptyPath());
   app.add_option("--dump-after", f->dump_after,
                  "write the schedule after this pass as text to <plan>.<pass>.txt");
   cli::AddBytesOption(app, "--budget", &f->budget,
@@ -663,9 +664,16 @@ int main(int argc, char** argv) {
     std::cout << HardwareProfileJson(*hw);
     return 0;
   }
-  if (flags.synthetic == !flags.trace_path.empty()) {
-    return cli::Fail("dc-plan",
-                     Status::Error("give a trace, or --synthetic with --model (see --help)"));
+  // Neither or both: the command line does not say what to plan (a usage error, exit 2).
+  if (flags.synthetic && !flags.trace_path.empty()) {
+    std::cerr << "dc-plan: " << flags.trace_path
+              << ": a trace and --synthetic exclude each other (the trace has its own model); "
+                 "drop one\n";
+    return cli::kUsageExitCode;
+  }
+  if (!flags.synthetic && flags.trace_path.empty()) {
+    std::cerr << "dc-plan: give a trace, or --synthetic with --model (see --help)\n";
+    return cli::kUsageExitCode;
   }
   if (!flags.synthetic) {
     // A trace brings its own model, world and machine: flags that describe another would be
@@ -681,6 +689,15 @@ int main(int argc, char** argv) {
                                                 "change the model, or drop them"));
     }
   }
+  for (const auto& [flag, names] :
+       {std::pair{"--passes", &flags.passes}, std::pair{"--disable", &flags.disable}}) {
+    if (std::find(names->begin(), names->end(), "") != names->end()) {
+      std::cerr << "dc-plan: " << flag
+                << " has an empty pass name; give names separated by commas, e.g. " << flag
+                << (std::string(flag) == "--passes" ? " zero3,prefetch" : " bucket") << "\n";
+      return cli::kUsageExitCode;
+    }
+  }
   for (size_t i = 0; i < flags.passes.size(); ++i) {
     for (size_t k = 0; k < i; ++k) {
       if (flags.passes[i] == flags.passes[k]) {
@@ -689,9 +706,25 @@ int main(int argc, char** argv) {
       }
     }
   }
+  const std::string data_path = flags.model.overrides.data_path.value_or("");
   for (const std::string& output : {flags.out, flags.perfetto}) {
-    Status distinct = CheckOutputIsNotAnInput(output, {flags.trace_path, flags.from_plan});
+    Status distinct =
+        CheckOutputIsNotAnInput(output, {flags.trace_path, flags.from_plan, data_path});
     if (!distinct.ok()) return cli::Fail("dc-plan", distinct);
+  }
+  // The timeline is written after the plan: over it, it would replace the plan with JSON.
+  if (!flags.perfetto.empty() && !CheckOutputIsNotAnInput(flags.perfetto, {flags.out}).ok()) {
+    return cli::Fail("dc-plan",
+                     Status::Error("--perfetto " + flags.perfetto + " is also the plan file (-o " +
+                                   flags.out + "); write the timeline to another file"));
+  }
+  // Both outputs are checked before planning, so that a timeline that cannot be written does not
+  // fail the command after the plan is written.
+  for (const std::string& output : {flags.out, flags.perfetto}) {
+    if (output.empty()) continue;
+    if (Status writable = CheckOutputWritable(output); !writable.ok()) {
+      return cli::Fail("dc-plan", writable);
+    }
   }
   StatusOr<Outcome> outcome = Plan(flags);
   if (!outcome.ok()) return cli::Fail("dc-plan", outcome.status());

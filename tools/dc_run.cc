@@ -69,7 +69,8 @@ int main(int argc, char** argv) {
                  "directory: at the end, and every --save-every steps. A save copies the rank's "
                  "state into host memory (the size of its shards, kept for the run) and writes "
                  "it in the background while the next steps train; the checkpoint appears once "
-                 "every rank's file is written (a next save or the end waits for it)");
+                 "every rank's file is written (a next save or the end waits for it)")
+      ->check(cli::NonEmptyPath());
   app.add_option("--save-every", save_every, "also save every this many steps (0: at the end only)")
       ->check(CLI::Range(0, 100000000))
       ->capture_default_str();
@@ -82,15 +83,19 @@ int main(int argc, char** argv) {
   app.add_option("--resume", resume_dir,
                  "go on from the newest complete checkpoint in this directory (any world size "
                  "or plan of the same model and global batch); --steps counts from step 0, so "
-                 "the run trains the steps the checkpoint has not done");
+                 "the run trains the steps the checkpoint has not done")
+      ->check(cli::NonEmptyPath());
   app.add_option("--data", data_path,
                  "train on this token file instead of the one the plan names (which must be "
-                 "unchanged since the plan was made: its SHA-256 is checked)");
-  auto* eval_data = app.add_option(
-      "--eval-data", eval.data_path,
-      "held-out token file (uint16, as --data): after the last step (and every --eval-every "
-      "steps) print and record the mean loss over --eval-batches of its global batches, "
-      "forward only; training is unchanged by it");
+                 "unchanged since the plan was made: its SHA-256 is checked)")
+      ->check(cli::NonEmptyPath());
+  auto* eval_data =
+      app.add_option(
+             "--eval-data", eval.data_path,
+             "held-out token file (uint16, as --data): after the last step (and every --eval-every "
+             "steps) print and record the mean loss over --eval-batches of its global batches, "
+             "forward only; training is unchanged by it")
+          ->check(cli::NonEmptyPath());
   auto* eval_every = app.add_option("--eval-every", eval.every_steps,
                                     "also evaluate after every this many optimizer steps "
                                     "(default: after the last step only)")
@@ -108,15 +113,19 @@ int main(int argc, char** argv) {
   WeightsIoOptions weights;
   app.add_option("--init-from", weights.init_from_dir,
                  "start from this model directory (config.json + safetensors, as --export or "
-                 "Hugging Face write them; sharded and bf16 too) instead of the seeded init");
+                 "Hugging Face write them; sharded and bf16 too) instead of the seeded init")
+      ->check(cli::NonEmptyPath());
   app.add_option("--export", weights.export_dir,
                  "at the end, write the model to this new directory as model.safetensors + "
-                 "config.json (Hugging Face's Llama/Mixtral names and layout, fp32)");
+                 "config.json (Hugging Face's Llama/Mixtral names and layout, fp32)")
+      ->check(cli::NonEmptyPath());
   app.add_option("--dump-grads", weights.dump_grads_dir,
                  "debugging: write the first step's full gradients (Hugging Face names) and "
-                 "its settings to this new directory, for comparing with another framework");
+                 "its settings to this new directory, for comparing with another framework")
+      ->check(cli::NonEmptyPath());
   if (std::optional<int> exit_code = cli::Parse(app, argc, argv)) return *exit_code;
-  if (Status distinct = CheckOutputIsNotAnInput(trace_out, {plan_path}); !distinct.ok()) {
+  if (Status distinct = CheckOutputIsNotAnInput(trace_out, {plan_path, data_path, eval.data_path});
+      !distinct.ok()) {
     return cli::Fail("dc-run", distinct);
   }
   if (!trace_out.empty() && !IsRankProcess()) {
@@ -147,11 +156,10 @@ int main(int argc, char** argv) {
   }
 
   if (IsRankProcess()) {  // the launcher's variables are read, and checked, before anything else
+    // --nproc against WORLD_SIZE first: the rendezvous matters only once that is settled.
+    if (Status s = CheckNprocAgainstEnvironment(nproc); !s.ok()) return cli::Fail("dc-run", s);
     auto env = RankEnvFromEnvironment(rendezvous);
     if (!env.ok()) return cli::Fail("dc-run", env.status());
-    if (Status s = CheckNprocAgainstEnvironment(nproc, *env); !s.ok()) {
-      return cli::Fail("dc-run", s);
-    }
   }
   auto plan = LoadPlan(plan_path);
   if (!plan.ok()) return cli::Fail("dc-run", plan.status());

@@ -2,6 +2,7 @@
 // summary, Perfetto JSON, memory SVG, diff.
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -160,6 +161,18 @@ int RunDiff(const Common& common, const std::string& a, const std::string& b, in
   if (!second.ok()) return cli::Fail(kProgram, second.status());
   auto diff = DiffTimelines(**first, **second, top, progress.Fn());
   if (!diff.ok()) return cli::Fail(kProgram, diff.status());
+  // Two runs of one program under different plans is what diff is for; two programs (another
+  // model or world size) compare different work, which the numbers alone would not say.
+  const proto::Schedule* sa = (*first)->schedule();
+  const proto::Schedule* sb = (*second)->schedule();
+  if (sa != nullptr && sb != nullptr &&
+      (sa->program_digest() != sb->program_digest() || sa->world_size() != sb->world_size())) {
+    std::fprintf(stderr,
+                 "%s: warning: %s (%d rank(s)) and %s (%d rank(s)) are not of the same program "
+                 "and world size: the differences include the work itself, not only the "
+                 "schedule\n",
+                 kProgram, a.c_str(), sa->world_size(), b.c_str(), sb->world_size());
+  }
   if (common.json) {
     std::cout << DiffJson(*diff).dump() << "\n";
   } else {
@@ -258,6 +271,16 @@ int main(int argc, char** argv) {
       ->check(cli::NonEmptyPath());
   merge->footer("Example: dc-trace merge t.db.rank0.part t.db.rank1.part -o t.db");
 
+  // A first word that is no subcommand would get CLI11's "A subcommand is required", which does
+  // not say that the word was read, nor which subcommands there are.
+  std::vector<std::string> names;
+  for (const CLI::App* sub : app.get_subcommands({})) names.push_back(sub->get_name());
+  if (argc > 1 && argv[1][0] != '-' &&
+      std::find(names.begin(), names.end(), argv[1]) == names.end()) {
+    std::cerr << "dc-trace: unknown subcommand '" << argv[1] << "'; use one of "
+              << Join(names, ", ") << " (dc-trace --help)\n";
+    return cli::kUsageExitCode;
+  }
   if (std::optional<int> exit_code = cli::Parse(app, argc, argv)) return *exit_code;
 
   if (summary->parsed()) return RunSummary(summary_args, summary_top);
