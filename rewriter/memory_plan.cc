@@ -126,8 +126,13 @@ StatusOr<bool> MemoryPlanPass::Run(proto::Schedule* schedule, const PassContext&
   reuse_dependencies_added_ = 0;
   const int64_t budget = context.budget_bytes;
   proto::MemoryPlan plan;
+  // The offload pass's budget check stops at the first packing that fits; where that one is
+  // within the fragmentation target too, it is what PlanMemory would return.
   std::optional<PackingMemo::Entry> packed =
-      context.packings ? context.packings->TakeFitting(*schedule, options_, budget) : std::nullopt;
+      context.packings
+          ? context.packings->TakeFitting(*schedule, BudgetCheckOptions(options_), budget)
+          : std::nullopt;
+  if (packed && !WithinFragmentationTarget(packed->stats, options_)) packed.reset();
   if (packed) {
     plan = std::move(packed->plan);
     stats_ = packed->stats;
