@@ -283,7 +283,9 @@ std::string PackingsWithoutWaitsText(const MemoryPlanOptions& options) {
   return "orders=" + Join(orders, "+") +
          ",max_fragmentation=" + std::to_string(options.max_fragmentation) +
          ",repaired=" + Join(repaired, "+") +
-         ",repair_rounds=" + std::to_string(options.repair_rounds);
+         ",repair_rounds=" + std::to_string(options.repair_rounds) +
+         ",max_packings=" + std::to_string(options.max_packings) +
+         ",budget_check_packings=" + std::to_string(options.budget_check_packings);
 }
 
 // The plan of `packing`: placements sorted by (instruction, tensor, micro_step).
@@ -376,11 +378,15 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
   // Without waits, until the arena is within the fragmentation target and fits the budget.
   // Each repair round marks what the packing before it (of the same order) put above the live
   // peak; a round that would mark nothing new would repeat that packing, and is skipped.
+  // Repairs of an order stop after a round that packs no tighter than the packing before it.
   std::vector<char> first(buffers.size(), 0);
   Packing previous;
-  int round = 0;
+  int round = 0, packed = 0;
+  bool repairs_done = false;
   for (const Attempt& attempt : AttemptsWithoutWaits(options, primary)) {
+    if (options.max_packings > 0 && packed == options.max_packings) break;
     if (attempt.repair) {
+      if (repairs_done) continue;
       bool marked = false;
       for (size_t b = 0; b < buffers.size(); ++b) {
         if (!first[b] && buffers[b].size_bytes > 0 &&
@@ -389,15 +395,22 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
           marked = true;
         }
       }
-      if (!marked) continue;
+      if (!marked) {
+        repairs_done = true;
+        continue;
+      }
       ++round;
     } else {
       std::fill(first.begin(), first.end(), 0);
       round = 0;
+      repairs_done = false;
     }
     ++s.orders_tried;
+    ++packed;
+    const int64_t arena_before = previous.arena_bytes;
     previous = Pack(primary, nullptr, 0, options.alignment_bytes, attempt.order,
                     attempt.repair ? &first : nullptr);
+    if (attempt.repair && previous.arena_bytes >= arena_before) repairs_done = true;
     keep_if_best(Packing(previous), attempt, round);
     if (best.arena_bytes <= target_bytes && (!has_budget || best.arena_bytes <= budget_bytes)) {
       break;
@@ -480,6 +493,7 @@ MemoryPlanOptions BudgetCheckOptions(const MemoryPlanOptions& options) {
   check.spill_to_instruction_order = false;
   check.fall_back_to_instruction_order = false;
   check.max_fragmentation = std::numeric_limits<double>::infinity();
+  check.max_packings = options.budget_check_packings;
   return check;
 }
 

@@ -78,7 +78,15 @@ struct MemoryPlanOptions {
   // buffers last, when the union of what is taken during their lifetime leaves no gap, and
   // breadth's stacking at the busiest instants leaves such buffers above the peak.
   std::vector<Order> repaired_orders = {Order::kBreadthDescending};
+  // Repair rounds of an order stop early after one that packs no tighter than the one before.
   int repair_rounds = 3;
+  // At most this many packings without waits (0: no limit).
+  int max_packings = 0;
+  // The offload pass's arena check (ArenaBytesWithoutWaits) makes at most this many: a prefix
+  // of the memory-plan pass's sequence (size-descending, breadth-descending, its first repair),
+  // so that the pass can take the check's packing where it is good enough. The offload pass
+  // checks a candidate plan per round; the full sequence is the memory-plan pass's to run.
+  int budget_check_packings = 3;
   // Make every instruction that allocates a buffer wait for the instructions on other streams
   // that freed the bytes it reuses (AddReuseDependencies), so the plan is safe on asynchronous
   // streams for an executor that honours deps, and the simulator predicts that step. Off: the
