@@ -132,13 +132,18 @@ StatusOr<bool> MemoryPlanPass::Run(proto::Schedule* schedule, const PassContext&
       context.packings
           ? context.packings->TakeFitting(*schedule, BudgetCheckOptions(options_), budget)
           : std::nullopt;
-  if (packed && !WithinFragmentationTarget(packed->stats, options_)) packed.reset();
-  if (packed) {
+  // Otherwise the pass packs again and keeps the smaller arena of the two (the check packed
+  // over the offload planner's simulation, which may order a few events differently).
+  if (packed && WithinFragmentationTarget(packed->stats, options_)) {
     plan = std::move(packed->plan);
     stats_ = packed->stats;
   } else {
     DC_ASSIGN_OR_RETURN(plan, PlanMemory(*schedule, options_, budget, context.costs, &stats_,
                                          context.input_simulation));
+    if (packed && packed->stats.arena_bytes < stats_.arena_bytes) {
+      plan = std::move(packed->plan);
+      stats_ = packed->stats;
+    }
   }
   static const CostModel kFallback;
   const CostModel& costs = context.costs ? *context.costs : kFallback;
