@@ -7,7 +7,10 @@
 //                         (0.8 x the baseline's peak: offloading must act); then the planning
 //                         time of dc for llama3-70b at 32 ranks, GAS 1 and 16, pass by pass;
 //                         then the pass records of the rows where dc does not beat deepcompile
+//                         then Llama-3 405B shapes on 1,024 ranks (seq 8192, GAS 16,
+//                         recompute): dc's planning time, arena and live peak
 //   plan_bench --quick    the same sections for a small subset (a smoke test)
+//   plan_bench --scale    the Llama-3 405B section alone
 //   plan_bench PRESET GAS NODES GPUS_PER_NODE [BUDGET_GB [PASSES]]
 //                         one case; PASSES a comma-separated pass list (then only it)
 //
@@ -29,6 +32,7 @@
 #include "machine/lower_bound.h"
 #include "machine/simulator.h"
 #include "models/model.h"
+#include "rewriter/memory_lifetimes.h"
 #include "rewriter/planner.h"
 
 namespace {
@@ -158,6 +162,9 @@ struct PolicyRun {
   double step_seconds = 0;
   int64_t peak_bytes = 0;
   double plan_seconds = 0;
+  int64_t arena_bytes = 0;      // the memory plan's arena (0: the plan has none)
+  int64_t live_peak_bytes = 0;  // most bytes its buffers hold at once, in simulated time
+  int instructions = 0;
   double compute_seconds = 0;                // the plan's compute, as the simulator unions it
   double exposed_communication_seconds = 0;  // its communication not hidden by compute
   std::vector<dc::proto::PassRecord> passes;
@@ -192,6 +199,21 @@ StatusOr<Model> ModelOf(const Config& config, const dc::HardwareProfile& hw) {
   return model;
 }
 
+// Most bytes the plan's device buffers hold at once over the memory plan's lifetimes (simulated
+// time): what no arena can undercut.
+int64_t LivePeakBytes(const dc::proto::Schedule& plan, const dc::CostModel& costs) {
+  auto buffers = dc::BufferLifetimes(plan);
+  if (!buffers.ok()) return 0;
+  dc::SimOptions options;
+  options.memory_timeline = false;
+  auto sim = dc::Simulate(plan, costs, options);
+  if (!sim.ok()) return 0;
+  int length = 0;
+  std::vector<int> instruction_at;
+  if (!dc::ToSimulatedTimeAxis(plan, *sim, &*buffers, &length, &instruction_at).ok()) return 0;
+  return dc::LivePeak(*buffers, length).first;
+}
+
 PolicyRun Plan(const Model& model, const std::string& policy, int64_t budget_bytes) {
   dc::PlanRequest request;
   request.program = model.program;
@@ -215,6 +237,11 @@ PolicyRun Plan(const Model& model, const std::string& policy, int64_t budget_byt
   run.peak_bytes = plan->prediction().peak_device_bytes();
   for (const std::string& note : plan->notes()) {
     if (note.rfind("kept ", 0) == 0) run.kept = note.substr(5, note.find("'s plan") - 5);
+  }
+  run.instructions = plan->instructions_size();
+  if (plan->has_memory_plan() && plan->memory_plan().arena_bytes() > 0) {
+    run.arena_bytes = plan->memory_plan().arena_bytes();
+    run.live_peak_bytes = LivePeakBytes(*plan, model.costs);
   }
   run.compute_seconds = plan->prediction().compute_seconds();
   run.exposed_communication_seconds = plan->prediction().exposed_communication_seconds();
@@ -253,6 +280,18 @@ class Footnotes {
   std::vector<std::string> notes_;
 };
 
+std::string ArenaText(const PolicyRun& run) {
+  return run.ok && run.arena_bytes > 0 ? GiB(run.arena_bytes) : "—";
+}
+
+std::string OverLivePeak(const PolicyRun& run) {
+  if (!run.ok || run.arena_bytes <= 0 || run.live_peak_bytes <= 0) return "—";
+  return Fixed(100.0 * static_cast<double>(run.arena_bytes - run.live_peak_bytes) /
+                   static_cast<double>(run.live_peak_bytes),
+               2) +
+         "%";
+}
+
 std::string ConfigLabel(const Row& row) {
   return row.config.preset + ", " + std::to_string(row.config.ranks) + " ranks, GAS " +
          std::to_string(row.config.gas) + ", " + row.budget_name + " budget";
@@ -269,14 +308,18 @@ void PrintTable(const std::vector<Row>& rows, const dc::HardwareProfile& hw) {
       "taken over zero3-offload (ZeRO-3's own answer to the budget) and marked *. bound: a step "
       "no schedule of the program beats on this profile at any budget (machine/lower_bound.h); dc "
       "gap: dc's step over it, less 1. \"(deepcompile's plan)\" after dc's step: a rule's plan was "
-      "faster than dc's own and dc kept it. dc plan s: wall-clock seconds of MakePlan for dc.\n\n",
+      "faster than dc's own and dc kept it. dc arena: the memory plan's arena, and over the live "
+      "peak of its buffers (simulated time) in percent; — where the plan has no memory plan. dc "
+      "plan s: wall-clock seconds of MakePlan for dc.\n\n",
       hw.name.c_str(), kGpusPerNode, static_cast<long long>(kSeq),
       GiB(hw.device_memory_bytes).c_str(), kTightShareOfBaselinePeak);
   std::printf(
       "| model | ranks | GAS | budget GiB | baseline step | baseline peak | zero3-offload step | "
       "deepcompile step | deepcompile peak | dc step | dc peak | bound | dc gap | dc / baseline | "
-      "dc / deepcompile | dc plan s |\n");
-  std::printf("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      "dc / deepcompile | dc arena | arena over live peak | dc plan s |\n");
+  std::printf(
+      "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+      "\n");
   Footnotes notes;
   for (const Row& row : rows) {
     const PolicyRun& base = row.runs.at("baseline");
@@ -308,12 +351,14 @@ void PrintTable(const std::vector<Row>& rows, const dc::HardwareProfile& hw) {
     const std::string gap =
         dc.ok ? Fixed(100 * dc::BoundGap(dc.step_seconds, row.bound_seconds), 0) + "%" : "—";
     std::printf(
-        "| %s | %d | %d | %s %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n",
+        "| %s | %d | %d | %s %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s "
+        "| %s |\n",
         row.config.preset.c_str(), row.config.ranks, row.config.gas, row.budget_name.c_str(),
         GiB(row.budget_bytes).c_str(), base_step.c_str(), base_peak.c_str(), offload_step.c_str(),
         deep_step.c_str(), deep.ok ? GiB(deep.peak_bytes).c_str() : "—", dc_step.c_str(),
         dc.ok ? GiB(dc.peak_bytes).c_str() : "—", Fixed(row.bound_seconds, 4).c_str(), gap.c_str(),
-        over_base.c_str(), over_deep.c_str(), Fixed(dc.plan_seconds, 3).c_str());
+        over_base.c_str(), over_deep.c_str(), ArenaText(dc).c_str(), OverLivePeak(dc).c_str(),
+        Fixed(dc.plan_seconds, 3).c_str());
   }
   std::printf("\n");
   notes.Print();
@@ -430,6 +475,59 @@ int PlanningTime(const std::vector<Config>& configs, const dc::HardwareProfile& 
   return 0;
 }
 
+// Llama-3 405B's shapes (issue 14): planned by dc on 1,024 ranks at the GPU's memory.
+int Scale(const dc::HardwareProfile& hw) {
+  std::printf("## Llama-3 405B on 1,024 ranks\n\n");
+  dc::ModelOverrides overrides;
+  overrides.layers = 126;
+  overrides.hidden = 16384;
+  overrides.heads = 128;
+  overrides.kv_heads = 8;
+  overrides.ffn = 53248;
+  overrides.seq = 8192;
+  overrides.micro_batch = 1;
+  overrides.gas = 16;
+  overrides.recompute_layers = true;
+  auto config = dc::MakeConfig("llama3-70b", overrides);
+  if (!config.ok()) return Fail(config.status());
+  Model model;
+  auto program = dc::BuildProgram(*config);
+  if (!program.ok()) return Fail(program.status());
+  model.program = std::move(*program);
+  auto cluster = dc::MakeCluster(1024, kGpusPerNode);
+  if (!cluster.ok()) return Fail(cluster.status());
+  model.costs = dc::EstimateCostModel(model.program, hw, *cluster);
+  model.world = cluster->world_size();
+  std::fprintf(stderr, "plan_bench: llama3-405b shapes, 1024 ranks, GAS 16\n");
+  const PolicyRun run = MedianDcPlan(model, hw.device_memory_bytes);
+  std::printf(
+      "126 layers, hidden 16384, 128 heads, 8 KV heads, FFN 53248, seq 8192, micro-batch 1, GAS "
+      "16, recompute; %d x %d H100 (%s); budget the GPU's memory. dc's MakePlan, median of %d, "
+      "wall-clock seconds.\n\n",
+      cluster->nodes, cluster->gpus_per_node, hw.name.c_str(), kTimingRepeats);
+  std::printf(
+      "| dc step | dc peak | instructions | arena | live peak | arena over live peak | budget | "
+      "dc plan s |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  if (!run.ok) {
+    std::printf("| fails | — | — | — | — | — | %s | %s |\n\n%s\n\n",
+                GiB(hw.device_memory_bytes).c_str(), Fixed(run.plan_seconds, 3).c_str(),
+                run.error.c_str());
+    return 0;
+  }
+  std::printf("| %s | %s | %d | %s | %s | %s | %s | %s |\n\n", Fixed(run.step_seconds, 4).c_str(),
+              GiB(run.peak_bytes).c_str(), run.instructions, ArenaText(run).c_str(),
+              run.live_peak_bytes > 0 ? GiB(run.live_peak_bytes).c_str() : "—",
+              OverLivePeak(run).c_str(), GiB(hw.device_memory_bytes).c_str(),
+              Fixed(run.plan_seconds, 3).c_str());
+  for (const auto& record : run.passes) {
+    std::printf("- %s (%.3f s; then step %.4f s, peak %s GiB): %s\n", record.name().c_str(),
+                record.seconds(), record.predicted_step_seconds(),
+                GiB(record.predicted_peak_bytes()).c_str(), record.summary().c_str());
+  }
+  std::printf("\n");
+  return 0;
+}
+
 int Standard(bool quick, const dc::HardwareProfile& hw) {
   std::vector<Config> configs;
   std::vector<Config> timing;
@@ -472,6 +570,7 @@ int Standard(bool quick, const dc::HardwareProfile& hw) {
   PrintTable(rows, hw);
   if (int failed = PlanningTime(timing, hw); failed != 0) return failed;
   PrintNonWins(rows);
+  if (!quick) return Scale(hw);
   return 0;
 }
 
@@ -482,10 +581,12 @@ int main(int argc, char** argv) {
   if (!hw.ok()) return Fail(hw.status());
   if (argc > 4) return OneCase(argc, argv, *hw);
   const bool quick = argc == 2 && std::strcmp(argv[1], "--quick") == 0;
+  if (argc == 2 && std::strcmp(argv[1], "--scale") == 0) return Scale(*hw);
   if (argc > 1 && !quick) {
-    std::fprintf(stderr,
-                 "usage: plan_bench [--quick] | plan_bench PRESET GAS NODES GPUS_PER_NODE "
-                 "[BUDGET_GB [PASSES]]\n");
+    std::fprintf(
+        stderr,
+        "usage: plan_bench [--quick | --scale] | plan_bench PRESET GAS NODES GPUS_PER_NODE "
+        "[BUDGET_GB [PASSES]]\n");
     return 2;
   }
   return Standard(quick, *hw);

@@ -13,6 +13,7 @@
 #include "rewriter/arena_occupancy.h"
 #include "rewriter/memory_lifetimes.h"
 #include "schemas/digest.h"
+#include "schemas/effects.h"
 #include "schemas/units.h"
 
 namespace dc {
@@ -30,6 +31,8 @@ const char* OrderName(MemoryPlanOptions::Order order) {
       return "size-descending";
     case MemoryPlanOptions::Order::kAreaDescending:
       return "area-descending";
+    case MemoryPlanOptions::Order::kBreadthDescending:
+      return "breadth-descending";
   }
   return "?";
 }
@@ -93,11 +96,49 @@ bool PlaceInOrder(const Axis& primary, const Axis* spill, int64_t spill_above_by
   return true;
 }
 
-// Best-fit decreasing in `order` over `primary` lifetimes. With `spill` and spill_above_bytes
-// > 0, a buffer whose best place over `primary` ends above spill_above_bytes may take a gap that
-// is free over the `spill` lifetimes (which conflict less) if that place ends lower.
+// For each buffer, the most reserved bytes live at once at some position of its lifetime (the
+// live curve's maximum over [alloc_index, free_index]), from a max segment tree over the curve.
+std::vector<int64_t> BusiestLiveBytes(const Axis& axis, const std::vector<int64_t>& reserve) {
+  const std::vector<BufferLifetime>& buffers = *axis.buffers;
+  // Position p (-1 .. length) is leaf p + 1; delta[p + 1] is the change where p starts.
+  const int positions = axis.length + 2;
+  std::vector<int64_t> delta(positions + 1, 0);
+  for (size_t b = 0; b < buffers.size(); ++b) {
+    delta[buffers[b].alloc_index + 1] += reserve[b];
+    delta[std::min(buffers[b].free_index + 2, positions)] -= reserve[b];
+  }
+  int leaves = 1;
+  while (leaves < positions) leaves *= 2;
+  std::vector<int64_t> tree(2 * static_cast<size_t>(leaves), 0);
+  int64_t live = 0;
+  for (int p = 0; p < positions; ++p) {
+    live += delta[p];
+    tree[leaves + p] = live;
+  }
+  for (int node = leaves - 1; node >= 1; --node) {
+    tree[node] = std::max(tree[2 * node], tree[2 * node + 1]);
+  }
+  std::vector<int64_t> busiest(buffers.size(), 0);
+  for (size_t b = 0; b < buffers.size(); ++b) {
+    int lo = buffers[b].alloc_index + 1 + leaves;
+    int hi = std::min(buffers[b].free_index + 1, positions - 1) + 1 + leaves;
+    int64_t most = 0;
+    for (; lo < hi; lo /= 2, hi /= 2) {
+      if (lo & 1) most = std::max(most, tree[lo++]);
+      if (hi & 1) most = std::max(most, tree[--hi]);
+    }
+    busiest[b] = most;
+  }
+  return busiest;
+}
+
+// Best-fit decreasing in `order` over `primary` lifetimes, the buffers marked in `first`
+// (optional) before the others. With `spill` and spill_above_bytes > 0, a buffer whose best
+// place over `primary` ends above spill_above_bytes may take a gap that is free over the
+// `spill` lifetimes (which conflict less) if that place ends lower.
 Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
-             int64_t alignment_bytes, MemoryPlanOptions::Order order) {
+             int64_t alignment_bytes, MemoryPlanOptions::Order order,
+             const std::vector<char>* first) {
   const std::vector<BufferLifetime>& buffers = *primary.buffers;
   const int n = static_cast<int>(buffers.size());
   Packing packing;
@@ -130,23 +171,32 @@ Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
   // The order's keys, then earlier allocation, then the placement key (unique per buffer, so
   // the order is total), gathered next to each other so the sort does not chase indices.
   struct RestKey {
-    int64_t area;  // reserve x lifetime for kAreaDescending; 0 (no key) otherwise
+    int first;  // 1: marked in `first`
+    // reserve x lifetime for kAreaDescending; the most bytes live at once during the lifetime
+    // for kBreadthDescending; 0 (no key) otherwise
+    int64_t area;
     int64_t reserve;
     int alloc_index, instruction, tensor, micro_step, buffer;
   };
   std::vector<RestKey> keys;
   keys.reserve(rest.size());
+  const std::vector<int64_t> busiest = order == MemoryPlanOptions::Order::kBreadthDescending
+                                           ? BusiestLiveBytes(primary, reserve)
+                                           : std::vector<int64_t>();
   for (int b : rest) {
     const BufferLifetime& x = buffers[b];
     // Below 2^63: sizes are under 2^40 bytes and lifetimes under 2^23 positions.
     const int64_t lifetime = static_cast<int64_t>(x.free_index) - x.alloc_index + 1;
-    const int64_t area =
-        order == MemoryPlanOptions::Order::kAreaDescending ? reserve[b] * lifetime : 0;
-    keys.push_back({area, reserve[b], x.alloc_index, x.instruction, x.tensor, x.micro_step, b});
+    int64_t area = 0;
+    if (order == MemoryPlanOptions::Order::kAreaDescending) area = reserve[b] * lifetime;
+    if (order == MemoryPlanOptions::Order::kBreadthDescending) area = busiest[b];
+    keys.push_back({first ? (*first)[b] : 0, area, reserve[b], x.alloc_index, x.instruction,
+                    x.tensor, x.micro_step, b});
   }
   std::sort(keys.begin(), keys.end(), [](const RestKey& x, const RestKey& y) {
-    return std::tie(y.area, y.reserve, x.alloc_index, x.instruction, x.tensor, x.micro_step) <
-           std::tie(x.area, x.reserve, y.alloc_index, y.instruction, y.tensor, y.micro_step);
+    return std::tie(y.first, y.area, y.reserve, x.alloc_index, x.instruction, x.tensor,
+                    x.micro_step) < std::tie(x.first, x.area, x.reserve, y.alloc_index,
+                                             y.instruction, y.tensor, y.micro_step);
   });
   for (size_t k = 0; k < keys.size(); ++k) rest[k] = keys[k].buffer;
 
@@ -167,25 +217,43 @@ Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
 }
 
 // One packing PlanMemory tries: an order over the lifetimes of `axis`, spilling to `spill`
-// (optional) from `headroom_fraction` below the budget.
+// (optional) from `headroom_fraction` below the budget; `repair`: a repair round of the packing
+// before it (same order, the buffers it put above the live peak placed first).
 struct Attempt {
   const Axis* axis;
   const Axis* spill;
   double headroom_fraction;
   MemoryPlanOptions::Order order;
+  bool repair = false;
 };
 
-// Attempts in turn until one fits the budget: every order over the primary lifetimes
-// (spilling only what would end above the budget); then spilling from a lower mark, with the
-// first order; then every order in instruction order alone (`fall_back`, where the primary
-// lifetimes are in simulated time).
-std::vector<Attempt> Attempts(const MemoryPlanOptions& options, const Axis& primary,
-                              const Axis* spill, const Axis* fall_back) {
+// The packings without waits, tried in turn until one is good enough: every order over the
+// primary lifetimes, each of the repaired orders followed by its repair rounds.
+std::vector<Attempt> AttemptsWithoutWaits(const MemoryPlanOptions& options, const Axis& primary) {
   std::vector<Attempt> attempts;
   for (MemoryPlanOptions::Order order : options.orders) {
-    attempts.push_back({&primary, spill, 0.0, order});
+    attempts.push_back({&primary, nullptr, 0.0, order});
+    if (std::count(options.repaired_orders.begin(), options.repaired_orders.end(), order) == 0) {
+      continue;
+    }
+    for (int round = 0; round < options.repair_rounds; ++round) {
+      attempts.push_back({&primary, nullptr, 0.0, order, /*repair=*/true});
+    }
   }
+  return attempts;
+}
+
+// Where those leave the arena over the budget, attempts in turn until one fits it: every order
+// over the primary lifetimes spilling what would end above the budget; then spilling from a
+// lower mark, with the first order; then every order in instruction order alone (`fall_back`,
+// where the primary lifetimes are in simulated time).
+std::vector<Attempt> AttemptsOverBudget(const MemoryPlanOptions& options, const Axis& primary,
+                                        const Axis* spill, const Axis* fall_back) {
+  std::vector<Attempt> attempts;
   if (spill) {
+    for (MemoryPlanOptions::Order order : options.orders) {
+      attempts.push_back({&primary, spill, 0.0, order});
+    }
     for (double fraction : options.spill_headroom_fractions) {
       if (fraction > 0) attempts.push_back({&primary, spill, fraction, options.orders.front()});
     }
@@ -196,6 +264,28 @@ std::vector<Attempt> Attempts(const MemoryPlanOptions& options, const Axis& prim
     }
   }
   return attempts;
+}
+
+// The largest arena within options.max_fragmentation of `live_peak_bytes`.
+int64_t TargetArenaBytes(int64_t live_peak_bytes, const MemoryPlanOptions& options) {
+  const double target = static_cast<double>(live_peak_bytes) * (1 + options.max_fragmentation);
+  if (target >= static_cast<double>(kUnlimitedBytes)) return kUnlimitedBytes;
+  return std::max(live_peak_bytes, static_cast<int64_t>(target));
+}
+
+// The options that decide the packings without waits, as text.
+std::string PackingsWithoutWaitsText(const MemoryPlanOptions& options) {
+  std::vector<std::string> orders, repaired;
+  for (MemoryPlanOptions::Order order : options.orders) orders.push_back(OrderName(order));
+  for (MemoryPlanOptions::Order order : options.repaired_orders) {
+    repaired.push_back(OrderName(order));
+  }
+  return "orders=" + Join(orders, "+") +
+         ",max_fragmentation=" + std::to_string(options.max_fragmentation) +
+         ",repaired=" + Join(repaired, "+") +
+         ",repair_rounds=" + std::to_string(options.repair_rounds) +
+         ",max_packings=" + std::to_string(options.max_packings) +
+         ",budget_check_packings=" + std::to_string(options.budget_check_packings);
 }
 
 // The plan of `packing`: placements sorted by (instruction, tensor, micro_step).
@@ -269,27 +359,76 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
     s.live_peak_instruction = instruction_at[s.live_peak_instruction];
   }
 
-  const std::vector<Attempt> attempts =
-      Attempts(options, primary, spill, in_time ? &instruction_axis : nullptr);
+  const int64_t live_peak = s.live_peak_bytes;
+  const int64_t target_bytes = TargetArenaBytes(live_peak, options);
+  const bool has_budget = budget_bytes > 0;
   Packing best;
   best.arena_bytes = -1;
-  for (const Attempt& attempt : attempts) {
-    ++s.orders_tried;
-    const int64_t spill_above =
-        budget_bytes -
-        static_cast<int64_t>(static_cast<double>(budget_bytes) * attempt.headroom_fraction);
-    Packing packing =
-        Pack(*attempt.axis, attempt.spill, spill_above, options.alignment_bytes, attempt.order);
-    if (best.arena_bytes < 0 || packing.arena_bytes < best.arena_bytes) {
-      best = std::move(packing);
-      s.order = OrderName(attempt.order);
-      if (attempt.axis == &instruction_axis && in_time) {
-        s.lifetimes = MemoryPlanOptions::Lifetimes::kInstructionOrder;
-        s.live_peak_bytes = s.instruction_order_peak_bytes;
-        s.live_peak_instruction = s.instruction_order_peak_instruction;
-      }
+  auto keep_if_best = [&](Packing&& packing, const Attempt& attempt, int round) {
+    if (best.arena_bytes >= 0 && packing.arena_bytes >= best.arena_bytes) return;
+    best = std::move(packing);
+    s.order = OrderName(attempt.order);
+    if (round > 0) s.order += ", repair round " + std::to_string(round);
+    if (attempt.axis == &instruction_axis && in_time) {
+      s.lifetimes = MemoryPlanOptions::Lifetimes::kInstructionOrder;
+      s.live_peak_bytes = s.instruction_order_peak_bytes;
+      s.live_peak_instruction = s.instruction_order_peak_instruction;
     }
-    if (budget_bytes <= 0 || best.arena_bytes <= budget_bytes) break;
+  };
+  // Without waits, until the arena is within the fragmentation target and fits the budget.
+  // Each repair round marks what the packing before it (of the same order) put above the live
+  // peak; a round that would mark nothing new would repeat that packing, and is skipped.
+  // Repairs of an order stop after a round that packs no tighter than the packing before it.
+  std::vector<char> first(buffers.size(), 0);
+  Packing previous;
+  int round = 0, packed = 0;
+  bool repairs_done = false;
+  for (const Attempt& attempt : AttemptsWithoutWaits(options, primary)) {
+    if (options.max_packings > 0 && packed == options.max_packings) break;
+    if (attempt.repair) {
+      if (repairs_done) continue;
+      bool marked = false;
+      for (size_t b = 0; b < buffers.size(); ++b) {
+        if (!first[b] && buffers[b].size_bytes > 0 &&
+            previous.offsets[b] + buffers[b].size_bytes > live_peak) {
+          first[b] = 1;
+          marked = true;
+        }
+      }
+      if (!marked) {
+        repairs_done = true;
+        continue;
+      }
+      ++round;
+    } else {
+      std::fill(first.begin(), first.end(), 0);
+      round = 0;
+      repairs_done = false;
+    }
+    ++s.orders_tried;
+    ++packed;
+    const int64_t arena_before = previous.arena_bytes;
+    previous = Pack(primary, nullptr, 0, options.alignment_bytes, attempt.order,
+                    attempt.repair ? &first : nullptr);
+    if (attempt.repair && previous.arena_bytes >= arena_before) repairs_done = true;
+    keep_if_best(Packing(previous), attempt, round);
+    if (best.arena_bytes <= target_bytes && (!has_budget || best.arena_bytes <= budget_bytes)) {
+      break;
+    }
+  }
+  // Over the budget: reuse that waits, as little as it takes.
+  if (has_budget && best.arena_bytes > budget_bytes) {
+    for (const Attempt& attempt :
+         AttemptsOverBudget(options, primary, spill, in_time ? &instruction_axis : nullptr)) {
+      ++s.orders_tried;
+      const int64_t spill_above =
+          budget_bytes -
+          static_cast<int64_t>(static_cast<double>(budget_bytes) * attempt.headroom_fraction);
+      keep_if_best(Pack(*attempt.axis, attempt.spill, spill_above, options.alignment_bytes,
+                        attempt.order, nullptr),
+                   attempt, 0);
+      if (best.arena_bytes <= budget_bytes) break;
+    }
   }
   s.arena_bytes = best.arena_bytes;
   s.spilled_buffers = best.spilled;
@@ -311,8 +450,7 @@ std::string PackingMemo::Key(const proto::Schedule& schedule, const MemoryPlanOp
   }
   return Sha256Hex(bytes) + "/" + std::to_string(budget_bytes) + "/" +
          std::to_string(static_cast<int>(options.lifetimes)) + "/" +
-         std::to_string(options.alignment_bytes) + "/" +
-         (options.orders.empty() ? "none" : OrderName(options.orders.front()));
+         std::to_string(options.alignment_bytes) + "/" + PackingsWithoutWaitsText(options);
 }
 
 void PackingMemo::Store(const proto::Schedule& schedule, const MemoryPlanOptions& options,
@@ -342,10 +480,7 @@ StatusOr<int64_t> ArenaBytesWithoutWaits(const proto::Schedule& schedule,
                                          const MemoryPlanOptions& options, int64_t budget_bytes,
                                          const CostModel* costs, const SimResult* simulation,
                                          PackingMemo* memo) {
-  MemoryPlanOptions first = options;
-  first.orders.resize(1);
-  first.spill_to_instruction_order = false;
-  first.fall_back_to_instruction_order = false;
+  const MemoryPlanOptions first = BudgetCheckOptions(options);
   MemoryPlanStats stats;
   DC_ASSIGN_OR_RETURN(proto::MemoryPlan plan,
                       PlanMemory(schedule, first, budget_bytes, costs, &stats, simulation));
@@ -353,11 +488,22 @@ StatusOr<int64_t> ArenaBytesWithoutWaits(const proto::Schedule& schedule,
   return stats.arena_bytes;
 }
 
+MemoryPlanOptions BudgetCheckOptions(const MemoryPlanOptions& options) {
+  MemoryPlanOptions check = options;
+  check.spill_to_instruction_order = false;
+  check.fall_back_to_instruction_order = false;
+  check.max_fragmentation = std::numeric_limits<double>::infinity();
+  check.max_packings = options.budget_check_packings;
+  return check;
+}
+
+bool WithinFragmentationTarget(const MemoryPlanStats& stats, const MemoryPlanOptions& options) {
+  return stats.arena_bytes <= TargetArenaBytes(stats.live_peak_bytes, options);
+}
+
 std::string MemoryPlanOptionsText(const MemoryPlanOptions& options) {
-  std::vector<std::string> orders;
-  for (MemoryPlanOptions::Order order : options.orders) orders.push_back(OrderName(order));
-  std::string text =
-      "alignment=" + std::to_string(options.alignment_bytes) + ",orders=" + Join(orders, "+");
+  std::string text = "alignment=" + std::to_string(options.alignment_bytes) + "," +
+                     PackingsWithoutWaitsText(options);
   text += std::string(",lifetimes=") +
           (options.lifetimes == MemoryPlanOptions::Lifetimes::kInstructionOrder
                ? "instruction-order"

@@ -60,9 +60,33 @@ struct MemoryPlanOptions {
   enum class Order {
     kSizeDescending,  // XLA's order: size descending, earlier allocation first on ties
     kAreaDescending,  // size × lifetime descending: long-lived large buffers first
+    // The most bytes live at once during the buffer's lifetime, descending, then size
+    // descending: the buffers held at the live peak all overlap there, so they are stacked
+    // first without holes; those of the next busiest instants are placed around them.
+    kBreadthDescending,
   };
-  // Tried in turn until the arena fits the budget; the first always runs.
-  std::vector<Order> orders = {Order::kSizeDescending, Order::kAreaDescending};
+  // Tried in turn (the first always runs) until the arena is within max_fragmentation of the
+  // live peak and fits the budget; the smallest arena found wins. Where size-descending packs
+  // tightly enough, it is the only packing made.
+  std::vector<Order> orders = {Order::kSizeDescending, Order::kBreadthDescending,
+                               Order::kAreaDescending};
+  // The arena may exceed the live peak by this fraction before a further packing is tried.
+  double max_fragmentation = 0.01;
+  // After a packing in one of these orders that is not good enough, up to repair_rounds more in
+  // the same order, each placing first (in the order's sequence) every buffer that an earlier
+  // round of it put above the live peak: a best fit by decreasing keys places small long-lived
+  // buffers last, when the union of what is taken during their lifetime leaves no gap, and
+  // breadth's stacking at the busiest instants leaves such buffers above the peak.
+  std::vector<Order> repaired_orders = {Order::kBreadthDescending};
+  // Repair rounds of an order stop early after one that packs no tighter than the one before.
+  int repair_rounds = 3;
+  // At most this many packings without waits (0: no limit).
+  int max_packings = 0;
+  // The offload pass's arena check (ArenaBytesWithoutWaits) makes at most this many: a prefix
+  // of the memory-plan pass's sequence (size-descending, breadth-descending, its first repair),
+  // so that the pass can take the check's packing where it is good enough. The offload pass
+  // checks a candidate plan per round; the full sequence is the memory-plan pass's to run.
+  int budget_check_packings = 3;
   // Make every instruction that allocates a buffer wait for the instructions on other streams
   // that freed the bytes it reuses (AddReuseDependencies), so the plan is safe on asynchronous
   // streams for an executor that honours deps, and the simulator predicts that step. Off: the
@@ -87,7 +111,9 @@ struct MemoryPlanStats {
 };
 
 // The plan of `schedule` under `options`: placements sorted by (instruction, tensor,
-// micro_step). With budget_bytes > 0, later orders are tried while the arena is over it; the
+// micro_step). First the packings without waits (the orders and their repair rounds) until one
+// is within max_fragmentation of the live peak and fits the budget; then, with budget_bytes > 0
+// and the arena still over it, those that spill and fall back to instruction order. The
 // smallest arena found is returned either way (the caller judges the budget). `costs` times
 // the simulation for kInstructionAndSimulatedTime; without them (null) lifetimes are in
 // instruction order. `stats` is optional; so is `simulation`, Simulate(schedule, *costs) when
@@ -98,10 +124,11 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
                                        const SimResult* simulation = nullptr);
 
 // The last packing of one plan, keyed by the schedule's instructions, the budget and the options
-// that decide PlanMemory's first attempt (lifetimes, alignment, first order). A packing that
-// fits the budget is what PlanMemory's first attempt returns whatever the later attempts and
-// spill settings (they act only above the budget), so the memory-plan pass takes it instead of
-// packing the same schedule again after the offload pass checked its arena. Not thread-safe.
+// that decide its packings without waits (lifetimes, alignment, orders, fragmentation target,
+// repairs). The offload pass's budget check (ArenaBytesWithoutWaits) stores its packing; where
+// that fits the budget and is within the memory-plan pass's fragmentation target, it is what
+// PlanMemory would return whatever the spill settings (they act only above the budget), so the
+// pass takes it instead of packing the same schedule again. Not thread-safe.
 class PackingMemo {
  public:
   struct Entry {
@@ -125,8 +152,16 @@ class PackingMemo {
   Entry entry_;
 };
 
-// The arena `schedule` gets without slowing down: packed with `options`' lifetimes, alignment
-// and first order, and no reuse that waits (no spills, no fall-back to instruction order: those
+// The options ArenaBytesWithoutWaits packs with: `options` without spills or the fall-back to
+// instruction order, stopping at the first packing that fits the budget (the fragmentation
+// target is the memory-plan pass's to meet: it takes that packing only where it is within it).
+MemoryPlanOptions BudgetCheckOptions(const MemoryPlanOptions& options);
+
+// Whether `stats`' arena is within options.max_fragmentation of its live peak.
+bool WithinFragmentationTarget(const MemoryPlanStats& stats, const MemoryPlanOptions& options);
+
+// The arena `schedule` gets without slowing down: packed with BudgetCheckOptions(options) (no
+// reuse that waits (no spills, no fall-back to instruction order: those
 // are the memory-plan pass's last resorts). What the offload pass asks of a candidate plan.
 // `costs` and `simulation` as for PlanMemory; the packing is stored in `memo` (optional) for
 // the memory-plan pass to take.

@@ -126,14 +126,24 @@ StatusOr<bool> MemoryPlanPass::Run(proto::Schedule* schedule, const PassContext&
   reuse_dependencies_added_ = 0;
   const int64_t budget = context.budget_bytes;
   proto::MemoryPlan plan;
+  // The offload pass's budget check stops at the first packing that fits; where that one is
+  // within the fragmentation target too, it is what PlanMemory would return.
   std::optional<PackingMemo::Entry> packed =
-      context.packings ? context.packings->TakeFitting(*schedule, options_, budget) : std::nullopt;
-  if (packed) {
+      context.packings
+          ? context.packings->TakeFitting(*schedule, BudgetCheckOptions(options_), budget)
+          : std::nullopt;
+  // Otherwise the pass packs again and keeps the smaller arena of the two (the check packed
+  // over the offload planner's simulation, which may order a few events differently).
+  if (packed && WithinFragmentationTarget(packed->stats, options_)) {
     plan = std::move(packed->plan);
     stats_ = packed->stats;
   } else {
     DC_ASSIGN_OR_RETURN(plan, PlanMemory(*schedule, options_, budget, context.costs, &stats_,
                                          context.input_simulation));
+    if (packed && packed->stats.arena_bytes < stats_.arena_bytes) {
+      plan = std::move(packed->plan);
+      stats_ = packed->stats;
+    }
   }
   static const CostModel kFallback;
   const CostModel& costs = context.costs ? *context.costs : kFallback;

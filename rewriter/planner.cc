@@ -140,7 +140,23 @@ Status ExploreSplits(const PlanRequest& request, const std::string& program_dige
     alternatives.push_back({true, request.budget_bytes + states});
     if (keeps) alternatives.push_back({false, request.budget_bytes + states});
   }
+  // Where keep-activations kept nothing at a relaxed budget, the pipeline without it makes the
+  // same schedule (every pass is a function of its input) and would only tie: not planned.
+  std::vector<int64_t> kept_nothing_at;
+  auto note_kept_nothing = [&](const StatusOr<proto::Schedule>& plan, int64_t relaxed) {
+    if (!plan.ok()) return;
+    for (const proto::PassRecord& record : plan->passes()) {
+      if (record.name() == "keep-activations" && !record.changed()) {
+        kept_nothing_at.push_back(relaxed);
+      }
+    }
+  };
+  note_kept_nothing(*planned, context.relaxed_budget_bytes);
   for (const Alternative& alternative : alternatives) {
+    if (!alternative.keep_activations && std::count(kept_nothing_at.begin(), kept_nothing_at.end(),
+                                                    alternative.relaxed_budget_bytes) > 0) {
+      continue;
+    }
     DC_ASSIGN_OR_RETURN(auto other_pipeline, PipelineFor(request));
     if (!alternative.keep_activations) {
       DC_RETURN_IF_ERROR(other_pipeline->Disable("keep-activations"));
@@ -149,6 +165,7 @@ Status ExploreSplits(const PlanRequest& request, const std::string& program_dige
     other_context.relaxed_budget_bytes = alternative.relaxed_budget_bytes;
     StatusOr<proto::Schedule> other =
         RunPipeline(request, program_digest, *other_pipeline, other_context);
+    if (alternative.keep_activations) note_kept_nothing(other, alternative.relaxed_budget_bytes);
     if (other.ok() && (!planned->ok() || other->prediction().step_seconds() <
                                              (*planned)->prediction().step_seconds())) {
       *planned = std::move(other);
