@@ -379,11 +379,8 @@ MasterCase TinyBf16() {
 TEST(Offload, MovesMastersOnlyOnceEveryAdamStateIsGone) {
   const MasterCase c = TinyBf16();
   const Case& setup = c.setup;
-  // Past what m and v free, by three quarters of what the masters can.
-  // (Three quarters: at half, the memory plan now packs tightly enough that 41 of 63 fragments
-  // make room and no master moves.)
-  const int64_t budget =
-      setup.sim.peak_device_bytes - setup.state_bytes - c.master_net_bytes * 3 / 4;
+  // Past what m and v free, by half of what the masters can.
+  const int64_t budget = setup.sim.peak_device_bytes - setup.state_bytes - c.master_net_bytes / 2;
   ASSERT_GE(budget, setup.persistent_bytes + c.compute_shard_bytes)
       << "the optimizer step must have room for the bf16 shards";
   proto::Schedule s = setup.schedule;
