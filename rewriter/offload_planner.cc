@@ -55,7 +55,7 @@ Status MissingBytesError(const Layout& layout, int64_t peak_bytes, int64_t missi
   int64_t all = 0;
   for (const Fragment& f : layout.fragments) all += f.bytes;
   const std::string missing = FormatBytes(missing_bytes);
-  return Status::Error(
+  return Status::OverBudget(
       "even with all " + std::to_string(layout.fragments.size()) + " optimizer-state fragments (" +
       FormatBytes(all) + " freed: " + FragmentKinds(layout) + ") on the host, the step needs " +
       missing + " more than the budget of " + FormatBytes(budget_bytes) + " (simulated peak " +
@@ -64,7 +64,7 @@ Status MissingBytesError(const Layout& layout, int64_t peak_bytes, int64_t missi
 }
 
 Status OptimizerPhaseError(const Layout& layout, int64_t held_bytes, int64_t budget_bytes) {
-  return Status::Error(
+  return Status::OverBudget(
       "the optimizer step keeps every persistent shard on the device (" +
       FormatBytes(layout.persistent_bytes) + ": param shards " +
       FormatBytes(layout.persistent_by_kind[static_cast<int>(BufferKind::kShard)]) +
@@ -157,9 +157,9 @@ StatusOr<proto::Schedule> OffloadPlanner::Run(const SimResult& base) {
     // a lower ceiling.
     reload_margin_bytes += early_sim.peak_device_bytes - budget_bytes_;
   }
-  return Status::Error("no offload plan fits the budget of " + FormatBytes(budget_bytes_) +
-                       " after " + std::to_string(mode_.options.max_iterations) +
-                       " rounds; raise --budget or the offload pass's max_iterations");
+  return Status::OverBudget("no offload plan fits the budget of " + FormatBytes(budget_bytes_) +
+                            " after " + std::to_string(mode_.options.max_iterations) +
+                            " rounds; raise --budget or the offload pass's max_iterations");
 }
 
 std::vector<int> OffloadPlanner::All(int64_t headroom_bytes) const {

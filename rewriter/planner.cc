@@ -96,6 +96,35 @@ StatusOr<std::string> PlanKey(const PlanRequest& request) {
 
 namespace {
 
+// The candidates a policy plans (its splits, fallbacks and rivals) may fail only for the
+// budget; any other failure is a pass's defect (a schedule the verifier refuses), which the
+// planner must not pass over in silence: a candidate lost that way once cost a plan 45% of its
+// step unnoticed. Collected here and written into the plan's notes.
+class CandidateDefects {
+ public:
+  void Check(const StatusOr<proto::Schedule>& candidate, const std::string& label) {
+    if (candidate.ok() || candidate.status().over_budget()) return;
+    messages_.push_back(label + ": " + candidate.status().message());
+  }
+  // Notes them in `plan`; where there is no plan, the error says them too.
+  void NoteIn(StatusOr<proto::Schedule>* plan) const {
+    for (const std::string& message : messages_) {
+      const std::string text =
+          "a candidate plan failed a check only a dc defect explains and was passed over "
+          "(please report it): " +
+          message;
+      if (plan->ok()) {
+        (*plan)->add_notes(text);
+      } else {
+        *plan = Status::Error(plan->status().message() + "; " + text);
+      }
+    }
+  }
+
+ private:
+  std::vector<std::string> messages_;
+};
+
 // Runs `pipeline` over a fresh schedule and fills its prediction.
 StatusOr<proto::Schedule> RunPipeline(const PlanRequest& request, const std::string& program_digest,
                                       const Pipeline& pipeline, const PassContext& context) {
@@ -124,7 +153,8 @@ StatusOr<proto::Schedule> RunPipeline(const PlanRequest& request, const std::str
 // Replaces *planned with the fastest of the other splits' plans where one is faster.
 Status ExploreSplits(const PlanRequest& request, const std::string& program_digest,
                      const PassContext& context, int64_t states, int64_t baseline_instructions,
-                     int64_t max_instructions_to_explore, StatusOr<proto::Schedule>* planned) {
+                     int64_t max_instructions_to_explore, CandidateDefects* defects,
+                     StatusOr<proto::Schedule>* planned) {
   const bool recomputes = std::any_of(request.program.ops().begin(), request.program.ops().end(),
                                       [](const proto::Op& op) { return op.has_recompute_of(); });
   const bool keeps =
@@ -166,6 +196,10 @@ Status ExploreSplits(const PlanRequest& request, const std::string& program_dige
     StatusOr<proto::Schedule> other =
         RunPipeline(request, program_digest, *other_pipeline, other_context);
     if (alternative.keep_activations) note_kept_nothing(other, alternative.relaxed_budget_bytes);
+    defects->Check(other, std::string("the split ") +
+                              (alternative.keep_activations ? "with" : "without") +
+                              " keep-activations at a relaxed budget of " +
+                              FormatBytes(alternative.relaxed_budget_bytes));
     if (other.ok() && (!planned->ok() || other->prediction().step_seconds() <
                                              (*planned)->prediction().step_seconds())) {
       *planned = std::move(other);
@@ -178,7 +212,7 @@ Status ExploreSplits(const PlanRequest& request, const std::string& program_dige
 // *planned (failed, or slower than the baseline) with the fastest of the policy's fallbacks,
 // noting which.
 Status TryFallbacks(const PlanRequest& request, const std::string& program_digest,
-                    const PassContext& context, const Policy& policy,
+                    const PassContext& context, const Policy& policy, CandidateDefects* defects,
                     StatusOr<proto::Schedule>* planned) {
   std::optional<proto::Schedule> best;
   std::string chosen;
@@ -198,6 +232,7 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
     if (!fallback.relaxed) fallback_context.relaxed_budget_bytes = 0;
     StatusOr<proto::Schedule> candidate =
         RunPipeline(request, program_digest, *simpler, fallback_context);
+    defects->Check(candidate, "the fallback " + Join(fallback.passes, ","));
     if (!candidate.ok()) continue;
     if (!best || candidate->prediction().step_seconds() < best->prediction().step_seconds()) {
       best = *candidate;
@@ -225,7 +260,8 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
 // time, and none is planned where the plan in hand meets the lower bound.
 Status KeepBestOfRivals(const PlanRequest& request, const std::string& program_digest,
                         const PassContext& context, const Policy& policy,
-                        const SimResult& baseline_sim, StatusOr<proto::Schedule>* planned) {
+                        const SimResult& baseline_sim, CandidateDefects* defects,
+                        StatusOr<proto::Schedule>* planned) {
   const std::string own_failure = planned->ok() ? "" : planned->status().message();
   std::string kept;  // the rival whose plan is in *planned, if any
   double own_step = planned->ok() ? (*planned)->prediction().step_seconds() : 0;
@@ -256,6 +292,7 @@ Status KeepBestOfRivals(const PlanRequest& request, const std::string& program_d
     DC_ASSIGN_OR_RETURN(auto pipeline, RivalPipeline(request, rival));
     StatusOr<proto::Schedule> candidate =
         RunPipeline(request, program_digest, *pipeline, rival_context);
+    defects->Check(candidate, "the rival " + rival + "'s pipeline");
     if (!candidate.ok()) continue;
     if (planned->ok() &&
         candidate->prediction().step_seconds() >= (*planned)->prediction().step_seconds()) {
@@ -319,6 +356,9 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
         first = false;
       });
   StatusOr<proto::Schedule> planned = RunPipeline(request, program_digest, *pipeline, context);
+  // A pass list of the user's own (--passes) has no candidates: its error is the answer.
+  CandidateDefects defects;
+  if (policy) defects.Check(planned, request.policy + "'s pipeline");
   if (!baseline_sim) {
     proto::Schedule baseline = EmptySchedule(request, program_digest);
     Zero3Pass zero3;
@@ -328,19 +368,20 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   if (policy && policy->explores_splits) {
     DC_RETURN_IF_ERROR(ExploreSplits(request, program_digest, context, states,
                                      static_cast<int64_t>(baseline_sim->start_seconds.size()),
-                                     search.max_instructions_to_explore, &planned));
+                                     search.max_instructions_to_explore, &defects, &planned));
   }
   auto slower_than_baseline = [&](const proto::Schedule& s) {
     return s.prediction().step_seconds() >
            baseline_sim->step_seconds * (1 + search.slower_than_baseline_tolerance);
   };
   if (policy && !policy->fallbacks.empty() && (!planned.ok() || slower_than_baseline(*planned))) {
-    DC_RETURN_IF_ERROR(TryFallbacks(request, program_digest, context, *policy, &planned));
+    DC_RETURN_IF_ERROR(TryFallbacks(request, program_digest, context, *policy, &defects, &planned));
   }
   if (policy && !policy->rivals.empty()) {
-    DC_RETURN_IF_ERROR(
-        KeepBestOfRivals(request, program_digest, context, *policy, *baseline_sim, &planned));
+    DC_RETURN_IF_ERROR(KeepBestOfRivals(request, program_digest, context, *policy, *baseline_sim,
+                                        &defects, &planned));
   }
+  defects.NoteIn(&planned);
   if (!planned.ok()) return planned.status();
   proto::Schedule schedule = std::move(planned).value();
   *schedule.mutable_baseline() = ToPrediction(*baseline_sim);

@@ -290,6 +290,7 @@ TEST_P(PlanProperties, Holds) {
       ++counts.over_budget;
       const std::string message = plan.status().message();
       EXPECT_NE(message.find("budget"), std::string::npos) << policy << ": " << message;
+      EXPECT_TRUE(plan.status().over_budget()) << policy << ": " << message;
       EXPECT_GT(budget, 0) << policy << ": " << message;
       // The baseline refuses exactly the budgets below its peak. DeepCompile's offload rule
       // looks at the forward only (rewriter/offload.h), so it may miss any budget the baseline
@@ -306,6 +307,10 @@ TEST_P(PlanProperties, Holds) {
       continue;
     }
     ++counts.planned;
+    // Every candidate the policy planned failed only for the budget, if at all.
+    for (const std::string& note : plan->notes()) {
+      EXPECT_EQ(note.find("dc defect"), std::string::npos) << policy << ": " << note;
+    }
     // No plan beats the lower bound (machine/lower_bound.h).
     const StepBound bound = StepLowerBound(*program, c.world, request.costs);
     EXPECT_LE(bound.seconds, plan->prediction().step_seconds() * (1 + kStepSlack))

@@ -69,15 +69,26 @@ Status ScheduleEditor::Finish() {
                            " was neither kept nor dropped by the pass");
     }
   }
-  // Each drop's waits, in index order: its targets are earlier, so already resolved.
+  // Each drop's waits, in index order: its targets are earlier, so already resolved. Waiting
+  // for an instruction also meant waiting for everything before it on its stream: a dependent of
+  // a dropped one waits for the dropped one's predecessor on that stream too (a compute that
+  // waited for the second of two gathers on the gather stream and reads the first one's params
+  // must still wait for the first when the second is dropped).
   drop_waits_.assign(drop_targets_.size(), {});
+  std::array<int, proto::Stream_ARRAYSIZE> last_on_stream;
+  last_on_stream.fill(-1);
   for (int old = 0; old < static_cast<int>(drop_of_old_.size()); ++old) {
+    const int stream = in_.instructions(old).stream();
+    const bool known = stream >= 0 && stream < proto::Stream_ARRAYSIZE;
+    const int before_on_stream = known ? last_on_stream[stream] : -1;
+    if (known) last_on_stream[stream] = old;
     const int drop = drop_of_old_[old];
     if (drop < 0 || new_of_old_[old] >= 0) continue;
     std::vector<int>& waits = drop_waits_[drop];
     for (int target : drop_targets_[drop]) {
       if (target >= 0 && target < old) Resolve(target, &waits);
     }
+    if (before_on_stream >= 0) Resolve(before_on_stream, &waits);
     LatestPerStream(&waits);
   }
   std::vector<int> deps;

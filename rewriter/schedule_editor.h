@@ -28,7 +28,8 @@ class ScheduleEditor {
   proto::Instruction* Keep(int old);
   // Appends a new instruction (deps in old indices), mapping every old index in `olds` to it.
   proto::Instruction* AddMerged(const std::vector<int>& olds);
-  // Drops `old`; its dependents depend on `targets` (old indices) instead.
+  // Drops `old`; its dependents depend on `targets` (old indices) instead, and on what precedes
+  // `old` on its stream (which waiting for `old` implied).
   void Drop(int old, std::vector<int> targets);
 
   // Renumbers every dep, sorted and deduplicated. Where an instruction's deps changed (a dropped

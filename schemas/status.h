@@ -14,20 +14,33 @@ class [[nodiscard]] Status {
   Status() = default;
   static Status Ok() { return Status(); }
   static Status Error(std::string message) { return Status(std::move(message)); }
+  // An error that only says the work does not fit a memory budget (a plan over --budget): a
+  // planner trying several candidates passes over these, and treats any other error of a
+  // candidate as a defect to report.
+  static Status OverBudget(std::string message) {
+    Status status(std::move(message));
+    status.over_budget_ = true;
+    return status;
+  }
 
   bool ok() const { return !message_.has_value(); }
+  bool over_budget() const { return over_budget_; }
   const std::string& message() const {
     static const std::string kOk = "ok";
     return message_ ? *message_ : kOk;
   }
   // Returns this error with `context` in front ("plan.dcplan: " + message).
   Status Prefixed(const std::string& context) const {
-    return ok() ? *this : Status(context + message());
+    if (ok()) return *this;
+    Status prefixed(context + message());
+    prefixed.over_budget_ = over_budget_;
+    return prefixed;
   }
 
  private:
   explicit Status(std::string message) : message_(std::move(message)) {}
   std::optional<std::string> message_;
+  bool over_budget_ = false;
 };
 
 template <typename T>
