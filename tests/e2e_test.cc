@@ -246,6 +246,32 @@ TEST_F(EndToEnd, ReplanFromATraceOfAnotherProgramIsRefused) {
   EXPECT_FALSE(std::filesystem::exists(dir_ + "/mixed.dcplan"));
 }
 
+TEST_F(EndToEnd, ReplanForAnotherWorldSizeSaysTheTraceMeasuredAnother) {
+  // The fixture's trace is of tiny on 2 ranks; a 4-rank plan of the same program re-planned
+  // with it takes 2-rank collective costs, and says so.
+  auto four = RunCommand(Tool("dc-plan") + " --synthetic --model tiny --world 4 --no-cache -o " +
+                         dir_ + "/four.dcplan");
+  ASSERT_EQ(four.exit_code, 0) << four.err;
+  auto replan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --from-plan " + dir_ +
+                           "/four.dcplan --no-cache -o " + dir_ + "/replanned.dcplan");
+  ASSERT_EQ(replan.exit_code, 0) << replan.err;
+  EXPECT_NE(replan.err.find("measured 2 rank(s) and " + dir_ + "/four.dcplan is for 4"),
+            std::string::npos)
+      << replan.err;
+  EXPECT_NE(replan.out.find("for 4 rank(s)"), std::string::npos) << replan.out;
+  // The same world size says nothing of it.
+  auto two =
+      RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache -o " + dir_ + "/two.dcplan");
+  ASSERT_EQ(two.exit_code, 0) << two.err;
+  auto same = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --from-plan " + dir_ +
+                         "/two.dcplan --no-cache -o " + dir_ + "/same.dcplan");
+  ASSERT_EQ(same.exit_code, 0) << same.err;
+  EXPECT_EQ(same.err.find("measured"), std::string::npos) << same.err;
+  for (const char* f : {"/four.dcplan", "/replanned.dcplan", "/two.dcplan", "/same.dcplan"}) {
+    std::filesystem::remove(dir_ + f);
+  }
+}
+
 class Losses : public ::testing::TestWithParam<std::string> {};
 INSTANTIATE_TEST_SUITE_P(DenseAndMoe, Losses, ::testing::Values("tiny", "mixtral-tiny"),
                          [](const auto& info) {

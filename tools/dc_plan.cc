@@ -164,6 +164,15 @@ Status TraceRequest(const std::string& trace_path, const std::string& from_plan,
     if (budget == 0) request->budget_bytes = base.budget_bytes();
   }
   *notes = trace->notes();
+  const int traced_world = std::max<int>(1, static_cast<int>(trace->ranks().size()));
+  if (!from_plan.empty() && request->world_size != traced_world) {
+    notes->push_back(trace_path + " measured " + std::to_string(traced_world) + " rank(s) and " +
+                     from_plan + " is for " + std::to_string(request->world_size) +
+                     ": its collectives' costs are those of " + std::to_string(traced_world) +
+                     " rank(s) (and none where it had one); a trace of " +
+                     std::to_string(request->world_size) +
+                     " ranks (dc-run --trace on that plan) predicts them");
+  }
   *measured = std::move(profile);
   return Status::Ok();
 }
