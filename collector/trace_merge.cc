@@ -199,9 +199,14 @@ StatusOr<int64_t> Merger::CutToCommonStep() {
   DC_ASSIGN_OR_RETURN(int64_t last, db_->QueryInt("SELECT MIN(m) FROM (SELECT MAX(step) AS m "
                                                   "FROM TC_STEP GROUP BY globalPid)"));
   const std::string step = std::to_string(last);
-  // Each rank's records end with its steps; what a rank ran past the common last step goes.
-  const std::string cutoff =
-      "(SELECT s.end FROM TC_STEP AS s WHERE s.globalPid = t.globalPid AND s.step = " + step + ")";
+  // Each rank's records end with its steps; what a rank ran past the common last step goes. The
+  // cut of each rank in a table of its own, keyed by rank: looked up in TC_STEP (unindexed) for
+  // every row it took 30 s on a one-rank trace of 837 steps.
+  DC_RETURN_IF_ERROR(db_->Exec(
+      "CREATE TEMP TABLE dc_cut(globalPid INTEGER PRIMARY KEY, cut_end INTEGER NOT NULL); "
+      "INSERT INTO dc_cut SELECT globalPid, MAX(end) FROM TC_STEP WHERE step = " +
+      step + " GROUP BY globalPid"));
+  const std::string cutoff = "(SELECT c.cut_end FROM dc_cut AS c WHERE c.globalPid = t.globalPid)";
   for (const char* table :
        {"CUPTI_ACTIVITY_KIND_KERNEL", "CUPTI_ACTIVITY_KIND_MEMCPY", "CUPTI_ACTIVITY_KIND_MEMSET",
         "CUDA_GPU_MEMORY_USAGE_EVENTS", "TC_COLLECTIVE"}) {
@@ -209,7 +214,8 @@ StatusOr<int64_t> Merger::CutToCommonStep() {
         db_->Exec(std::string("DELETE FROM ") + table + " AS t WHERE t.start > " + cutoff));
   }
   DC_RETURN_IF_ERROR(db_->Exec("DELETE FROM TC_INSTRUCTION_MAP WHERE step > " + step +
-                               "; DELETE FROM TC_STEP WHERE step > " + step));
+                               "; DELETE FROM TC_STEP WHERE step > " + step +
+                               "; DROP TABLE dc_cut"));
   return last;
 }
 
