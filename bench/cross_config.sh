@@ -7,6 +7,8 @@
 # and error, then the median and worst absolute error. Goal: median <= 5%, worst <= 15%. The
 # "shared" column is the same calibration without its per-op-kind time scales, on the same runs.
 #   bench/cross_config.sh [build-dir] [steps]
+# FIT_STEPS=key,key... passes --fit-steps to dc-calibrate (which constants the measured step
+# times fit; default: dc-calibrate's own, kernel_launch_seconds and collective_base_latency_s).
 # About 5-10 minutes on a 2-core machine; the load average is printed before and after (errors
 # taken under load say more about the load than about the model).
 set -euo pipefail
@@ -52,7 +54,7 @@ for spec in "tiny1 1 1 baseline" "tiny2 2 2 baseline" "tiny2dc 2 4 dc" "tiny4 4 
   echo "$name,tiny,$world,$gas,1,$policy,$(measured "$name")" >>"$work/steps.csv"
 done
 "$bin/dc-calibrate" --base cpu --trace "$work/t1.db" --trace "$work/t2.db" --trace "$work/t4.db" \
-  --steps "$work/steps.csv" \
+  --steps "$work/steps.csv" ${FIT_STEPS:+--fit-steps "$FIT_STEPS"} \
   --name cpu-calibrated -o "$work/calibrated.json"
 # The same profile without its op kinds' time scales (the shared roofline rates only), to show
 # what the per-kind factors buy on the same measurements.
