@@ -170,8 +170,10 @@ std::string CheckNeverWorse(PlanRequest request) {
 }
 
 // Issue 14's case: dc's own pipelines predicted 0.1781 s where deepcompile's rules predict
-// 0.1672 s; dc keeps deepcompile's plan and says so.
-TEST(NeverWorseTest, IssueCaseKeepsDeepCompilesPlan) {
+// 0.1672 s, and dc kept deepcompile's plan. Since the offload pass lowers its planning budget
+// twice as far each arena round and its arena check tries three packing orders, dc's own
+// pipeline plans 0.1552 s: never worse, and now by its own plan.
+TEST(NeverWorseTest, IssueCasePlansNoSlowerThanDeepCompile) {
   ModelOverrides o;
   o.layers = 4;
   o.hidden = 4096;
@@ -184,13 +186,16 @@ TEST(NeverWorseTest, IssueCaseKeepsDeepCompilesPlan) {
   o.gas = 4;
   PlanRequest request = RequestFor(o, 8, "h100-sxm");
   request.budget_bytes = 4954009965;
-  EXPECT_EQ(CheckNeverWorse(request), "deepcompile");
+  EXPECT_EQ(CheckNeverWorse(request), "");
+  request.policy = "deepcompile";
+  auto rule = MakePlan(request);
+  ASSERT_TRUE(rule.ok()) << rule.status().message();
+  EXPECT_NEAR(rule->prediction().step_seconds(), 0.1672, 5e-5);
   request.policy = "dc";
   auto dc = MakePlan(request);
   ASSERT_TRUE(dc.ok()) << dc.status().message();
-  EXPECT_NEAR(dc->prediction().step_seconds(), 0.1672, 5e-5);
-  ASSERT_FALSE(dc->notes().empty());
-  EXPECT_EQ(dc->notes(dc->notes_size() - 1), "kept deepcompile's plan: 0.1672 s < dc's 0.1781 s");
+  EXPECT_NEAR(dc->prediction().step_seconds(), 0.1552, 5e-5);
+  for (const std::string& note : dc->notes()) EXPECT_EQ(note.rfind("kept ", 0), std::string::npos);
   EXPECT_EQ(dc->policy(), "dc");
 }
 

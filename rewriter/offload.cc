@@ -88,8 +88,11 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
         round == options_.max_arena_rounds) {
       break;
     }
+    // Doubling the factor each round: a plan moves whole fragments, so an excess of a few bytes
+    // lowered by a few bytes gives the same plan again, round after round.
     planning_budget -= static_cast<int64_t>(static_cast<double>(stats_.arena_bytes - budget) *
-                                            options_.arena_overshoot_factor);
+                                            options_.arena_overshoot_factor *
+                                            static_cast<double>(int64_t{1} << round));
   }
   if (stats_.offloaded == 0) return false;
   *schedule = std::move(out);

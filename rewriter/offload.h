@@ -47,7 +47,9 @@ struct OffloadOptions {
   MemoryPlanOptions memory_plan;
   int max_arena_rounds = 4;
   // Each round lowers the planning budget by this many times the arena's excess (more than 1:
-  // fragmentation moves a little between rounds).
+  // fragmentation moves a little between rounds), times 2^round (round 0 first): a plan moves
+  // whole fragments, and an excess of a few hundred bytes lowered by as little plans the same
+  // fragments again.
   double arena_overshoot_factor = 1.25;
 };
 

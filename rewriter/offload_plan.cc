@@ -188,14 +188,17 @@ std::string StatsSummary(const OffloadStats& s, int64_t budget_bytes) {
                                 ? "; memory-plan arena " + FormatBytes(s.arena_bytes) + " after " +
                                       std::to_string(s.arena_rounds) + " plans"
                                 : std::string();
+  const std::string masters = s.masters_offloaded > 0 ? ", " + std::to_string(s.masters_offloaded) +
+                                                            " of them fp32 master weights"
+                                                      : std::string();
   char text[640];
   std::snprintf(text, sizeof(text),
-                "offloaded %d of %d optimizer-state fragments (%s of %s); reloads: %d in the "
+                "offloaded %d of %d optimizer-state fragments (%s of %s%s); reloads: %d in the "
                 "last backward, %d after it; %d forward waits on offload copies; peak %s -> %s "
                 "(budget %s); step %.4f s -> %.4f s; %d repair rounds%s",
                 s.offloaded, s.fragments, FormatBytes(s.offloaded_bytes).c_str(),
-                FormatBytes(s.fragment_bytes).c_str(), s.early_reloads, s.end_reloads,
-                s.offload_waits, FormatBytes(s.peak_before_bytes).c_str(),
+                FormatBytes(s.fragment_bytes).c_str(), masters.c_str(), s.early_reloads,
+                s.end_reloads, s.offload_waits, FormatBytes(s.peak_before_bytes).c_str(),
                 FormatBytes(s.peak_after_bytes).c_str(),
                 budget_bytes > 0 ? FormatBytes(budget_bytes).c_str() : "none",
                 s.step_before_seconds, s.step_after_seconds, s.iterations, arena.c_str());

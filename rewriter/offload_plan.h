@@ -42,6 +42,7 @@ struct OffloadStats {
   int64_t fragment_bytes = 0;         // their bytes
   int offloaded = 0;                  // fragments moved to the host
   int64_t offloaded_bytes = 0;        // their bytes
+  int masters_offloaded = 0;          // of them, fp32 master weights
   int early_reloads = 0;              // reloads placed inside the last backward
   int end_reloads = 0;                // reloads placed after the last backward
   int offload_waits = 0;              // instructions made to wait for an offload's copy

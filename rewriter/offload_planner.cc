@@ -201,14 +201,22 @@ StatusOr<std::vector<int>> OffloadPlanner::Choose(int64_t target_bytes, int64_t 
     return MissingBytesError(layout_, peak_bytes, target_bytes - chosen_bytes, budget_bytes_);
   }
   if (mode_.options.prune) {
+    // Masters go first (they are chosen last), and a state goes only once no master is left:
+    // a master moves only once every Adam state has.
     std::vector<int> by_size = chosen;
-    std::stable_sort(by_size.begin(), by_size.end(),
-                     [&](int a, int b) { return f[a].bytes > f[b].bytes; });
+    std::stable_sort(by_size.begin(), by_size.end(), [&](int a, int b) {
+      if (f[a].master != f[b].master) return f[a].master;
+      return f[a].bytes > f[b].bytes;
+    });
     std::vector<bool> dropped(f.size(), false);
+    bool master_kept = false;
     for (int i : by_size) {
+      if (!f[i].master && master_kept) break;
       if (chosen_bytes - f[i].bytes >= target_bytes) {
         chosen_bytes -= f[i].bytes;
         dropped[i] = true;
+      } else if (f[i].master) {
+        master_kept = true;
       }
     }
     std::erase_if(chosen, [&](int i) { return dropped[i]; });
@@ -333,7 +341,11 @@ StatusOr<proto::Schedule> OffloadPlanner::Finish(const Plan& plan, Built built,
   output_simulation_ = sim;
   stats_->offloaded = static_cast<int>(plan.offloads.size());
   stats_->offloaded_bytes = 0;
-  for (int f : plan.offloads) stats_->offloaded_bytes += layout_.fragments[f].bytes;
+  stats_->masters_offloaded = 0;
+  for (int f : plan.offloads) {
+    stats_->offloaded_bytes += layout_.fragments[f].bytes;
+    stats_->masters_offloaded += layout_.fragments[f].master ? 1 : 0;
+  }
   stats_->early_reloads = 0;
   for (int after : plan.reload_after) stats_->early_reloads += after >= 0;
   stats_->end_reloads = static_cast<int>(plan.reloads.size()) - stats_->early_reloads;
