@@ -21,8 +21,28 @@ using testing::RunAndCheck;
 // Two micro-steps of: f0 reads pa (small) and pb (big), f1 makes a big activation, f2 frees
 // it. Between micro-steps both params are released and gathered again; keeping one gathered
 // across the gap costs its bytes during f1's big activation.
+constexpr char kTwoMicroStepsSchedule[] = R"(
+  0: all_gather gather m0 [pa]
+  1: all_gather gather m0 [pb]
+  2: compute compute m0 f0 deps=0,1
+  3: release compute m0 [pa, pb] deps=2
+  4: compute compute m0 f1
+  5: release compute m0 [a0] deps=4
+  6: compute compute m0 f2
+  7: release compute m0 [big, a1] deps=6
+  8: all_gather gather m1 [pa] deps=7
+  9: all_gather gather m1 [pb] deps=7
+  10: compute compute m1 f0 deps=8,9
+  11: release compute m1 [pa, pb] deps=10
+  12: compute compute m1 f1
+  13: release compute m1 [a0] deps=12
+  14: compute compute m1 f2
+  15: release compute m1 [big, a1] deps=14
+)";
+
 struct TwoMicroSteps {
-  TwoMicroSteps() : program(/*gas=*/2) {
+  // `schedule_text`: the stream of the program below (tensors pa, pb, a0, big, a1; ops f0-f2).
+  explicit TwoMicroSteps(const char* schedule_text = kTwoMicroStepsSchedule) : program(/*gas=*/2) {
     pa = program.Param("pa", 4000);
     pb = program.Param("pb", 400'000);
     const int a0 = program.Activation("a0", 8000);
@@ -31,24 +51,7 @@ struct TwoMicroSteps {
     program.Op("f0", proto::PHASE_FORWARD, {pa, pb}, {a0});
     program.Op("f1", proto::PHASE_FORWARD, {a0}, {big});
     program.Op("f2", proto::PHASE_FORWARD, {big}, {a1});
-    schedule = program.Schedule(R"(
-      0: all_gather gather m0 [pa]
-      1: all_gather gather m0 [pb]
-      2: compute compute m0 f0 deps=0,1
-      3: release compute m0 [pa, pb] deps=2
-      4: compute compute m0 f1
-      5: release compute m0 [a0] deps=4
-      6: compute compute m0 f2
-      7: release compute m0 [big, a1] deps=6
-      8: all_gather gather m1 [pa] deps=7
-      9: all_gather gather m1 [pb] deps=7
-      10: compute compute m1 f0 deps=8,9
-      11: release compute m1 [pa, pb] deps=10
-      12: compute compute m1 f1
-      13: release compute m1 [a0] deps=12
-      14: compute compute m1 f2
-      15: release compute m1 [big, a1] deps=14
-    )");
+    schedule = program.Schedule(schedule_text);
     // Gathers: 1 s latency + bytes at 400 kB/s: pa 1.01 s (2.5e-4 s per byte), pb 2 s (5e-6).
     costs = HandCosts(program.program(), 1.0, 1.0, 400'000);
   }
@@ -115,16 +118,8 @@ TEST(Unshard, KeepsOneGatherAtTheFirstUseAndOneReleaseAfterTheLast) {
 // 45% of its step to a schedule that raced this way (the verifier refused it and the planner
 // fell back to a slower candidate).
 TEST(Unshard, ADependentOfARemovedGatherStillWaitsForTheGatherBeforeIt) {
-  HandProgram program(/*gas=*/2);
-  const int pa = program.Param("pa", 4000);
-  const int pb = program.Param("pb", 400'000);
-  const int a0 = program.Activation("a0", 8000);
-  const int big = program.Activation("big", 200'000);
-  const int a1 = program.Activation("a1", 1000);
-  program.Op("f0", proto::PHASE_FORWARD, {pa, pb}, {a0});
-  program.Op("f1", proto::PHASE_FORWARD, {a0}, {big});
-  program.Op("f2", proto::PHASE_FORWARD, {big}, {a1});
-  const proto::Schedule schedule = program.Schedule(R"(
+  // pb's gathers first, and each f0 waits only for the gather after them (pa's).
+  TwoMicroSteps c(R"(
     0: all_gather gather m0 [pb]
     1: all_gather gather m0 [pa]
     2: compute compute m0 f0 deps=1
@@ -142,19 +137,16 @@ TEST(Unshard, ADependentOfARemovedGatherStillWaitsForTheGatherBeforeIt) {
     14: compute compute m1 f2
     15: release compute m1 [big, a1] deps=14
   )");
-  const CostModel costs = HandCosts(program.program(), 1.0, 1.0, 400'000);
-  UnshardPass pass;
   // Room for pa across the gap, not pb: m1's gather of pa goes, its gather of pb stays.
-  const proto::Schedule out =
-      RunAndCheck(pass, schedule, PassContext{&costs, kPersistent + 412'000});
-  ASSERT_EQ(GathersOf(out, pa), 1);
-  ASSERT_EQ(GathersOf(out, pb), 2);
+  const proto::Schedule out = c.Run(kPersistent + 412'000);
+  ASSERT_EQ(GathersOf(out, c.pa), 1);
+  ASSERT_EQ(GathersOf(out, c.pb), 2);
   int pb_gather_m1 = -1;
   for (int i = 0; i < out.instructions_size(); ++i) {
     const auto& instr = out.instructions(i);
     if (instr.kind() == proto::INSTR_ALL_GATHER && instr.micro_step() == 1) pb_gather_m1 = i;
     if (instr.kind() == proto::INSTR_COMPUTE && instr.micro_step() == 1 &&
-        program.program().ops(instr.op()).name() == "f0") {
+        c.program.program().ops(instr.op()).name() == "f0") {
       ASSERT_GE(pb_gather_m1, 0);
       EXPECT_NE(std::find(instr.deps().begin(), instr.deps().end(), pb_gather_m1),
                 instr.deps().end())
