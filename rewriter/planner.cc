@@ -293,6 +293,11 @@ Status KeepBestOfRivals(const PlanRequest& request, const std::string& program_d
     StatusOr<proto::Schedule> candidate =
         RunPipeline(request, program_digest, *pipeline, rival_context);
     defects->Check(candidate, "the rival " + rival + "'s pipeline");
+    // As the rival plans on its own: where its pipeline does not fit, its fallbacks.
+    if (!candidate.ok() && !rules->fallbacks.empty()) {
+      DC_RETURN_IF_ERROR(
+          TryFallbacks(request, program_digest, rival_context, *rules, defects, &candidate));
+    }
     if (!candidate.ok()) continue;
     if (planned->ok() &&
         candidate->prediction().step_seconds() >= (*planned)->prediction().step_seconds()) {

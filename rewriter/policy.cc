@@ -107,6 +107,19 @@ Policy OnHost(Policy p) {
   return p;
 }
 
+// A rule's pipeline ends with dc's static memory plan; where its arena does not fit the budget
+// (the buffers' alignment and lifetimes fragment it past a live peak that fits), the rule plans
+// without it and the executor allocates as it runs, as the framework the rule stands for does.
+Policy WithoutTheMemoryPlanToFallBackOn(Policy p) {
+  FallbackPipeline fallback;
+  for (const std::string& pass : p.passes) {
+    if (pass != "memory-plan") fallback.passes.push_back(pass);
+  }
+  fallback.optimizer_on_host = p.optimizer_on_host;
+  p.fallbacks.push_back(std::move(fallback));
+  return p;
+}
+
 }  // namespace
 
 std::vector<std::string> PassNames() {
@@ -133,11 +146,12 @@ StatusOr<std::unique_ptr<Pipeline>> MakePipelineFromNames(const std::vector<std:
 const std::vector<Policy>& Policies() {
   static const auto* policies = new std::vector<Policy>{
       Plain("baseline", "ZeRO-3", {"zero3"}),
-      OnHost(Plain("zero3-offload",
-                   "ZeRO-3 offload: masters and Adam's state on the host, Adam run there",
-                   {"zero3", "host-optimizer", "memory-plan"})),
-      Plain("deepcompile", "the paper's rules",
-            {"zero3", "dc-prefetch", "dc-selective-gather", "dc-offload", "memory-plan"}),
+      WithoutTheMemoryPlanToFallBackOn(OnHost(Plain(
+          "zero3-offload", "ZeRO-3 offload: masters and Adam's state on the host, Adam run there",
+          {"zero3", "host-optimizer", "memory-plan"}))),
+      WithoutTheMemoryPlanToFallBackOn(
+          Plain("deepcompile", "the paper's rules",
+                {"zero3", "dc-prefetch", "dc-selective-gather", "dc-offload", "memory-plan"})),
       Dc(),
   };
   return *policies;
