@@ -409,8 +409,9 @@ void AddFlags(CLI::App& app, Flags* f) {
       ->check(CLI::IsMember(PolicyNames()))
       ->capture_default_str();
   app.add_option("--from-plan", f->from_plan,
-                 "re-plan this plan's program with the trace's profile (the trace must be of the "
-                 "same program)");
+                 "re-plan this plan's program, for its world size, with the trace's profile (the "
+                 "trace must be of the same program; one of another world size is used and noted), "
+                 "e.g. dc-plan t.db --from-plan four-ranks.dcplan");
   app.add_option("--cache-dir", f->cache_dir,
                  "plan cache directory (default: $XDG_CACHE_HOME/dc or ~/.cache/dc)");
   app.add_flag("--no-cache", f->no_cache, "neither read nor write the plan cache");
