@@ -16,8 +16,9 @@
 //
 // Planning seconds are wall-clock seconds of MakePlan (the pipeline with the verifier after every
 // pass, the baseline's simulation and the final one); pass seconds are Pass::Run as the pipeline
-// records them (PassRecord::seconds). Planning is single-threaded: run it pinned to one core
-// (taskset -c 0) for planning times that mean something.
+// records them (PassRecord::seconds). Planning is on one thread (PlanRequest::threads 1) except
+// in the 405B section, which plans on one thread and on every core: run the rest pinned to one
+// core (taskset -c 0) for planning times that mean something.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -26,6 +27,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "machine/estimate.h"
@@ -214,8 +216,10 @@ int64_t LivePeakBytes(const dc::proto::Schedule& plan, const dc::CostModel& cost
   return dc::LivePeak(*buffers, length).first;
 }
 
-PolicyRun Plan(const Model& model, const std::string& policy, int64_t budget_bytes) {
+PolicyRun Plan(const Model& model, const std::string& policy, int64_t budget_bytes,
+               int threads = 1) {
   dc::PlanRequest request;
+  request.threads = threads;
   request.program = model.program;
   request.world_size = model.world;
   request.backend = "cuda";
@@ -399,9 +403,9 @@ void PrintNonWins(const std::vector<Row>& rows) {
 }
 
 // The median of kTimingRepeats plans of dc, and its pass records.
-PolicyRun MedianDcPlan(const Model& model, int64_t budget_bytes) {
+PolicyRun MedianDcPlan(const Model& model, int64_t budget_bytes, int threads = 1) {
   std::vector<PolicyRun> runs;
-  for (int i = 0; i < kTimingRepeats; ++i) runs.push_back(Plan(model, "dc", budget_bytes));
+  for (int i = 0; i < kTimingRepeats; ++i) runs.push_back(Plan(model, "dc", budget_bytes, threads));
   std::sort(runs.begin(), runs.end(),
             [](const PolicyRun& a, const PolicyRun& b) { return a.plan_seconds < b.plan_seconds; });
   return runs[runs.size() / 2];
@@ -499,26 +503,39 @@ int Scale(const dc::HardwareProfile& hw) {
   model.costs = dc::EstimateCostModel(model.program, hw, *cluster);
   model.world = cluster->world_size();
   std::fprintf(stderr, "plan_bench: llama3-405b shapes, 1024 ranks, GAS 16\n");
-  const PolicyRun run = MedianDcPlan(model, hw.device_memory_bytes);
+  // One thread, then the cores this process may use (the candidates planned at once).
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  std::vector<int> thread_counts = {1};
+  if (cores > 1) thread_counts.push_back(cores);
+  std::vector<PolicyRun> runs;
+  for (int threads : thread_counts)
+    runs.push_back(MedianDcPlan(model, hw.device_memory_bytes, threads));
   std::printf(
       "126 layers, hidden 16384, 128 heads, 8 KV heads, FFN 53248, seq 8192, micro-batch 1, GAS "
       "16, recompute; %d x %d H100 (%s); budget the GPU's memory. dc's MakePlan, median of %d, "
-      "wall-clock seconds.\n\n",
+      "wall-clock seconds, on one thread and on as many as the machine has cores "
+      "(PlanRequest::threads: the same plan).\n\n",
       cluster->nodes, cluster->gpus_per_node, hw.name.c_str(), kTimingRepeats);
   std::printf(
-      "| dc step | dc peak | instructions | arena | live peak | arena over live peak | budget | "
-      "dc plan s |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-  if (!run.ok) {
-    std::printf("| fails | — | — | — | — | — | %s | %s |\n\n%s\n\n",
-                GiB(hw.device_memory_bytes).c_str(), Fixed(run.plan_seconds, 3).c_str(),
-                run.error.c_str());
-    return 0;
+      "| threads | dc step | dc peak | instructions | arena | live peak | arena over live peak | "
+      "budget | dc plan s |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const PolicyRun& run = runs[i];
+    if (!run.ok) {
+      std::printf("| %d | fails | — | — | — | — | — | %s | %s |\n\n%s\n\n", thread_counts[i],
+                  GiB(hw.device_memory_bytes).c_str(), Fixed(run.plan_seconds, 3).c_str(),
+                  run.error.c_str());
+      return 0;
+    }
+    std::printf("| %d | %s | %s | %d | %s | %s | %s | %s | %s |\n", thread_counts[i],
+                Fixed(run.step_seconds, 4).c_str(), GiB(run.peak_bytes).c_str(), run.instructions,
+                ArenaText(run).c_str(),
+                run.live_peak_bytes > 0 ? GiB(run.live_peak_bytes).c_str() : "—",
+                OverLivePeak(run).c_str(), GiB(hw.device_memory_bytes).c_str(),
+                Fixed(run.plan_seconds, 3).c_str());
   }
-  std::printf("| %s | %s | %d | %s | %s | %s | %s | %s |\n\n", Fixed(run.step_seconds, 4).c_str(),
-              GiB(run.peak_bytes).c_str(), run.instructions, ArenaText(run).c_str(),
-              run.live_peak_bytes > 0 ? GiB(run.live_peak_bytes).c_str() : "—",
-              OverLivePeak(run).c_str(), GiB(hw.device_memory_bytes).c_str(),
-              Fixed(run.plan_seconds, 3).c_str());
+  std::printf("\n");
+  const PolicyRun& run = runs.front();
   for (const auto& record : run.passes) {
     std::printf("- %s (%.3f s; then step %.4f s, peak %s GiB): %s\n", record.name().c_str(),
                 record.seconds(), record.predicted_step_seconds(),

@@ -35,6 +35,7 @@ class MemoryPlanPass : public Pass {
   StatusOr<bool> Run(proto::Schedule* schedule, const PassContext& context) override;
   // Arena against the live and simulated peaks.
   std::string Summary() const override { return summary_; }
+  bool NeverSpeedsUp() const override { return true; }
   const MemoryPlanStats& stats() const { return stats_; }
   int64_t simulated_peak_bytes() const { return simulated_peak_bytes_; }
   int reuse_dependencies_added() const { return reuse_dependencies_added_; }

@@ -1,6 +1,7 @@
 #include "rewriter/pass.h"
 
 #include <chrono>
+#include <cstdio>
 #include <optional>
 #include <utility>
 
@@ -99,10 +100,25 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
       verified_sim = std::move(sim);
     }
   }
+  // From this pass on, every enabled pass never speeds the step up.
+  size_t first_of_slowing_tail = passes_.size();
+  for (size_t i = passes_.size(); i > 0; --i) {
+    if (disabled_.count(std::string(passes_[i - 1]->name()))) continue;
+    if (!passes_[i - 1]->NeverSpeedsUp()) break;
+    first_of_slowing_tail = i - 1;
+  }
   for (size_t i = 0; i < passes_.size(); ++i) {
     const auto& pass = passes_[i];
     const std::string name(pass->name());
     if (disabled_.count(name)) continue;
+    if (i == first_of_slowing_tail && context.step_to_beat_seconds > 0 && verified_sim &&
+        context.costs && verified_sim->step_seconds >= context.step_to_beat_seconds) {
+      char text[160];
+      std::snprintf(text, sizeof(text),
+                    "its step before %s is %.6g s, no faster than the plan in hand's %.6g s",
+                    name.c_str(), verified_sim->step_seconds, context.step_to_beat_seconds);
+      return Status::CannotWin(text);
+    }
     const bool before_freeing = i < first_freeing && first_freeing < passes_.size();
     PassContext pass_context = before_freeing ? relaxed : enforced;
     // Only with a cost model: without one the verifier simulates with a default model.

@@ -41,6 +41,11 @@ struct PassContext {
   const SimResult* input_simulation = nullptr;
   // The verifier's own memory across one pipeline run (rewriter/verifier.h); passes ignore it.
   VerifierMemo* verifier_memo = nullptr;
+  // The step of a plan in hand, for a candidate that is kept only if strictly faster: where the
+  // schedule's verified step is at least this before the pipeline's last passes and each of them
+  // never speeds it up (Pass::NeverSpeedsUp), the pipeline stops there with Status::CannotWin
+  // (the memory plan's packings of 200k instructions take seconds). 0: none.
+  double step_to_beat_seconds = 0;
 };
 
 class Pass {
@@ -58,6 +63,10 @@ class Pass {
   // True for a pass that lowers the program into a schedule (zero3): the only pass that may be
   // given a schedule with no instructions.
   virtual bool BuildsSchedule() const { return false; }
+  // True for a pass whose output never simulates a faster step than its input (memory-plan:
+  // its reuse dependencies wait for nothing in the simulated step, its spills only delay). The
+  // property tests hold every such pass to it.
+  virtual bool NeverSpeedsUp() const { return false; }
   // What the last Run changed, for --explain ("moved 80 gathers earlier by 3.1 ops on average").
   virtual std::string Summary() const { return ""; }
 };

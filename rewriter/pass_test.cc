@@ -156,6 +156,43 @@ TEST(Pipeline, TheVerifierChecksTheInputBeforeTheFirstPass) {
   EXPECT_EQ(broken.passes_size(), 0);  // prefetch never ran
 }
 
+// A candidate that must beat a plan in hand stops before its memory plan (which never makes the
+// step faster) where its step there is already no faster; otherwise it runs to the end.
+TEST(Pipeline, StopsBeforeTheMemoryPlanWhereItCannotBeatThePlanInHand) {
+  auto pipeline = Make({"zero3", "prefetch", "memory-plan"});
+  proto::Schedule full = EmptySchedule();
+  ASSERT_TRUE(pipeline->Run(&full, {&kCosts}).ok());
+  ASSERT_EQ(Records(full), (std::vector<std::string>{"zero3", "prefetch", "memory-plan"}));
+  const double before_memory_plan = full.passes(1).predicted_step_seconds();
+  ASSERT_GT(before_memory_plan, 0);
+  EXPECT_GE(full.passes(2).predicted_step_seconds(), before_memory_plan);
+
+  PassContext context{&kCosts};
+  context.step_to_beat_seconds = before_memory_plan * 1.5;  // beatable: runs to the end
+  proto::Schedule beats = EmptySchedule();
+  ASSERT_TRUE(pipeline->Run(&beats, context).ok());
+  EXPECT_EQ(Records(beats), Records(full));
+  EXPECT_EQ(beats.memory_plan().SerializeAsString(), full.memory_plan().SerializeAsString());
+
+  for (double bar : {before_memory_plan, before_memory_plan / 2}) {  // a tie cannot win either
+    context.step_to_beat_seconds = bar;
+    proto::Schedule stopped = EmptySchedule();
+    Status status = pipeline->Run(&stopped, context);
+    ASSERT_FALSE(status.ok());
+    EXPECT_TRUE(status.cannot_win()) << status.message();
+    EXPECT_FALSE(status.over_budget());
+    EXPECT_NE(status.message().find("before memory-plan"), std::string::npos) << status.message();
+    EXPECT_EQ(Records(stopped), (std::vector<std::string>{"zero3", "prefetch"}));
+    EXPECT_FALSE(stopped.has_memory_plan());
+  }
+
+  // A pipeline that ends in a pass that may speed the step up has nothing to stop before.
+  context.step_to_beat_seconds = before_memory_plan / 2;
+  proto::Schedule no_tail = EmptySchedule();
+  ASSERT_TRUE(Make({"zero3", "prefetch"})->Run(&no_tail, context).ok());
+  EXPECT_EQ(Records(no_tail), (std::vector<std::string>{"zero3", "prefetch"}));
+}
+
 TEST(Verifier, RefusesAScheduleWithNoInstructions) {
   Status status = VerifySchedule(EmptySchedule(), PassContext{&kCosts});
   ASSERT_FALSE(status.ok());

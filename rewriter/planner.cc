@@ -1,8 +1,12 @@
 #include "rewriter/planner.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
+#include <functional>
+#include <mutex>
 #include <optional>
+#include <thread>
 
 #include "machine/lower_bound.h"
 #include "machine/simulator.h"
@@ -16,14 +20,16 @@ namespace dc {
 
 namespace {
 
-StatusOr<std::unique_ptr<Pipeline>> PipelineFor(const PlanRequest& request) {
+// The request's pipeline; `dumps`: with its --dump-after (the policy's own pipeline dumps, the
+// other splits of it do not).
+StatusOr<std::unique_ptr<Pipeline>> PipelineFor(const PlanRequest& request, bool dumps = true) {
   DC_ASSIGN_OR_RETURN(auto pipeline, request.passes.empty()
                                          ? MakePipeline(request.policy)
                                          : MakePipelineFromNames(request.passes));
   for (const auto& name : request.disabled_passes) {
     DC_RETURN_IF_ERROR(pipeline->Disable(name).Prefixed("--disable: "));
   }
-  if (!request.dump_after.empty()) {
+  if (dumps && !request.dump_after.empty()) {
     DC_RETURN_IF_ERROR(
         pipeline->DumpAfter(request.dump_after, request.dump).Prefixed("--dump-after: "));
   }
@@ -103,7 +109,9 @@ namespace {
 class CandidateDefects {
  public:
   void Check(const StatusOr<proto::Schedule>& candidate, const std::string& label) {
-    if (candidate.ok() || candidate.status().over_budget()) return;
+    if (candidate.ok() || candidate.status().over_budget() || candidate.status().cannot_win()) {
+      return;
+    }
     messages_.push_back(label + ": " + candidate.status().message());
   }
   // Notes them in `plan`; where there is no plan, the error says them too.
@@ -125,20 +133,69 @@ class CandidateDefects {
   std::vector<std::string> messages_;
 };
 
-// Runs `pipeline` over a fresh schedule and fills its prediction.
+// Runs `pipeline` over a fresh schedule and fills its prediction. The run keeps its own memo of
+// packings (candidates may run at once).
 StatusOr<proto::Schedule> RunPipeline(const PlanRequest& request, const std::string& program_digest,
                                       const Pipeline& pipeline, const PassContext& context) {
   proto::Schedule schedule = EmptySchedule(request, program_digest);
+  PackingMemo packings;
+  PassContext run_context = context;
+  run_context.packings = &packings;
   // The verifier's simulation of the final schedule is the prediction's (it has the same costs;
   // the prediction needs no memory timeline).
   std::optional<SimResult> sim;
-  DC_RETURN_IF_ERROR(pipeline.Run(&schedule, context, &sim));
+  DC_RETURN_IF_ERROR(pipeline.Run(&schedule, run_context, &sim));
   if (!sim || context.costs != &request.costs) {
     DC_ASSIGN_OR_RETURN(sim, Simulate(schedule, request.costs));
   }
   *schedule.mutable_prediction() = ToPrediction(*sim);
   return schedule;
 }
+
+// Runs task(i) for every i in [0, n), on up to `threads` threads at once (the caller's among
+// them), started in order of i; returns when every task has run.
+template <typename Task>
+void RunTasks(int n, int threads, const Task& task) {
+  std::atomic<int> next{0};
+  auto worker = [&] {
+    for (int i = next++; i < n; i = next++) task(i);
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < std::min(threads, n); ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread& thread : pool) thread.join();
+}
+
+// The step a candidate must beat to replace `best` (kept only if strictly faster): `best`'s, or
+// none (0).
+double StepToBeat(const StatusOr<proto::Schedule>& best) {
+  return best.ok() ? best->prediction().step_seconds() : 0;
+}
+
+// Candidates planned one by one or, with threads > 1, all at once; run(i, step) plans candidate i.
+// One by one, each is given the step of the best plan so far to beat
+// (PassContext::step_to_beat_seconds) and may stop early; all at once, none is (none is known
+// yet). The caller chooses in the candidates' order either way, and a candidate stopped early
+// could not have been chosen (Pass::NeverSpeedsUp): the plan does not depend on the threads.
+class Candidates {
+ public:
+  using Run = std::function<StatusOr<proto::Schedule>(int i, double step_to_beat_seconds)>;
+  Candidates(int count, int threads, Run run) : run_(std::move(run)) {
+    if (threads > 1 && count > 1) {
+      made_.resize(count, Status::Error("not planned"));
+      RunTasks(count, threads, [this](int i) { made_[i] = run_(i, 0); });
+    }
+  }
+  // Candidate i's plan: the one made at once, or one made now against `best`.
+  StatusOr<proto::Schedule> Take(int i, const StatusOr<proto::Schedule>& best) {
+    if (!made_.empty()) return std::move(made_[i]);
+    return run_(i, StepToBeat(best));
+  }
+
+ private:
+  Run run_;
+  std::vector<StatusOr<proto::Schedule>> made_;
+};
 
 // The passes are greedy and decide in order: what an earlier one spends is not offered to a
 // later one. Where another split may do better, an exploring policy plans that way too and
@@ -150,28 +207,69 @@ StatusOr<proto::Schedule> RunPipeline(const PlanRequest& request, const std::str
 //   back, or all of them: more unsharding and kept activations against more reloads. Planned
 //   with all of them too where the zero3 stream has at most
 //   SearchOptions::max_instructions_to_explore instructions.
-// Replaces *planned with the fastest of the other splits' plans where one is faster.
-Status ExploreSplits(const PlanRequest& request, const std::string& program_digest,
-                     const PassContext& context, int64_t states, int64_t baseline_instructions,
-                     int64_t max_instructions_to_explore, CandidateDefects* defects,
-                     StatusOr<proto::Schedule>* planned) {
+struct Split {
+  bool keep_activations = true;
+  int64_t relaxed_budget_bytes = 0;
+};
+
+// The policy's own split first, then, for an exploring policy, the others.
+std::vector<Split> SplitsToPlan(const PlanRequest& request, const PassContext& context,
+                                const Policy* policy, int64_t states,
+                                int64_t baseline_instructions) {
+  std::vector<Split> splits = {{true, context.relaxed_budget_bytes}};
+  if (!policy || !policy->explores_splits) return splits;
   const bool recomputes = std::any_of(request.program.ops().begin(), request.program.ops().end(),
                                       [](const proto::Op& op) { return op.has_recompute_of(); });
   const bool keeps =
       recomputes && std::count(request.disabled_passes.begin(), request.disabled_passes.end(),
                                "keep-activations") == 0;
-  struct Alternative {
-    bool keep_activations;
-    int64_t relaxed_budget_bytes;
-  };
-  std::vector<Alternative> alternatives;
-  if (keeps) alternatives.push_back({false, context.relaxed_budget_bytes});
-  if (context.relaxed_budget_bytes > 0 && baseline_instructions <= max_instructions_to_explore) {
-    alternatives.push_back({true, request.budget_bytes + states});
-    if (keeps) alternatives.push_back({false, request.budget_bytes + states});
+  if (keeps) splits.push_back({false, context.relaxed_budget_bytes});
+  if (context.relaxed_budget_bytes > 0 &&
+      baseline_instructions <= policy->search.max_instructions_to_explore) {
+    splits.push_back({true, request.budget_bytes + states});
+    if (keeps) splits.push_back({false, request.budget_bytes + states});
   }
+  return splits;
+}
+
+// Plans `splits` and returns the fastest plan (ties: the first), or the own split's error. The
+// first split is the policy's own pipeline: it reports progress, dumps (--dump-after), and gives
+// *baseline_sim the verifier's simulation after its zero3 pass. `policy`: null for a pass list
+// of the user's own (its error is the answer, no candidate's defect).
+StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::string& program_digest,
+                                     const PassContext& context, const Policy* policy,
+                                     const std::vector<Split>& splits,
+                                     std::optional<SimResult>* baseline_sim,
+                                     CandidateDefects* defects) {
+  std::mutex progress_mutex;
+  auto run = [&](int i, double step_to_beat) -> StatusOr<proto::Schedule> {
+    const bool own = i == 0;
+    DC_ASSIGN_OR_RETURN(auto pipeline, PipelineFor(request, /*dumps=*/own));
+    if (request.on_pass) {
+      pipeline->OnPass([&](const proto::PassRecord& record) {
+        std::lock_guard<std::mutex> lock(progress_mutex);
+        request.on_pass(record);
+      });
+    }
+    if (own) {
+      pipeline->OnVerified([baseline_sim, first = true](const proto::PassRecord& record,
+                                                        const SimResult& sim) mutable {
+        if (first && record.name() == "zero3") *baseline_sim = sim;
+        first = false;
+      });
+    }
+    if (!splits[i].keep_activations) DC_RETURN_IF_ERROR(pipeline->Disable("keep-activations"));
+    PassContext split_context = context;
+    split_context.relaxed_budget_bytes = splits[i].relaxed_budget_bytes;
+    split_context.step_to_beat_seconds = step_to_beat;
+    return RunPipeline(request, program_digest, *pipeline, split_context);
+  };
+  Candidates candidates(static_cast<int>(splits.size()), request.threads, run);
+  StatusOr<proto::Schedule> planned = candidates.Take(0, Status::Error("none"));
+  if (policy) defects->Check(planned, request.policy + "'s pipeline");
   // Where keep-activations kept nothing at a relaxed budget, the pipeline without it makes the
-  // same schedule (every pass is a function of its input) and would only tie: not planned.
+  // same schedule (every pass is a function of its input) and would only tie: not planned (or,
+  // planned at once, not looked at).
   std::vector<int64_t> kept_nothing_at;
   auto note_kept_nothing = [&](const StatusOr<proto::Schedule>& plan, int64_t relaxed) {
     if (!plan.ok()) return;
@@ -181,40 +279,34 @@ Status ExploreSplits(const PlanRequest& request, const std::string& program_dige
       }
     }
   };
-  note_kept_nothing(*planned, context.relaxed_budget_bytes);
-  for (const Alternative& alternative : alternatives) {
-    if (!alternative.keep_activations && std::count(kept_nothing_at.begin(), kept_nothing_at.end(),
-                                                    alternative.relaxed_budget_bytes) > 0) {
+  note_kept_nothing(planned, splits[0].relaxed_budget_bytes);
+  for (size_t i = 1; i < splits.size(); ++i) {
+    const Split& split = splits[i];
+    if (!split.keep_activations && std::count(kept_nothing_at.begin(), kept_nothing_at.end(),
+                                              split.relaxed_budget_bytes) > 0) {
       continue;
     }
-    DC_ASSIGN_OR_RETURN(auto other_pipeline, PipelineFor(request));
-    if (!alternative.keep_activations) {
-      DC_RETURN_IF_ERROR(other_pipeline->Disable("keep-activations"));
-    }
-    PassContext other_context = context;
-    other_context.relaxed_budget_bytes = alternative.relaxed_budget_bytes;
-    StatusOr<proto::Schedule> other =
-        RunPipeline(request, program_digest, *other_pipeline, other_context);
-    if (alternative.keep_activations) note_kept_nothing(other, alternative.relaxed_budget_bytes);
+    StatusOr<proto::Schedule> other = candidates.Take(static_cast<int>(i), planned);
+    if (split.keep_activations) note_kept_nothing(other, split.relaxed_budget_bytes);
     defects->Check(other, std::string("the split ") +
-                              (alternative.keep_activations ? "with" : "without") +
+                              (split.keep_activations ? "with" : "without") +
                               " keep-activations at a relaxed budget of " +
-                              FormatBytes(alternative.relaxed_budget_bytes));
-    if (other.ok() && (!planned->ok() || other->prediction().step_seconds() <
-                                             (*planned)->prediction().step_seconds())) {
-      *planned = std::move(other);
+                              FormatBytes(split.relaxed_budget_bytes));
+    if (other.ok() && (!planned.ok() ||
+                       other->prediction().step_seconds() < planned->prediction().step_seconds())) {
+      planned = std::move(other);
     }
   }
-  return Status::Ok();
+  return planned;
 }
 
 // A policy never settles for less than a simpler pipeline of its own passes achieves: replaces
 // *planned (failed, or slower than the baseline) with the fastest of the policy's fallbacks,
-// noting which.
+// noting which. Where context.step_to_beat_seconds is set, a fallback must beat it too.
 Status TryFallbacks(const PlanRequest& request, const std::string& program_digest,
                     const PassContext& context, const Policy& policy, CandidateDefects* defects,
                     StatusOr<proto::Schedule>* planned) {
-  std::optional<proto::Schedule> best;
+  StatusOr<proto::Schedule> best = Status::Error("none");
   std::string chosen;
   if (planned->ok()) best = **planned;
   // Where the persistent shards alone exceed the budget, no optimizer step on the device fits:
@@ -222,32 +314,45 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
   int64_t persistent = 0;
   for (int64_t b : PersistentBytesByKind(request.program, request.world_size)) persistent += b;
   const bool device_step_cannot_fit = request.budget_bytes > 0 && persistent > request.budget_bytes;
+  std::vector<const FallbackPipeline*> fallbacks;
   for (const FallbackPipeline& fallback : policy.fallbacks) {
-    if (device_step_cannot_fit && !fallback.optimizer_on_host) continue;
+    if (!device_step_cannot_fit || fallback.optimizer_on_host) fallbacks.push_back(&fallback);
+  }
+  auto run = [&](int i, double step_to_beat) -> StatusOr<proto::Schedule> {
+    const FallbackPipeline& fallback = *fallbacks[i];
     DC_ASSIGN_OR_RETURN(auto simpler, MakePipelineFromNames(fallback.passes));
     for (const auto& name : request.disabled_passes) {
       if (simpler->Has(name)) DC_RETURN_IF_ERROR(simpler->Disable(name));
     }
     PassContext fallback_context = context;
     if (!fallback.relaxed) fallback_context.relaxed_budget_bytes = 0;
-    StatusOr<proto::Schedule> candidate =
-        RunPipeline(request, program_digest, *simpler, fallback_context);
-    defects->Check(candidate, "the fallback " + Join(fallback.passes, ","));
+    if (step_to_beat > 0 &&
+        (context.step_to_beat_seconds == 0 || step_to_beat < context.step_to_beat_seconds)) {
+      fallback_context.step_to_beat_seconds = step_to_beat;
+    }
+    return RunPipeline(request, program_digest, *simpler, fallback_context);
+  };
+  Candidates candidates(static_cast<int>(fallbacks.size()), request.threads, run);
+  for (size_t i = 0; i < fallbacks.size(); ++i) {
+    StatusOr<proto::Schedule> candidate = candidates.Take(static_cast<int>(i), best);
+    defects->Check(candidate, "the fallback " + Join(fallbacks[i]->passes, ","));
     if (!candidate.ok()) continue;
-    if (!best || candidate->prediction().step_seconds() < best->prediction().step_seconds()) {
-      best = *candidate;
-      chosen = Join(fallback.passes, ",");
+    if (!best.ok() || candidate->prediction().step_seconds() < best->prediction().step_seconds()) {
+      best = std::move(candidate);
+      chosen = Join(fallbacks[i]->passes, ",");
     }
   }
-  if (best) {
+  if (best.ok()) {
     if (!chosen.empty()) {
-      best->add_notes(policy.name + "'s full pipeline " +
-                      (planned->ok()
-                           ? "predicted a slower step than the baseline"
-                           : "did not fit the budget (" + planned->status().message() + ")") +
-                      "; planned with " + chosen);
+      std::string why = "predicted a slower step than the baseline";
+      if (!planned->ok()) {
+        why = (planned->status().cannot_win() ? "could not beat the plan in hand ("
+                                              : "did not fit the budget (") +
+              planned->status().message() + ")";
+      }
+      best->add_notes(policy.name + "'s full pipeline " + why + "; planned with " + chosen);
     }
-    *planned = std::move(*best);
+    *planned = std::move(best);
   }
   return Status::Ok();
 }
@@ -257,7 +362,8 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
 // noting which plan was kept and why. Ties keep the policy's own plan. A rival that cannot beat
 // the plan in hand is not planned: the baseline (a pipeline of zero3 alone) is judged by the
 // baseline's simulation, a policy with every optimizer step on the host by the host's optimizer
-// time, and none is planned where the plan in hand meets the lower bound.
+// time, and none is planned where the plan in hand meets the lower bound; a rival's pipeline
+// stops before its memory plan where its step is no faster than the plan in hand's there.
 Status KeepBestOfRivals(const PlanRequest& request, const std::string& program_digest,
                         const PassContext& context, const Policy& policy,
                         const SimResult& baseline_sim, CandidateDefects* defects,
@@ -265,8 +371,6 @@ Status KeepBestOfRivals(const PlanRequest& request, const std::string& program_d
   const std::string own_failure = planned->ok() ? "" : planned->status().message();
   std::string kept;  // the rival whose plan is in *planned, if any
   double own_step = planned->ok() ? (*planned)->prediction().step_seconds() : 0;
-  PassContext rival_context = context;
-  rival_context.relaxed_budget_bytes = 0;
   const StepBound bound = StepLowerBound(request.program, request.world_size, request.costs);
   for (const std::string& rival : policy.rivals) {
     DC_ASSIGN_OR_RETURN(const Policy* rules, FindPolicy(rival));
@@ -289,6 +393,9 @@ Status KeepBestOfRivals(const PlanRequest& request, const std::string& program_d
         continue;
       }
     }
+    PassContext rival_context = context;
+    rival_context.relaxed_budget_bytes = 0;
+    rival_context.step_to_beat_seconds = StepToBeat(*planned);
     DC_ASSIGN_OR_RETURN(auto pipeline, RivalPipeline(request, rival));
     StatusOr<proto::Schedule> candidate =
         RunPipeline(request, program_digest, *pipeline, rival_context);
@@ -321,16 +428,24 @@ Status KeepBestOfRivals(const PlanRequest& request, const std::string& program_d
   return Status::Ok();
 }
 
+// The number of instructions zero3 lowers the program into (the baseline's schedule).
+StatusOr<int64_t> BaselineInstructions(const PlanRequest& request,
+                                       const std::string& program_digest,
+                                       const PassContext& context) {
+  proto::Schedule baseline = EmptySchedule(request, program_digest);
+  Zero3Pass zero3;
+  DC_RETURN_IF_ERROR(zero3.Run(&baseline, context).status());
+  return static_cast<int64_t>(baseline.instructions_size());
+}
+
 }  // namespace
 
 StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   if (request.world_size < 1) return Status::Error("world size must be at least 1");
-  DC_ASSIGN_OR_RETURN(auto pipeline, PipelineFor(request));
+  if (request.threads < 1) return Status::Error("planning threads must be at least 1");
   const std::string program_digest = ProgramDigest(request.program);
   DC_ASSIGN_OR_RETURN(std::string key, KeyOf(request, program_digest));
-  PackingMemo packings;
   PassContext context{&request.costs, request.budget_bytes};
-  context.packings = &packings;
   // The policy's search, or none for a pass list of the user's own (--passes).
   const Policy* policy = nullptr;
   if (request.passes.empty()) {
@@ -350,30 +465,26 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
     context.relaxed_budget_bytes =
         request.budget_bytes + states / search.relaxed_state_share_divisor;
   }
+  int64_t baseline_instructions = 0;
+  if (policy && policy->explores_splits) {
+    DC_ASSIGN_OR_RETURN(baseline_instructions,
+                        BaselineInstructions(request, program_digest, context));
+  }
+  const std::vector<Split> splits =
+      SplitsToPlan(request, context, policy, states, baseline_instructions);
 
   // The baseline on the same simulator, for comparison: the zero3 schedule. zero3 depends on the
   // program and world size alone, so where the pipeline starts with it, the verifier's
   // simulation after it is the baseline's; otherwise the baseline is planned on its own.
   std::optional<SimResult> baseline_sim;
-  pipeline->OnVerified(
-      [&baseline_sim, first = true](const proto::PassRecord& record, const SimResult& sim) mutable {
-        if (first && record.name() == "zero3") baseline_sim = sim;
-        first = false;
-      });
-  StatusOr<proto::Schedule> planned = RunPipeline(request, program_digest, *pipeline, context);
-  // A pass list of the user's own (--passes) has no candidates: its error is the answer.
   CandidateDefects defects;
-  if (policy) defects.Check(planned, request.policy + "'s pipeline");
+  StatusOr<proto::Schedule> planned =
+      PlanSplits(request, program_digest, context, policy, splits, &baseline_sim, &defects);
   if (!baseline_sim) {
     proto::Schedule baseline = EmptySchedule(request, program_digest);
     Zero3Pass zero3;
     DC_RETURN_IF_ERROR(zero3.Run(&baseline, context).status());
     DC_ASSIGN_OR_RETURN(baseline_sim, Simulate(baseline, request.costs));
-  }
-  if (policy && policy->explores_splits) {
-    DC_RETURN_IF_ERROR(ExploreSplits(request, program_digest, context, states,
-                                     static_cast<int64_t>(baseline_sim->start_seconds.size()),
-                                     search.max_instructions_to_explore, &defects, &planned));
   }
   auto slower_than_baseline = [&](const proto::Schedule& s) {
     return s.prediction().step_seconds() >

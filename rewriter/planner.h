@@ -29,6 +29,9 @@ struct PlanRequest {
   std::string dump_after;  // pass name; the dump goes to `dump`
   Pipeline::DumpFn dump;
   Pipeline::ProgressFn on_pass;  // after every pass of the plan (not of the baseline)
+  // Candidate plans (a policy's splits, its fallbacks) made at once, on up to this many threads.
+  // The plan is the same for any number: only the planning time changes.
+  int threads = 1;
 };
 
 // The cache key of the plan `request` would produce.

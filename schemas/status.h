@@ -17,14 +17,14 @@ class [[nodiscard]] Status {
   // An error that only says the work does not fit a memory budget (a plan over --budget): a
   // planner trying several candidates passes over these, and treats any other error of a
   // candidate as a defect to report.
-  static Status OverBudget(std::string message) {
-    Status status(std::move(message));
-    status.over_budget_ = true;
-    return status;
-  }
+  static Status OverBudget(std::string message) { return Status(std::move(message), kOverBudget); }
+  // A candidate plan stopped because a plan in hand is already at least as fast as it can
+  // become: no defect, and nothing for a person to fix.
+  static Status CannotWin(std::string message) { return Status(std::move(message), kCannotWin); }
 
   bool ok() const { return !message_.has_value(); }
-  bool over_budget() const { return over_budget_; }
+  bool over_budget() const { return reason_ == kOverBudget; }
+  bool cannot_win() const { return reason_ == kCannotWin; }
   const std::string& message() const {
     static const std::string kOk = "ok";
     return message_ ? *message_ : kOk;
@@ -32,15 +32,15 @@ class [[nodiscard]] Status {
   // Returns this error with `context` in front ("plan.dcplan: " + message).
   Status Prefixed(const std::string& context) const {
     if (ok()) return *this;
-    Status prefixed(context + message());
-    prefixed.over_budget_ = over_budget_;
-    return prefixed;
+    return Status(context + message(), reason_);
   }
 
  private:
-  explicit Status(std::string message) : message_(std::move(message)) {}
+  enum Reason { kError, kOverBudget, kCannotWin };
+  explicit Status(std::string message, Reason reason = kError)
+      : message_(std::move(message)), reason_(reason) {}
   std::optional<std::string> message_;
-  bool over_budget_ = false;
+  Reason reason_ = kError;
 };
 
 template <typename T>

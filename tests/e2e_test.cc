@@ -272,6 +272,32 @@ TEST_F(EndToEnd, ReplanForAnotherWorldSizeSaysTheTraceMeasuredAnother) {
   }
 }
 
+// Candidate plans made at once on several threads give the plan made one by one, to the byte; a
+// thread count of 0 is refused.
+TEST_F(EndToEnd, PlanningThreadsChangeNothingButTheTime) {
+  const std::string flags =
+      " --synthetic --model llama-1b --layers 2 --hidden 512 --heads 8 --kv-heads 2 --ffn 1536 "
+      "--vocab 4096 --seq 256 --gas 2 --recompute --world 8 --hardware h100-sxm --no-cache";
+  std::string plans[2];
+  int i = 0;
+  for (const char* threads : {"1", "4"}) {
+    const std::string out = dir_ + "/threads-" + threads + ".dcplan";
+    auto r =
+        RunCommand(Tool("dc-plan") + flags + " --budget 35MiB --threads " + threads + " -o " + out);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    auto bytes = ReadFileBytes(out);
+    ASSERT_TRUE(bytes.ok()) << bytes.status().message();
+    plans[i++] = *bytes;
+    std::filesystem::remove(out);
+  }
+  EXPECT_FALSE(plans[0].empty());
+  EXPECT_EQ(plans[0], plans[1]) << "the plan made on 4 threads differs from the one made on 1";
+  auto zero = RunCommand(Tool("dc-plan") + flags + " --threads 0 -o " + dir_ + "/zero.dcplan");
+  EXPECT_NE(zero.exit_code, 0);
+  EXPECT_NE(zero.err.find("--threads"), std::string::npos) << zero.err;
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/zero.dcplan"));
+}
+
 class Losses : public ::testing::TestWithParam<std::string> {};
 INSTANTIATE_TEST_SUITE_P(DenseAndMoe, Losses, ::testing::Values("tiny", "mixtral-tiny"),
                          [](const auto& info) {

@@ -350,6 +350,7 @@ struct Flags {
   bool quiet = false, print_hardware = false;
   std::string hardware = "h100-sxm", dump_after, perfetto;
   int world = 8, gpus_per_node = 8;
+  int threads = cli::AvailableCores();
   cli::ModelFlags model;
   RoundOptions rounds;
   std::vector<std::string> passes, disable;
@@ -415,6 +416,12 @@ void AddFlags(CLI::App& app, Flags* f) {
   app.add_option("--cache-dir", f->cache_dir,
                  "plan cache directory (default: $XDG_CACHE_HOME/dc or ~/.cache/dc)");
   app.add_flag("--no-cache", f->no_cache, "neither read nor write the plan cache");
+  app.add_option("--threads", f->threads,
+                 "candidate plans (the policy's splits and fallbacks) made at once; the plan is "
+                 "the same for any number, only planning time changes (default: the cores "
+                 "available to dc-plan)")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
   app.add_option("-o,--output", f->out, "plan file to write")
       ->check(cli::NonEmptyPath())
       ->capture_default_str();
@@ -456,6 +463,7 @@ StatusOr<PlanRequest> RequestOf(const Flags& f, Outcome* outcome) {
   request.policy = f.passes.empty() ? f.policy : "custom";
   request.passes = f.passes;
   request.disabled_passes = f.disable;
+  request.threads = f.threads;
   // Progress for plans that take a while: each pass once planning has run past a second.
   if (!f.quiet && ::isatty(STDERR_FILENO)) {
     const auto planning_start = std::chrono::steady_clock::now();
