@@ -12,6 +12,7 @@
 
 #include "rewriter/arena_occupancy.h"
 #include "rewriter/memory_lifetimes.h"
+#include "rewriter/tasks.h"
 #include "schemas/digest.h"
 #include "schemas/effects.h"
 #include "schemas/units.h"
@@ -317,7 +318,7 @@ proto::MemoryPlan ToPlan(const std::vector<BufferLifetime>& buffers, const Packi
 StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
                                        const MemoryPlanOptions& options, int64_t budget_bytes,
                                        const CostModel* costs, MemoryPlanStats* stats,
-                                       const SimResult* simulation) {
+                                       const SimResult* simulation, int threads) {
   if (options.alignment_bytes <= 0 ||
       (options.alignment_bytes & (options.alignment_bytes - 1)) != 0) {
     return Status::Error("memory plan alignment must be a power of two, not " +
@@ -416,18 +417,30 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
       break;
     }
   }
-  // Over the budget: reuse that waits, as little as it takes.
+  // Over the budget: reuse that waits, as little as it takes. The attempts are independent:
+  // with threads > 1 they are packed `threads` at a time and taken in turn as one by one.
   if (has_budget && best.arena_bytes > budget_bytes) {
-    for (const Attempt& attempt :
-         AttemptsOverBudget(options, primary, spill, in_time ? &instruction_axis : nullptr)) {
-      ++s.orders_tried;
-      const int64_t spill_above =
-          budget_bytes -
-          static_cast<int64_t>(static_cast<double>(budget_bytes) * attempt.headroom_fraction);
-      keep_if_best(Pack(*attempt.axis, attempt.spill, spill_above, options.alignment_bytes,
-                        attempt.order, nullptr),
-                   attempt, 0);
-      if (best.arena_bytes <= budget_bytes) break;
+    const std::vector<Attempt> attempts =
+        AttemptsOverBudget(options, primary, spill, in_time ? &instruction_axis : nullptr);
+    const int batch = std::max(1, threads);
+    std::vector<Packing> packed_batch;
+    for (size_t start = 0; start < attempts.size() && best.arena_bytes > budget_bytes;
+         start += batch) {
+      const size_t end = std::min(attempts.size(), start + batch);
+      packed_batch.assign(end - start, Packing());
+      rewriter_internal::RunTasks(static_cast<int>(end - start), batch, [&](int i) {
+        const Attempt& attempt = attempts[start + i];
+        const int64_t spill_above =
+            budget_bytes -
+            static_cast<int64_t>(static_cast<double>(budget_bytes) * attempt.headroom_fraction);
+        packed_batch[i] = Pack(*attempt.axis, attempt.spill, spill_above, options.alignment_bytes,
+                               attempt.order, nullptr);
+      });
+      for (size_t i = start; i < end; ++i) {
+        ++s.orders_tried;
+        keep_if_best(std::move(packed_batch[i - start]), attempts[i], 0);
+        if (best.arena_bytes <= budget_bytes) break;
+      }
     }
   }
   s.arena_bytes = best.arena_bytes;

@@ -122,10 +122,11 @@ struct MemoryPlanStats {
 // the simulation for kInstructionAndSimulatedTime; without them (null) lifetimes are in
 // instruction order. `stats` is optional; so is `simulation`, Simulate(schedule, *costs) when
 // the caller has it (the memory timeline is not needed), which spares simulating again.
+// `threads` > 1 packs the attempts over the budget that many at a time (the plan is the same).
 StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
                                        const MemoryPlanOptions& options, int64_t budget_bytes,
                                        const CostModel* costs, MemoryPlanStats* stats,
-                                       const SimResult* simulation = nullptr);
+                                       const SimResult* simulation = nullptr, int threads = 1);
 
 // The last packing of one plan, keyed by the schedule's instructions, the budget and the options
 // that decide its packings without waits (lifetimes, alignment, orders, fragmentation target,

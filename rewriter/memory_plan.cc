@@ -139,7 +139,7 @@ StatusOr<bool> MemoryPlanPass::Run(proto::Schedule* schedule, const PassContext&
     stats_ = packed->stats;
   } else {
     DC_ASSIGN_OR_RETURN(plan, PlanMemory(*schedule, options_, budget, context.costs, &stats_,
-                                         context.input_simulation));
+                                         context.input_simulation, context.threads));
     if (packed && packed->stats.arena_bytes < stats_.arena_bytes) {
       plan = std::move(packed->plan);
       stats_ = packed->stats;

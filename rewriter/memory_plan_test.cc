@@ -562,6 +562,40 @@ TEST(MemoryPlan, SpillsToInstructionOrderOnlyWhereTheBudgetNeedsIt) {
   }
 }
 
+// The attempts over the budget packed several at a time (threads > 1) give what packing them one
+// by one gives: the same plan, order, spills and count of packings, where a spill fits, where
+// only the fall-back to instruction order does, and where nothing does.
+TEST(MemoryPlan, AttemptsOverTheBudgetPackedAtOnceGiveTheSamePlan) {
+  const proto::Schedule input = TinyBaseline(1);
+  const CostModel costs =
+      EstimateCostModel(input.program(), *FindHardware("h100"), ClusterShape{1, 2});
+  MemoryPlanStats in_order;
+  ASSERT_TRUE(PlanMemory(input, InInstructionOrder(), 0, &costs, &in_order).ok());
+  MemoryPlanOptions no_spill;
+  no_spill.spill_to_instruction_order = false;
+  const struct {
+    MemoryPlanOptions options;
+    int64_t budget;
+  } cases[] = {{MemoryPlanOptions{}, in_order.arena_bytes},
+               {no_spill, in_order.arena_bytes},
+               {MemoryPlanOptions{}, in_order.live_peak_bytes - 1}};
+  for (const auto& c : cases) {
+    MemoryPlanStats one, many;
+    auto by_one = PlanMemory(input, c.options, c.budget, &costs, &one, nullptr, 1);
+    auto at_once = PlanMemory(input, c.options, c.budget, &costs, &many, nullptr, 3);
+    ASSERT_TRUE(by_one.ok()) << by_one.status().message();
+    ASSERT_TRUE(at_once.ok()) << at_once.status().message();
+    EXPECT_EQ(by_one->SerializeAsString(), at_once->SerializeAsString()) << c.budget;
+    EXPECT_EQ(one.arena_bytes, many.arena_bytes);
+    EXPECT_EQ(one.order, many.order);
+    EXPECT_EQ(one.orders_tried, many.orders_tried);
+    EXPECT_EQ(one.spilled_buffers, many.spilled_buffers);
+    EXPECT_EQ(one.lifetimes, many.lifetimes);
+    // Each case reaches the attempts over the budget.
+    EXPECT_GT(one.orders_tried, static_cast<int>(c.options.orders.size())) << c.budget;
+  }
+}
+
 TEST(MemoryPlan, RoundTripsThroughThePlanFile) {
   CostModel costs;
   proto::Schedule s = TinyWithOffload(2, &costs);

@@ -46,6 +46,9 @@ struct PassContext {
   // never speeds it up (Pass::NeverSpeedsUp), the pipeline stops there with Status::CannotWin
   // (the memory plan's packings of 200k instructions take seconds). 0: none.
   double step_to_beat_seconds = 0;
+  // Threads a pass may use for work whose result does not depend on their number
+  // (PlanRequest::threads).
+  int threads = 1;
 };
 
 class Pass {

@@ -1,17 +1,16 @@
 #include "rewriter/planner.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdio>
 #include <functional>
 #include <mutex>
 #include <optional>
-#include <thread>
 
 #include "machine/lower_bound.h"
 #include "machine/simulator.h"
 #include "rewriter/memory_plan.h"
 #include "rewriter/plan_cache.h"
+#include "rewriter/tasks.h"
 #include "rewriter/zero3.h"
 #include "schemas/digest.h"
 #include "schemas/units.h"
@@ -152,20 +151,6 @@ StatusOr<proto::Schedule> RunPipeline(const PlanRequest& request, const std::str
   return schedule;
 }
 
-// Runs task(i) for every i in [0, n), on up to `threads` threads at once (the caller's among
-// them), started in order of i; returns when every task has run.
-template <typename Task>
-void RunTasks(int n, int threads, const Task& task) {
-  std::atomic<int> next{0};
-  auto worker = [&] {
-    for (int i = next++; i < n; i = next++) task(i);
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < std::min(threads, n); ++t) pool.emplace_back(worker);
-  worker();
-  for (std::thread& thread : pool) thread.join();
-}
-
 // The step a candidate must beat to replace `best` (kept only if strictly faster): `best`'s, or
 // none (0).
 double StepToBeat(const StatusOr<proto::Schedule>& best) {
@@ -183,7 +168,7 @@ class Candidates {
   Candidates(int count, int threads, Run run) : run_(std::move(run)) {
     if (threads > 1 && count > 1) {
       made_.resize(count, Status::Error("not planned"));
-      RunTasks(count, threads, [this](int i) { made_[i] = run_(i, 0); });
+      rewriter_internal::RunTasks(count, threads, [this](int i) { made_[i] = run_(i, 0); });
     }
   }
   // Candidate i's plan: the one made at once, or one made now against `best`.
@@ -446,6 +431,7 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   const std::string program_digest = ProgramDigest(request.program);
   DC_ASSIGN_OR_RETURN(std::string key, KeyOf(request, program_digest));
   PassContext context{&request.costs, request.budget_bytes};
+  context.threads = request.threads;
   // The policy's search, or none for a pass list of the user's own (--passes).
   const Policy* policy = nullptr;
   if (request.passes.empty()) {
