@@ -25,6 +25,7 @@
 #include "machine/lower_bound.h"
 #include "models/model.h"
 #include "rewriter/planner.h"
+#include "tools/allocator.h"
 
 namespace {
 
@@ -311,6 +312,7 @@ int Sensitivity(const std::vector<Row>& rows, const dc::HardwareProfile& nominal
 }  // namespace
 
 int main(int argc, char**) {
+  dc::cli::KeepFreedPagesWhilePlanning();
   if (argc > 1) {
     std::fprintf(stderr, "usage: paper_bench (no arguments; see bench/README.md)\n");
     return 2;

@@ -36,6 +36,7 @@
 #include "models/model.h"
 #include "rewriter/memory_lifetimes.h"
 #include "rewriter/planner.h"
+#include "tools/allocator.h"
 
 namespace {
 
@@ -594,6 +595,7 @@ int Standard(bool quick, const dc::HardwareProfile& hw) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  dc::cli::KeepFreedPagesWhilePlanning();
   auto hw = dc::FindHardware("h100-sxm");
   if (!hw.ok()) return Fail(hw.status());
   if (argc > 4) return OneCase(argc, argv, *hw);

@@ -26,6 +26,7 @@
 #include "schemas/files.h"
 #include "schemas/plan_file.h"
 #include "schemas/units.h"
+#include "tools/allocator.h"
 #include "tools/cli.h"
 #include "tracetools/perfetto.h"
 #include "tracetools/report.h"
@@ -668,6 +669,7 @@ void PrintText(const Flags& f, const Outcome& o) {
 
 // Flags, then the request planned, then what it made printed.
 int main(int argc, char** argv) {
+  dc::cli::KeepFreedPagesWhilePlanning();
   CLI::App app{
       "dc-plan: read a trace, derive the memory timeline and costs, and plan an optimized "
       "schedule into a plan file (cached across runs).\n"
