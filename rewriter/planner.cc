@@ -32,7 +32,6 @@ StatusOr<std::unique_ptr<Pipeline>> PipelineFor(const PlanRequest& request, bool
     DC_RETURN_IF_ERROR(
         pipeline->DumpAfter(request.dump_after, request.dump).Prefixed("--dump-after: "));
   }
-  if (request.on_pass) pipeline->OnPass(request.on_pass);
   return pipeline;
 }
 
@@ -413,14 +412,14 @@ Status KeepBestOfRivals(const PlanRequest& request, const std::string& program_d
   return Status::Ok();
 }
 
-// The number of instructions zero3 lowers the program into (the baseline's schedule).
-StatusOr<int64_t> BaselineInstructions(const PlanRequest& request,
-                                       const std::string& program_digest,
-                                       const PassContext& context) {
+// The baseline's schedule: the program as zero3 lowers it.
+StatusOr<proto::Schedule> LowerBaseline(const PlanRequest& request,
+                                        const std::string& program_digest,
+                                        const PassContext& context) {
   proto::Schedule baseline = EmptySchedule(request, program_digest);
   Zero3Pass zero3;
   DC_RETURN_IF_ERROR(zero3.Run(&baseline, context).status());
-  return static_cast<int64_t>(baseline.instructions_size());
+  return baseline;
 }
 
 }  // namespace
@@ -451,26 +450,25 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
     context.relaxed_budget_bytes =
         request.budget_bytes + states / search.relaxed_state_share_divisor;
   }
-  int64_t baseline_instructions = 0;
-  if (policy && policy->explores_splits) {
-    DC_ASSIGN_OR_RETURN(baseline_instructions,
-                        BaselineInstructions(request, program_digest, context));
-  }
-  const std::vector<Split> splits =
-      SplitsToPlan(request, context, policy, states, baseline_instructions);
-
   // The baseline on the same simulator, for comparison: the zero3 schedule. zero3 depends on the
   // program and world size alone, so where the pipeline starts with it, the verifier's
-  // simulation after it is the baseline's; otherwise the baseline is planned on its own.
+  // simulation after it is the baseline's; otherwise the baseline is simulated on its own. An
+  // exploring policy's splits depend on the baseline's size, known before any is planned.
+  std::optional<proto::Schedule> baseline;
+  if (policy && policy->explores_splits) {
+    DC_ASSIGN_OR_RETURN(baseline, LowerBaseline(request, program_digest, context));
+  }
+  const std::vector<Split> splits =
+      SplitsToPlan(request, context, policy, states, baseline ? baseline->instructions_size() : 0);
   std::optional<SimResult> baseline_sim;
   CandidateDefects defects;
   StatusOr<proto::Schedule> planned =
       PlanSplits(request, program_digest, context, policy, splits, &baseline_sim, &defects);
   if (!baseline_sim) {
-    proto::Schedule baseline = EmptySchedule(request, program_digest);
-    Zero3Pass zero3;
-    DC_RETURN_IF_ERROR(zero3.Run(&baseline, context).status());
-    DC_ASSIGN_OR_RETURN(baseline_sim, Simulate(baseline, request.costs));
+    if (!baseline) {
+      DC_ASSIGN_OR_RETURN(baseline, LowerBaseline(request, program_digest, context));
+    }
+    DC_ASSIGN_OR_RETURN(baseline_sim, Simulate(*baseline, request.costs));
   }
   auto slower_than_baseline = [&](const proto::Schedule& s) {
     return s.prediction().step_seconds() >

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -20,7 +21,14 @@ void RunTasks(int n, int threads, const Task& task) {
     for (int i = next++; i < n; i = next++) task(i);
   };
   std::vector<std::thread> pool;
-  for (int t = 1; t < std::min(threads, n); ++t) pool.emplace_back(worker);
+  for (int t = 1; t < std::min(threads, n); ++t) {
+    // Where the system starts no more threads, those started (and the caller) take the rest.
+    try {
+      pool.emplace_back(worker);
+    } catch (const std::system_error&) {
+      break;
+    }
+  }
   worker();
   for (std::thread& thread : pool) thread.join();
 }

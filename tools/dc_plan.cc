@@ -420,7 +420,7 @@ void AddFlags(CLI::App& app, Flags* f) {
   app.add_option("--threads", f->threads,
                  "candidate plans (the policy's splits and fallbacks) made at once; the plan is "
                  "the same for any number, only planning time changes (default: the cores "
-                 "available to dc-plan)")
+                 "available to dc-plan), e.g. --threads 1 to leave the other cores to training")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
   app.add_option("-o,--output", f->out, "plan file to write")
