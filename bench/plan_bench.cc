@@ -27,7 +27,6 @@
 #include <map>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "machine/estimate.h"
@@ -37,6 +36,7 @@
 #include "rewriter/memory_lifetimes.h"
 #include "rewriter/planner.h"
 #include "tools/allocator.h"
+#include "tools/cli.h"
 
 namespace {
 
@@ -505,7 +505,7 @@ int Scale(const dc::HardwareProfile& hw) {
   model.world = cluster->world_size();
   std::fprintf(stderr, "plan_bench: llama3-405b shapes, 1024 ranks, GAS 16\n");
   // One thread, then the cores this process may use (the candidates planned at once).
-  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int cores = dc::cli::AvailableCores();  // as dc-plan's default: taskset counts
   std::vector<int> thread_counts = {1};
   if (cores > 1) thread_counts.push_back(cores);
   std::vector<PolicyRun> runs;
