@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <tuple>
@@ -34,6 +35,8 @@ const char* OrderName(MemoryPlanOptions::Order order) {
       return "area-descending";
     case MemoryPlanOptions::Order::kBreadthDescending:
       return "breadth-descending";
+    case MemoryPlanOptions::Order::kBreadthSizeDescending:
+      return "breadth-size-descending";
   }
   return "?";
 }
@@ -174,29 +177,32 @@ Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
   struct RestKey {
     int first;  // 1: marked in `first`
     // reserve x lifetime for kAreaDescending; the most bytes live at once during the lifetime
-    // for kBreadthDescending; 0 (no key) otherwise
+    // for the breadth orders; 0 (no key) otherwise
     int64_t area;
+    int64_t lifetime;  // for kBreadthDescending; 0 (no key) otherwise
     int64_t reserve;
     int alloc_index, instruction, tensor, micro_step, buffer;
   };
   std::vector<RestKey> keys;
   keys.reserve(rest.size());
-  const std::vector<int64_t> busiest = order == MemoryPlanOptions::Order::kBreadthDescending
-                                           ? BusiestLiveBytes(primary, reserve)
-                                           : std::vector<int64_t>();
+  const bool breadth = order == MemoryPlanOptions::Order::kBreadthDescending ||
+                       order == MemoryPlanOptions::Order::kBreadthSizeDescending;
+  const std::vector<int64_t> busiest =
+      breadth ? BusiestLiveBytes(primary, reserve) : std::vector<int64_t>();
   for (int b : rest) {
     const BufferLifetime& x = buffers[b];
     // Below 2^63: sizes are under 2^40 bytes and lifetimes under 2^23 positions.
     const int64_t lifetime = static_cast<int64_t>(x.free_index) - x.alloc_index + 1;
-    int64_t area = 0;
+    int64_t area = 0, breadth_lifetime = 0;
     if (order == MemoryPlanOptions::Order::kAreaDescending) area = reserve[b] * lifetime;
-    if (order == MemoryPlanOptions::Order::kBreadthDescending) area = busiest[b];
-    keys.push_back({first ? (*first)[b] : 0, area, reserve[b], x.alloc_index, x.instruction,
-                    x.tensor, x.micro_step, b});
+    if (breadth) area = busiest[b];
+    if (order == MemoryPlanOptions::Order::kBreadthDescending) breadth_lifetime = lifetime;
+    keys.push_back({first ? (*first)[b] : 0, area, breadth_lifetime, reserve[b], x.alloc_index,
+                    x.instruction, x.tensor, x.micro_step, b});
   }
   std::sort(keys.begin(), keys.end(), [](const RestKey& x, const RestKey& y) {
-    return std::tie(y.first, y.area, y.reserve, x.alloc_index, x.instruction, x.tensor,
-                    x.micro_step) < std::tie(x.first, x.area, x.reserve, y.alloc_index,
+    return std::tie(y.first, y.area, y.lifetime, y.reserve, x.alloc_index, x.instruction, x.tensor,
+                    x.micro_step) < std::tie(x.first, x.area, x.lifetime, x.reserve, y.alloc_index,
                                              y.instruction, y.tensor, y.micro_step);
   });
   for (size_t k = 0; k < keys.size(); ++k) rest[k] = keys[k].buffer;
@@ -229,16 +235,18 @@ struct Attempt {
 };
 
 // The packings without waits, tried in turn until one is good enough: every order over the
-// primary lifetimes, each of the repaired orders followed by its repair rounds.
+// primary lifetimes, then round by round a repair of each repaired order (so that a short
+// prefix, the offload pass's arena check, packs every order and repairs each once).
 std::vector<Attempt> AttemptsWithoutWaits(const MemoryPlanOptions& options, const Axis& primary) {
   std::vector<Attempt> attempts;
   for (MemoryPlanOptions::Order order : options.orders) {
     attempts.push_back({&primary, nullptr, 0.0, order});
-    if (std::count(options.repaired_orders.begin(), options.repaired_orders.end(), order) == 0) {
-      continue;
-    }
-    for (int round = 0; round < options.repair_rounds; ++round) {
-      attempts.push_back({&primary, nullptr, 0.0, order, /*repair=*/true});
+  }
+  for (int round = 0; round < options.repair_rounds; ++round) {
+    for (MemoryPlanOptions::Order order : options.orders) {
+      if (std::count(options.repaired_orders.begin(), options.repaired_orders.end(), order) > 0) {
+        attempts.push_back({&primary, nullptr, 0.0, order, /*repair=*/true});
+      }
     }
   }
   return attempts;
@@ -377,42 +385,49 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
     }
   };
   // Without waits, until the arena is within the fragmentation target and fits the budget.
-  // Each repair round marks what the packing before it (of the same order) put above the live
+  // Each repair round of an order marks what that order's last packing put above the live
   // peak; a round that would mark nothing new would repeat that packing, and is skipped.
   // Repairs of an order stop after a round that packs no tighter than the packing before it.
-  std::vector<char> first(buffers.size(), 0);
-  Packing previous;
-  int round = 0, packed = 0;
-  bool repairs_done = false;
+  struct Repairs {
+    Packing last;  // the order's last packing (empty offsets: not packed)
+    std::vector<char> first;
+    int round = 0;
+    bool done = false;
+  };
+  std::map<MemoryPlanOptions::Order, Repairs> repairs;
+  for (MemoryPlanOptions::Order order : options.repaired_orders) repairs[order];
+  int packed = 0;
   for (const Attempt& attempt : AttemptsWithoutWaits(options, primary)) {
     if (options.max_packings > 0 && packed == options.max_packings) break;
+    const auto repairing = repairs.find(attempt.order);
+    Repairs* state = repairing == repairs.end() ? nullptr : &repairing->second;
+    int round = 0;
     if (attempt.repair) {
-      if (repairs_done) continue;
+      if (state->done || state->last.offsets.empty()) continue;
       bool marked = false;
       for (size_t b = 0; b < buffers.size(); ++b) {
-        if (!first[b] && buffers[b].size_bytes > 0 &&
-            previous.offsets[b] + buffers[b].size_bytes > live_peak) {
-          first[b] = 1;
+        if (!state->first[b] && buffers[b].size_bytes > 0 &&
+            state->last.offsets[b] + buffers[b].size_bytes > live_peak) {
+          state->first[b] = 1;
           marked = true;
         }
       }
       if (!marked) {
-        repairs_done = true;
+        state->done = true;
         continue;
       }
-      ++round;
-    } else {
-      std::fill(first.begin(), first.end(), 0);
-      round = 0;
-      repairs_done = false;
+      round = ++state->round;
     }
     ++s.orders_tried;
     ++packed;
-    const int64_t arena_before = previous.arena_bytes;
-    previous = Pack(primary, nullptr, 0, options.alignment_bytes, attempt.order,
-                    attempt.repair ? &first : nullptr);
-    if (attempt.repair && previous.arena_bytes >= arena_before) repairs_done = true;
-    keep_if_best(Packing(previous), attempt, round);
+    Packing packing = Pack(primary, nullptr, 0, options.alignment_bytes, attempt.order,
+                           attempt.repair ? &state->first : nullptr);
+    if (state) {
+      if (attempt.repair && packing.arena_bytes >= state->last.arena_bytes) state->done = true;
+      if (!attempt.repair) state->first.assign(buffers.size(), 0);
+      state->last = packing;
+    }
+    keep_if_best(std::move(packing), attempt, round);
     if (best.arena_bytes <= target_bytes && (!has_budget || best.arena_bytes <= budget_bytes)) {
       break;
     }

@@ -394,6 +394,45 @@ TEST(MemoryPlan, TakesTheBestFittingGap) {
   EXPECT_EQ(plan->arena_bytes(), 24576);  // the live peak: a + b + c + d
 }
 
+// b, c and d are all live at the peak (7 KiB, instructions 4-5), so breadth ties them. Taken
+// longest-lived first, b goes lowest and c and d stack on it; a, live only before c and d
+// are, fits under c beside b: the live peak. Taken largest first (c, then b and d), c sits
+// at 0, b above it, and a (4 KiB over instructions 0-2) finds only c's 3 KiB under b: on top,
+// 9 KiB. Size-descending packs 8 KiB.
+TEST(MemoryPlan, BreadthStacksTheLongestLivedFirstOnItsTies) {
+  const proto::Schedule s =
+      Handmade({{"a", 4096}, {"b", 2048}, {"c", 3072}, {"d", 2048}},
+               {{"make_a", {"a"}}, {"make_b", {"b"}}, {"make_c", {"c"}}, {"make_d", {"d"}}},
+               R"(compute compute m0 make_a
+                  compute compute m0 make_b
+                  release compute m0 [a]
+                  compute compute m0 make_c
+                  compute compute m0 make_d
+                  release compute m0 [b, c, d])");
+  auto arena_in = [&](MemoryPlanOptions::Order order) {
+    MemoryPlanOptions options;
+    options.orders = {order};
+    options.repaired_orders = {};
+    auto plan = PlanMemory(s, options, 0, nullptr, nullptr);
+    EXPECT_TRUE(plan.ok()) << plan.status().message();
+    return plan.ok() ? plan->arena_bytes() : -1;
+  };
+  EXPECT_EQ(arena_in(MemoryPlanOptions::Order::kBreadthDescending), 7168);
+  EXPECT_EQ(arena_in(MemoryPlanOptions::Order::kBreadthSizeDescending), 9216);
+  EXPECT_EQ(arena_in(MemoryPlanOptions::Order::kSizeDescending), 8192);
+  MemoryPlanStats stats;
+  auto plan = PlanMemory(s, MemoryPlanOptions{}, 0, nullptr, &stats);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  EXPECT_EQ(plan->arena_bytes(), 7168);
+  EXPECT_EQ(stats.live_peak_bytes, 7168);
+  EXPECT_EQ(stats.order, "breadth-descending");
+  const auto offsets = OffsetsByName(s, *plan);
+  EXPECT_EQ(offsets.at("b"), 0);
+  EXPECT_EQ(offsets.at("c"), 2048);
+  EXPECT_EQ(offsets.at("d"), 5120);
+  EXPECT_EQ(offsets.at("a"), 2048);
+}
+
 TEST(MemoryPlan, BuffersShareBytesOnlyAfterTheFreeingInstruction) {
   // x is freed by instruction 1 and y allocated by instruction 2: they may share; w lives across
   // both, so it shares with neither.
@@ -441,14 +480,15 @@ TEST(MemoryPlan, OverBudgetNamesArenaAndBudgetAfterTryingEveryOrder) {
   EXPECT_NE(message.find(FormatBytes(stats.arena_bytes)), std::string::npos) << message;
   EXPECT_NE(message.find(FormatBytes(budget)), std::string::npos) << message;
   EXPECT_NE(message.find("no packing fits"), std::string::npos) << message;
-  // Every order over simulated-time lifetimes without waits (and breadth's repair rounds while
-  // they mark buffers anew), then every order spilling at the budget, two lower spill marks,
+  // Every order over simulated-time lifetimes without waits (and the breadth orders' repair rounds
+  // while they mark buffers anew), then every order spilling at the budget, two lower spill marks,
   // every order in instruction order.
   const MemoryPlanOptions defaults;
   const int orders = static_cast<int>(defaults.orders.size());
+  const int repairs = static_cast<int>(defaults.repaired_orders.size()) * defaults.repair_rounds;
   const int over_budget = orders + 2 + orders;
   EXPECT_GE(pass.stats().orders_tried, orders + over_budget);
-  EXPECT_LE(pass.stats().orders_tried, orders + defaults.repair_rounds + over_budget);
+  EXPECT_LE(pass.stats().orders_tried, orders + repairs + over_budget);
   EXPECT_FALSE(s.has_memory_plan());
 }
 

@@ -172,7 +172,9 @@ std::string CheckNeverWorse(PlanRequest request) {
 // Issue 14's case: dc's own pipelines predicted 0.1781 s where deepcompile's rules predict
 // 0.1672 s, and dc kept deepcompile's plan. Since the offload pass lowers its planning budget
 // twice as far each arena round and its arena check tries three packing orders, dc's own
-// pipeline plans 0.1552 s: never worse, and now by its own plan.
+// pipeline plans 0.1552 s: never worse, and now by its own plan; since breadth-descending
+// packing stacks the longest-lived buffers first on its ties, offload gives back less and the
+// plan steps in 0.1429 s.
 TEST(NeverWorseTest, IssueCasePlansNoSlowerThanDeepCompile) {
   ModelOverrides o;
   o.layers = 4;
@@ -194,7 +196,7 @@ TEST(NeverWorseTest, IssueCasePlansNoSlowerThanDeepCompile) {
   request.policy = "dc";
   auto dc = MakePlan(request);
   ASSERT_TRUE(dc.ok()) << dc.status().message();
-  EXPECT_NEAR(dc->prediction().step_seconds(), 0.1552, 5e-5);
+  EXPECT_NEAR(dc->prediction().step_seconds(), 0.1429, 5e-5);
   for (const std::string& note : dc->notes()) EXPECT_EQ(note.rfind("kept ", 0), std::string::npos);
   EXPECT_EQ(dc->policy(), "dc");
 }

@@ -400,9 +400,10 @@ TEST(Synthetic, PlansLlama3_70bOn32H100sWithoutATrace) {
   EXPECT_GE(j["range"]["speedup_over_baseline"]["max"].get<double>(), speedup);
 }
 
-// Where DeepCompile's rules plan a faster step than dc's own pipelines (0.0430 s against 0.0483
-// s: a case of the never-worse test's, DC_NEVER_WORSE_CASES=200), dc keeps the rules' plan, and
-// the summary and --explain say so beside the bound.
+// Where DeepCompile's rules plan a faster step than dc's own pipelines (0.0430 s against 0.0499
+// s: a case of the never-worse test's, DC_NEVER_WORSE_CASES=200; 0.0483 s before breadth packing
+// ordered its ties by lifetime), dc keeps the rules' plan, and the summary and --explain say so
+// beside the bound.
 TEST(Synthetic, DcKeepsARulesPlanWhereItIsFaster) {
   const std::string dir = FreshDir("synthetic-rival");
   auto plan = RunCommand(
@@ -413,7 +414,7 @@ TEST(Synthetic, DcKeepsARulesPlanWhereItIsFaster) {
       dir + "/p.dcplan");
   ASSERT_EQ(plan.exit_code, 0) << plan.err;
   EXPECT_NE(plan.out.find("predicted step 0.0430 s (bound "), std::string::npos) << plan.out;
-  EXPECT_NE(plan.out.find("chosen: kept deepcompile's plan: 0.0430 s < dc's 0.0483 s"),
+  EXPECT_NE(plan.out.find("chosen: kept deepcompile's plan: 0.0430 s < dc's 0.0499 s"),
             std::string::npos)
       << plan.out;
 }
