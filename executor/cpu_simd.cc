@@ -427,27 +427,56 @@ DC_AVX2 inline __m256i TailMask(int64_t count) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), lane);
 }
 
+// One vector of AdamW: the same arithmetic for full vectors and the tail.
+struct AdamVectors {
+  __m256 b1, b2, ob1, ob2, mc, vc, eps, lr, decay, grad_scale;
+};
+// m, v and p updated from g, m, v and p.
+DC_AVX2 inline void AdamStep(const AdamVectors& c, __m256 g, __m256 m, __m256 v, __m256 p,
+                             __m256* m_out, __m256* v_out, __m256* p_out) {
+  const __m256 gi = _mm256_mul_ps(g, c.grad_scale);
+  const __m256 mi = _mm256_fmadd_ps(c.b1, m, _mm256_mul_ps(c.ob1, gi));
+  const __m256 vi = _mm256_fmadd_ps(c.b2, v, _mm256_mul_ps(c.ob2, _mm256_mul_ps(gi, gi)));
+  const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(vi, c.vc)), c.eps);
+  const __m256 update = _mm256_div_ps(_mm256_mul_ps(mi, c.mc), denom);
+  *m_out = mi;
+  *v_out = vi;
+  *p_out = _mm256_fmsub_ps(p, c.decay, _mm256_mul_ps(c.lr, update));
+}
+
 // The tail goes through the same vector arithmetic (masked loads and stores): an element's
 // update does not depend on where the shard starts, so every world size computes the same bits.
+// Full vectors use plain loads and stores: AMD's masked stores are microcoded (on this VM's EPYC
+// perf put 10% of a 512-wide cpu step's samples in the all-masked loop, 1.4% in this one; the
+// step's cycles fell about 2%).
 DC_AVX2 void Avx2AdamW(float* p, const float* g, float* m, float* v, int64_t n,
                        const AdamCoefficients& c) {
-  const __m256 b1 = _mm256_set1_ps(c.beta1), b2 = _mm256_set1_ps(c.beta2);
-  const __m256 ob1 = _mm256_set1_ps(c.one_minus_beta1), ob2 = _mm256_set1_ps(c.one_minus_beta2);
-  const __m256 mc = _mm256_set1_ps(c.m_correction), vc = _mm256_set1_ps(c.v_correction);
-  const __m256 eps = _mm256_set1_ps(c.eps), lr = _mm256_set1_ps(c.lr);
-  const __m256 decay = _mm256_set1_ps(c.decay), grad_scale = _mm256_set1_ps(c.grad_scale);
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const __m256i mask = TailMask(n - i);  // all lanes but in the tail
-    const __m256 gi = _mm256_mul_ps(_mm256_maskload_ps(g + i, mask), grad_scale);
-    const __m256 mi = _mm256_fmadd_ps(b1, _mm256_maskload_ps(m + i, mask), _mm256_mul_ps(ob1, gi));
-    const __m256 vi = _mm256_fmadd_ps(b2, _mm256_maskload_ps(v + i, mask),
-                                      _mm256_mul_ps(ob2, _mm256_mul_ps(gi, gi)));
+  const AdamVectors k = {_mm256_set1_ps(c.beta1),
+                         _mm256_set1_ps(c.beta2),
+                         _mm256_set1_ps(c.one_minus_beta1),
+                         _mm256_set1_ps(c.one_minus_beta2),
+                         _mm256_set1_ps(c.m_correction),
+                         _mm256_set1_ps(c.v_correction),
+                         _mm256_set1_ps(c.eps),
+                         _mm256_set1_ps(c.lr),
+                         _mm256_set1_ps(c.decay),
+                         _mm256_set1_ps(c.grad_scale)};
+  __m256 mi, vi, pi;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    AdamStep(k, _mm256_loadu_ps(g + i), _mm256_loadu_ps(m + i), _mm256_loadu_ps(v + i),
+             _mm256_loadu_ps(p + i), &mi, &vi, &pi);
+    _mm256_storeu_ps(m + i, mi);
+    _mm256_storeu_ps(v + i, vi);
+    _mm256_storeu_ps(p + i, pi);
+  }
+  if (i < n) {
+    const __m256i mask = TailMask(n - i);
+    AdamStep(k, _mm256_maskload_ps(g + i, mask), _mm256_maskload_ps(m + i, mask),
+             _mm256_maskload_ps(v + i, mask), _mm256_maskload_ps(p + i, mask), &mi, &vi, &pi);
     _mm256_maskstore_ps(m + i, mask, mi);
     _mm256_maskstore_ps(v + i, mask, vi);
-    const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(vi, vc)), eps);
-    const __m256 update = _mm256_div_ps(_mm256_mul_ps(mi, mc), denom);
-    const __m256 pi = _mm256_maskload_ps(p + i, mask);
-    _mm256_maskstore_ps(p + i, mask, _mm256_fmsub_ps(pi, decay, _mm256_mul_ps(lr, update)));
+    _mm256_maskstore_ps(p + i, mask, pi);
   }
 }
 
