@@ -70,13 +70,23 @@ void MergeUnions(const std::vector<Range>& a, const std::vector<Range>& b,
 
 template <typename Offset>
 BasicArenaOccupancy<Offset>::BasicArenaOccupancy(int axis_length) {
+  Reset(axis_length);
+}
+
+template <typename Offset>
+void BasicArenaOccupancy<Offset>::Reset(int axis_length) {
+  leaves_ = 1;
   while (leaves_ < axis_length + 2) leaves_ *= 2;
   const size_t nodes = 2 * static_cast<size_t>(leaves_);
   taken_.resize(nodes);
   allocated_.resize(nodes);
+  path_.resize(nodes);
+  for (std::vector<Range>& runs : taken_) runs.clear();
+  for (std::vector<Range>& runs : allocated_) runs.clear();
+  // Every cached path union is stale (built at 0); PathUnion rebuilds it before use.
   changed_.assign(nodes, 0);
   built_.assign(nodes, 0);
-  path_.resize(nodes);
+  clock_ = 0;
 }
 
 template <typename Offset>

@@ -32,6 +32,10 @@ class BasicArenaOccupancy {
 
   explicit BasicArenaOccupancy(int axis_length);
 
+  // Empty again, on an axis of `axis_length`, keeping the memory of the unions (a packer that
+  // packs one schedule in several orders allocates it once).
+  void Reset(int axis_length);
+
   // Takes `range` (non-empty) during [alloc_index, free_index], where -1 <= alloc_index <=
   // free_index <= axis_length.
   void Add(int alloc_index, int free_index, Range range);

@@ -39,15 +39,19 @@ int64_t BruteForceBestFit(const std::vector<Placed>& placed, int alloc_index, in
 }
 
 // Random lifetimes and sizes, placed where BestFit says (as the packer does) or, now and then,
-// anywhere (overlapping what is there: the index must not assume a packing).
+// anywhere (overlapping what is there: the index must not assume a packing). `reuse`
+// (optional): an occupancy used before, reset to the axis instead of a new one.
 template <typename Occupancy>
-void CheckAgainstBruteForce(unsigned seed, int axis_length, int buffers, int64_t max_size) {
+void CheckAgainstBruteForce(unsigned seed, int axis_length, int buffers, int64_t max_size,
+                            Occupancy* reuse = nullptr) {
   using Offset = typename Occupancy::Range::first_type;
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int> position(-1, axis_length);
   std::uniform_int_distribution<int64_t> size(1, max_size);
   std::uniform_int_distribution<int> percent(0, 99);
-  Occupancy occupancy(axis_length);
+  Occupancy fresh(reuse ? 0 : axis_length);
+  if (reuse) reuse->Reset(axis_length);
+  Occupancy& occupancy = reuse ? *reuse : fresh;
   std::vector<Placed> placed;
   for (int b = 0; b < buffers; ++b) {
     int alloc_index = position(rng), free_index = position(rng);
@@ -70,6 +74,17 @@ TEST(ArenaOccupancy, MatchesBruteForceOnShortAxes) {
   for (unsigned seed = 1; seed <= 200; ++seed) {
     CheckAgainstBruteForce<ArenaOccupancy>(seed, 1 + seed % 17, 60, 40);
     CheckAgainstBruteForce<ArenaOccupancy32>(seed, 1 + seed % 17, 60, 40);
+  }
+}
+
+// Reset keeps the unions' memory and forgets their runs and cached path unions: one occupancy
+// reset between packings on longer and shorter axes answers as new ones do.
+TEST(ArenaOccupancy, ResetAnswersAsNew) {
+  ArenaOccupancy32 reused(0);
+  for (unsigned seed = 1; seed <= 60; ++seed) {
+    const int axis_length = seed % 3 == 0 ? 300 + seed : 1 + seed % 17;
+    CheckAgainstBruteForce<ArenaOccupancy32>(seed, axis_length, seed % 3 == 0 ? 400 : 60,
+                                             seed % 3 == 0 ? 1000 : 40, &reused);
   }
 }
 

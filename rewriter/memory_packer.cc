@@ -57,16 +57,24 @@ struct Axis {
 // `base_bytes` (and over `spill` lifetimes where that ends lower; see Pack), into
 // packing->offsets. False, with offsets half written, when an offset would not fit Occupancy's
 // offsets (counted in units of unit_bytes, which every reserve and base_bytes is a multiple of).
+// `reuse` (optional): an occupancy to reset and place in, keeping its memory.
 template <typename Occupancy>
 bool PlaceInOrder(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
                   int64_t unit_bytes, const std::vector<int>& rest,
-                  const std::vector<int64_t>& reserve, int64_t base_bytes, Packing* packing) {
+                  const std::vector<int64_t>& reserve, int64_t base_bytes, Packing* packing,
+                  Occupancy* reuse) {
   using Offset = typename Occupancy::Range::first_type;
   constexpr int64_t kMaxUnits = static_cast<int64_t>(std::numeric_limits<Offset>::max());
   const std::vector<BufferLifetime>& buffers = *primary.buffers;
   const int64_t base = base_bytes / unit_bytes;
   if (base > kMaxUnits) return false;
-  Occupancy occupancy(primary.length);
+  std::optional<Occupancy> own;
+  if (reuse) {
+    reuse->Reset(primary.length);
+  } else {
+    own.emplace(primary.length);
+  }
+  Occupancy& occupancy = reuse ? *reuse : *own;
   std::optional<Occupancy> spill_occupancy;
   if (spill && spill_above_bytes > 0) spill_occupancy.emplace(spill->length);
   packing->spilled = 0;
@@ -139,10 +147,11 @@ std::vector<int64_t> BusiestLiveBytes(const Axis& axis, const std::vector<int64_
 // Best-fit decreasing in `order` over `primary` lifetimes, the buffers marked in `first`
 // (optional) before the others. With `spill` and spill_above_bytes > 0, a buffer whose best
 // place over `primary` ends above spill_above_bytes may take a gap that is free over the
-// `spill` lifetimes (which conflict less) if that place ends lower.
+// `spill` lifetimes (which conflict less) if that place ends lower. `reuse` (optional): the
+// occupancy to place in (reset first), so that packings one after another allocate it once.
 Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
              int64_t alignment_bytes, MemoryPlanOptions::Order order,
-             const std::vector<char>* first) {
+             const std::vector<char>* first, ArenaOccupancy32* reuse) {
   const std::vector<BufferLifetime>& buffers = *primary.buffers;
   const int n = static_cast<int>(buffers.size());
   Packing packing;
@@ -210,9 +219,9 @@ Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
   // In units of the alignment (every offset and reserve is a multiple of it): 32 bits hold
   // arenas up to 4 Gi units, 1 TiB at 256-byte alignment; past that, 64.
   if (!PlaceInOrder<ArenaOccupancy32>(primary, spill, spill_above_bytes, alignment_bytes, rest,
-                                      reserve, base, &packing)) {
+                                      reserve, base, &packing, reuse)) {
     PlaceInOrder<ArenaOccupancy>(primary, spill, spill_above_bytes, alignment_bytes, rest, reserve,
-                                 base, &packing);
+                                 base, &packing, nullptr);
   }
   for (int b = 0; b < n; ++b) {
     if (buffers[b].size_bytes > 0) {
@@ -397,6 +406,7 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
   std::map<MemoryPlanOptions::Order, Repairs> repairs;
   for (MemoryPlanOptions::Order order : options.repaired_orders) repairs[order];
   int packed = 0;
+  ArenaOccupancy32 occupancy(0);  // every packing without waits places in it in turn
   for (const Attempt& attempt : AttemptsWithoutWaits(options, primary)) {
     if (options.max_packings > 0 && packed == options.max_packings) break;
     const auto repairing = repairs.find(attempt.order);
@@ -421,7 +431,7 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
     ++s.orders_tried;
     ++packed;
     Packing packing = Pack(primary, nullptr, 0, options.alignment_bytes, attempt.order,
-                           attempt.repair ? &state->first : nullptr);
+                           attempt.repair ? &state->first : nullptr, &occupancy);
     if (state) {
       if (attempt.repair && packing.arena_bytes >= state->last.arena_bytes) state->done = true;
       if (!attempt.repair) state->first.assign(buffers.size(), 0);
@@ -439,6 +449,11 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
         AttemptsOverBudget(options, primary, spill, in_time ? &instruction_axis : nullptr);
     const int batch = std::max(1, threads);
     std::vector<Packing> packed_batch;
+    // Task i of each batch places in occupancies[i] (one thread at a time); the first is the
+    // one the packings without waits used.
+    std::vector<ArenaOccupancy32> occupancies;
+    occupancies.push_back(std::move(occupancy));
+    while (static_cast<int>(occupancies.size()) < batch) occupancies.emplace_back(0);
     for (size_t start = 0; start < attempts.size() && best.arena_bytes > budget_bytes;
          start += batch) {
       const size_t end = std::min(attempts.size(), start + batch);
@@ -449,7 +464,7 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
             budget_bytes -
             static_cast<int64_t>(static_cast<double>(budget_bytes) * attempt.headroom_fraction);
         packed_batch[i] = Pack(*attempt.axis, attempt.spill, spill_above, options.alignment_bytes,
-                               attempt.order, nullptr);
+                               attempt.order, nullptr, &occupancies[i]);
       });
       for (size_t i = start; i < end; ++i) {
         ++s.orders_tried;
