@@ -144,19 +144,22 @@ std::vector<int64_t> BusiestLiveBytes(const Axis& axis, const std::vector<int64_
   return busiest;
 }
 
-// Best-fit decreasing in `order` over `primary` lifetimes, the buffers marked in `first`
-// (optional) before the others. With `spill` and spill_above_bytes > 0, a buffer whose best
-// place over `primary` ends above spill_above_bytes may take a gap that is free over the
-// `spill` lifetimes (which conflict less) if that place ends lower. `reuse` (optional): the
-// occupancy to place in (reset first), so that packings one after another allocate it once.
-Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
-             int64_t alignment_bytes, MemoryPlanOptions::Order order,
-             const std::vector<char>* first, ArenaOccupancy32* reuse) {
+// The sequence a best fit in `order` over `primary` lifetimes places the buffers in: those
+// alive the whole step stacked at the bottom first, largest first (they overlap every other
+// buffer, so no packing does better), then the rest by the order's keys.
+struct Sequence {
+  std::vector<int64_t> reserve;  // per buffer: its size rounded up to the alignment
+  std::vector<int> stacked;      // the whole-step buffers, bottom up
+  int64_t base_bytes = 0;        // what they take
+  std::vector<int> rest;         // the other buffers, in the order's sequence
+};
+
+Sequence SequenceOf(const Axis& primary, int64_t alignment_bytes, MemoryPlanOptions::Order order) {
   const std::vector<BufferLifetime>& buffers = *primary.buffers;
   const int n = static_cast<int>(buffers.size());
-  Packing packing;
-  packing.offsets.assign(n, 0);
-  std::vector<int64_t> reserve(n);
+  Sequence sequence;
+  std::vector<int64_t>& reserve = sequence.reserve;
+  reserve.resize(n);
   for (int b = 0; b < n; ++b) reserve[b] = AlignUp(buffers[b].size_bytes, alignment_bytes);
   auto whole_step = [&](int b) {
     return buffers[b].alloc_index < 0 && buffers[b].free_index >= primary.length;
@@ -168,23 +171,17 @@ Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
     return std::tie(x.instruction, x.tensor, x.micro_step) <
            std::tie(y.instruction, y.tensor, y.micro_step);
   };
-
-  // Whole-step buffers stacked at the bottom, largest first.
-  std::vector<int> stacked, rest;
+  std::vector<int>& stacked = sequence.stacked;
+  std::vector<int>& rest = sequence.rest;
   for (int b = 0; b < n; ++b) (whole_step(b) ? stacked : rest).push_back(b);
   std::sort(stacked.begin(), stacked.end(), [&](int a, int b) {
     return reserve[a] != reserve[b] ? reserve[a] > reserve[b] : key_less(a, b);
   });
-  int64_t base = 0;
-  for (int b : stacked) {
-    packing.offsets[b] = base;
-    base += reserve[b];
-  }
+  for (int b : stacked) sequence.base_bytes += reserve[b];
 
   // The order's keys, then earlier allocation, then the placement key (unique per buffer, so
   // the order is total), gathered next to each other so the sort does not chase indices.
   struct RestKey {
-    int first;  // 1: marked in `first`
     // reserve x lifetime for kAreaDescending; the most bytes live at once during the lifetime
     // for the breadth orders; 0 (no key) otherwise
     int64_t area;
@@ -206,22 +203,55 @@ Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
     if (order == MemoryPlanOptions::Order::kAreaDescending) area = reserve[b] * lifetime;
     if (breadth) area = busiest[b];
     if (order == MemoryPlanOptions::Order::kBreadthDescending) breadth_lifetime = lifetime;
-    keys.push_back({first ? (*first)[b] : 0, area, breadth_lifetime, reserve[b], x.alloc_index,
-                    x.instruction, x.tensor, x.micro_step, b});
+    keys.push_back({area, breadth_lifetime, reserve[b], x.alloc_index, x.instruction, x.tensor,
+                    x.micro_step, b});
   }
   std::sort(keys.begin(), keys.end(), [](const RestKey& x, const RestKey& y) {
-    return std::tie(y.first, y.area, y.lifetime, y.reserve, x.alloc_index, x.instruction, x.tensor,
-                    x.micro_step) < std::tie(x.first, x.area, x.lifetime, x.reserve, y.alloc_index,
+    return std::tie(y.area, y.lifetime, y.reserve, x.alloc_index, x.instruction, x.tensor,
+                    x.micro_step) < std::tie(x.area, x.lifetime, x.reserve, y.alloc_index,
                                              y.instruction, y.tensor, y.micro_step);
   });
   for (size_t k = 0; k < keys.size(); ++k) rest[k] = keys[k].buffer;
+  return sequence;
+}
+
+// Best fit over `primary` lifetimes in `sequence`, the buffers marked in `first` (optional)
+// before the others (each part in the sequence's order). With `spill` and spill_above_bytes >
+// 0, a buffer whose best place over `primary` ends above spill_above_bytes may take a gap that
+// is free over the `spill` lifetimes (which conflict less) if that place ends lower. `reuse`
+// (optional): the occupancy to place in (reset first), so that packings one after another
+// allocate it once.
+Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
+             int64_t alignment_bytes, const Sequence& sequence, const std::vector<char>* first,
+             ArenaOccupancy32* reuse) {
+  const std::vector<BufferLifetime>& buffers = *primary.buffers;
+  const int n = static_cast<int>(buffers.size());
+  Packing packing;
+  packing.offsets.assign(n, 0);
+  int64_t base = 0;
+  for (int b : sequence.stacked) {
+    packing.offsets[b] = base;
+    base += sequence.reserve[b];
+  }
+  const std::vector<int>* rest = &sequence.rest;
+  std::vector<int> marked_first;
+  if (first) {
+    marked_first.reserve(sequence.rest.size());
+    for (int b : sequence.rest) {
+      if ((*first)[b]) marked_first.push_back(b);
+    }
+    for (int b : sequence.rest) {
+      if (!(*first)[b]) marked_first.push_back(b);
+    }
+    rest = &marked_first;
+  }
 
   // In units of the alignment (every offset and reserve is a multiple of it): 32 bits hold
   // arenas up to 4 Gi units, 1 TiB at 256-byte alignment; past that, 64.
-  if (!PlaceInOrder<ArenaOccupancy32>(primary, spill, spill_above_bytes, alignment_bytes, rest,
-                                      reserve, base, &packing, reuse)) {
-    PlaceInOrder<ArenaOccupancy>(primary, spill, spill_above_bytes, alignment_bytes, rest, reserve,
-                                 base, &packing, nullptr);
+  if (!PlaceInOrder<ArenaOccupancy32>(primary, spill, spill_above_bytes, alignment_bytes, *rest,
+                                      sequence.reserve, base, &packing, reuse)) {
+    PlaceInOrder<ArenaOccupancy>(primary, spill, spill_above_bytes, alignment_bytes, *rest,
+                                 sequence.reserve, base, &packing, nullptr);
   }
   for (int b = 0; b < n; ++b) {
     if (buffers[b].size_bytes > 0) {
@@ -407,6 +437,15 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
   for (MemoryPlanOptions::Order order : options.repaired_orders) repairs[order];
   int packed = 0;
   ArenaOccupancy32 occupancy(0);  // every packing without waits places in it in turn
+  // Each order's sequence over the primary lifetimes, computed at its first packing.
+  std::map<MemoryPlanOptions::Order, Sequence> sequences;
+  auto sequence_of = [&](MemoryPlanOptions::Order order) -> const Sequence& {
+    auto found = sequences.find(order);
+    if (found == sequences.end()) {
+      found = sequences.emplace(order, SequenceOf(primary, options.alignment_bytes, order)).first;
+    }
+    return found->second;
+  };
   for (const Attempt& attempt : AttemptsWithoutWaits(options, primary)) {
     if (options.max_packings > 0 && packed == options.max_packings) break;
     const auto repairing = repairs.find(attempt.order);
@@ -430,7 +469,7 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
     }
     ++s.orders_tried;
     ++packed;
-    Packing packing = Pack(primary, nullptr, 0, options.alignment_bytes, attempt.order,
+    Packing packing = Pack(primary, nullptr, 0, options.alignment_bytes, sequence_of(attempt.order),
                            attempt.repair ? &state->first : nullptr, &occupancy);
     if (state) {
       if (attempt.repair && packing.arena_bytes >= state->last.arena_bytes) state->done = true;
@@ -447,6 +486,9 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
   if (has_budget && best.arena_bytes > budget_bytes) {
     const std::vector<Attempt> attempts =
         AttemptsOverBudget(options, primary, spill, in_time ? &instruction_axis : nullptr);
+    for (const Attempt& attempt : attempts) {
+      if (attempt.axis == &primary) sequence_of(attempt.order);
+    }
     const int batch = std::max(1, threads);
     std::vector<Packing> packed_batch;
     // Task i of each batch places in occupancies[i] (one thread at a time); the first is the
@@ -463,8 +505,16 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
         const int64_t spill_above =
             budget_bytes -
             static_cast<int64_t>(static_cast<double>(budget_bytes) * attempt.headroom_fraction);
+        // The primary axis' sequences were computed before the tasks started (read only
+        // here); another axis' (the fall-back to instruction order) is the task's own.
+        const auto cached =
+            attempt.axis == &primary ? sequences.find(attempt.order) : sequences.end();
+        std::optional<Sequence> own;
+        if (cached == sequences.end()) {
+          own = SequenceOf(*attempt.axis, options.alignment_bytes, attempt.order);
+        }
         packed_batch[i] = Pack(*attempt.axis, attempt.spill, spill_above, options.alignment_bytes,
-                               attempt.order, nullptr, &occupancies[i]);
+                               own ? *own : cached->second, nullptr, &occupancies[i]);
       });
       for (size_t i = start; i < end; ++i) {
         ++s.orders_tried;
