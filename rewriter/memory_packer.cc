@@ -150,7 +150,6 @@ std::vector<int64_t> BusiestLiveBytes(const Axis& axis, const std::vector<int64_
 struct Sequence {
   std::vector<int64_t> reserve;  // per buffer: its size rounded up to the alignment
   std::vector<int> stacked;      // the whole-step buffers, bottom up
-  int64_t base_bytes = 0;        // what they take
   std::vector<int> rest;         // the other buffers, in the order's sequence
 };
 
@@ -177,7 +176,6 @@ Sequence SequenceOf(const Axis& primary, int64_t alignment_bytes, MemoryPlanOpti
   std::sort(stacked.begin(), stacked.end(), [&](int a, int b) {
     return reserve[a] != reserve[b] ? reserve[a] > reserve[b] : key_less(a, b);
   });
-  for (int b : stacked) sequence.base_bytes += reserve[b];
 
   // The order's keys, then earlier allocation, then the placement key (unique per buffer, so
   // the order is total), gathered next to each other so the sort does not chase indices.
