@@ -427,11 +427,12 @@ DC_AVX2 inline __m256i TailMask(int64_t count) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), lane);
 }
 
-// One vector of AdamW: the same arithmetic for full vectors and the tail.
+// AdamCoefficients broadcast to every lane.
 struct AdamVectors {
   __m256 b1, b2, ob1, ob2, mc, vc, eps, lr, decay, grad_scale;
 };
-// m, v and p updated from g, m, v and p.
+// One vector of AdamW, the same arithmetic for full vectors and the tail: m, v and p updated
+// from g, m, v and p.
 DC_AVX2 inline void AdamStep(const AdamVectors& c, __m256 g, __m256 m, __m256 v, __m256 p,
                              __m256* m_out, __m256* v_out, __m256* p_out) {
   const __m256 gi = _mm256_mul_ps(g, c.grad_scale);

@@ -418,8 +418,9 @@ void AddFlags(CLI::App& app, Flags* f) {
                  "plan cache directory (default: $XDG_CACHE_HOME/dc or ~/.cache/dc)");
   app.add_flag("--no-cache", f->no_cache, "neither read nor write the plan cache");
   app.add_option("--threads", f->threads,
-                 "candidate plans (the policy's splits and fallbacks) made at once; the plan is "
-                 "the same for any number, only planning time changes (default: the cores "
+                 "candidate plans (the policy's splits and fallbacks), and the memory plan's "
+                 "packings over the budget, made at once; the plan is the same for any number, "
+                 "only planning time changes (default: the cores "
                  "available to dc-plan), e.g. --threads 1 to leave the other cores to training")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
