@@ -1,18 +1,21 @@
 // comm_bench: the cpu backend's collectives (executor/comm.h, Gloo over loopback TCP) on two
-// ranks, alone and in the sequence a training step makes: reduce-scatters of grads, then the
-// next all-gather. The second is where Gloo's unbound-buffer all-gather once stalled for 40-260
-// ms (TCP delayed-ACK times) after the halving-doubling reduce-scatter; the backend now uses the
-// ring all-gather. Prints the median and the max of each case, in milliseconds.
+// ranks, in the patterns a training step makes: an all-gather alone; after 20 reduce-scatters of
+// grads (where Gloo's unbound-buffer all-gather once stalled for 40-260 ms behind the
+// halving-doubling reduce-scatter); and beside a reduce-scatter stream on a second channel, as
+// the cpu device's gather and reduce streams run in the backward. Prints the median and the max
+// of each case, in milliseconds.
 //
 //   comm_bench            floats per rank: 16384, 131072, 1048576
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "executor/comm.h"
@@ -34,6 +37,7 @@ int Rank(int rank, const std::string& store, const std::vector<int64_t>& sizes) 
   options.rank = rank;
   options.world_size = 2;
   options.store_dir = store;
+  options.channels = 2;  // the second for the reduce-scatters beside the all-gathers
   auto comm = dc::Connect(options);
   if (!comm.ok()) {
     std::fprintf(stderr, "comm_bench: rank %d: %s\n", rank, comm.status().message().c_str());
@@ -42,10 +46,30 @@ int Rank(int rank, const std::string& store, const std::vector<int64_t>& sizes) 
   for (int64_t n : sizes) {
     std::vector<float> shard(n, 1.0f), out(2 * n);
     std::vector<float> grads(2 * kGradElements, 1.0f), grad_shard(kGradElements);
-    for (const bool after_reduce_scatters : {false, true}) {
+    for (const char* pattern : {"alone", "after 20 reduce-scatters", "beside reduce-scatters"}) {
+      const std::string name = pattern;
       std::vector<double> ms;
+      // The reduce-scatter stream beside the all-gathers: its own channel and thread, as the
+      // cpu device's reduce stream, running until the all-gathers are done.
+      std::atomic<bool> done{false}, rs_failed{false};
+      std::thread beside;
+      if (name == "beside reduce-scatters") {
+        beside = std::thread([&, grads_copy = grads]() mutable {
+          std::vector<float> out_shard(kGradElements);
+          dc::Communicator* channel = (*comm)->channel(1);
+          // Both ranks make the same number of calls: the count is fixed, not the time.
+          for (int k = 0; k < kRepeats * kReduceScattersBefore; ++k) {
+            if (!channel->ReduceScatterSum(grads_copy.data(), kGradElements, out_shard.data())
+                     .ok()) {
+              rs_failed = true;
+              return;
+            }
+          }
+          done = true;
+        });
+      }
       for (int i = 0; i < kRepeats; ++i) {
-        if (after_reduce_scatters) {
+        if (name == "after 20 reduce-scatters") {
           for (int k = 0; k < kReduceScattersBefore; ++k) {
             if (!(*comm)->ReduceScatterSum(grads.data(), kGradElements, grad_shard.data()).ok())
               return 1;
@@ -55,11 +79,12 @@ int Rank(int rank, const std::string& store, const std::vector<int64_t>& sizes) 
         if (!(*comm)->AllGather(shard.data(), n, out.data()).ok()) return 1;
         ms.push_back(Millis(start));
       }
+      if (beside.joinable()) beside.join();
+      if (rs_failed) return 1;
       std::sort(ms.begin(), ms.end());
       if (rank == 0) {
-        std::printf("| %lld | %s | %.3f | %.3f |\n", static_cast<long long>(n),
-                    after_reduce_scatters ? "after 20 reduce-scatters" : "alone", ms[ms.size() / 2],
-                    ms.back());
+        std::printf("| %lld | %s | %.3f | %.3f |\n", static_cast<long long>(n), pattern,
+                    ms[ms.size() / 2], ms.back());
         std::fflush(stdout);
       }
     }

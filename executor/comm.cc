@@ -1,16 +1,15 @@
 #include "executor/comm.h"
 
-#include <gloo/allgather_ring.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/common/error.h>
 #include <gloo/math.h>
-#include <gloo/reduce_scatter.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -62,6 +61,89 @@ Status Guarded(const char* what, int rank, Fn&& fn) {
   }
 }
 
+// Gloo's bound-buffer algorithms (AllgatherRing, ReduceScatterHalvingDoubling), made anew for
+// each call, let a peer's bytes arrive before this rank has registered the buffer for them, and
+// Gloo's device thread then spins on the socket until it has: on every collective one rank
+// reached first, a core busy for nothing (on a 2-rank `tiny` step, most of the step's time). These
+// rings use Gloo's unbound buffers instead, whose data moves once the receiver has posted its
+// receive, and post every receive when the collective is made, ahead of its run: the sender then
+// finds them posted and writes at once.
+//
+// All-gather: step s passes on the chunk received at step s - 1 (first this rank's own); the
+// chunks land in place in the output. Reduce-scatter: chunk c starts at rank c + 1 and travels
+// the ring, each rank adding its own part to what it receives, and ends summed at rank c: every
+// chunk is summed in one fixed order, the same on every run.
+class GlooRing : public PostedCollective {
+ public:
+  enum class Kind { kAllGather, kReduceScatterSum };
+  // Throws Gloo's exceptions (a closed connection).
+  GlooRing(const std::shared_ptr<gloo::rendezvous::Context>& context, Kind kind, int64_t n)
+      : context_(context),
+        kind_(kind),
+        world_(context->size),
+        me_(context->rank),
+        n_(n),
+        chunk_bytes_(static_cast<size_t>(n) * sizeof(float)) {
+    // All-gather: the output (world chunks). Reduce-scatter: the full buffer, then one received
+    // chunk per step.
+    const int64_t floats = kind == Kind::kAllGather ? world_ * n : (2 * world_ - 1) * n;
+    data_.reset(new float[static_cast<size_t>(floats)]);  // not zero-filled: every float is written
+    if (n == 0) return;
+    slot_ = context->nextSlot();
+    const size_t all_bytes = static_cast<size_t>(floats) * sizeof(float);
+    for (int s = 0; s + 1 < world_; ++s) {
+      receives_.push_back(context->createUnboundBuffer(data_.get(), all_bytes));
+      sends_.push_back(context->createUnboundBuffer(data_.get(), all_bytes));
+      const size_t into =
+          kind == Kind::kAllGather ? Ring(me_ - s - 1) * chunk_bytes_ : (world_ + s) * chunk_bytes_;
+      receives_.back()->recv(Ring(me_ - 1), slot_, into, chunk_bytes_);
+    }
+  }
+
+  float* input() override {
+    return kind_ == Kind::kAllGather ? data_.get() + me_ * n_ : data_.get();
+  }
+  const float* output() const override {
+    return kind_ == Kind::kAllGather ? data_.get() : data_.get() + me_ * n_;
+  }
+
+  Status Run() override {
+    if (n_ == 0) return Status::Ok();
+    return Guarded(kind_ == Kind::kAllGather ? "all-gather" : "reduce-scatter", me_, [&] {
+      const auto timeout = context_->getTimeout();
+      for (int s = 0; s + 1 < world_; ++s) {
+        const int send = kind_ == Kind::kAllGather ? Ring(me_ - s) : Ring(me_ - s - 1);
+        sends_[s]->send(Ring(me_ + 1), slot_, send * chunk_bytes_, chunk_bytes_);
+        Check(receives_[s]->waitRecv(timeout));
+        if (kind_ == Kind::kReduceScatterSum) {
+          // The chunk sent next: what arrived plus this rank's part.
+          float* mine = data_.get() + Ring(me_ - s - 2) * n_;
+          const float* received = data_.get() + (world_ + s) * n_;
+          for (int64_t i = 0; i < n_; ++i) mine[i] += received[i];
+        }
+      }
+      for (auto& send : sends_) Check(send->waitSend(timeout));
+    });
+  }
+
+ private:
+  int Ring(int position) const { return ((position % world_) + world_) % world_; }
+  static void Check(bool completed) {
+    if (!completed) throw gloo::IoException("the collective was aborted");
+  }
+
+  std::shared_ptr<gloo::rendezvous::Context> context_;
+  Kind kind_;
+  int world_, me_;
+  int64_t n_;
+  size_t chunk_bytes_;
+  uint64_t slot_ = 0;
+  std::unique_ptr<float[]> data_;
+  // One buffer object per posted operation: Gloo's unbound buffers take one pending operation
+  // each.
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> receives_, sends_;
+};
+
 class GlooCommunicator : public Communicator {
  public:
   explicit GlooCommunicator(std::shared_ptr<gloo::rendezvous::Context> context)
@@ -92,23 +174,27 @@ class GlooCommunicator : public Communicator {
     }
   }
 
+  StatusOr<std::unique_ptr<PostedCollective>> PostAllGather(int64_t n) override {
+    return Post(GlooRing::Kind::kAllGather, n);
+  }
+  StatusOr<std::unique_ptr<PostedCollective>> PostReduceScatterSum(int64_t n) override {
+    return Post(GlooRing::Kind::kReduceScatterSum, n);
+  }
+
   Status AllGather(const float* shard, int64_t n, float* out) override {
-    return Guarded("all-gather", rank(), [&] {
-      gloo::AllgatherRing<float> algorithm(context_, std::vector<const float*>{shard}, out,
-                                           static_cast<int>(n));
-      algorithm.run();
-    });
+    DC_ASSIGN_OR_RETURN(std::unique_ptr<PostedCollective> ring, PostAllGather(n));
+    std::memcpy(ring->input(), shard, static_cast<size_t>(n) * sizeof(float));
+    DC_RETURN_IF_ERROR(ring->Run());
+    std::memcpy(out, ring->output(), static_cast<size_t>(n * world_size()) * sizeof(float));
+    return Status::Ok();
   }
 
   Status ReduceScatterSum(float* full, int64_t n, float* shard) override {
-    return Guarded("reduce-scatter", rank(), [&] {
-      std::vector<int> counts(world_size(), static_cast<int>(n));
-      gloo::ReduceScatterHalvingDoubling<float> algorithm(
-          context_, std::vector<float*>{full}, static_cast<int>(n * world_size()), counts);
-      algorithm.run();
-      // The algorithm leaves this rank's chunk at the front of the buffer.
-      std::memcpy(shard, full, n * sizeof(float));
-    });
+    DC_ASSIGN_OR_RETURN(std::unique_ptr<PostedCollective> ring, PostReduceScatterSum(n));
+    std::memcpy(ring->input(), full, static_cast<size_t>(n * world_size()) * sizeof(float));
+    DC_RETURN_IF_ERROR(ring->Run());
+    std::memcpy(shard, ring->output(), static_cast<size_t>(n) * sizeof(float));
+    return Status::Ok();
   }
 
   Status AllReduceSum(double* values, int64_t count) override {
@@ -136,6 +222,14 @@ class GlooCommunicator : public Communicator {
       opts.setReduceFunction(fn);
       gloo::allreduce(opts);
     });
+  }
+
+  StatusOr<std::unique_ptr<PostedCollective>> Post(GlooRing::Kind kind, int64_t n) {
+    std::unique_ptr<PostedCollective> ring;
+    DC_RETURN_IF_ERROR(Guarded(kind == GlooRing::Kind::kAllGather ? "all-gather" : "reduce-scatter",
+                               rank(),
+                               [&] { ring = std::make_unique<GlooRing>(context_, kind, n); }));
+    return ring;
   }
 
   std::shared_ptr<gloo::rendezvous::Context> context_;

@@ -9,10 +9,27 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "schemas/status.h"
 
 namespace dc {
+
+// A collective made ahead of its run. Made, its receives are posted: a peer that reaches the
+// collective first finds where its data goes instead of waiting for this rank to get there. Run,
+// it sends, receives and finishes. Made in the same order on every rank of its channel, and run
+// in that order; it may be made on one thread and run on another.
+class PostedCollective {
+ public:
+  virtual ~PostedCollective() = default;
+  // Filled before Run: an all-gather's shard (shard_elements floats); a reduce-scatter's full
+  // buffer (world_size * shard_elements), which Run uses as scratch.
+  virtual float* input() = 0;
+  // After Run: an all-gather's world_size * shard_elements (rank r's shard at r *
+  // shard_elements); a reduce-scatter's summed chunk of this rank (shard_elements).
+  virtual const float* output() const = 0;
+  virtual Status Run() = 0;
+};
 
 class Communicator {
  public:
@@ -27,6 +44,10 @@ class Communicator {
   virtual Status AllReduceSum(double* values, int64_t count) = 0;
   virtual Status AllReduceMax(double* values, int64_t count) = 0;
   virtual Status Broadcast(int64_t* value, int root) = 0;
+  // The same two collectives made ahead of their run, on buffers of their own. The default
+  // posts nothing and runs the blocking call.
+  virtual StatusOr<std::unique_ptr<PostedCollective>> PostAllGather(int64_t shard_elements);
+  virtual StatusOr<std::unique_ptr<PostedCollective>> PostReduceScatterSum(int64_t shard_elements);
 
   // Independent channels to the same ranks, made at connect (RendezvousOptions::channels):
   // collectives on different channels may run at the same time from different threads; on one
@@ -54,6 +75,42 @@ struct RendezvousOptions {
   std::chrono::milliseconds timeout{60000};  // rendezvous and each collective
   int channels = 1;                          // Communicator::channels(): one Gloo context each
 };
+
+// A collective that posts nothing ahead: Run makes the communicator's blocking call.
+class BlockingCollective : public PostedCollective {
+ public:
+  enum class Kind { kAllGather, kReduceScatterSum };
+  BlockingCollective(Communicator* comm, Kind kind, int64_t n)
+      : comm_(comm),
+        kind_(kind),
+        n_(n),
+        input_(static_cast<size_t>(kind == Kind::kAllGather ? n : n * comm->world_size())),
+        output_(static_cast<size_t>(kind == Kind::kAllGather ? n * comm->world_size() : n)) {}
+  float* input() override { return input_.data(); }
+  const float* output() const override { return output_.data(); }
+  Status Run() override {
+    return kind_ == Kind::kAllGather ? comm_->AllGather(input_.data(), n_, output_.data())
+                                     : comm_->ReduceScatterSum(input_.data(), n_, output_.data());
+  }
+
+ private:
+  Communicator* comm_;
+  Kind kind_;
+  int64_t n_;
+  std::vector<float> input_, output_;
+};
+
+inline StatusOr<std::unique_ptr<PostedCollective>> Communicator::PostAllGather(
+    int64_t shard_elements) {
+  return std::unique_ptr<PostedCollective>(
+      new BlockingCollective(this, BlockingCollective::Kind::kAllGather, shard_elements));
+}
+
+inline StatusOr<std::unique_ptr<PostedCollective>> Communicator::PostReduceScatterSum(
+    int64_t shard_elements) {
+  return std::unique_ptr<PostedCollective>(
+      new BlockingCollective(this, BlockingCollective::Kind::kReduceScatterSum, shard_elements));
+}
 
 // A world of one (no transport) or Gloo's full mesh over TCP.
 StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& options);

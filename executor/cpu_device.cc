@@ -75,32 +75,10 @@ bool RunsSerially(const CpuDeviceOptions& options, const Communicator* comm) {
   return false;
 }
 
-// The packing buffers of the grouped collectives, kept by each stream thread from one call to
-// the next: a fresh vector per call paid a zero-fill and the page faults of its first touch.
-class CollectiveScratch {
- public:
-  // At least `elements` floats each, contents unspecified; valid until the next call.
-  float* Packed(int64_t elements) { return Reserve(&packed_, elements); }
-  float* Result(int64_t elements) { return Reserve(&result_, elements); }
-
- private:
-  static float* Reserve(std::vector<float>* buffer, int64_t elements) {
-    if (static_cast<int64_t>(buffer->size()) < elements) {
-      buffer->resize(static_cast<size_t>(elements));
-    }
-    return buffer->data();
-  }
-  std::vector<float> packed_, result_;
-};
-
-CollectiveScratch& ThisThreadsScratch() {
-  thread_local CollectiveScratch scratch;
-  return scratch;
-}
-
-// The grouped collectives' math. The shards are packed side by side, gathered once, and each
-// rank's chunk unpacked into the whole params; a world of one copies (shard = whole, unpadded).
-Status AllGatherNow(Communicator* comm, int world, const std::vector<GatherItem>& items) {
+// The grouped collectives' math. The shards are packed side by side into the posted all-gather's
+// input, gathered once, and each rank's chunk unpacked into the whole params; a world of one
+// copies (shard = whole, unpadded) and has no collective.
+Status AllGatherNow(PostedCollective* gather, int world, const std::vector<GatherItem>& items) {
   if (world == 1) {
     for (const GatherItem& item : items) {
       const int64_t count = std::min(item.shard_elements, item.whole.NumElements());
@@ -108,19 +86,16 @@ Status AllGatherNow(Communicator* comm, int world, const std::vector<GatherItem>
     }
     return Status::Ok();
   }
+  float* packed = gather->input();
   int64_t packed_elements = 0;
-  for (const GatherItem& item : items) packed_elements += item.shard_elements;
-  CollectiveScratch& scratch = ThisThreadsScratch();
-  float* packed = scratch.Packed(packed_elements);
-  float* gathered = scratch.Result(packed_elements * world);
-  int64_t offset = 0;
   for (const GatherItem& item : items) {
     const float* shard = Floats(item.shard);
-    std::copy(shard, shard + item.shard_elements, packed + offset);
-    offset += item.shard_elements;
+    std::copy(shard, shard + item.shard_elements, packed + packed_elements);
+    packed_elements += item.shard_elements;
   }
-  DC_RETURN_IF_ERROR(comm->AllGather(packed, packed_elements, gathered));
-  offset = 0;
+  DC_RETURN_IF_ERROR(gather->Run());
+  const float* gathered = gather->output();
+  int64_t offset = 0;
   for (const GatherItem& item : items) {
     const int64_t shard = item.shard_elements, numel = item.whole.NumElements();
     float* whole = Floats(item.whole);
@@ -137,7 +112,7 @@ Status AllGatherNow(Communicator* comm, int world, const std::vector<GatherItem>
 
 // Rank r's chunk of the packed buffer holds rank r's slice of every grad, side by side. A world
 // of one adds the grad to the accumulator directly (the same sums, in the same order).
-Status ReduceScatterAddNow(Communicator* comm, int world,
+Status ReduceScatterAddNow(PostedCollective* reduce, int world,
                            const std::vector<ReduceScatterItem>& items) {
   if (world == 1) {
     for (const ReduceScatterItem& item : items) {
@@ -151,9 +126,7 @@ Status ReduceScatterAddNow(Communicator* comm, int world,
   }
   int64_t packed_elements = 0;
   for (const ReduceScatterItem& item : items) packed_elements += item.shard_elements;
-  CollectiveScratch& scratch = ThisThreadsScratch();
-  float* packed = scratch.Packed(packed_elements * world);
-  float* reduced = scratch.Result(packed_elements);
+  float* packed = reduce->input();
   int64_t offset = 0;
   for (const ReduceScatterItem& item : items) {
     const float* grad = Floats(item.grad);
@@ -167,7 +140,8 @@ Status ReduceScatterAddNow(Communicator* comm, int world,
     }
     offset += shard;
   }
-  DC_RETURN_IF_ERROR(comm->ReduceScatterSum(packed, packed_elements, reduced));
+  DC_RETURN_IF_ERROR(reduce->Run());
+  const float* reduced = reduce->output();
   offset = 0;
   for (const ReduceScatterItem& item : items) {
     float* accumulator = Floats(item.shard);
@@ -239,6 +213,8 @@ class CpuDevice : public RankDevice {
     for (StreamState& s : streams_) {
       if (s.thread.joinable()) s.thread.join();
     }
+    // Work left queued (a failed run) holds posted collectives, which report to this device.
+    for (StreamState& s : streams_) s.queue.clear();
   }
 
   proto::DType StorageDType(proto::DType dtype) const override {
@@ -339,22 +315,30 @@ class CpuDevice : public RankDevice {
 
   Status AllGather(std::span<const GatherItem> items, proto::Stream stream,
                    const std::string& what) override {
+    int64_t packed_elements = 0;
+    for (const GatherItem& item : items) packed_elements += item.shard_elements;
     Communicator* comm = ChannelOf(stream);
+    DC_ASSIGN_OR_RETURN(std::shared_ptr<Posted> posted,
+                        Post(stream, [&] { return comm->PostAllGather(packed_elements); }));
     return Enqueue(
         stream, what,
-        [comm, world = world_, items = std::vector<GatherItem>(items.begin(), items.end())] {
-          return AllGatherNow(comm, world, items);
+        [posted, world = world_, items = std::vector<GatherItem>(items.begin(), items.end())] {
+          return AllGatherNow(posted->collective.get(), world, items);
         });
   }
 
   Status ReduceScatterAdd(std::span<const ReduceScatterItem> items, proto::Stream stream,
                           const std::string& what) override {
+    int64_t packed_elements = 0;
+    for (const ReduceScatterItem& item : items) packed_elements += item.shard_elements;
     Communicator* comm = ChannelOf(stream);
-    return Enqueue(
-        stream, what,
-        [comm, world = world_, items = std::vector<ReduceScatterItem>(items.begin(), items.end())] {
-          return ReduceScatterAddNow(comm, world, items);
-        });
+    DC_ASSIGN_OR_RETURN(std::shared_ptr<Posted> posted,
+                        Post(stream, [&] { return comm->PostReduceScatterSum(packed_elements); }));
+    return Enqueue(stream, what,
+                   [posted, world = world_,
+                    items = std::vector<ReduceScatterItem>(items.begin(), items.end())] {
+                     return ReduceScatterAddNow(posted->collective.get(), world, items);
+                   });
   }
 
   Status AllReduceSum(const DeviceTensor& values, proto::Stream stream,
@@ -446,6 +430,7 @@ class CpuDevice : public RankDevice {
       failed_ = true;
       for (StreamState& s : streams_) s.queue.clear();
     }
+    FailPosting();
     signal_.notify_all();
     if (world_ > 1) {
       for (int c = 1; c < std::min(comm_->channels(), kCpuDeviceChannels); ++c) {
@@ -471,6 +456,57 @@ class CpuDevice : public RankDevice {
     std::mt19937_64 jitter;  // the worker's own
     int64_t open_ns = -1;    // under mu_: start of the current instruction's work
   };
+
+  // A collective made (its receives posted) on the issuing thread ahead of its stream's run;
+  // gone, it lets the issuing thread make the next. Each stream keeps at most kPostedAhead:
+  // with two, the next collective is posted while one runs, so a peer reaches a collective
+  // after this rank posted it (unless this rank's issuing thread is itself behind), and the
+  // buffers in flight stay bounded.
+  static constexpr int kPostedAhead = 2;
+  struct Posted {
+    Posted(CpuDevice* device, int slot) : device(device), slot(slot) {}
+    ~Posted() { device->PostedDone(slot); }
+    CpuDevice* device;
+    int slot;
+    std::unique_ptr<PostedCollective> collective;  // null in a world of one
+  };
+
+  template <typename Make>
+  StatusOr<std::shared_ptr<Posted>> Post(proto::Stream stream, Make&& make) {
+    // The host's collectives run on the issuing thread, each before the next is made.
+    const int slot = stream == proto::STREAM_HOST
+                         ? kNumDeviceStreams
+                         : std::clamp(DeviceStreamIndex(stream), 0, kNumDeviceStreams - 1);
+    {
+      std::unique_lock<std::mutex> lock(posted_mu_);
+      posted_cv_.wait(lock, [&] { return posted_[slot] < kPostedAhead || posted_failed_; });
+      if (posted_failed_) {
+        Status kept = Failed();
+        return kept.ok() ? Status::Error("the run was aborted on rank " + Rank()) : kept;
+      }
+      ++posted_[slot];
+    }
+    auto posted = std::make_shared<Posted>(this, slot);
+    if (world_ > 1) {
+      DC_ASSIGN_OR_RETURN(posted->collective, make());
+    }
+    return posted;
+  }
+  void PostedDone(int slot) {
+    {
+      std::lock_guard<std::mutex> lock(posted_mu_);
+      --posted_[slot];
+    }
+    posted_cv_.notify_all();
+  }
+  // Wakes an issuing thread waiting to post: the run has failed.
+  void FailPosting() {
+    {
+      std::lock_guard<std::mutex> lock(posted_mu_);
+      posted_failed_ = true;
+    }
+    posted_cv_.notify_all();
+  }
 
   std::string Rank() const { return std::to_string(comm_->rank()); }
 
@@ -583,12 +619,17 @@ class CpuDevice : public RankDevice {
         work.run = nullptr;  // its captures go before the stream reads as idle
         lock.lock();
       }
+      bool wake = work.kind == Work::kSignal;  // an event another thread may wait on
       if (!status.ok() && !failed_) {
         error_ = status;
         failed_ = true;
+        wake = true;
+        FailPosting();
       }
       stream.busy = false;
-      signal_.notify_all();
+      // Only an event, a failure or an idle stream (what Drain waits for) can end a wait: each
+      // needless wake-up of the other streams costs a context switch per item.
+      if (wake || stream.queue.empty()) signal_.notify_all();
     }
   }
 
@@ -609,6 +650,10 @@ class CpuDevice : public RankDevice {
   // The issuing thread's own.
   int issuing_ = 0;         // the instruction being issued (for naming errors)
   int64_t generation_ = 1;  // 1 + the steps finished
+  std::mutex posted_mu_;    // after mu_ where both are taken
+  std::condition_variable posted_cv_;
+  std::array<int, kNumDeviceStreams + 1> posted_{};  // under posted_mu_: by stream, then the host
+  bool posted_failed_ = false;                       // under posted_mu_
   std::mutex mu_;
   std::condition_variable signal_;  // an event signalled, an item done, a failure
   std::array<StreamState, kNumDeviceStreams> streams_;

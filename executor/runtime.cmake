@@ -13,6 +13,8 @@ target_link_libraries(dc_executor PUBLIC dc_schemas dc_cpu_kernels dc_data dc_mo
                       dc_warnings)
 
 dc_add_test(executor_test SOURCES executor_test.cc LIBS dc_executor dc_rewriter)
+# The Gloo collectives' results on 2-4 ranks, and no core spent on a rank waiting for its peer.
+dc_add_test(comm_test SOURCES comm_test.cc LIBS dc_executor)
 # The cpu device's stream threads against its serial order, bit for bit, under shaken timing.
 dc_add_test(cpu_device_test SOURCES cpu_device_test.cc LIBS dc_executor dc_rewriter dc_models
             dc_machine)
