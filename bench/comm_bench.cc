@@ -2,8 +2,9 @@
 // ranks, in the patterns a training step makes: an all-gather alone; after 20 reduce-scatters of
 // grads (where Gloo's unbound-buffer all-gather once stalled for 40-260 ms behind the
 // halving-doubling reduce-scatter); and beside a reduce-scatter stream on a second channel, as
-// the cpu device's gather and reduce streams run in the backward. Prints the median and the max
-// of each case, in milliseconds.
+// the cpu device's gather and reduce streams run in the backward. Each all-gather is timed as
+// the device runs one: made (its receive posted), the shard packed, run. Prints the median and
+// the max of each case, in milliseconds.
 //
 //   comm_bench            floats per rank: 16384, 131072, 1048576
 #include <sys/wait.h>
@@ -44,14 +45,14 @@ int Rank(int rank, const std::string& store, const std::vector<int64_t>& sizes) 
     return 1;
   }
   for (int64_t n : sizes) {
-    std::vector<float> shard(n, 1.0f), out(2 * n);
+    std::vector<float> shard(n, 1.0f);
     std::vector<float> grads(2 * kGradElements, 1.0f), grad_shard(kGradElements);
     for (const char* pattern : {"alone", "after 20 reduce-scatters", "beside reduce-scatters"}) {
       const std::string name = pattern;
       std::vector<double> ms;
       // The reduce-scatter stream beside the all-gathers: its own channel and thread, as the
-      // cpu device's reduce stream, running until the all-gathers are done.
-      std::atomic<bool> done{false}, rs_failed{false};
+      // cpu device's reduce stream.
+      std::atomic<bool> rs_failed{false};
       std::thread beside;
       if (name == "beside reduce-scatters") {
         beside = std::thread([&, grads_copy = grads]() mutable {
@@ -65,7 +66,6 @@ int Rank(int rank, const std::string& store, const std::vector<int64_t>& sizes) 
               return;
             }
           }
-          done = true;
         });
       }
       for (int i = 0; i < kRepeats; ++i) {
@@ -76,7 +76,11 @@ int Rank(int rank, const std::string& store, const std::vector<int64_t>& sizes) 
           }
         }
         const auto start = std::chrono::steady_clock::now();
-        if (!(*comm)->AllGather(shard.data(), n, out.data()).ok()) return 1;
+        // As the cpu device does: made, the shard packed into its input, run.
+        auto gather = (*comm)->PostAllGather(n);
+        if (!gather.ok()) return 1;
+        std::copy(shard.begin(), shard.end(), (*gather)->input());
+        if (!(*gather)->Run().ok()) return 1;
         ms.push_back(Millis(start));
       }
       if (beside.joinable()) beside.join();

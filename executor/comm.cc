@@ -20,6 +20,7 @@
 #include <exception>
 #include <filesystem>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 #include "executor/tcp_store.h"
@@ -61,6 +62,49 @@ Status Guarded(const char* what, int rank, Fn&& fn) {
   }
 }
 
+// The buffers of finished collectives, for the next ones to take: a fresh buffer per collective
+// paid the page faults of its first touch (a thousand for a 4 MiB all-gather). Taken on the
+// thread that makes collectives, given back on the one that ran them.
+class BufferPool {
+ public:
+  struct Buffer {
+    std::unique_ptr<float[]> data;
+    size_t floats = 0;
+  };
+  // At least `floats`, contents unspecified.
+  Buffer Take(size_t floats) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // The smallest kept buffer that is large enough.
+      auto best = free_.end();
+      for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if (it->floats >= floats && (best == free_.end() || it->floats < best->floats)) best = it;
+      }
+      if (best != free_.end()) {
+        Buffer taken = std::move(*best);
+        free_.erase(best);
+        return taken;
+      }
+    }
+    return Buffer{std::unique_ptr<float[]>(new float[floats]), floats};  // not zero-filled
+  }
+  void Give(Buffer buffer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(std::move(buffer));
+    if (free_.size() > kKept) {  // the smallest goes
+      free_.erase(
+          std::min_element(free_.begin(), free_.end(),
+                           [](const Buffer& a, const Buffer& b) { return a.floats < b.floats; }));
+    }
+  }
+
+ private:
+  // The cpu device keeps two collectives made ahead per stream, and one runs.
+  static constexpr size_t kKept = 4;
+  std::mutex mu_;
+  std::vector<Buffer> free_;
+};
+
 // Gloo's bound-buffer algorithms (AllgatherRing, ReduceScatterHalvingDoubling), made anew for
 // each call, let a peer's bytes arrive before this rank has registered the buffer for them, and
 // Gloo's device thread then spins on the socket until it has: on every collective one rank
@@ -77,8 +121,10 @@ class GlooRing : public PostedCollective {
  public:
   enum class Kind { kAllGather, kReduceScatterSum };
   // Throws Gloo's exceptions (a closed connection).
-  GlooRing(const std::shared_ptr<gloo::rendezvous::Context>& context, Kind kind, int64_t n)
+  GlooRing(const std::shared_ptr<gloo::rendezvous::Context>& context,
+           std::shared_ptr<BufferPool> pool, Kind kind, int64_t n)
       : context_(context),
+        pool_(std::move(pool)),
         kind_(kind),
         world_(context->size),
         me_(context->rank),
@@ -87,24 +133,32 @@ class GlooRing : public PostedCollective {
     // All-gather: the output (world chunks). Reduce-scatter: the full buffer, then one received
     // chunk per step.
     const int64_t floats = kind == Kind::kAllGather ? world_ * n : (2 * world_ - 1) * n;
-    data_.reset(new float[static_cast<size_t>(floats)]);  // not zero-filled: every float is written
+    buffer_ = pool_->Take(static_cast<size_t>(floats));
+    float* data = buffer_.data.get();
     if (n == 0) return;
     slot_ = context->nextSlot();
     const size_t all_bytes = static_cast<size_t>(floats) * sizeof(float);
     for (int s = 0; s + 1 < world_; ++s) {
-      receives_.push_back(context->createUnboundBuffer(data_.get(), all_bytes));
-      sends_.push_back(context->createUnboundBuffer(data_.get(), all_bytes));
+      receives_.push_back(context->createUnboundBuffer(data, all_bytes));
+      sends_.push_back(context->createUnboundBuffer(data, all_bytes));
       const size_t into =
           kind == Kind::kAllGather ? Ring(me_ - s - 1) * chunk_bytes_ : (world_ + s) * chunk_bytes_;
       receives_.back()->recv(Ring(me_ - 1), slot_, into, chunk_bytes_);
     }
   }
 
+  ~GlooRing() override {
+    // Its Gloo buffers first: a receive still posted (a failed run) must not outlive the memory.
+    receives_.clear();
+    sends_.clear();
+    pool_->Give(std::move(buffer_));
+  }
+
   float* input() override {
-    return kind_ == Kind::kAllGather ? data_.get() + me_ * n_ : data_.get();
+    return kind_ == Kind::kAllGather ? buffer_.data.get() + me_ * n_ : buffer_.data.get();
   }
   const float* output() const override {
-    return kind_ == Kind::kAllGather ? data_.get() : data_.get() + me_ * n_;
+    return kind_ == Kind::kAllGather ? buffer_.data.get() : buffer_.data.get() + me_ * n_;
   }
 
   Status Run() override {
@@ -117,8 +171,8 @@ class GlooRing : public PostedCollective {
         Check(receives_[s]->waitRecv(timeout));
         if (kind_ == Kind::kReduceScatterSum) {
           // The chunk sent next: what arrived plus this rank's part.
-          float* mine = data_.get() + Ring(me_ - s - 2) * n_;
-          const float* received = data_.get() + (world_ + s) * n_;
+          float* mine = buffer_.data.get() + Ring(me_ - s - 2) * n_;
+          const float* received = buffer_.data.get() + (world_ + s) * n_;
           for (int64_t i = 0; i < n_; ++i) mine[i] += received[i];
         }
       }
@@ -133,12 +187,13 @@ class GlooRing : public PostedCollective {
   }
 
   std::shared_ptr<gloo::rendezvous::Context> context_;
+  std::shared_ptr<BufferPool> pool_;
   Kind kind_;
   int world_, me_;
   int64_t n_;
   size_t chunk_bytes_;
   uint64_t slot_ = 0;
-  std::unique_ptr<float[]> data_;
+  BufferPool::Buffer buffer_;
   // One buffer object per posted operation: Gloo's unbound buffers take one pending operation
   // each.
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> receives_, sends_;
@@ -226,13 +281,14 @@ class GlooCommunicator : public Communicator {
 
   StatusOr<std::unique_ptr<PostedCollective>> Post(GlooRing::Kind kind, int64_t n) {
     std::unique_ptr<PostedCollective> ring;
-    DC_RETURN_IF_ERROR(Guarded(kind == GlooRing::Kind::kAllGather ? "all-gather" : "reduce-scatter",
-                               rank(),
-                               [&] { ring = std::make_unique<GlooRing>(context_, kind, n); }));
+    DC_RETURN_IF_ERROR(
+        Guarded(kind == GlooRing::Kind::kAllGather ? "all-gather" : "reduce-scatter", rank(),
+                [&] { ring = std::make_unique<GlooRing>(context_, pool_, kind, n); }));
     return ring;
   }
 
   std::shared_ptr<gloo::rendezvous::Context> context_;
+  std::shared_ptr<BufferPool> pool_ = std::make_shared<BufferPool>();
   std::vector<std::unique_ptr<GlooCommunicator>> channels_;
   std::atomic<bool> aborted_{false};
 };
