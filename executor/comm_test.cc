@@ -53,8 +53,8 @@ TEST(Comm, AllGatherConcatenatesTheShardsInRankOrder) {
         ASSERT_TRUE(comm->AllGather(shard.data(), n, out.data()).ok());
         for (int r = 0; r < world; ++r) {
           for (int64_t i = 0; i < n; ++i) {
-            ASSERT_EQ(out[r * n + i], Value(r, i)) << "world " << world << " rank " << rank
-                                                   << ": rank " << r << "'s element " << i;
+            ASSERT_EQ(out[r * n + i], Value(r, i))
+                << "world " << world << " rank " << rank << ": rank " << r << "'s element " << i;
           }
         }
       });
