@@ -33,11 +33,11 @@ class LocalCommunicator : public Communicator {
   int rank() const override { return 0; }
   int world_size() const override { return 1; }
   Status AllGather(const float* shard, int64_t n, float* out) override {
-    std::memcpy(out, shard, n * sizeof(float));
+    std::copy(shard, shard + n, out);
     return Status::Ok();
   }
   Status ReduceScatterSum(float* full, int64_t n, float* shard) override {
-    std::memcpy(shard, full, n * sizeof(float));
+    std::copy(full, full + n, shard);
     return Status::Ok();
   }
   Status AllReduceSum(double*, int64_t) override { return Status::Ok(); }
@@ -238,17 +238,17 @@ class GlooCommunicator : public Communicator {
 
   Status AllGather(const float* shard, int64_t n, float* out) override {
     DC_ASSIGN_OR_RETURN(std::unique_ptr<PostedCollective> ring, PostAllGather(n));
-    std::memcpy(ring->input(), shard, static_cast<size_t>(n) * sizeof(float));
+    std::copy(shard, shard + n, ring->input());
     DC_RETURN_IF_ERROR(ring->Run());
-    std::memcpy(out, ring->output(), static_cast<size_t>(n * world_size()) * sizeof(float));
+    std::copy(ring->output(), ring->output() + n * world_size(), out);
     return Status::Ok();
   }
 
   Status ReduceScatterSum(float* full, int64_t n, float* shard) override {
     DC_ASSIGN_OR_RETURN(std::unique_ptr<PostedCollective> ring, PostReduceScatterSum(n));
-    std::memcpy(ring->input(), full, static_cast<size_t>(n * world_size()) * sizeof(float));
+    std::copy(full, full + n * world_size(), ring->input());
     DC_RETURN_IF_ERROR(ring->Run());
-    std::memcpy(shard, ring->output(), static_cast<size_t>(n) * sizeof(float));
+    std::copy(ring->output(), ring->output() + n, shard);
     return Status::Ok();
   }
 
