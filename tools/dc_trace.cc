@@ -49,14 +49,21 @@ class Progress {
 
 struct Common {
   std::vector<std::string> inputs;
-  std::string profile;
+  PlanCostSource plan_costs;
   bool json = false, quiet = false;
 };
 
 void AddCommon(CLI::App* sub, Common* common) {
-  sub->add_option("--profile", common->profile,
+  sub->add_option("--profile", common->plan_costs.profile_trace,
                   "for a plan input: re-simulate it with the costs profiled from this dc trace "
                   "(default: the default cost model)");
+  sub->add_option("--hardware", common->plan_costs.hardware,
+                  "for a plan input: re-simulate it with this hardware profile, a built-in name or "
+                  "a profile file (dc-calibrate's), as dc-plan --synthetic --hardware made it; "
+                  "says whether these are the costs the plan was made with");
+  sub->add_option("--gpus-per-node", common->plan_costs.gpus_per_node,
+                  "with --hardware: ranks per node of the plan's world (dc-plan's, default 8)")
+      ->check(CLI::Range(1, 1 << 20));
   sub->add_flag("--json", common->json, "print one JSON object");
   sub->add_flag("-q,--quiet", common->quiet, "no progress on stderr");
 }
@@ -64,7 +71,7 @@ void AddCommon(CLI::App* sub, Common* common) {
 StatusOr<std::unique_ptr<Timeline>> Open(const std::vector<std::string>& inputs,
                                          const Common& common, Progress* progress) {
   OpenOptions options;
-  options.profile_trace = common.profile;
+  options.plan_costs = common.plan_costs;
   options.progress = progress->Fn();
   return OpenTimeline(inputs, options);
 }

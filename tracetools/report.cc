@@ -152,16 +152,37 @@ std::unique_ptr<Timeline> PlanTimeline(const std::string& path, const proto::Sch
   return MakeTimeline(PlanData(path, plan, sim));
 }
 
-StatusOr<PlanCosts> CostsForPlan(const proto::Schedule& plan, const std::string& profile_trace) {
+StatusOr<PlanCosts> CostsForPlan(const proto::Schedule& plan, const PlanCostSource& source) {
   PlanCosts result;
+  const std::string& profile_trace = source.profile_trace;
+  if (!profile_trace.empty() && !source.hardware.empty()) {
+    return Status::Error("--profile " + profile_trace + " and --hardware " + source.hardware +
+                         " both give a plan's costs; pass one");
+  }
+  if (!source.hardware.empty()) {
+    DC_ASSIGN_OR_RETURN(HardwareProfile hw, ResolveHardware(source.hardware));
+    DC_ASSIGN_OR_RETURN(ClusterShape cluster, MakeCluster(plan.world_size(), source.gpus_per_node));
+    DC_RETURN_IF_ERROR(ValidateCluster(hw, cluster));
+    result.costs = EstimateCostModel(plan.program(), hw, cluster);
+    const std::string on = hw.name + " on " + std::to_string(cluster.nodes) + " node(s) of " +
+                           std::to_string(cluster.gpus_per_node) + " rank(s)";
+    if (Sha256Hex(CostModelText(result.costs)) == plan.profile_digest()) {
+      result.note = "re-simulated with " + on + ": the costs the plan was made with";
+    } else {
+      result.note = "re-simulated with " + on +
+                    ": not the costs the plan was made with (its profile digest differs: another "
+                    "profile, --gpus-per-node, or a plan made from a trace)";
+    }
+    return result;
+  }
   if (profile_trace.empty()) {
     if (plan.backend() == "cpu") {
       DC_ASSIGN_OR_RETURN(HardwareProfile cpu, FindHardware("cpu"));
       ApplyConcurrency(cpu, &result.costs);
     }
     result.note =
-        "re-simulated with the default cost model (pass --profile TRACE for measured costs); "
-        "its times are rough estimates";
+        "re-simulated with the default cost model (pass --hardware for the profile the plan was "
+        "made with, --profile TRACE for measured costs); its times are rough estimates";
     return result;
   }
   DC_ASSIGN_OR_RETURN(std::unique_ptr<Trace> trace, Trace::Open(profile_trace));
@@ -236,7 +257,7 @@ StatusOr<std::unique_ptr<Timeline>> OpenTimeline(const std::vector<std::string>&
       break;
   }
   DC_ASSIGN_OR_RETURN(proto::Schedule plan, LoadPlan(path));
-  DC_ASSIGN_OR_RETURN(PlanCosts costs, CostsForPlan(plan, options.profile_trace));
+  DC_ASSIGN_OR_RETURN(PlanCosts costs, CostsForPlan(plan, options.plan_costs));
   StatusOr<SimResult> sim = Simulate(plan, costs.costs);
   if (!sim.ok()) return sim.status().Prefixed(path + ": cannot simulate the plan: ");
   // Its times become nanoseconds under the range rules (analyzer/limits.h).

@@ -30,13 +30,22 @@ namespace dc {
 std::unique_ptr<Timeline> PlanTimeline(const std::string& path, const proto::Schedule& plan,
                                        const SimResult& sim);
 
-// The costs to re-simulate a plan with: the profile of `profile_trace` when given, else the
-// default CostModel (serial streams for the cpu backend). `note` says which.
+// Where a plan's re-simulation takes its costs: the profile of a dc trace of the plan's program;
+// or a hardware profile (a built-in name or a profile file, as dc-plan --hardware) on the plan's
+// world in nodes of `gpus_per_node`, which gives a synthetic plan the very costs it was made with;
+// or, with neither, the default CostModel (serial streams for the cpu backend).
+struct PlanCostSource {
+  std::string profile_trace;
+  std::string hardware;
+  int gpus_per_node = 8;  // dc-plan's default
+};
+// `note` says which costs, and for a hardware profile whether they are the plan's own (the
+// plan's profile digest), so a user comparing a run with its prediction knows what was compared.
 struct PlanCosts {
   CostModel costs;
   std::string note;
 };
-StatusOr<PlanCosts> CostsForPlan(const proto::Schedule& plan, const std::string& profile_trace);
+StatusOr<PlanCosts> CostsForPlan(const proto::Schedule& plan, const PlanCostSource& source);
 
 enum class InputKind { kTrace, kKineto, kPlan };
 // By content: the plan magic, SQLite's header, JSON or gzip; a directory holds Kineto traces.
@@ -45,7 +54,7 @@ StatusOr<InputKind> DetectInput(const std::string& path);
 // Opens any input: a dc trace, an nsys export, Kineto traces (a file, several files or a
 // directory of them, one per rank), or a plan (re-simulated with CostsForPlan).
 struct OpenOptions {
-  std::string profile_trace;  // for plans
+  PlanCostSource plan_costs;  // for plans
   ProgressFn progress;
 };
 StatusOr<std::unique_ptr<Timeline>> OpenTimeline(const std::vector<std::string>& paths,

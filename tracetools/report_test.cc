@@ -7,7 +7,12 @@
 
 #include "analyzer/profile.h"
 #include "analyzer/trace.h"
+#include "machine/estimate.h"
+#include "machine/hardware.h"
 #include "machine/intervals.h"
+#include "models/model.h"
+#include "rewriter/planner.h"
+#include "schemas/digest.h"
 #include "tests/support/test_traces.h"
 
 namespace dc {
@@ -474,5 +479,51 @@ TEST(DetectInput, ByContent) {
   EXPECT_NE(missing.status().message().find("missing: cannot open"), std::string::npos);
 }
 
+// A synthetic plan re-simulated with the hardware profile and cluster it was made with gives its
+// own prediction, and says so; another cluster shape is named as not the plan's costs.
+TEST(CostsForPlan, TheHardwareAPlanWasMadeWithGivesItsPrediction) {
+  auto config = MakeConfig("tiny", {});
+  ASSERT_TRUE(config.ok());
+  auto program = BuildProgram(*config);
+  ASSERT_TRUE(program.ok());
+  auto hw = FindHardware("h100-sxm");
+  auto cluster = MakeCluster(16, 8);
+  ASSERT_TRUE(hw.ok() && cluster.ok());
+  PlanRequest request;
+  request.world_size = 16;
+  request.costs = EstimateCostModel(*program, *hw, *cluster);
+  request.profile_digest = Sha256Hex(CostModelText(request.costs));
+  request.policy = "dc";
+  request.program = *program;
+  auto plan = MakePlan(request);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+
+  auto source = [](const std::string& trace, const std::string& hardware, int gpus_per_node) {
+    PlanCostSource source;
+    source.profile_trace = trace;
+    source.hardware = hardware;
+    source.gpus_per_node = gpus_per_node;
+    return source;
+  };
+  auto own = CostsForPlan(*plan, source("", "h100-sxm", 8));
+  ASSERT_TRUE(own.ok()) << own.status().message();
+  EXPECT_NE(own->note.find("the costs the plan was made with"), std::string::npos) << own->note;
+  EXPECT_EQ(own->note.find("not the costs"), std::string::npos) << own->note;
+  auto sim = Simulate(*plan, own->costs);
+  ASSERT_TRUE(sim.ok());
+  EXPECT_DOUBLE_EQ(sim->step_seconds, plan->prediction().step_seconds());
+
+  auto other = CostsForPlan(*plan, source("", "h100-sxm", 4));
+  ASSERT_TRUE(other.ok());
+  EXPECT_NE(other->note.find("not the costs the plan was made with"), std::string::npos)
+      << other->note;
+
+  auto both = CostsForPlan(*plan, source("t.db", "h100-sxm", 8));
+  ASSERT_FALSE(both.ok());
+  EXPECT_NE(both.status().message().find("pass one"), std::string::npos);
+  EXPECT_FALSE(CostsForPlan(*plan, source("", "no-such-gpu", 8)).ok());
+  auto odd = CostsForPlan(*plan, source("", "h100-sxm", 3));
+  EXPECT_FALSE(odd.ok());  // 16 ranks are not whole nodes of 3
+}
 }  // namespace
 }  // namespace dc
