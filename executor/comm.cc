@@ -99,8 +99,9 @@ class BufferPool {
   }
 
  private:
-  // The cpu device keeps two collectives made ahead per stream, and one runs.
-  static constexpr size_t kKept = 4;
+  // The cpu device has at most two collectives of a stream alive, made or running, and each
+  // stream has its own channel (so its own pool).
+  static constexpr size_t kKept = 2;
   std::mutex mu_;
   std::vector<Buffer> free_;
 };
