@@ -106,6 +106,32 @@ class BufferPool {
   std::vector<Buffer> free_;
 };
 
+class GlooRing;
+
+// The rings running on one channel, for Abort to end their waits: Gloo's own waits end only at
+// a peer's failure or at the timeout, not when this rank closes its connections.
+class RunningRings {
+ public:
+  // False once aborted: the ring must not start.
+  bool Enter(GlooRing* ring) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_) return false;
+    running_.push_back(ring);
+    return true;
+  }
+  void Leave(GlooRing* ring) {
+    std::lock_guard<std::mutex> lock(mu_);
+    running_.erase(std::find(running_.begin(), running_.end(), ring));
+  }
+  // Ends every running ring's waits (they fail) and refuses rings from now on.
+  void Abort();
+
+ private:
+  std::mutex mu_;
+  bool aborted_ = false;
+  std::vector<GlooRing*> running_;  // under mu_
+};
+
 // Gloo's bound-buffer algorithms (AllgatherRing, ReduceScatterHalvingDoubling), made anew for
 // each call, let a peer's bytes arrive before this rank has registered the buffer for them, and
 // Gloo's device thread then spins on the socket until it has: on every collective one rank
@@ -123,9 +149,11 @@ class GlooRing : public PostedCollective {
   enum class Kind { kAllGather, kReduceScatterSum };
   // Throws Gloo's exceptions (a closed connection).
   GlooRing(const std::shared_ptr<gloo::rendezvous::Context>& context,
-           std::shared_ptr<BufferPool> pool, Kind kind, int64_t n)
+           std::shared_ptr<BufferPool> pool, std::shared_ptr<RunningRings> running, Kind kind,
+           int64_t n)
       : context_(context),
         pool_(std::move(pool)),
+        running_(std::move(running)),
         kind_(kind),
         world_(context->size),
         me_(context->rank),
@@ -164,7 +192,12 @@ class GlooRing : public PostedCollective {
 
   Status Run() override {
     if (n_ == 0) return Status::Ok();
-    return Guarded(kind_ == Kind::kAllGather ? "all-gather" : "reduce-scatter", me_, [&] {
+    const char* what = kind_ == Kind::kAllGather ? "all-gather" : "reduce-scatter";
+    if (!running_->Enter(this)) {
+      return Status::Error(std::string(what) + " on rank " + std::to_string(me_) +
+                           ": the run was aborted");
+    }
+    Status status = Guarded(what, me_, [&] {
       const auto timeout = context_->getTimeout();
       for (int s = 0; s + 1 < world_; ++s) {
         const int send = kind_ == Kind::kAllGather ? Ring(me_ - s) : Ring(me_ - s - 1);
@@ -179,6 +212,15 @@ class GlooRing : public PostedCollective {
       }
       for (auto& send : sends_) Check(send->waitSend(timeout));
     });
+    running_->Leave(this);
+    return status;
+  }
+
+  // Ends its waits, now or when they start (Gloo keeps the abort until a wait takes it): for
+  // RunningRings::Abort, while the ring runs.
+  void AbortWaits() {
+    for (auto& receive : receives_) receive->abortWaitRecv();
+    for (auto& send : sends_) send->abortWaitSend();
   }
 
  private:
@@ -189,6 +231,7 @@ class GlooRing : public PostedCollective {
 
   std::shared_ptr<gloo::rendezvous::Context> context_;
   std::shared_ptr<BufferPool> pool_;
+  std::shared_ptr<RunningRings> running_;
   Kind kind_;
   int world_, me_;
   int64_t n_;
@@ -199,6 +242,12 @@ class GlooRing : public PostedCollective {
   // each.
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> receives_, sends_;
 };
+
+void RunningRings::Abort() {
+  std::lock_guard<std::mutex> lock(mu_);
+  aborted_ = true;
+  for (GlooRing* ring : running_) ring->AbortWaits();
+}
 
 class GlooCommunicator : public Communicator {
  public:
@@ -217,12 +266,13 @@ class GlooCommunicator : public Communicator {
     if (index < 0 || index > static_cast<int>(channels_.size())) return nullptr;
     return channels_[index - 1].get();
   }
-  // Closing the connections wakes this rank's collectives waiting on them, and the peers see
-  // their end close.
+  // This rank's rings in flight end their waits; closing the connections makes the peers see
+  // their end close (their collectives with this rank fail).
   void Abort() override {
     bool expected = false;
     if (!aborted_.compare_exchange_strong(expected, true)) return;
     for (auto& c : channels_) c->Abort();
+    running_->Abort();
     try {
       context_->closeConnections();
     } catch (const std::exception&) {
@@ -284,12 +334,13 @@ class GlooCommunicator : public Communicator {
     std::unique_ptr<PostedCollective> ring;
     DC_RETURN_IF_ERROR(
         Guarded(kind == GlooRing::Kind::kAllGather ? "all-gather" : "reduce-scatter", rank(),
-                [&] { ring = std::make_unique<GlooRing>(context_, pool_, kind, n); }));
+                [&] { ring = std::make_unique<GlooRing>(context_, pool_, running_, kind, n); }));
     return ring;
   }
 
   std::shared_ptr<gloo::rendezvous::Context> context_;
   std::shared_ptr<BufferPool> pool_ = std::make_shared<BufferPool>();
+  std::shared_ptr<RunningRings> running_ = std::make_shared<RunningRings>();
   std::vector<std::unique_ptr<GlooCommunicator>> channels_;
   std::atomic<bool> aborted_{false};
 };

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <ctime>
 #include <filesystem>
@@ -141,5 +142,34 @@ TEST(Comm, ARankWaitingForItsPeerCostsNoCpu) {
                                << " s of CPU while one rank slept half a second";
 }
 
+// Abort ends a collective waiting for a peer that will never come, on this rank at once, not
+// at the timeout: the cpu device aborts its channels when one of its streams fails.
+TEST(Comm, AbortEndsACollectiveWaitingForItsPeer) {
+  constexpr int64_t kN = 1024;
+  std::atomic<bool> done{false};
+  OnRanks(2, "abort", [&](int rank, Communicator* comm) {
+    int64_t token = 0;
+    ASSERT_TRUE(comm->Broadcast(&token, 0).ok());
+    if (rank == 1) {
+      // Never joins the all-gather; stays connected until rank 0 is done.
+      while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      return;
+    }
+    auto gather = comm->PostAllGather(kN);
+    ASSERT_TRUE(gather.ok());
+    std::thread aborter([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      comm->Abort();
+    });
+    const auto start = std::chrono::steady_clock::now();
+    const Status status = (*gather)->Run();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    aborter.join();
+    done = true;
+    EXPECT_FALSE(status.ok());
+    EXPECT_LT(seconds, 5.0) << "the aborted all-gather took " << seconds << " s (timeout 30 s)";
+  });
+}
 }  // namespace
 }  // namespace dc
