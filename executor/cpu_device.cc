@@ -461,7 +461,9 @@ class CpuDevice : public RankDevice {
   // gone, it lets the issuing thread make the next. Each stream keeps at most kPostedAhead:
   // with two, the next collective is posted while one runs, so a peer reaches a collective
   // after this rank posted it (unless this rank's issuing thread is itself behind), and the
-  // buffers in flight stay bounded.
+  // buffers in flight stay bounded. Waiting for a place cannot deadlock: a plan's waits point
+  // to earlier instructions, so a stream's oldest collective depends only on work every rank
+  // has issued already; it runs, and its place frees.
   static constexpr int kPostedAhead = 2;
   struct Posted {
     Posted(CpuDevice* device, int slot) : device(device), slot(slot) {}
