@@ -323,7 +323,7 @@ class CpuDevice : public RankDevice {
     return Enqueue(
         stream, what,
         [posted, world = world_, items = std::vector<GatherItem>(items.begin(), items.end())] {
-          return AllGatherNow(posted->collective.get(), world, items);
+          return AllGatherNow(posted ? posted->collective.get() : nullptr, world, items);
         });
   }
 
@@ -337,7 +337,8 @@ class CpuDevice : public RankDevice {
     return Enqueue(stream, what,
                    [posted, world = world_,
                     items = std::vector<ReduceScatterItem>(items.begin(), items.end())] {
-                     return ReduceScatterAddNow(posted->collective.get(), world, items);
+                     return ReduceScatterAddNow(posted ? posted->collective.get() : nullptr, world,
+                                                items);
                    });
   }
 
@@ -470,11 +471,12 @@ class CpuDevice : public RankDevice {
     ~Posted() { device->PostedDone(slot); }
     CpuDevice* device;
     int slot;
-    std::unique_ptr<PostedCollective> collective;  // null in a world of one
+    std::unique_ptr<PostedCollective> collective;
   };
 
   template <typename Make>
   StatusOr<std::shared_ptr<Posted>> Post(proto::Stream stream, Make&& make) {
+    if (world_ == 1) return std::shared_ptr<Posted>();  // copies, no collective (AllGatherNow)
     // The host's collectives run on the issuing thread, each before the next is made.
     const int slot = stream == proto::STREAM_HOST
                          ? kNumDeviceStreams
@@ -489,9 +491,7 @@ class CpuDevice : public RankDevice {
       ++posted_[slot];
     }
     auto posted = std::make_shared<Posted>(this, slot);
-    if (world_ > 1) {
-      DC_ASSIGN_OR_RETURN(posted->collective, make());
-    }
+    DC_ASSIGN_OR_RETURN(posted->collective, make());
     return posted;
   }
   void PostedDone(int slot) {
