@@ -193,16 +193,25 @@ class GlooRing : public PostedCollective {
   Status Run() override {
     if (n_ == 0) return Status::Ok();
     const char* what = kind_ == Kind::kAllGather ? "all-gather" : "reduce-scatter";
-    if (!running_->Enter(this)) {
+    auto aborted_status = [&] {
       return Status::Error(std::string(what) + " on rank " + std::to_string(me_) +
                            ": the run was aborted");
-    }
+    };
+    if (!running_->Enter(this)) return aborted_status();
+    // A wait that ends without completing was aborted (AbortWaits): said so, not as a peer's
+    // failure.
+    bool aborted = false;
+    auto finished = [&aborted](bool completed) {
+      if (completed) return;
+      aborted = true;
+      throw gloo::IoException("aborted");
+    };
     Status status = Guarded(what, me_, [&] {
       const auto timeout = context_->getTimeout();
       for (int s = 0; s + 1 < world_; ++s) {
         const int send = kind_ == Kind::kAllGather ? Ring(me_ - s) : Ring(me_ - s - 1);
         sends_[s]->send(Ring(me_ + 1), slot_, send * chunk_bytes_, chunk_bytes_);
-        Check(receives_[s]->waitRecv(timeout));
+        finished(receives_[s]->waitRecv(timeout));
         if (kind_ == Kind::kReduceScatterSum) {
           // The chunk sent next: what arrived plus this rank's part.
           float* mine = buffer_.data.get() + Ring(me_ - s - 2) * n_;
@@ -210,10 +219,10 @@ class GlooRing : public PostedCollective {
           for (int64_t i = 0; i < n_; ++i) mine[i] += received[i];
         }
       }
-      for (auto& send : sends_) Check(send->waitSend(timeout));
+      for (auto& send : sends_) finished(send->waitSend(timeout));
     });
     running_->Leave(this);
-    return status;
+    return aborted ? aborted_status() : status;
   }
 
   // Ends its waits, now or when they start (Gloo keeps the abort until a wait takes it): for
@@ -225,9 +234,6 @@ class GlooRing : public PostedCollective {
 
  private:
   int Ring(int position) const { return ((position % world_) + world_) % world_; }
-  static void Check(bool completed) {
-    if (!completed) throw gloo::IoException("the collective was aborted");
-  }
 
   std::shared_ptr<gloo::rendezvous::Context> context_;
   std::shared_ptr<BufferPool> pool_;

@@ -168,6 +168,9 @@ TEST(Comm, AbortEndsACollectiveWaitingForItsPeer) {
     aborter.join();
     done = true;
     EXPECT_FALSE(status.ok());
+    // This rank's abort, not a peer's failure.
+    EXPECT_NE(status.message().find("the run was aborted"), std::string::npos) << status.message();
+    EXPECT_EQ(status.message().find("peer"), std::string::npos) << status.message();
     EXPECT_LT(seconds, 5.0) << "the aborted all-gather took " << seconds << " s (timeout 30 s)";
   });
 }
