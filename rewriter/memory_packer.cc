@@ -1,11 +1,9 @@
 #include "rewriter/memory_packer.h"
 
-#include <google/protobuf/io/coded_stream.h>
-#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
-
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <tuple>
@@ -14,7 +12,6 @@
 #include "rewriter/arena_occupancy.h"
 #include "rewriter/memory_lifetimes.h"
 #include "rewriter/tasks.h"
-#include "schemas/digest.h"
 #include "schemas/effects.h"
 #include "schemas/units.h"
 
@@ -358,12 +355,72 @@ proto::MemoryPlan ToPlan(const std::vector<BufferLifetime>& buffers, const Packi
   return plan;
 }
 
+// An order's repair rounds: each marks what that order's last packing put above the live peak.
+struct Repairs {
+  Packing last;  // the order's last packing (empty offsets: not packed)
+  std::vector<char> first;
+  int round = 0;
+  bool done = false;
+};
+
+// The options that decide the sequence of packings without waits (not where it stops).
+std::string PackingSequenceText(const MemoryPlanOptions& options) {
+  std::vector<std::string> orders, repaired;
+  for (MemoryPlanOptions::Order order : options.orders) orders.push_back(OrderName(order));
+  for (MemoryPlanOptions::Order order : options.repaired_orders) {
+    repaired.push_back(OrderName(order));
+  }
+  return std::to_string(options.alignment_bytes) + "/" + Join(orders, "+") + "/" +
+         Join(repaired, "+") + "/" + std::to_string(options.repair_rounds);
+}
+
 }  // namespace
 
-StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
-                                       const MemoryPlanOptions& options, int64_t budget_bytes,
-                                       const CostModel* costs, MemoryPlanStats* stats,
-                                       const SimResult* simulation, int threads) {
+// Where PlanMemory's packings without waits stopped, with everything they decide on, so that a
+// later PlanMemory of the same lifetimes and budget goes on from there (PackingMemo).
+struct PackingProgress {
+  std::string sequence;  // PackingSequenceText of the options packed with
+  int64_t budget_bytes = 0;
+  double max_fragmentation = 0;
+  std::vector<BufferLifetime> buffers;  // the primary axis' lifetimes
+  int axis_length = 0;
+  size_t next_attempt = 0;  // of AttemptsWithoutWaits
+  int packed = 0;
+  Packing best;
+  MemoryPlanStats stats;
+  std::map<MemoryPlanOptions::Order, Repairs> repairs;
+};
+
+namespace {
+
+bool SameLifetimes(const std::vector<BufferLifetime>& a, const std::vector<BufferLifetime>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(),
+                    [](const BufferLifetime& x, const BufferLifetime& y) {
+                      return x.instruction == y.instruction && x.tensor == y.tensor &&
+                             x.micro_step == y.micro_step && x.alloc_index == y.alloc_index &&
+                             x.free_index == y.free_index && x.size_bytes == y.size_bytes;
+                    });
+}
+
+// Whether PlanMemory with `options` over `buffers` goes through `progress`'s packings first and
+// does not stop before their end: the same lifetimes, budget and sequence of packings, a
+// fragmentation target no looser (a looser one may stop sooner) and room for as many packings.
+bool GoesOnFrom(const PackingProgress& progress, const std::vector<BufferLifetime>& buffers,
+                int axis_length, const MemoryPlanOptions& options, int64_t budget_bytes) {
+  return progress.budget_bytes == budget_bytes && progress.axis_length == axis_length &&
+         progress.sequence == PackingSequenceText(options) &&
+         options.max_fragmentation <= progress.max_fragmentation &&
+         (options.max_packings == 0 || options.max_packings >= progress.packed) &&
+         SameLifetimes(progress.buffers, buffers);
+}
+
+// PlanMemory; `resume` (optional): packings without waits to go on from where GoesOnFrom holds;
+// `save` (optional): receives where its packings without waits stopped.
+StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
+                                           const MemoryPlanOptions& options, int64_t budget_bytes,
+                                           const CostModel* costs, MemoryPlanStats* stats,
+                                           const SimResult* simulation, int threads,
+                                           const PackingProgress* resume, PackingProgress* save) {
   if (options.alignment_bytes <= 0 ||
       (options.alignment_bytes & (options.alignment_bytes - 1)) != 0) {
     return Status::Error("memory plan alignment must be a power of two, not " +
@@ -425,15 +482,20 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
   // Each repair round of an order marks what that order's last packing put above the live
   // peak; a round that would mark nothing new would repeat that packing, and is skipped.
   // Repairs of an order stop after a round that packs no tighter than the packing before it.
-  struct Repairs {
-    Packing last;  // the order's last packing (empty offsets: not packed)
-    std::vector<char> first;
-    int round = 0;
-    bool done = false;
-  };
   std::map<MemoryPlanOptions::Order, Repairs> repairs;
   for (MemoryPlanOptions::Order order : options.repaired_orders) repairs[order];
   int packed = 0;
+  size_t first_attempt = 0;
+  if (resume && GoesOnFrom(*resume, buffers, n, options, budget_bytes)) {
+    // Its packings are this plan's first: their outcome as they left it.
+    best = resume->best;
+    repairs = resume->repairs;
+    packed = resume->packed;
+    first_attempt = resume->next_attempt;
+    s.order = resume->stats.order;
+    s.orders_tried = resume->stats.orders_tried;
+    s.packings_reused = resume->stats.orders_tried;
+  }
   ArenaOccupancy32 occupancy(0);  // every packing without waits places in it in turn
   // Each order's sequence over the primary lifetimes, computed at its first packing.
   std::map<MemoryPlanOptions::Order, Sequence> sequences;
@@ -444,7 +506,14 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
     }
     return found->second;
   };
-  for (const Attempt& attempt : AttemptsWithoutWaits(options, primary)) {
+  const std::vector<Attempt> without_waits = AttemptsWithoutWaits(options, primary);
+  size_t next_attempt = first_attempt;
+  auto good_enough = [&] {
+    return best.arena_bytes >= 0 && best.arena_bytes <= target_bytes &&
+           (!has_budget || best.arena_bytes <= budget_bytes);
+  };
+  for (; next_attempt < without_waits.size() && !good_enough(); ++next_attempt) {
+    const Attempt& attempt = without_waits[next_attempt];
     if (options.max_packings > 0 && packed == options.max_packings) break;
     const auto repairing = repairs.find(attempt.order);
     Repairs* state = repairing == repairs.end() ? nullptr : &repairing->second;
@@ -475,9 +544,18 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
       state->last = packing;
     }
     keep_if_best(std::move(packing), attempt, round);
-    if (best.arena_bytes <= target_bytes && (!has_budget || best.arena_bytes <= budget_bytes)) {
-      break;
-    }
+  }
+  if (save) {
+    save->sequence = PackingSequenceText(options);
+    save->budget_bytes = budget_bytes;
+    save->max_fragmentation = options.max_fragmentation;
+    save->buffers = buffers;
+    save->axis_length = n;
+    save->next_attempt = next_attempt;
+    save->packed = packed;
+    save->best = best;
+    save->stats = s;
+    save->repairs = repairs;
   }
   // Over the budget: reuse that waits, as little as it takes. The attempts are independent:
   // with threads > 1 they are packed `threads` at a time and taken in turn as one by one.
@@ -527,55 +605,32 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
   return ToPlan(buffers, best);
 }
 
-std::string PackingMemo::Key(const proto::Schedule& schedule, const MemoryPlanOptions& options,
-                             int64_t budget_bytes) {
-  // Every instruction's bytes, length-prefixed, written into one buffer.
-  std::string bytes;
-  {
-    google::protobuf::io::StringOutputStream stream(&bytes);
-    google::protobuf::io::CodedOutputStream out(&stream);
-    for (const proto::Instruction& instr : schedule.instructions()) {
-      out.WriteVarint64(instr.ByteSizeLong());
-      instr.SerializeWithCachedSizes(&out);
-    }
-  }
-  return Sha256Hex(bytes) + "/" + std::to_string(budget_bytes) + "/" +
-         std::to_string(static_cast<int>(options.lifetimes)) + "/" +
-         std::to_string(options.alignment_bytes) + "/" + PackingsWithoutWaitsText(options);
+}  // namespace
+
+StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
+                                       const MemoryPlanOptions& options, int64_t budget_bytes,
+                                       const CostModel* costs, MemoryPlanStats* stats,
+                                       const SimResult* simulation, int threads,
+                                       const PackingMemo* memo) {
+  return PlanMemoryFrom(schedule, options, budget_bytes, costs, stats, simulation, threads,
+                        memo ? memo->last() : nullptr, nullptr);
 }
 
-void PackingMemo::Store(const proto::Schedule& schedule, const MemoryPlanOptions& options,
-                        int64_t budget_bytes, proto::MemoryPlan plan,
-                        const MemoryPlanStats& stats) {
-  key_ = Key(schedule, options, budget_bytes);
-  entry_.plan = std::move(plan);
-  entry_.stats = stats;
-}
+PackingMemo::PackingMemo() = default;
+PackingMemo::~PackingMemo() = default;
 
-const PackingMemo::Entry* PackingMemo::FindFitting(const proto::Schedule& schedule,
-                                                   const MemoryPlanOptions& options,
-                                                   int64_t budget_bytes) const {
-  if (key_.empty() || budget_bytes <= 0 || entry_.stats.arena_bytes > budget_bytes) return nullptr;
-  return Key(schedule, options, budget_bytes) == key_ ? &entry_ : nullptr;
-}
-
-std::optional<PackingMemo::Entry> PackingMemo::TakeFitting(const proto::Schedule& schedule,
-                                                           const MemoryPlanOptions& options,
-                                                           int64_t budget_bytes) {
-  if (!FindFitting(schedule, options, budget_bytes)) return std::nullopt;
-  key_.clear();
-  return std::move(entry_);
-}
+const PackingProgress* PackingMemo::last() const { return last_.get(); }
 
 StatusOr<int64_t> ArenaBytesWithoutWaits(const proto::Schedule& schedule,
                                          const MemoryPlanOptions& options, int64_t budget_bytes,
                                          const CostModel* costs, const SimResult* simulation,
                                          PackingMemo* memo) {
-  const MemoryPlanOptions first = BudgetCheckOptions(options);
   MemoryPlanStats stats;
-  DC_ASSIGN_OR_RETURN(proto::MemoryPlan plan,
-                      PlanMemory(schedule, first, budget_bytes, costs, &stats, simulation));
-  if (memo) memo->Store(schedule, first, budget_bytes, std::move(plan), stats);
+  auto progress = memo ? std::make_unique<PackingProgress>() : nullptr;
+  DC_RETURN_IF_ERROR(PlanMemoryFrom(schedule, BudgetCheckOptions(options), budget_bytes, costs,
+                                    &stats, simulation, 1, nullptr, progress.get())
+                         .status());
+  if (memo) memo->last_ = std::move(progress);
   return stats.arena_bytes;
 }
 
@@ -586,10 +641,6 @@ MemoryPlanOptions BudgetCheckOptions(const MemoryPlanOptions& options) {
   check.max_fragmentation = std::numeric_limits<double>::infinity();
   check.max_packings = options.budget_check_packings;
   return check;
-}
-
-bool WithinFragmentationTarget(const MemoryPlanStats& stats, const MemoryPlanOptions& options) {
-  return stats.arena_bytes <= TargetArenaBytes(stats.live_peak_bytes, options);
 }
 
 std::string MemoryPlanOptionsText(const MemoryPlanOptions& options) {

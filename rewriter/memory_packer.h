@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -118,14 +119,17 @@ struct MemoryPlanStats {
   // Most bytes held at once over the lifetimes packed: no packing can be smaller.
   int64_t live_peak_bytes = 0;
   int live_peak_instruction = -1;
-  std::string order;     // the order that produced the plan
-  int orders_tried = 0;  // packings tried (orders, spill marks, fall-back)
+  std::string order;        // the order that produced the plan
+  int orders_tried = 0;     // packings tried (orders, spill marks, fall-back)
+  int packings_reused = 0;  // of them, the offload pass's arena check's (PackingMemo)
   MemoryPlanOptions::Lifetimes lifetimes = MemoryPlanOptions::Lifetimes::kInstructionOrder;
   int spilled_buffers = 0;  // placed by spill_to_instruction_order
   // Most bytes held at once in instruction order: no arena can be smaller.
   int64_t instruction_order_peak_bytes = 0;
   int instruction_order_peak_instruction = -1;
 };
+
+class PackingMemo;
 
 // The plan of `schedule` under `options`: placements sorted by (instruction, tensor,
 // micro_step). First the packings without waits (the orders and their repair rounds) until one
@@ -136,38 +140,37 @@ struct MemoryPlanStats {
 // instruction order. `stats` is optional; so is `simulation`, Simulate(schedule, *costs) when
 // the caller has it (the memory timeline is not needed), which spares simulating again.
 // `threads` > 1 packs the attempts over the budget that many at a time (the plan is the same).
+// `memo` (optional): where the offload pass's last arena check packed the same lifetimes under
+// the same budget and orders, its packings are this plan's first, and the plan goes on from
+// them instead of packing them again (the same plan; MemoryPlanStats::packings_reused).
 StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
                                        const MemoryPlanOptions& options, int64_t budget_bytes,
                                        const CostModel* costs, MemoryPlanStats* stats,
-                                       const SimResult* simulation = nullptr, int threads = 1);
+                                       const SimResult* simulation = nullptr, int threads = 1,
+                                       const PackingMemo* memo = nullptr);
 
-// The last packing of one plan, keyed by the schedule's instructions, the budget and the options
-// that decide its packings without waits (lifetimes, alignment, orders, fragmentation target,
-// repairs). The offload pass's budget check (ArenaBytesWithoutWaits) stores its packing; where
-// that fits the budget and is within the memory-plan pass's fragmentation target, it is what
-// PlanMemory would return whatever the spill settings (they act only above the budget), so the
-// pass takes it instead of packing the same schedule again. Not thread-safe.
+// Where PlanMemory's packings without waits stopped (memory_packer.cc).
+struct PackingProgress;
+
+// What the offload pass's last arena check (ArenaBytesWithoutWaits) packed, for the
+// memory-plan pass to go on from: the check's packings are the first of the pass's sequence
+// (BudgetCheckOptions), and where the pass packs the same lifetimes (the check packs over the
+// offload planner's simulation, which may order a few events otherwise) under the same budget,
+// it takes their outcome instead of packing them again. Not thread-safe.
 class PackingMemo {
  public:
-  struct Entry {
-    proto::MemoryPlan plan;
-    MemoryPlanStats stats;
-  };
-  void Store(const proto::Schedule& schedule, const MemoryPlanOptions& options,
-             int64_t budget_bytes, proto::MemoryPlan plan, const MemoryPlanStats& stats);
-  // The stored packing for this schedule, budget and first attempt if it fits the budget;
-  // null otherwise.
-  const Entry* FindFitting(const proto::Schedule& schedule, const MemoryPlanOptions& options,
-                           int64_t budget_bytes) const;
-  // FindFitting's packing moved out (the memo then holds nothing), or nothing.
-  std::optional<Entry> TakeFitting(const proto::Schedule& schedule,
-                                   const MemoryPlanOptions& options, int64_t budget_bytes);
+  PackingMemo();
+  ~PackingMemo();
+  PackingMemo(const PackingMemo&) = delete;
+  PackingMemo& operator=(const PackingMemo&) = delete;
+  // The last check's progress; null before one.
+  const PackingProgress* last() const;
 
  private:
-  static std::string Key(const proto::Schedule& schedule, const MemoryPlanOptions& options,
-                         int64_t budget_bytes);
-  std::string key_;
-  Entry entry_;
+  friend StatusOr<int64_t> ArenaBytesWithoutWaits(const proto::Schedule&, const MemoryPlanOptions&,
+                                                  int64_t, const CostModel*, const SimResult*,
+                                                  PackingMemo*);
+  std::unique_ptr<PackingProgress> last_;
 };
 
 // The options ArenaBytesWithoutWaits packs with: `options` without spills or the fall-back to
@@ -175,14 +178,11 @@ class PackingMemo {
 // target is the memory-plan pass's to meet: it takes that packing only where it is within it).
 MemoryPlanOptions BudgetCheckOptions(const MemoryPlanOptions& options);
 
-// Whether `stats`' arena is within options.max_fragmentation of its live peak.
-bool WithinFragmentationTarget(const MemoryPlanStats& stats, const MemoryPlanOptions& options);
-
 // The arena `schedule` gets without slowing down: packed with BudgetCheckOptions(options) (no
 // reuse that waits (no spills, no fall-back to instruction order: those
 // are the memory-plan pass's last resorts). What the offload pass asks of a candidate plan.
-// `costs` and `simulation` as for PlanMemory; the packing is stored in `memo` (optional) for
-// the memory-plan pass to take.
+// `costs` and `simulation` as for PlanMemory; where its packings stopped is kept in `memo`
+// (optional) for the memory-plan pass to go on from.
 StatusOr<int64_t> ArenaBytesWithoutWaits(const proto::Schedule& schedule,
                                          const MemoryPlanOptions& options, int64_t budget_bytes,
                                          const CostModel* costs, const SimResult* simulation,

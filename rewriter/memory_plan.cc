@@ -4,7 +4,6 @@
 #include <cstdio>
 #include <map>
 #include <numeric>
-#include <optional>
 #include <tuple>
 #include <utility>
 
@@ -125,26 +124,10 @@ StatusOr<bool> MemoryPlanPass::Run(proto::Schedule* schedule, const PassContext&
   summary_.clear();
   reuse_dependencies_added_ = 0;
   const int64_t budget = context.budget_bytes;
-  proto::MemoryPlan plan;
-  // The offload pass's budget check stops at the first packing that fits; where that one is
-  // within the fragmentation target too, it is what PlanMemory would return.
-  std::optional<PackingMemo::Entry> packed =
-      context.packings
-          ? context.packings->TakeFitting(*schedule, BudgetCheckOptions(options_), budget)
-          : std::nullopt;
-  // Otherwise the pass packs again and keeps the smaller arena of the two (the check packed
-  // over the offload planner's simulation, which may order a few events differently).
-  if (packed && WithinFragmentationTarget(packed->stats, options_)) {
-    plan = std::move(packed->plan);
-    stats_ = packed->stats;
-  } else {
-    DC_ASSIGN_OR_RETURN(plan, PlanMemory(*schedule, options_, budget, context.costs, &stats_,
-                                         context.input_simulation, context.threads));
-    if (packed && packed->stats.arena_bytes < stats_.arena_bytes) {
-      plan = std::move(packed->plan);
-      stats_ = packed->stats;
-    }
-  }
+  // Where the offload pass's arena check packed these lifetimes, its packings are not made again.
+  DC_ASSIGN_OR_RETURN(proto::MemoryPlan plan,
+                      PlanMemory(*schedule, options_, budget, context.costs, &stats_,
+                                 context.input_simulation, context.threads, context.packings));
   static const CostModel kFallback;
   const CostModel& costs = context.costs ? *context.costs : kFallback;
   SimOptions sim_options;
@@ -162,14 +145,18 @@ StatusOr<bool> MemoryPlanPass::Run(proto::Schedule* schedule, const PassContext&
           ? 100.0 * static_cast<double>(stats_.arena_bytes - stats_.live_peak_bytes) /
                 static_cast<double>(stats_.live_peak_bytes)
           : 0.0;
+  const std::string reused =
+      stats_.packings_reused > 0
+          ? " (" + std::to_string(stats_.packings_reused) + " by the offload pass's arena check)"
+          : "";
   char text[512];
   std::snprintf(text, sizeof(text),
-                "arena %s for %d buffers (%s lifetimes, %s order, %d tried, %d buffers reuse "
+                "arena %s for %d buffers (%s lifetimes, %s order, %d tried%s, %d buffers reuse "
                 "bytes in instruction order only); live peak %s (%+.2f%% fragmentation); "
                 "simulated peak %s; budget %s",
                 FormatBytes(stats_.arena_bytes).c_str(), stats_.buffers,
                 in_order ? "instruction-order" : "simulated-time", stats_.order.c_str(),
-                stats_.orders_tried, stats_.spilled_buffers,
+                stats_.orders_tried, reused.c_str(), stats_.spilled_buffers,
                 FormatBytes(stats_.live_peak_bytes).c_str(), fragmentation,
                 FormatBytes(simulated_peak_bytes_).c_str(),
                 budget > 0 ? FormatBytes(budget).c_str() : "none");

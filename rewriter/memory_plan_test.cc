@@ -262,47 +262,57 @@ TEST(MemoryPlan, ArenaCoversTheSimulatedPeakAndFitsTheBudget) {
   EXPECT_FALSE(*changed);
 }
 
-// The memory-plan pass takes the packing the offload pass's arena check left in the memo when
-// it was made for the same instructions and budget and fits it, and packs anew otherwise; the
-// plan is the same either way.
-TEST(MemoryPlan, TakesTheMemoisedPackingOnlyForTheSameSchedule) {
+// The memory-plan pass goes on from the packings the offload pass's arena check left in the
+// memo where they packed the same lifetimes under the same budget, and packs anew otherwise; the
+// plan is the same either way, whether the check's packings fit or the pass packs past them.
+TEST(MemoryPlan, GoesOnFromTheArenaChecksPackingsOnlyForTheSameLifetimesAndBudget) {
   CostModel costs;
   const proto::Schedule s = TinyWithOffload(2, &costs);
-  MemoryPlanPass reference_pass;
-  proto::Schedule reference = s;
-  const int64_t budget = s.budget_bytes();
-  ASSERT_TRUE(reference_pass.Run(&reference, PassContext{&costs, budget}).ok());
+  MemoryPlanStats fitting;
+  ASSERT_TRUE(PlanMemory(s, MemoryPlanOptions{}, 0, &costs, &fitting).ok());
+  // At the schedule's budget the check's first packing fits; one byte under the best arena
+  // the packings without waits find, none does: the pass then spills past them.
+  for (const int64_t budget : {s.budget_bytes(), fitting.arena_bytes - 1}) {
+    SCOPED_TRACE("budget " + std::to_string(budget));
+    auto plan_with = [&](PackingMemo* memo, MemoryPlanPass* pass) {
+      proto::Schedule planned = s;
+      PassContext context{&costs, budget};
+      context.packings = memo;
+      const StatusOr<bool> changed = pass->Run(&planned, context);
+      EXPECT_TRUE(changed.ok() || changed.status().over_budget()) << changed.status().message();
+      return planned;
+    };
+    MemoryPlanPass reference_pass;
+    const proto::Schedule reference = plan_with(nullptr, &reference_pass);
+    EXPECT_EQ(reference_pass.Summary().find("arena check"), std::string::npos);
 
-  // What the offload pass's check stores: no spilling, the first packing that fits.
-  const MemoryPlanOptions check = BudgetCheckOptions(MemoryPlanOptions{});
-  MemoryPlanStats stats;
-  auto packed = PlanMemory(s, check, budget, &costs, &stats);
-  ASSERT_TRUE(packed.ok()) << packed.status().message();
-  ASSERT_LE(stats.arena_bytes, budget);
-  PackingMemo memo;
-  MemoryPlanStats marked = stats;
-  marked.order = "memoised";  // shows in the pass's summary when the pass takes the memo
-  memo.Store(s, check, budget, *packed, marked);
-  EXPECT_NE(memo.FindFitting(s, check, budget), nullptr);
-  EXPECT_EQ(memo.FindFitting(s, check, stats.arena_bytes - 1), nullptr)
-      << "a budget the packing does not fit";
-  proto::Schedule changed = s;
-  changed.mutable_instructions(0)->add_deps(0);
-  EXPECT_EQ(memo.FindFitting(changed, check, budget), nullptr) << "other instructions";
-  MemoryPlanOptions area_first = check;
-  area_first.orders = {MemoryPlanOptions::Order::kAreaDescending};
-  EXPECT_EQ(memo.FindFitting(s, area_first, budget), nullptr) << "another first order";
+    PackingMemo memo;
+    ASSERT_TRUE(
+        ArenaBytesWithoutWaits(s, MemoryPlanOptions{}, budget, &costs, nullptr, &memo).ok());
+    MemoryPlanPass pass;
+    const proto::Schedule resumed = plan_with(&memo, &pass);
+    EXPECT_EQ(resumed.SerializeAsString(), reference.SerializeAsString());
+    EXPECT_NE(pass.Summary().find("by the offload pass's arena check"), std::string::npos)
+        << pass.Summary();
+    EXPECT_EQ(pass.stats().orders_tried, reference_pass.stats().orders_tried);
 
-  proto::Schedule memoised = s;
-  MemoryPlanPass pass;
-  PassContext context{&costs, budget};
-  context.packings = &memo;
-  ASSERT_TRUE(pass.Run(&memoised, context).ok());
-  EXPECT_EQ(memoised.memory_plan().SerializeAsString(),
-            reference.memory_plan().SerializeAsString());
-  EXPECT_EQ(memoised.SerializeAsString(), reference.SerializeAsString());
-  EXPECT_NE(pass.Summary().find("memoised order"), std::string::npos) << pass.Summary();
-  EXPECT_EQ(reference_pass.Summary().find("memoised"), std::string::npos);
+    // A check under another budget, or of other lifetimes, is not gone on from.
+    PackingMemo other_budget;
+    ASSERT_TRUE(ArenaBytesWithoutWaits(s, MemoryPlanOptions{}, budget + 4096, &costs, nullptr,
+                                       &other_budget)
+                    .ok());
+    CostModel other_costs;
+    const proto::Schedule other = TinyWithOffload(3, &other_costs);
+    PackingMemo other_lifetimes;
+    ASSERT_TRUE(ArenaBytesWithoutWaits(other, MemoryPlanOptions{}, budget, &other_costs, nullptr,
+                                       &other_lifetimes)
+                    .ok());
+    for (PackingMemo* memo : {&other_budget, &other_lifetimes}) {
+      MemoryPlanPass fresh;
+      EXPECT_EQ(plan_with(memo, &fresh).SerializeAsString(), reference.SerializeAsString());
+      EXPECT_EQ(fresh.Summary().find("arena check"), std::string::npos) << fresh.Summary();
+    }
+  }
 }
 
 TEST(MemoryPlan, IsDeterministicAndSorted) {

@@ -66,6 +66,8 @@ class OffloadPass : public Pass {
   // how many bytes are still missing) or when the optimizer step alone does not fit.
   StatusOr<bool> Run(proto::Schedule* schedule, const PassContext& context) override;
   std::string Summary() const override;
+  // Its copies to the host and reloads only add work and waits to the step.
+  bool NeverSpeedsUp() const override { return true; }
   const OffloadStats& stats() const { return stats_; }
 
  private:

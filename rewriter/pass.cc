@@ -16,6 +16,44 @@ std::vector<std::string> Pipeline::PassNames() const {
   return names;
 }
 
+auto Pipeline::EnabledPasses() const -> Enabled {
+  Enabled enabled;
+  for (const auto& pass : passes_) {
+    if (!disabled_.count(std::string(pass->name()))) enabled.passes.push_back(pass.get());
+  }
+  const size_t count = enabled.passes.size();
+  size_t first_freeing = count;
+  for (size_t i = 0; i < count && first_freeing == count; ++i) {
+    if (enabled.passes[i]->FreesMemory()) first_freeing = i;
+  }
+  for (size_t i = 0; i < count; ++i) {
+    enabled.relaxed.push_back(i < first_freeing && first_freeing < count);
+  }
+  enabled.slowing_tail = count;
+  while (enabled.slowing_tail > 0 && enabled.passes[enabled.slowing_tail - 1]->NeverSpeedsUp()) {
+    --enabled.slowing_tail;
+  }
+  return enabled;
+}
+
+bool Pipeline::CannotWinWhere(const Pipeline& stopped) const {
+  const Enabled head = stopped.EnabledPasses();
+  const Enabled mine = EnabledPasses();
+  if (mine.passes.size() < head.slowing_tail) return false;
+  for (size_t i = 0; i < head.slowing_tail; ++i) {
+    const Pass& a = *mine.passes[i];
+    const Pass& b = *head.passes[i];
+    if (a.name() != b.name() || a.OptionsText() != b.OptionsText() ||
+        mine.relaxed[i] != head.relaxed[i]) {
+      return false;
+    }
+  }
+  for (size_t i = head.slowing_tail; i < mine.passes.size(); ++i) {
+    if (!mine.passes[i]->NeverSpeedsUp()) return false;
+  }
+  return true;
+}
+
 bool Pipeline::Has(const std::string& name) const {
   for (const auto& pass : passes_) {
     if (pass->name() == name) return true;
@@ -54,14 +92,9 @@ std::string Pipeline::OptionsText() const {
 Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
                      std::optional<SimResult>* last_simulation) const {
   // Before the first enabled memory-freeing pass, passes plan against the relaxed budget and
-  // the verifier checks structure only; from it on, the real budget holds.
-  size_t first_freeing = passes_.size();
-  for (size_t i = 0; i < passes_.size(); ++i) {
-    if (!disabled_.count(std::string(passes_[i]->name())) && passes_[i]->FreesMemory()) {
-      first_freeing = i;
-      break;
-    }
-  }
+  // the verifier checks structure only; from it on, the real budget holds. From the first of
+  // the slowing tail on, every enabled pass never speeds the step up.
+  const Enabled enabled = EnabledPasses();
   PassContext enforced = context;
   enforced.final_budget_bytes = context.budget_bytes;
   PassContext relaxed = enforced;
@@ -76,13 +109,7 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
   std::optional<SimResult> verified_sim;
   // Before the first pass: the schedule given must hold, or be empty for a pass that builds one.
   if (schedule->instructions_size() == 0) {
-    const Pass* first = nullptr;
-    for (const auto& pass : passes_) {
-      if (!disabled_.count(std::string(pass->name()))) {
-        first = pass.get();
-        break;
-      }
-    }
+    const Pass* first = enabled.passes.empty() ? nullptr : enabled.passes.front();
     if (!first) {
       return Status::Error(
           "the schedule is empty and every pass is disabled; enable a pass that "
@@ -100,18 +127,10 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
       verified_sim = std::move(sim);
     }
   }
-  // From this pass on, every enabled pass never speeds the step up.
-  size_t first_of_slowing_tail = passes_.size();
-  for (size_t i = passes_.size(); i > 0; --i) {
-    if (disabled_.count(std::string(passes_[i - 1]->name()))) continue;
-    if (!passes_[i - 1]->NeverSpeedsUp()) break;
-    first_of_slowing_tail = i - 1;
-  }
-  for (size_t i = 0; i < passes_.size(); ++i) {
-    const auto& pass = passes_[i];
+  for (size_t i = 0; i < enabled.passes.size(); ++i) {
+    Pass* pass = enabled.passes[i];
     const std::string name(pass->name());
-    if (disabled_.count(name)) continue;
-    if (i == first_of_slowing_tail && context.step_to_beat_seconds > 0 && verified_sim &&
+    if (i == enabled.slowing_tail && context.step_to_beat_seconds > 0 && verified_sim &&
         context.costs && verified_sim->step_seconds >= context.step_to_beat_seconds) {
       char text[160];
       std::snprintf(text, sizeof(text),
@@ -119,7 +138,7 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
                     name.c_str(), verified_sim->step_seconds, context.step_to_beat_seconds);
       return Status::CannotWin(text);
     }
-    const bool before_freeing = i < first_freeing && first_freeing < passes_.size();
+    const bool before_freeing = enabled.relaxed[i];
     PassContext pass_context = before_freeing ? relaxed : enforced;
     // Only with a cost model: without one the verifier simulates with a default model.
     if (verified_sim && context.costs) pass_context.input_simulation = &*verified_sim;

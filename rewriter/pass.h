@@ -67,8 +67,9 @@ class Pass {
   // given a schedule with no instructions.
   virtual bool BuildsSchedule() const { return false; }
   // True for a pass whose output never simulates a faster step than its input (memory-plan:
-  // its reuse dependencies wait for nothing in the simulated step, its spills only delay). The
-  // property tests hold every such pass to it.
+  // its reuse dependencies wait for nothing in the simulated step, its spills only delay;
+  // offload: its copies only add work and waits). The property tests hold every such pass to
+  // it.
   virtual bool NeverSpeedsUp() const { return false; }
   // What the last Run changed, for --explain ("moved 80 gathers earlier by 3.1 ops on average").
   virtual std::string Summary() const { return ""; }
@@ -99,6 +100,12 @@ class Pipeline {
   using VerifiedFn = std::function<void(const proto::PassRecord&, const SimResult&)>;
   void OnVerified(VerifiedFn fn) { verified_ = std::move(fn); }
   std::vector<std::string> PassNames() const;
+  // Whether this pipeline cannot win where `stopped` stopped with Status::CannotWin, run on the
+  // same input in the same context against a step to beat no larger: its enabled passes are
+  // `stopped`'s up to the never-speeds-up tail (the same schedule, whose step already lost),
+  // then only passes that never speed the step up (Pass::NeverSpeedsUp). A fallback that drops
+  // a rule's memory plan, where the rule's pipeline stopped before it, is such a pipeline.
+  bool CannotWinWhere(const Pipeline& stopped) const;
   // Names and options of the enabled passes, for the cache key.
   std::string OptionsText() const;
 
@@ -111,6 +118,16 @@ class Pipeline {
              std::optional<SimResult>* last_simulation = nullptr) const;
 
  private:
+  // The enabled passes in order: each with whether it plans against the relaxed budget (it runs
+  // before the first pass that frees memory), and the index of the first of the tail of passes
+  // that never speed the step up (their count where there is none).
+  struct Enabled {
+    std::vector<Pass*> passes;
+    std::vector<bool> relaxed;
+    size_t slowing_tail = 0;
+  };
+  Enabled EnabledPasses() const;
+
   VerifyFn verifier_;
   std::vector<std::unique_ptr<Pass>> passes_;
   std::set<std::string> disabled_;

@@ -193,6 +193,53 @@ TEST(Pipeline, StopsBeforeTheMemoryPlanWhereItCannotBeatThePlanInHand) {
   EXPECT_EQ(Records(no_tail), (std::vector<std::string>{"zero3", "prefetch"}));
 }
 
+TEST(Pipeline, StopsBeforeOffloadAndTheMemoryPlanWhereItCannotBeatThePlanInHand) {
+  auto pipeline = Make({"zero3", "prefetch", "offload", "memory-plan"});
+  proto::Schedule full = EmptySchedule();
+  ASSERT_TRUE(pipeline->Run(&full, {&kCosts}).ok());
+  const double before_offload = full.passes(1).predicted_step_seconds();
+  PassContext context{&kCosts};
+  context.step_to_beat_seconds = before_offload;
+  proto::Schedule stopped = EmptySchedule();
+  const Status status = pipeline->Run(&stopped, context);
+  EXPECT_TRUE(status.cannot_win()) << status.message();
+  EXPECT_NE(status.message().find("before offload"), std::string::npos) << status.message();
+  EXPECT_EQ(Records(stopped), (std::vector<std::string>{"zero3", "prefetch"}));
+}
+
+// A pipeline cannot win where another stopped for the plan in hand when it makes the schedule
+// the other stopped at (the same passes, each under the same budget) and adds only passes that
+// never speed the step up.
+TEST(Pipeline, CannotWinWhereAnotherStoppedOnlyWithItsPassesBeforeTheStop) {
+  const auto deepcompile =
+      Make({"zero3", "dc-prefetch", "dc-selective-gather", "dc-offload", "memory-plan"});
+  EXPECT_TRUE(Make({"zero3", "dc-prefetch", "dc-selective-gather", "dc-offload"})
+                  ->CannotWinWhere(*deepcompile));
+  EXPECT_TRUE(deepcompile->CannotWinWhere(*deepcompile));
+  EXPECT_FALSE(Make({"zero3", "dc-prefetch", "dc-selective-gather"})->CannotWinWhere(*deepcompile))
+      << "stops before a pass that may speed the step up";
+  EXPECT_FALSE(Make({"zero3", "dc-prefetch", "dc-offload"})->CannotWinWhere(*deepcompile));
+
+  const auto dc =
+      Make({"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload", "memory-plan"});
+  EXPECT_TRUE(
+      Make({"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload"})->CannotWinWhere(*dc));
+  EXPECT_FALSE(
+      Make({"zero3", "bucket", "prefetch", "offload", "memory-plan"})->CannotWinWhere(*dc));
+  // Without offload, the passes before it plan against the real budget, not the relaxed one:
+  // another schedule.
+  EXPECT_FALSE(Make({"zero3", "bucket", "prefetch", "unshard", "prefetch", "memory-plan"})
+                   ->CannotWinWhere(*dc));
+  // Disabled passes count as absent.
+  auto without_unshard = Make({"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload"});
+  ASSERT_TRUE(without_unshard->Disable("unshard").ok());
+  EXPECT_FALSE(without_unshard->CannotWinWhere(*dc));
+  auto dc_without_unshard =
+      Make({"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload", "memory-plan"});
+  ASSERT_TRUE(dc_without_unshard->Disable("unshard").ok());
+  EXPECT_TRUE(without_unshard->CannotWinWhere(*dc_without_unshard));
+}
+
 TEST(Verifier, RefusesAScheduleWithNoInstructions) {
   Status status = VerifySchedule(EmptySchedule(), PassContext{&kCosts});
   ASSERT_FALSE(status.ok());

@@ -286,10 +286,12 @@ StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::stri
 
 // A policy never settles for less than a simpler pipeline of its own passes achieves: replaces
 // *planned (failed, or slower than the baseline) with the fastest of the policy's fallbacks,
-// noting which. Where context.step_to_beat_seconds is set, a fallback must beat it too.
+// noting which. Where context.step_to_beat_seconds is set, a fallback must beat it too, and one
+// is not planned where a pipeline that stopped for it (`stopped`, optional, or an earlier
+// fallback) shows it cannot (Pipeline::CannotWinWhere).
 Status TryFallbacks(const PlanRequest& request, const std::string& program_digest,
-                    const PassContext& context, const Policy& policy, CandidateDefects* defects,
-                    StatusOr<proto::Schedule>* planned) {
+                    const PassContext& context, const Policy& policy, const Pipeline* stopped,
+                    CandidateDefects* defects, StatusOr<proto::Schedule>* planned) {
   StatusOr<proto::Schedule> best = Status::Error("none");
   std::string chosen;
   if (planned->ok()) best = **planned;
@@ -299,28 +301,46 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
   for (int64_t b : PersistentBytesByKind(request.program, request.world_size)) persistent += b;
   const bool device_step_cannot_fit = request.budget_bytes > 0 && persistent > request.budget_bytes;
   std::vector<const FallbackPipeline*> fallbacks;
+  std::vector<std::unique_ptr<Pipeline>> pipelines;
   for (const FallbackPipeline& fallback : policy.fallbacks) {
-    if (!device_step_cannot_fit || fallback.optimizer_on_host) fallbacks.push_back(&fallback);
-  }
-  auto run = [&](int i, double step_to_beat) -> StatusOr<proto::Schedule> {
-    const FallbackPipeline& fallback = *fallbacks[i];
+    if (device_step_cannot_fit && !fallback.optimizer_on_host) continue;
     DC_ASSIGN_OR_RETURN(auto simpler, MakePipelineFromNames(fallback.passes));
     for (const auto& name : request.disabled_passes) {
       if (simpler->Has(name)) DC_RETURN_IF_ERROR(simpler->Disable(name));
     }
+    const bool relaxed = fallback.relaxed && context.relaxed_budget_bytes > 0;
+    if (stopped && !relaxed && simpler->CannotWinWhere(*stopped)) continue;
+    fallbacks.push_back(&fallback);
+    pipelines.push_back(std::move(simpler));
+  }
+  auto context_of = [&](int i, double step_to_beat) {
     PassContext fallback_context = context;
-    if (!fallback.relaxed) fallback_context.relaxed_budget_bytes = 0;
+    if (!fallbacks[i]->relaxed) fallback_context.relaxed_budget_bytes = 0;
     if (step_to_beat > 0 &&
         (context.step_to_beat_seconds == 0 || step_to_beat < context.step_to_beat_seconds)) {
       fallback_context.step_to_beat_seconds = step_to_beat;
     }
-    return RunPipeline(request, program_digest, *simpler, fallback_context);
+    return fallback_context;
+  };
+  auto run = [&](int i, double step_to_beat) -> StatusOr<proto::Schedule> {
+    return RunPipeline(request, program_digest, *pipelines[i], context_of(i, step_to_beat));
   };
   Candidates candidates(static_cast<int>(fallbacks.size()), request.threads, run);
+  // The fallbacks that stopped for the step to beat, with whether they planned relaxed.
+  std::vector<std::pair<const Pipeline*, bool>> lost;
   for (size_t i = 0; i < fallbacks.size(); ++i) {
+    const bool relaxed = fallbacks[i]->relaxed && context.relaxed_budget_bytes > 0;
+    const bool cannot_win =
+        std::any_of(lost.begin(), lost.end(), [&](const std::pair<const Pipeline*, bool>& l) {
+          return l.second == relaxed && pipelines[i]->CannotWinWhere(*l.first);
+        });
+    if (cannot_win) continue;
     StatusOr<proto::Schedule> candidate = candidates.Take(static_cast<int>(i), best);
     defects->Check(candidate, "the fallback " + Join(fallbacks[i]->passes, ","));
-    if (!candidate.ok()) continue;
+    if (!candidate.ok()) {
+      if (candidate.status().cannot_win()) lost.emplace_back(pipelines[i].get(), relaxed);
+      continue;
+    }
     if (!best.ok() || candidate->prediction().step_seconds() < best->prediction().step_seconds()) {
       best = std::move(candidate);
       chosen = Join(fallbacks[i]->passes, ",");
@@ -384,10 +404,12 @@ Status KeepBestOfRivals(const PlanRequest& request, const std::string& program_d
     StatusOr<proto::Schedule> candidate =
         RunPipeline(request, program_digest, *pipeline, rival_context);
     defects->Check(candidate, "the rival " + rival + "'s pipeline");
-    // As the rival plans on its own: where its pipeline does not fit, its fallbacks.
+    // As the rival plans on its own: where its pipeline does not fit, its fallbacks (none of
+    // those that only drop passes it stopped before, where it stopped for the plan in hand).
     if (!candidate.ok() && !rules->fallbacks.empty()) {
-      DC_RETURN_IF_ERROR(
-          TryFallbacks(request, program_digest, rival_context, *rules, defects, &candidate));
+      DC_RETURN_IF_ERROR(TryFallbacks(request, program_digest, rival_context, *rules,
+                                      candidate.status().cannot_win() ? pipeline.get() : nullptr,
+                                      defects, &candidate));
     }
     if (!candidate.ok()) continue;
     if (planned->ok() &&
@@ -475,7 +497,8 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
            baseline_sim->step_seconds * (1 + search.slower_than_baseline_tolerance);
   };
   if (policy && !policy->fallbacks.empty() && (!planned.ok() || slower_than_baseline(*planned))) {
-    DC_RETURN_IF_ERROR(TryFallbacks(request, program_digest, context, *policy, &defects, &planned));
+    DC_RETURN_IF_ERROR(
+        TryFallbacks(request, program_digest, context, *policy, nullptr, &defects, &planned));
   }
   if (policy && !policy->rivals.empty()) {
     DC_RETURN_IF_ERROR(KeepBestOfRivals(request, program_digest, context, *policy, *baseline_sim,

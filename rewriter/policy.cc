@@ -143,6 +143,13 @@ StatusOr<std::unique_ptr<Pipeline>> MakePipelineFromNames(const std::vector<std:
   return pipeline;
 }
 
+bool NeverSpeedsUp(const std::string& pass_name) {
+  for (const PassFactory& factory : kPasses) {
+    if (pass_name == factory.name) return factory.make()->NeverSpeedsUp();
+  }
+  return false;
+}
+
 const std::vector<Policy>& Policies() {
   static const auto* policies = new std::vector<Policy>{
       Plain("baseline", "ZeRO-3", {"zero3"}),

@@ -19,6 +19,9 @@ std::vector<std::string> PassNames();
 // A pipeline of the named passes in order, each with its default options (--passes
 // zero3,prefetch,...). An unknown name is an error that lists the known ones.
 StatusOr<std::unique_ptr<Pipeline>> MakePipelineFromNames(const std::vector<std::string>& names);
+// Whether the named pass never speeds the step up (Pass::NeverSpeedsUp); false for an unknown
+// name.
+bool NeverSpeedsUp(const std::string& pass_name);
 
 // The constants of dc's search, each with its reason.
 struct SearchOptions {
