@@ -7,6 +7,8 @@
 //   diff before.txt after.txt
 //
 //   plan_digests --quick           the small models only (a few seconds)
+//   plan_digests --threads N       plan on N threads (PlanRequest::threads): the same lines as on
+//                                  one
 //   plan_digests --schedule-only   the digest of what was planned, without the program: the
 //                                  plan less its program, program digest, cache key (which
 //                                  digests the program) and format version. For a change to the
@@ -16,6 +18,7 @@
 // The cases cover every policy at an unlimited, a loose and a tight budget over dense and MoE
 // models, f32 and bf16, with and without recompute, on the cpu and h100-sxm profiles.
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -78,13 +81,17 @@ int Fail(const std::string& what, const dc::Status& status) {
 
 int main(int argc, char** argv) {
   bool quick = false, schedule_only = false;
+  int threads = 1;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
     } else if (std::strcmp(argv[i], "--schedule-only") == 0) {
       schedule_only = true;
+    } else if (std::strcmp(argv[i], "--threads") == 0 && i + 1 < argc &&
+               std::atoi(argv[i + 1]) >= 1 && std::atoi(argv[i + 1]) <= 64) {
+      threads = std::atoi(argv[++i]);
     } else {
-      std::fprintf(stderr, "usage: plan_digests [--quick] [--schedule-only]\n");
+      std::fprintf(stderr, "usage: plan_digests [--quick] [--schedule-only] [--threads 1-64]\n");
       return 2;
     }
   }
@@ -124,6 +131,7 @@ int main(int argc, char** argv) {
         dc::PlanRequest request = base;
         request.policy = policy;
         request.budget_bytes = budget_bytes;
+        request.threads = threads;
         auto plan = dc::MakePlan(request);
         std::string digest;
         if (plan.ok()) {

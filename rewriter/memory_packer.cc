@@ -496,7 +496,9 @@ StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
     s.orders_tried = resume->stats.orders_tried;
     s.packings_reused = resume->stats.orders_tried;
   }
-  ArenaOccupancy32 occupancy(0);  // every packing without waits places in it in turn
+  // Packing k of a batch places in occupancies[k], reset each time (keeping its memory).
+  std::vector<ArenaOccupancy32> occupancies;
+  occupancies.emplace_back(0);
   // Each order's sequence over the primary lifetimes, computed at its first packing.
   std::map<MemoryPlanOptions::Order, Sequence> sequences;
   auto sequence_of = [&](MemoryPlanOptions::Order order) -> const Sequence& {
@@ -512,38 +514,94 @@ StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
     return best.arena_bytes >= 0 && best.arena_bytes <= target_bytes &&
            (!has_budget || best.arena_bytes <= budget_bytes);
   };
-  for (; next_attempt < without_waits.size() && !good_enough(); ++next_attempt) {
-    const Attempt& attempt = without_waits[next_attempt];
-    if (options.max_packings > 0 && packed == options.max_packings) break;
-    const auto repairing = repairs.find(attempt.order);
-    Repairs* state = repairing == repairs.end() ? nullptr : &repairing->second;
+  // With threads > 1, attempts are packed `threads` at a time: consecutive ones of different
+  // orders (a repair depends only on its order's packings before it), each decided from the
+  // state the ones before the batch left, and taken in turn as one by one (those after the
+  // first good enough are dropped): the plan and its stats do not depend on the threads.
+  struct Decided {
+    size_t attempt = 0;
+    bool pack = false;
+    bool repairs_done = false;  // a repair that would mark nothing new: its order's are done
+    std::vector<char> first;    // a repair's marks
     int round = 0;
-    if (attempt.repair) {
-      if (state->done || state->last.offsets.empty()) continue;
-      bool marked = false;
-      for (size_t b = 0; b < buffers.size(); ++b) {
-        if (!state->first[b] && buffers[b].size_bytes > 0 &&
-            state->last.offsets[b] + buffers[b].size_bytes > live_peak) {
-          state->first[b] = 1;
-          marked = true;
+    Packing packing;
+  };
+  const int batch = std::max(1, threads);
+  while (next_attempt < without_waits.size() && !good_enough()) {
+    std::vector<Decided> decided;
+    std::vector<MemoryPlanOptions::Order> orders;
+    int packings = 0;
+    for (size_t i = next_attempt; i < without_waits.size() && packings < batch; ++i) {
+      const Attempt& attempt = without_waits[i];
+      if (options.max_packings > 0 && packed + packings == options.max_packings) break;
+      if (std::count(orders.begin(), orders.end(), attempt.order) > 0) break;
+      orders.push_back(attempt.order);
+      Decided d;
+      d.attempt = i;
+      if (attempt.repair) {
+        const Repairs& state = repairs.at(attempt.order);
+        if (state.done || state.last.offsets.empty()) {
+          decided.push_back(std::move(d));
+          continue;
         }
+        d.first = state.first;
+        bool marked = false;
+        for (size_t b = 0; b < buffers.size(); ++b) {
+          if (!d.first[b] && buffers[b].size_bytes > 0 &&
+              state.last.offsets[b] + buffers[b].size_bytes > live_peak) {
+            d.first[b] = 1;
+            marked = true;
+          }
+        }
+        if (!marked) {
+          d.repairs_done = true;
+          d.first.clear();
+          decided.push_back(std::move(d));
+          continue;
+        }
+        d.round = state.round + 1;
       }
-      if (!marked) {
-        state->done = true;
+      d.pack = true;
+      sequence_of(attempt.order);
+      ++packings;
+      decided.push_back(std::move(d));
+    }
+    if (decided.empty()) break;  // at max_packings
+    std::vector<Decided*> to_pack;
+    for (Decided& d : decided) {
+      if (d.pack) to_pack.push_back(&d);
+    }
+    while (occupancies.size() < to_pack.size()) occupancies.emplace_back(0);
+    rewriter_internal::RunTasks(static_cast<int>(to_pack.size()), batch, [&](int k) {
+      Decided& d = *to_pack[k];
+      const Attempt& attempt = without_waits[d.attempt];
+      d.packing = Pack(primary, nullptr, 0, options.alignment_bytes, sequences.at(attempt.order),
+                       attempt.repair ? &d.first : nullptr, &occupancies[k]);
+    });
+    for (Decided& d : decided) {
+      const Attempt& attempt = without_waits[d.attempt];
+      next_attempt = d.attempt + 1;
+      const auto repairing = repairs.find(attempt.order);
+      Repairs* state = repairing == repairs.end() ? nullptr : &repairing->second;
+      if (!d.pack) {
+        if (d.repairs_done) state->done = true;
         continue;
       }
-      round = ++state->round;
+      ++s.orders_tried;
+      ++packed;
+      if (state) {
+        if (attempt.repair) {
+          state->first = std::move(d.first);
+          state->round = d.round;
+          if (d.packing.arena_bytes >= state->last.arena_bytes) state->done = true;
+        } else {
+          state->first.assign(buffers.size(), 0);
+        }
+        state->last = d.packing;
+      }
+      keep_if_best(std::move(d.packing), attempt, d.round);
+      if (good_enough()) break;
     }
-    ++s.orders_tried;
-    ++packed;
-    Packing packing = Pack(primary, nullptr, 0, options.alignment_bytes, sequence_of(attempt.order),
-                           attempt.repair ? &state->first : nullptr, &occupancy);
-    if (state) {
-      if (attempt.repair && packing.arena_bytes >= state->last.arena_bytes) state->done = true;
-      if (!attempt.repair) state->first.assign(buffers.size(), 0);
-      state->last = packing;
-    }
-    keep_if_best(std::move(packing), attempt, round);
   }
   if (save) {
     save->sequence = PackingSequenceText(options);
@@ -565,12 +623,8 @@ StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
     for (const Attempt& attempt : attempts) {
       if (attempt.axis == &primary) sequence_of(attempt.order);
     }
-    const int batch = std::max(1, threads);
     std::vector<Packing> packed_batch;
-    // Task i of each batch places in occupancies[i] (one thread at a time); the first is the
-    // one the packings without waits used.
-    std::vector<ArenaOccupancy32> occupancies;
-    occupancies.push_back(std::move(occupancy));
+    // Task i of each batch places in occupancies[i] (one thread at a time).
     while (static_cast<int>(occupancies.size()) < batch) occupancies.emplace_back(0);
     for (size_t start = 0; start < attempts.size() && best.arena_bytes > budget_bytes;
          start += batch) {
@@ -624,11 +678,11 @@ const PackingProgress* PackingMemo::last() const { return last_.get(); }
 StatusOr<int64_t> ArenaBytesWithoutWaits(const proto::Schedule& schedule,
                                          const MemoryPlanOptions& options, int64_t budget_bytes,
                                          const CostModel* costs, const SimResult* simulation,
-                                         PackingMemo* memo) {
+                                         PackingMemo* memo, int threads) {
   MemoryPlanStats stats;
   auto progress = memo ? std::make_unique<PackingProgress>() : nullptr;
   DC_RETURN_IF_ERROR(PlanMemoryFrom(schedule, BudgetCheckOptions(options), budget_bytes, costs,
-                                    &stats, simulation, 1, nullptr, progress.get())
+                                    &stats, simulation, threads, nullptr, progress.get())
                          .status());
   if (memo) memo->last_ = std::move(progress);
   return stats.arena_bytes;

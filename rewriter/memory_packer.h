@@ -139,7 +139,7 @@ class PackingMemo;
 // the simulation for kInstructionAndSimulatedTime; without them (null) lifetimes are in
 // instruction order. `stats` is optional; so is `simulation`, Simulate(schedule, *costs) when
 // the caller has it (the memory timeline is not needed), which spares simulating again.
-// `threads` > 1 packs the attempts over the budget that many at a time (the plan is the same).
+// `threads` > 1 packs that many attempts at a time (the plan is the same).
 // `memo` (optional): where the offload pass's last arena check packed the same lifetimes under
 // the same budget and orders, its packings are this plan's first, and the plan goes on from
 // them instead of packing them again (the same plan; MemoryPlanStats::packings_reused).
@@ -169,7 +169,7 @@ class PackingMemo {
  private:
   friend StatusOr<int64_t> ArenaBytesWithoutWaits(const proto::Schedule&, const MemoryPlanOptions&,
                                                   int64_t, const CostModel*, const SimResult*,
-                                                  PackingMemo*);
+                                                  PackingMemo*, int);
   std::unique_ptr<PackingProgress> last_;
 };
 
@@ -181,12 +181,13 @@ MemoryPlanOptions BudgetCheckOptions(const MemoryPlanOptions& options);
 // The arena `schedule` gets without slowing down: packed with BudgetCheckOptions(options) (no
 // reuse that waits (no spills, no fall-back to instruction order: those
 // are the memory-plan pass's last resorts). What the offload pass asks of a candidate plan.
-// `costs` and `simulation` as for PlanMemory; where its packings stopped is kept in `memo`
-// (optional) for the memory-plan pass to go on from.
+// `costs`, `simulation` and `threads` as for PlanMemory (with threads > 1 its packings are made
+// that many at a time: the same arena); where its packings stopped is kept in `memo` (optional)
+// for the memory-plan pass to go on from.
 StatusOr<int64_t> ArenaBytesWithoutWaits(const proto::Schedule& schedule,
                                          const MemoryPlanOptions& options, int64_t budget_bytes,
                                          const CostModel* costs, const SimResult* simulation,
-                                         PackingMemo* memo);
+                                         PackingMemo* memo, int threads = 1);
 
 // `options` as text, for a pass's OptionsText (part of the plan cache's key).
 std::string MemoryPlanOptionsText(const MemoryPlanOptions& options);

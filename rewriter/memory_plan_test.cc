@@ -615,7 +615,10 @@ TEST(MemoryPlan, SpillsToInstructionOrderOnlyWhereTheBudgetNeedsIt) {
 // The attempts over the budget packed several at a time (threads > 1) give what packing them one
 // by one gives: the same plan, order, spills and count of packings, where a spill fits, where
 // only the fall-back to instruction order does, and where nothing does.
-TEST(MemoryPlan, AttemptsOverTheBudgetPackedAtOnceGiveTheSamePlan) {
+// Packings made several at a time (the packings without waits and those over the budget) give
+// the plan and stats made one by one, wherever the packings stop: at the fragmentation target,
+// at max_packings, after every repair, or over the budget.
+TEST(MemoryPlan, PackingsMadeAtOnceGiveTheSamePlan) {
   const proto::Schedule input = TinyBaseline(1);
   const CostModel costs =
       EstimateCostModel(input.program(), *FindHardware("h100"), ClusterShape{1, 2});
@@ -623,26 +626,42 @@ TEST(MemoryPlan, AttemptsOverTheBudgetPackedAtOnceGiveTheSamePlan) {
   ASSERT_TRUE(PlanMemory(input, InInstructionOrder(), 0, &costs, &in_order).ok());
   MemoryPlanOptions no_spill;
   no_spill.spill_to_instruction_order = false;
+  MemoryPlanOptions exact;  // never within the target: every order and repair round
+  exact.max_fragmentation = 0;
+  MemoryPlanOptions four = exact;
+  four.max_packings = 4;
   const struct {
     MemoryPlanOptions options;
     int64_t budget;
-  } cases[] = {{MemoryPlanOptions{}, in_order.arena_bytes},
-               {no_spill, in_order.arena_bytes},
-               {MemoryPlanOptions{}, in_order.live_peak_bytes - 1}};
+    bool over_budget;  // reaches the attempts over the budget
+  } cases[] = {{MemoryPlanOptions{}, in_order.arena_bytes, true},
+               {no_spill, in_order.arena_bytes, true},
+               {MemoryPlanOptions{}, in_order.live_peak_bytes - 1, true},
+               {exact, 0, false},
+               {four, 0, false}};
   for (const auto& c : cases) {
-    MemoryPlanStats one, many;
+    MemoryPlanStats one;
     auto by_one = PlanMemory(input, c.options, c.budget, &costs, &one, nullptr, 1);
-    auto at_once = PlanMemory(input, c.options, c.budget, &costs, &many, nullptr, 3);
     ASSERT_TRUE(by_one.ok()) << by_one.status().message();
-    ASSERT_TRUE(at_once.ok()) << at_once.status().message();
-    EXPECT_EQ(by_one->SerializeAsString(), at_once->SerializeAsString()) << c.budget;
-    EXPECT_EQ(one.arena_bytes, many.arena_bytes);
-    EXPECT_EQ(one.order, many.order);
-    EXPECT_EQ(one.orders_tried, many.orders_tried);
-    EXPECT_EQ(one.spilled_buffers, many.spilled_buffers);
-    EXPECT_EQ(one.lifetimes, many.lifetimes);
-    // Each case reaches the attempts over the budget.
-    EXPECT_GT(one.orders_tried, static_cast<int>(c.options.orders.size())) << c.budget;
+    if (c.over_budget) {
+      EXPECT_GT(one.orders_tried, static_cast<int>(c.options.orders.size())) << c.budget;
+    } else if (c.options.max_packings > 0) {
+      EXPECT_EQ(one.orders_tried, c.options.max_packings);
+    } else {
+      EXPECT_GT(one.orders_tried, static_cast<int>(c.options.orders.size()) + 1);
+    }
+    for (int threads : {2, 3, 4}) {
+      SCOPED_TRACE("budget " + std::to_string(c.budget) + ", threads " + std::to_string(threads));
+      MemoryPlanStats many;
+      auto at_once = PlanMemory(input, c.options, c.budget, &costs, &many, nullptr, threads);
+      ASSERT_TRUE(at_once.ok()) << at_once.status().message();
+      EXPECT_EQ(by_one->SerializeAsString(), at_once->SerializeAsString());
+      EXPECT_EQ(one.arena_bytes, many.arena_bytes);
+      EXPECT_EQ(one.order, many.order);
+      EXPECT_EQ(one.orders_tried, many.orders_tried);
+      EXPECT_EQ(one.spilled_buffers, many.spilled_buffers);
+      EXPECT_EQ(one.lifetimes, many.lifetimes);
+    }
   }
 }
 

@@ -42,9 +42,10 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
     if (!options_.fit_memory_plan) return false;
     // A peak a few MiB under the budget (passes before this one fill it) may still leave no
     // room for the arena's fragmentation; the memory-plan pass would then make reuse wait.
-    DC_ASSIGN_OR_RETURN(const int64_t arena_bytes,
-                        ArenaBytesWithoutWaits(*schedule, options_.memory_plan, budget,
-                                               context.costs, &base, context.packings));
+    DC_ASSIGN_OR_RETURN(
+        const int64_t arena_bytes,
+        ArenaBytesWithoutWaits(*schedule, options_.memory_plan, budget, context.costs, &base,
+                               context.packings, context.threads));
     if (arena_bytes <= budget) return false;
     planning_budget -= static_cast<int64_t>(static_cast<double>(arena_bytes - budget) *
                                             options_.arena_overshoot_factor);
@@ -78,9 +79,10 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
     out = std::move(planned).value();
     out_simulation = planner.output_simulation();
     if (options_.fit_memory_plan) {
-      DC_ASSIGN_OR_RETURN(stats_.arena_bytes,
-                          ArenaBytesWithoutWaits(out, options_.memory_plan, budget, context.costs,
-                                                 &out_simulation, context.packings));
+      DC_ASSIGN_OR_RETURN(
+          stats_.arena_bytes,
+          ArenaBytesWithoutWaits(out, options_.memory_plan, budget, context.costs, &out_simulation,
+                                 context.packings, context.threads));
       stats_.arena_rounds = round + 1;
     }
     out_stats = stats_;
