@@ -156,27 +156,32 @@ double StepToBeat(const StatusOr<proto::Schedule>& best) {
   return best.ok() ? best->prediction().step_seconds() : 0;
 }
 
-// Candidates planned one by one or, with threads > 1, all at once; run(i, step) plans candidate i.
-// One by one, each is given the step of the best plan so far to beat
-// (PassContext::step_to_beat_seconds) and may stop early; all at once, none is (none is known
-// yet). The caller chooses in the candidates' order either way, and a candidate stopped early
+// Candidates planned one by one or, with threads > 1, all at once; run(i, step, threads) plans
+// candidate i with `threads` for its passes (PassContext::threads). One by one, each is given
+// the step of the best plan so far to beat (PassContext::step_to_beat_seconds) and may stop
+// early, and has every thread; all at once, none is (none is known yet), and they share the
+// threads. The caller chooses in the candidates' order either way, and a candidate stopped early
 // could not have been chosen (Pass::NeverSpeedsUp): the plan does not depend on the threads.
 class Candidates {
  public:
-  using Run = std::function<StatusOr<proto::Schedule>(int i, double step_to_beat_seconds)>;
-  Candidates(int count, int threads, Run run) : run_(std::move(run)) {
+  using Run =
+      std::function<StatusOr<proto::Schedule>(int i, double step_to_beat_seconds, int threads)>;
+  Candidates(int count, int threads, Run run) : threads_(threads), run_(std::move(run)) {
     if (threads > 1 && count > 1) {
       made_.resize(count, Status::Error("not planned"));
-      rewriter_internal::RunTasks(count, threads, [this](int i) { made_[i] = run_(i, 0); });
+      const int each = std::max(1, threads / count);
+      rewriter_internal::RunTasks(count, threads,
+                                  [this, each](int i) { made_[i] = run_(i, 0, each); });
     }
   }
   // Candidate i's plan: the one made at once, or one made now against `best`.
   StatusOr<proto::Schedule> Take(int i, const StatusOr<proto::Schedule>& best) {
     if (!made_.empty()) return std::move(made_[i]);
-    return run_(i, StepToBeat(best));
+    return run_(i, StepToBeat(best), threads_);
   }
 
  private:
+  int threads_;
   Run run_;
   std::vector<StatusOr<proto::Schedule>> made_;
 };
@@ -226,7 +231,7 @@ StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::stri
                                      std::optional<SimResult>* baseline_sim,
                                      CandidateDefects* defects) {
   std::mutex progress_mutex;
-  auto run = [&](int i, double step_to_beat) -> StatusOr<proto::Schedule> {
+  auto run = [&](int i, double step_to_beat, int threads) -> StatusOr<proto::Schedule> {
     const bool own = i == 0;
     DC_ASSIGN_OR_RETURN(auto pipeline, PipelineFor(request, /*dumps=*/own));
     if (request.on_pass) {
@@ -246,6 +251,7 @@ StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::stri
     PassContext split_context = context;
     split_context.relaxed_budget_bytes = splits[i].relaxed_budget_bytes;
     split_context.step_to_beat_seconds = step_to_beat;
+    split_context.threads = threads;
     return RunPipeline(request, program_digest, *pipeline, split_context);
   };
   Candidates candidates(static_cast<int>(splits.size()), request.threads, run);
@@ -313,8 +319,9 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
     fallbacks.push_back(&fallback);
     pipelines.push_back(std::move(simpler));
   }
-  auto context_of = [&](int i, double step_to_beat) {
+  auto context_of = [&](int i, double step_to_beat, int threads) {
     PassContext fallback_context = context;
+    fallback_context.threads = threads;
     if (!fallbacks[i]->relaxed) fallback_context.relaxed_budget_bytes = 0;
     if (step_to_beat > 0 &&
         (context.step_to_beat_seconds == 0 || step_to_beat < context.step_to_beat_seconds)) {
@@ -322,8 +329,9 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
     }
     return fallback_context;
   };
-  auto run = [&](int i, double step_to_beat) -> StatusOr<proto::Schedule> {
-    return RunPipeline(request, program_digest, *pipelines[i], context_of(i, step_to_beat));
+  auto run = [&](int i, double step_to_beat, int threads) -> StatusOr<proto::Schedule> {
+    return RunPipeline(request, program_digest, *pipelines[i],
+                       context_of(i, step_to_beat, threads));
   };
   Candidates candidates(static_cast<int>(fallbacks.size()), request.threads, run);
   // The fallbacks that stopped for the step to beat, with whether they planned relaxed.
