@@ -419,7 +419,7 @@ void AddFlags(CLI::App& app, Flags* f) {
   app.add_flag("--no-cache", f->no_cache, "neither read nor write the plan cache");
   app.add_option("--threads", f->threads,
                  "candidate plans (the policy's splits and fallbacks), and the memory plan's "
-                 "packings over the budget, made at once; the plan is the same for any number, "
+                 "packings, made at once; the plan is the same for any number, "
                  "only planning time changes (default: the cores "
                  "available to dc-plan), e.g. --threads 1 to leave the other cores to training")
       ->check(CLI::Range(1, 1024))
