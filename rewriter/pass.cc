@@ -36,19 +36,26 @@ auto Pipeline::EnabledPasses() const -> Enabled {
   return enabled;
 }
 
-bool Pipeline::CannotWinWhere(const Pipeline& stopped) const {
-  const Enabled head = stopped.EnabledPasses();
+bool Pipeline::SameUpTo(const Pipeline& other, size_t count) const {
   const Enabled mine = EnabledPasses();
-  if (mine.passes.size() < head.slowing_tail) return false;
-  for (size_t i = 0; i < head.slowing_tail; ++i) {
+  const Enabled theirs = other.EnabledPasses();
+  if (mine.passes.size() < count || theirs.passes.size() < count) return false;
+  for (size_t i = 0; i < count; ++i) {
     const Pass& a = *mine.passes[i];
-    const Pass& b = *head.passes[i];
+    const Pass& b = *theirs.passes[i];
     if (a.name() != b.name() || a.OptionsText() != b.OptionsText() ||
-        mine.relaxed[i] != head.relaxed[i]) {
+        mine.relaxed[i] != theirs.relaxed[i]) {
       return false;
     }
   }
-  for (size_t i = head.slowing_tail; i < mine.passes.size(); ++i) {
+  return true;
+}
+
+bool Pipeline::CannotDoBetterThan(const Pipeline& ended, const Status& how, size_t ended_at) const {
+  if (how.over_budget()) return SameUpTo(ended, ended_at + 1);
+  if (!how.cannot_win() || !SameUpTo(ended, ended_at)) return false;
+  const Enabled mine = EnabledPasses();
+  for (size_t i = ended_at; i < mine.passes.size(); ++i) {
     if (!mine.passes[i]->NeverSpeedsUp()) return false;
   }
   return true;
@@ -90,11 +97,14 @@ std::string Pipeline::OptionsText() const {
 }
 
 Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
-                     std::optional<SimResult>* last_simulation) const {
+                     std::optional<SimResult>* last_simulation, size_t* ended_at) const {
   // Before the first enabled memory-freeing pass, passes plan against the relaxed budget and
   // the verifier checks structure only; from it on, the real budget holds. From the first of
   // the slowing tail on, every enabled pass never speeds the step up.
   const Enabled enabled = EnabledPasses();
+  size_t ended_here = 0;
+  if (!ended_at) ended_at = &ended_here;
+  *ended_at = 0;
   PassContext enforced = context;
   enforced.final_budget_bytes = context.budget_bytes;
   PassContext relaxed = enforced;
@@ -130,6 +140,7 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
   for (size_t i = 0; i < enabled.passes.size(); ++i) {
     Pass* pass = enabled.passes[i];
     const std::string name(pass->name());
+    *ended_at = i;
     if (i == enabled.slowing_tail && context.step_to_beat_seconds > 0 && verified_sim &&
         context.costs && verified_sim->step_seconds >= context.step_to_beat_seconds) {
       char text[160];
@@ -174,6 +185,7 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
       verified_sim.reset();
     }
   }
+  *ended_at = enabled.passes.size();
   if (last_simulation) *last_simulation = std::move(verified_sim);
   return Status::Ok();
 }

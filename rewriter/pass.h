@@ -100,12 +100,17 @@ class Pipeline {
   using VerifiedFn = std::function<void(const proto::PassRecord&, const SimResult&)>;
   void OnVerified(VerifiedFn fn) { verified_ = std::move(fn); }
   std::vector<std::string> PassNames() const;
-  // Whether this pipeline cannot win where `stopped` stopped with Status::CannotWin, run on the
-  // same input in the same context against a step to beat no larger: its enabled passes are
-  // `stopped`'s up to the never-speeds-up tail (the same schedule, whose step already lost),
-  // then only passes that never speed the step up (Pass::NeverSpeedsUp). A fallback that drops
-  // a rule's memory plan, where the rule's pipeline stopped before it, is such a pipeline.
-  bool CannotWinWhere(const Pipeline& stopped) const;
+  // Whether this pipeline, run on the input `ended` was given in the same context (a step to
+  // beat no larger), can do no better than `ended`'s run, which ended with `how` at its enabled
+  // pass `ended_at` (Run's `ended_at`):
+  // - stopped for the plan in hand (Status::CannotWin) before that pass: this one makes the
+  //   same schedule there (the same passes and options, each under the same budget) and then
+  //   runs only passes that never speed the step up. A fallback that drops a rule's memory plan,
+  //   where the rule's pipeline stopped before it, is such a pipeline.
+  // - failed over the budget in that pass (the pass, or the verifier after it): this one makes
+  //   the same schedule up to it and runs it, so it fails there too.
+  // Other failures (a pass's defect) are never taken as another pipeline's.
+  bool CannotDoBetterThan(const Pipeline& ended, const Status& how, size_t ended_at) const;
   // Names and options of the enabled passes, for the cache key.
   std::string OptionsText() const;
 
@@ -114,8 +119,10 @@ class Pipeline {
   // go to schedule->passes. An error names the pass. `last_simulation` (optional) receives the
   // verifier's simulation of the final schedule (memory timeline off), or nothing when no pass
   // ran.
+  // `ended_at` (optional) receives the index among the enabled passes where the run stopped
+  // or failed (their count when every pass ran).
   Status Run(proto::Schedule* schedule, const PassContext& context,
-             std::optional<SimResult>* last_simulation = nullptr) const;
+             std::optional<SimResult>* last_simulation = nullptr, size_t* ended_at = nullptr) const;
 
  private:
   // The enabled passes in order: each with whether it plans against the relaxed budget (it runs
@@ -127,6 +134,9 @@ class Pipeline {
     size_t slowing_tail = 0;
   };
   Enabled EnabledPasses() const;
+  // Whether the first `count` enabled passes of this pipeline and `other` are the same passes
+  // with the same options, each under the same budget.
+  bool SameUpTo(const Pipeline& other, size_t count) const;
 
   VerifyFn verifier_;
   std::vector<std::unique_ptr<Pass>> passes_;

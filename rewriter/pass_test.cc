@@ -209,35 +209,77 @@ TEST(Pipeline, StopsBeforeOffloadAndTheMemoryPlanWhereItCannotBeatThePlanInHand)
 
 // A pipeline cannot win where another stopped for the plan in hand when it makes the schedule
 // the other stopped at (the same passes, each under the same budget) and adds only passes that
-// never speed the step up.
-TEST(Pipeline, CannotWinWhereAnotherStoppedOnlyWithItsPassesBeforeTheStop) {
+// never speed the step up; it fails where another failed over the budget when it makes the same
+// schedule up to that pass and runs it.
+TEST(Pipeline, CanDoNoBetterThanAnotherThatEndedOnTheSameSchedule) {
+  const Status stopped = Status::CannotWin("stopped");
   const auto deepcompile =
       Make({"zero3", "dc-prefetch", "dc-selective-gather", "dc-offload", "memory-plan"});
+  const size_t before_memory_plan = 4;
   EXPECT_TRUE(Make({"zero3", "dc-prefetch", "dc-selective-gather", "dc-offload"})
-                  ->CannotWinWhere(*deepcompile));
-  EXPECT_TRUE(deepcompile->CannotWinWhere(*deepcompile));
-  EXPECT_FALSE(Make({"zero3", "dc-prefetch", "dc-selective-gather"})->CannotWinWhere(*deepcompile))
+                  ->CannotDoBetterThan(*deepcompile, stopped, before_memory_plan));
+  EXPECT_TRUE(deepcompile->CannotDoBetterThan(*deepcompile, stopped, before_memory_plan));
+  EXPECT_FALSE(Make({"zero3", "dc-prefetch", "dc-selective-gather"})
+                   ->CannotDoBetterThan(*deepcompile, stopped, before_memory_plan))
       << "stops before a pass that may speed the step up";
-  EXPECT_FALSE(Make({"zero3", "dc-prefetch", "dc-offload"})->CannotWinWhere(*deepcompile));
+  EXPECT_FALSE(Make({"zero3", "dc-prefetch", "dc-offload"})
+                   ->CannotDoBetterThan(*deepcompile, stopped, before_memory_plan));
 
   const auto dc =
       Make({"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload", "memory-plan"});
-  EXPECT_TRUE(
-      Make({"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload"})->CannotWinWhere(*dc));
-  EXPECT_FALSE(
-      Make({"zero3", "bucket", "prefetch", "offload", "memory-plan"})->CannotWinWhere(*dc));
+  const size_t before_offload = 5;
+  EXPECT_TRUE(Make({"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload"})
+                  ->CannotDoBetterThan(*dc, stopped, before_offload));
+  EXPECT_FALSE(Make({"zero3", "bucket", "prefetch", "offload", "memory-plan"})
+                   ->CannotDoBetterThan(*dc, stopped, before_offload));
   // Without offload, the passes before it plan against the real budget, not the relaxed one:
   // another schedule.
   EXPECT_FALSE(Make({"zero3", "bucket", "prefetch", "unshard", "prefetch", "memory-plan"})
-                   ->CannotWinWhere(*dc));
+                   ->CannotDoBetterThan(*dc, stopped, before_offload));
   // Disabled passes count as absent.
   auto without_unshard = Make({"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload"});
   ASSERT_TRUE(without_unshard->Disable("unshard").ok());
-  EXPECT_FALSE(without_unshard->CannotWinWhere(*dc));
+  EXPECT_FALSE(without_unshard->CannotDoBetterThan(*dc, stopped, before_offload));
   auto dc_without_unshard =
       Make({"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload", "memory-plan"});
   ASSERT_TRUE(dc_without_unshard->Disable("unshard").ok());
-  EXPECT_TRUE(without_unshard->CannotWinWhere(*dc_without_unshard));
+  EXPECT_TRUE(without_unshard->CannotDoBetterThan(*dc_without_unshard, stopped, 4));
+
+  // Failed over the budget in offload: what runs the same passes through offload fails there.
+  const Status over = Status::OverBudget("over");
+  EXPECT_TRUE(Make({"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload"})
+                  ->CannotDoBetterThan(*dc, over, before_offload));
+  EXPECT_FALSE(Make({"zero3", "bucket", "prefetch", "unshard", "prefetch"})
+                   ->CannotDoBetterThan(*dc, over, before_offload))
+      << "ends before the pass that failed";
+  EXPECT_FALSE(Make({"zero3", "bucket", "prefetch", "offload"})
+                   ->CannotDoBetterThan(*dc, over, before_offload));
+  // A failure that is not the budget's is a defect: never taken as another pipeline's.
+  EXPECT_FALSE(dc->CannotDoBetterThan(*dc, Status::Error("defect"), before_offload));
+}
+
+// Run says where it ended: the pass it stopped before, the pass that failed, or the count.
+TEST(Pipeline, SaysWhereItsRunEnded) {
+  auto pipeline = Make({"zero3", "prefetch", "memory-plan"});
+  proto::Schedule full = EmptySchedule();
+  size_t ended_at = 99;
+  ASSERT_TRUE(pipeline->Run(&full, {&kCosts}, nullptr, &ended_at).ok());
+  EXPECT_EQ(ended_at, 3u);
+
+  PassContext context{&kCosts};
+  context.step_to_beat_seconds = full.passes(1).predicted_step_seconds();
+  proto::Schedule stopped = EmptySchedule();
+  const Status stop = pipeline->Run(&stopped, context, nullptr, &ended_at);
+  ASSERT_TRUE(stop.cannot_win()) << stop.message();
+  EXPECT_EQ(ended_at, 2u);
+
+  // No pass frees memory, so the budget holds from the first pass: zero3's schedule is over it.
+  const auto plain = Make({"zero3", "prefetch"});
+  proto::Schedule over = EmptySchedule();
+  const Status failed = plain->Run(&over, PassContext{&kCosts, 1024}, nullptr, &ended_at);
+  ASSERT_TRUE(failed.over_budget()) << failed.message();
+  EXPECT_EQ(ended_at, 0u);
+  EXPECT_TRUE(Make({"zero3", "bucket"})->CannotDoBetterThan(*plain, failed, ended_at));
 }
 
 TEST(Verifier, RefusesAScheduleWithNoInstructions) {

@@ -132,9 +132,10 @@ class CandidateDefects {
 };
 
 // Runs `pipeline` over a fresh schedule and fills its prediction. The run keeps its own memo of
-// packings (candidates may run at once).
+// packings (candidates may run at once). `ended_at`: as Pipeline::Run's.
 StatusOr<proto::Schedule> RunPipeline(const PlanRequest& request, const std::string& program_digest,
-                                      const Pipeline& pipeline, const PassContext& context) {
+                                      const Pipeline& pipeline, const PassContext& context,
+                                      size_t* ended_at = nullptr) {
   proto::Schedule schedule = EmptySchedule(request, program_digest);
   PackingMemo packings;
   PassContext run_context = context;
@@ -142,7 +143,7 @@ StatusOr<proto::Schedule> RunPipeline(const PlanRequest& request, const std::str
   // The verifier's simulation of the final schedule is the prediction's (it has the same costs;
   // the prediction needs no memory timeline).
   std::optional<SimResult> sim;
-  DC_RETURN_IF_ERROR(pipeline.Run(&schedule, run_context, &sim));
+  DC_RETURN_IF_ERROR(pipeline.Run(&schedule, run_context, &sim, ended_at));
   if (!sim || context.costs != &request.costs) {
     DC_ASSIGN_OR_RETURN(sim, Simulate(schedule, request.costs));
   }
@@ -290,13 +291,23 @@ StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::stri
   return planned;
 }
 
+// How a candidate pipeline's run ended short of its last pass, for Pipeline::CannotDoBetterThan.
+struct Ended {
+  const Pipeline* pipeline = nullptr;
+  Status how;
+  size_t at = 0;
+  bool relaxed = false;  // planned against the relaxed budget
+};
+
 // A policy never settles for less than a simpler pipeline of its own passes achieves: replaces
 // *planned (failed, or slower than the baseline) with the fastest of the policy's fallbacks,
-// noting which. Where context.step_to_beat_seconds is set, a fallback must beat it too, and one
-// is not planned where a pipeline that stopped for it (`stopped`, optional, or an earlier
-// fallback) shows it cannot (Pipeline::CannotWinWhere).
+// noting which. Where context.step_to_beat_seconds is set, a fallback must beat it too. A
+// fallback is not planned where a pipeline that ended short of its last pass (`ended`,
+// optional: the rule's own pipeline, or an earlier fallback) shows it can do no better
+// (Pipeline::CannotDoBetterThan: it would stop for the plan in hand, or fail over the budget, as
+// that one did).
 Status TryFallbacks(const PlanRequest& request, const std::string& program_digest,
-                    const PassContext& context, const Policy& policy, const Pipeline* stopped,
+                    const PassContext& context, const Policy& policy, const Ended* ended,
                     CandidateDefects* defects, StatusOr<proto::Schedule>* planned) {
   StatusOr<proto::Schedule> best = Status::Error("none");
   std::string chosen;
@@ -306,6 +317,13 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
   int64_t persistent = 0;
   for (int64_t b : PersistentBytesByKind(request.program, request.world_size)) persistent += b;
   const bool device_step_cannot_fit = request.budget_bytes > 0 && persistent > request.budget_bytes;
+  std::vector<Ended> lost;  // runs that ended short, earlier ones first
+  if (ended) lost.push_back(*ended);
+  auto can_do_better = [&](const Pipeline& pipeline, bool relaxed) {
+    return std::none_of(lost.begin(), lost.end(), [&](const Ended& e) {
+      return e.relaxed == relaxed && pipeline.CannotDoBetterThan(*e.pipeline, e.how, e.at);
+    });
+  };
   std::vector<const FallbackPipeline*> fallbacks;
   std::vector<std::unique_ptr<Pipeline>> pipelines;
   for (const FallbackPipeline& fallback : policy.fallbacks) {
@@ -314,8 +332,7 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
     for (const auto& name : request.disabled_passes) {
       if (simpler->Has(name)) DC_RETURN_IF_ERROR(simpler->Disable(name));
     }
-    const bool relaxed = fallback.relaxed && context.relaxed_budget_bytes > 0;
-    if (stopped && !relaxed && simpler->CannotWinWhere(*stopped)) continue;
+    if (!can_do_better(*simpler, fallback.relaxed && context.relaxed_budget_bytes > 0)) continue;
     fallbacks.push_back(&fallback);
     pipelines.push_back(std::move(simpler));
   }
@@ -329,24 +346,20 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
     }
     return fallback_context;
   };
+  // Where each fallback's run ended (read in order, after it ran).
+  std::vector<size_t> ended_at(fallbacks.size(), 0);
   auto run = [&](int i, double step_to_beat, int threads) -> StatusOr<proto::Schedule> {
-    return RunPipeline(request, program_digest, *pipelines[i],
-                       context_of(i, step_to_beat, threads));
+    return RunPipeline(request, program_digest, *pipelines[i], context_of(i, step_to_beat, threads),
+                       &ended_at[i]);
   };
   Candidates candidates(static_cast<int>(fallbacks.size()), request.threads, run);
-  // The fallbacks that stopped for the step to beat, with whether they planned relaxed.
-  std::vector<std::pair<const Pipeline*, bool>> lost;
   for (size_t i = 0; i < fallbacks.size(); ++i) {
     const bool relaxed = fallbacks[i]->relaxed && context.relaxed_budget_bytes > 0;
-    const bool cannot_win =
-        std::any_of(lost.begin(), lost.end(), [&](const std::pair<const Pipeline*, bool>& l) {
-          return l.second == relaxed && pipelines[i]->CannotWinWhere(*l.first);
-        });
-    if (cannot_win) continue;
+    if (!can_do_better(*pipelines[i], relaxed)) continue;
     StatusOr<proto::Schedule> candidate = candidates.Take(static_cast<int>(i), best);
     defects->Check(candidate, "the fallback " + Join(fallbacks[i]->passes, ","));
     if (!candidate.ok()) {
-      if (candidate.status().cannot_win()) lost.emplace_back(pipelines[i].get(), relaxed);
+      lost.push_back({pipelines[i].get(), candidate.status(), ended_at[i], relaxed});
       continue;
     }
     if (!best.ok() || candidate->prediction().step_seconds() < best->prediction().step_seconds()) {
@@ -409,14 +422,15 @@ Status KeepBestOfRivals(const PlanRequest& request, const std::string& program_d
     rival_context.relaxed_budget_bytes = 0;
     rival_context.step_to_beat_seconds = StepToBeat(*planned);
     DC_ASSIGN_OR_RETURN(auto pipeline, RivalPipeline(request, rival));
+    size_t ended_at = 0;
     StatusOr<proto::Schedule> candidate =
-        RunPipeline(request, program_digest, *pipeline, rival_context);
+        RunPipeline(request, program_digest, *pipeline, rival_context, &ended_at);
     defects->Check(candidate, "the rival " + rival + "'s pipeline");
-    // As the rival plans on its own: where its pipeline does not fit, its fallbacks (none of
-    // those that only drop passes it stopped before, where it stopped for the plan in hand).
+    // As the rival plans on its own: where its pipeline does not fit, its fallbacks (none that
+    // can do no better than its pipeline did).
     if (!candidate.ok() && !rules->fallbacks.empty()) {
-      DC_RETURN_IF_ERROR(TryFallbacks(request, program_digest, rival_context, *rules,
-                                      candidate.status().cannot_win() ? pipeline.get() : nullptr,
+      const Ended ended{pipeline.get(), candidate.status(), ended_at, false};
+      DC_RETURN_IF_ERROR(TryFallbacks(request, program_digest, rival_context, *rules, &ended,
                                       defects, &candidate));
     }
     if (!candidate.ok()) continue;
