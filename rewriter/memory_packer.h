@@ -175,7 +175,8 @@ class PackingMemo {
 
 // The options ArenaBytesWithoutWaits packs with: `options` without spills or the fall-back to
 // instruction order, stopping at the first packing that fits the budget (the fragmentation
-// target is the memory-plan pass's to meet: it takes that packing only where it is within it).
+// target is the memory-plan pass's to meet: it goes on from there where that packing is not
+// within it).
 MemoryPlanOptions BudgetCheckOptions(const MemoryPlanOptions& options);
 
 // The arena `schedule` gets without slowing down: packed with BudgetCheckOptions(options) (no

@@ -36,15 +36,11 @@ auto Pipeline::EnabledPasses() const -> Enabled {
   return enabled;
 }
 
-bool Pipeline::SameUpTo(const Pipeline& other, size_t count) const {
-  const Enabled mine = EnabledPasses();
-  const Enabled theirs = other.EnabledPasses();
-  if (mine.passes.size() < count || theirs.passes.size() < count) return false;
+bool Pipeline::SameUpTo(const Enabled& a, const Enabled& b, size_t count) {
+  if (a.passes.size() < count || b.passes.size() < count) return false;
   for (size_t i = 0; i < count; ++i) {
-    const Pass& a = *mine.passes[i];
-    const Pass& b = *theirs.passes[i];
-    if (a.name() != b.name() || a.OptionsText() != b.OptionsText() ||
-        mine.relaxed[i] != theirs.relaxed[i]) {
+    if (a.passes[i]->name() != b.passes[i]->name() ||
+        a.passes[i]->OptionsText() != b.passes[i]->OptionsText() || a.relaxed[i] != b.relaxed[i]) {
       return false;
     }
   }
@@ -52,9 +48,10 @@ bool Pipeline::SameUpTo(const Pipeline& other, size_t count) const {
 }
 
 bool Pipeline::CannotDoBetterThan(const Pipeline& ended, const Status& how, size_t ended_at) const {
-  if (how.over_budget()) return SameUpTo(ended, ended_at + 1);
-  if (!how.cannot_win() || !SameUpTo(ended, ended_at)) return false;
   const Enabled mine = EnabledPasses();
+  const Enabled theirs = ended.EnabledPasses();
+  if (how.over_budget()) return SameUpTo(mine, theirs, ended_at + 1);
+  if (!how.cannot_win() || !SameUpTo(mine, theirs, ended_at)) return false;
   for (size_t i = ended_at; i < mine.passes.size(); ++i) {
     if (!mine.passes[i]->NeverSpeedsUp()) return false;
   }

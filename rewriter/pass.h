@@ -134,9 +134,9 @@ class Pipeline {
     size_t slowing_tail = 0;
   };
   Enabled EnabledPasses() const;
-  // Whether the first `count` enabled passes of this pipeline and `other` are the same passes
-  // with the same options, each under the same budget.
-  bool SameUpTo(const Pipeline& other, size_t count) const;
+  // Whether the first `count` enabled passes of two pipelines are the same passes with the
+  // same options, each under the same budget.
+  static bool SameUpTo(const Enabled& a, const Enabled& b, size_t count);
 
   VerifyFn verifier_;
   std::vector<std::unique_ptr<Pass>> passes_;

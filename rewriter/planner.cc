@@ -332,6 +332,7 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
     for (const auto& name : request.disabled_passes) {
       if (simpler->Has(name)) DC_RETURN_IF_ERROR(simpler->Disable(name));
     }
+    // Against `ended` before any is made (planned at once, they would all be).
     if (!can_do_better(*simpler, fallback.relaxed && context.relaxed_budget_bytes > 0)) continue;
     fallbacks.push_back(&fallback);
     pipelines.push_back(std::move(simpler));
