@@ -172,10 +172,11 @@ StatusOr<bool> MemoryPlanPass::Run(proto::Schedule* schedule, const PassContext&
             (in_order ? "instruction order" : "simulated time") + ")";
     }
     return Status::OverBudget("the memory plan's arena needs " + FormatBytes(stats_.arena_bytes) +
-                              " (best of " + std::to_string(stats_.orders_tried) +
-                              " packing orders), over the budget of " + FormatBytes(budget) + why +
-                              " (simulated peak " + FormatBytes(simulated_peak_bytes_) +
-                              "); raise --budget");
+                                  " (best of " + std::to_string(stats_.orders_tried) +
+                                  " packing orders), over the budget of " + FormatBytes(budget) +
+                                  why + " (simulated peak " + FormatBytes(simulated_peak_bytes_) +
+                                  "); raise --budget",
+                              stats_.arena_bytes - budget);
   }
   bool changed = schedule->memory_plan().SerializeAsString() != plan.SerializeAsString();
   *schedule->mutable_memory_plan() = std::move(plan);

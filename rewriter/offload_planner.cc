@@ -55,16 +55,17 @@ Status MissingBytesError(const Layout& layout, int64_t peak_bytes, int64_t missi
   int64_t all = 0;
   for (const Fragment& f : layout.fragments) all += f.bytes;
   const std::string missing = FormatBytes(missing_bytes);
-  return Status::OverBudget(
+  std::string message =
       "even with all " + std::to_string(layout.fragments.size()) + " optimizer-state fragments (" +
       FormatBytes(all) + " freed: " + FragmentKinds(layout) + ") on the host, the step needs " +
       missing + " more than the budget of " + FormatBytes(budget_bytes) + " (simulated peak " +
       FormatBytes(peak_bytes) + " with everything resident); raise --budget by at least " +
-      missing + " or use more ranks (each rank holds 1/world of every shard)");
+      missing + " or use more ranks (each rank holds 1/world of every shard)";
+  return Status::OverBudget(std::move(message), missing_bytes);
 }
 
 Status OptimizerPhaseError(const Layout& layout, int64_t held_bytes, int64_t budget_bytes) {
-  return Status::OverBudget(
+  std::string message =
       "the optimizer step keeps every persistent shard on the device (" +
       FormatBytes(layout.persistent_bytes) + ": param shards " +
       FormatBytes(layout.persistent_by_kind[static_cast<int>(BufferKind::kShard)]) +
@@ -76,7 +77,8 @@ Status OptimizerPhaseError(const Layout& layout, int64_t held_bytes, int64_t bud
       FormatBytes(budget_bytes) +
       "; offloading optimizer state cannot help there since the step runs on the device; raise "
       "--budget to at least " +
-      FormatBytes(held_bytes) + " or use more ranks");
+      FormatBytes(held_bytes) + " or use more ranks";
+  return Status::OverBudget(std::move(message), held_bytes - budget_bytes);
 }
 
 }  // namespace

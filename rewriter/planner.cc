@@ -103,14 +103,27 @@ namespace {
 // The candidates a policy plans (its splits, fallbacks and rivals) may fail only for the
 // budget; any other failure is a pass's defect (a schedule the verifier refuses), which the
 // planner must not pass over in silence: a candidate lost that way once cost a plan 45% of its
-// step unnoticed. Collected here and written into the plan's notes.
-class CandidateDefects {
+// step unnoticed. Collected here and written into the plan's notes. Of the failures over the
+// budget, the least shortfall any candidate's check named is kept: the policy plans at no
+// smaller budget that those checks know of, and a search for the smallest budget starts there.
+class CandidateFailures {
  public:
   void Check(const StatusOr<proto::Schedule>& candidate, const std::string& label) {
-    if (candidate.ok() || candidate.status().over_budget() || candidate.status().cannot_win()) {
+    if (candidate.ok() || candidate.status().cannot_win()) return;
+    if (candidate.status().over_budget()) {
+      const int64_t shortfall = candidate.status().shortfall_bytes();
+      if (shortfall > 0 && (least_shortfall_bytes_ == 0 || shortfall < least_shortfall_bytes_)) {
+        least_shortfall_bytes_ = shortfall;
+      }
       return;
     }
     messages_.push_back(label + ": " + candidate.status().message());
+  }
+  // The least shortfall named (0: none): the failure over the budget of a policy all of whose
+  // candidates failed says it, whichever candidate's message it carries.
+  Status WithLeastShortfall(const Status& failure) const {
+    if (!failure.over_budget() || least_shortfall_bytes_ == 0) return failure;
+    return Status::OverBudget(failure.message(), least_shortfall_bytes_);
   }
   // Notes them in `plan`; where there is no plan, the error says them too.
   void NoteIn(StatusOr<proto::Schedule>* plan) const {
@@ -129,6 +142,7 @@ class CandidateDefects {
 
  private:
   std::vector<std::string> messages_;
+  int64_t least_shortfall_bytes_ = 0;
 };
 
 // Runs `pipeline` over a fresh schedule and fills its prediction. The run keeps its own memo of
@@ -230,7 +244,7 @@ StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::stri
                                      const PassContext& context, const Policy* policy,
                                      const std::vector<Split>& splits,
                                      std::optional<SimResult>* baseline_sim,
-                                     CandidateDefects* defects) {
+                                     CandidateFailures* defects) {
   std::mutex progress_mutex;
   auto run = [&](int i, double step_to_beat, int threads) -> StatusOr<proto::Schedule> {
     const bool own = i == 0;
@@ -308,7 +322,7 @@ struct Ended {
 // that one did).
 Status TryFallbacks(const PlanRequest& request, const std::string& program_digest,
                     const PassContext& context, const Policy& policy, const Ended* ended,
-                    CandidateDefects* defects, StatusOr<proto::Schedule>* planned) {
+                    CandidateFailures* defects, StatusOr<proto::Schedule>* planned) {
   StatusOr<proto::Schedule> best = Status::Error("none");
   std::string chosen;
   if (planned->ok()) best = **planned;
@@ -392,7 +406,7 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
 // stops before its memory plan where its step is no faster than the plan in hand's there.
 Status KeepBestOfRivals(const PlanRequest& request, const std::string& program_digest,
                         const PassContext& context, const Policy& policy,
-                        const SimResult& baseline_sim, CandidateDefects* defects,
+                        const SimResult& baseline_sim, CandidateFailures* defects,
                         StatusOr<proto::Schedule>* planned) {
   const std::string own_failure = planned->ok() ? "" : planned->status().message();
   std::string kept;  // the rival whose plan is in *planned, if any
@@ -506,7 +520,7 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   const std::vector<Split> splits =
       SplitsToPlan(request, context, policy, states, baseline ? baseline->instructions_size() : 0);
   std::optional<SimResult> baseline_sim;
-  CandidateDefects defects;
+  CandidateFailures defects;
   StatusOr<proto::Schedule> planned =
       PlanSplits(request, program_digest, context, policy, splits, &baseline_sim, &defects);
   if (!baseline_sim) {
@@ -527,6 +541,7 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
     DC_RETURN_IF_ERROR(KeepBestOfRivals(request, program_digest, context, *policy, *baseline_sim,
                                         &defects, &planned));
   }
+  if (!planned.ok()) planned = defects.WithLeastShortfall(planned.status());
   defects.NoteIn(&planned);
   if (!planned.ok()) return planned.status();
   proto::Schedule schedule = std::move(planned).value();

@@ -5,21 +5,44 @@
 
 namespace dc {
 
-std::optional<int64_t> SmallestBudget(PlanRequest request, const BudgetSearchOptions& options) {
+std::optional<int64_t> SmallestBudget(PlanRequest request, int64_t shortfall_bytes,
+                                      const BudgetSearchOptions& options, int* plans_made) {
   if (request.budget_bytes <= 0) return std::nullopt;
+  int made = 0;
+  if (!plans_made) plans_made = &made;
   auto plans_at = [&](int64_t budget) {
+    ++*plans_made;
     request.budget_bytes = budget;
     return MakePlan(request).ok();
   };
-  int64_t lo = request.budget_bytes, hi = lo;
-  for (int step = 0;; ++step) {
-    if (step == options.max_growth_steps) return std::nullopt;
-    hi = static_cast<int64_t>(static_cast<double>(hi) * options.growth);
-    if (plans_at(hi)) break;
-    lo = hi;
+  // The bracket is narrow enough once it is within the precision of its top.
+  auto step_below = [&](int64_t budget) {
+    return std::max<int64_t>(options.min_step_bytes,
+                             static_cast<int64_t>(options.precision * static_cast<double>(budget)));
+  };
+  int64_t lo = request.budget_bytes, hi = lo;  // lo fails; hi plans once found
+  bool found = false;
+  if (shortfall_bytes > 0 && lo <= std::numeric_limits<int64_t>::max() - shortfall_bytes) {
+    const int64_t needed = lo + shortfall_bytes;
+    if (plans_at(needed)) {
+      const int64_t below = needed - step_below(needed);
+      if (below <= lo || !plans_at(below)) return needed;
+      hi = below;  // the shortfall bounded nothing: bisect from the request's budget
+      found = true;
+    } else {
+      lo = needed;
+      hi = needed + step_below(needed);
+      found = plans_at(hi);
+      if (!found) lo = hi;
+    }
   }
-  while (hi - lo >
-         std::max<int64_t>(options.min_step_bytes, static_cast<int64_t>(options.precision * hi))) {
+  for (int step = 0; !found; ++step) {
+    if (step == options.max_growth_steps) return std::nullopt;
+    hi = static_cast<int64_t>(static_cast<double>(lo) * options.growth);
+    found = plans_at(hi);
+    if (!found) lo = hi;
+  }
+  while (hi - lo > step_below(hi)) {
     const int64_t mid = lo + (hi - lo) / 2;
     (plans_at(mid) ? hi : lo) = mid;
   }

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #include "models/model.h"
@@ -55,16 +56,73 @@ TEST(Search, SmallestBudgetIsTheBaselinesPeakWithinThePrecision) {
   ASSERT_TRUE(unlimited.ok()) << unlimited.status().message();
   const int64_t peak = unlimited->prediction().peak_device_bytes();
   request.budget_bytes = peak / 2;
-  ASSERT_FALSE(MakePlan(request).ok());
+  const auto failed = MakePlan(request);
+  ASSERT_FALSE(failed.ok());
+  // The baseline's check says how far over the budget its peak is.
+  ASSERT_TRUE(failed.status().over_budget()) << failed.status().message();
+  EXPECT_EQ(failed.status().shortfall_bytes(), peak - request.budget_bytes);
   BudgetSearchOptions options;
-  const std::optional<int64_t> smallest = SmallestBudget(request, options);
-  ASSERT_TRUE(smallest.has_value());
+  const int64_t precision_bytes =
+      std::max<int64_t>(options.min_step_bytes, static_cast<int64_t>(options.precision * peak));
+  // Without the shortfall: growth from the budget, then bisection to the precision.
+  int blind_plans = 0;
+  const std::optional<int64_t> blind = SmallestBudget(request, 0, options, &blind_plans);
+  ASSERT_TRUE(blind.has_value());
   // The baseline fits exactly at its peak: the search brackets it to the precision.
-  EXPECT_GE(*smallest, peak);
-  EXPECT_LE(*smallest - peak, std::max<int64_t>(options.min_step_bytes,
-                                                static_cast<int64_t>(options.precision * peak)));
+  EXPECT_GE(*blind, peak);
+  EXPECT_LE(*blind - peak, precision_bytes);
+  // From the shortfall: the peak itself, found in two plans (it plans; a step below does not).
+  int plans = 0;
+  EXPECT_EQ(SmallestBudget(request, failed.status().shortfall_bytes(), options, &plans), peak);
+  EXPECT_EQ(plans, 2);
+  EXPECT_GT(blind_plans, plans);
   request.budget_bytes = 0;
   EXPECT_FALSE(SmallestBudget(request).has_value());  // nothing to search without a budget
+}
+
+// A shortfall is a place to start, not trusted beyond what the plans show: one that overshoots
+// (the budget below it plans) and one that falls short (it does not plan) both end within the
+// precision of the peak.
+TEST(Search, SmallestBudgetFromAShortfallThatIsWrongEitherWay) {
+  PlanRequest request = TinyRequest();
+  auto unlimited = MakePlan(request);
+  ASSERT_TRUE(unlimited.ok()) << unlimited.status().message();
+  const int64_t peak = unlimited->prediction().peak_device_bytes();
+  request.budget_bytes = peak / 2;
+  BudgetSearchOptions options;
+  const int64_t precision_bytes =
+      std::max<int64_t>(options.min_step_bytes, static_cast<int64_t>(options.precision * peak));
+  for (const int64_t shortfall : {peak, peak / 4, peak / 2 - 3 * precision_bytes}) {
+    const std::optional<int64_t> smallest = SmallestBudget(request, shortfall, options);
+    ASSERT_TRUE(smallest.has_value()) << shortfall;
+    EXPECT_GE(*smallest, peak) << shortfall;
+    EXPECT_LE(*smallest - peak, precision_bytes) << shortfall;
+  }
+}
+
+// The dc policy's refusal names the least shortfall of its candidates' checks, which no budget
+// it meets is below.
+TEST(Search, DcsRefusalsShortfallBoundsTheSmallestBudget) {
+  PlanRequest request = TinyRequest();
+  request.policy = "dc";
+  request.budget_bytes = 1 << 20;
+  const auto failed = MakePlan(request);
+  ASSERT_FALSE(failed.ok());
+  ASSERT_TRUE(failed.status().over_budget()) << failed.status().message();
+  const int64_t shortfall = failed.status().shortfall_bytes();
+  ASSERT_GT(shortfall, 0) << failed.status().message();
+  BudgetSearchOptions options;
+  int plans = 0, blind_plans = 0;
+  const std::optional<int64_t> smallest = SmallestBudget(request, shortfall, options, &plans);
+  const std::optional<int64_t> blind = SmallestBudget(request, 0, options, &blind_plans);
+  ASSERT_TRUE(smallest.has_value() && blind.has_value());
+  EXPECT_GE(*blind, request.budget_bytes + shortfall -
+                        std::max<int64_t>(options.min_step_bytes,
+                                          static_cast<int64_t>(options.precision * *blind)));
+  const int64_t precision_bytes =
+      std::max<int64_t>(options.min_step_bytes, static_cast<int64_t>(options.precision * *blind));
+  EXPECT_LE(std::llabs(*smallest - *blind), 2 * precision_bytes) << *smallest << " " << *blind;
+  EXPECT_LT(plans, blind_plans);
 }
 
 TEST(Search, RoundsReplanWithWhatWasMeasuredAndKeepTheFastest) {

@@ -109,9 +109,10 @@ Status VerifySchedule(const proto::Schedule& schedule, const PassContext& contex
   DC_RETURN_IF_ERROR(CheckHappensBefore(schedule));
   if (context.budget_bytes > 0 && sim.peak_device_bytes > context.budget_bytes) {
     return Status::OverBudget("the schedule needs " + FormatBytes(sim.peak_device_bytes) +
-                              " of device memory at its peak (instruction " +
-                              std::to_string(sim.peak_instruction) + "), over the budget of " +
-                              FormatBytes(context.budget_bytes) + "; raise --budget");
+                                  " of device memory at its peak (instruction " +
+                                  std::to_string(sim.peak_instruction) + "), over the budget of " +
+                                  FormatBytes(context.budget_bytes) + "; raise --budget",
+                              sim.peak_device_bytes - context.budget_bytes);
   }
   if (simulated) *simulated = std::move(sim);
   return Status::Ok();

@@ -2,6 +2,8 @@
 // what to do. StatusOr<T> is a value or the Status that explains why there is none.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <utility>
@@ -16,8 +18,14 @@ class [[nodiscard]] Status {
   static Status Error(std::string message) { return Status(std::move(message)); }
   // An error that only says the work does not fit a memory budget (a plan over --budget): a
   // planner trying several candidates passes over these, and treats any other error of a
-  // candidate as a defect to report.
-  static Status OverBudget(std::string message) { return Status(std::move(message), kOverBudget); }
+  // candidate as a defect to report. `shortfall_bytes` (0: not known): how many bytes more than
+  // the budget the check that failed needed, where to start looking for the smallest budget
+  // that plans (rewriter/search.h).
+  static Status OverBudget(std::string message, int64_t shortfall_bytes = 0) {
+    Status status(std::move(message), kOverBudget);
+    status.shortfall_bytes_ = std::max<int64_t>(0, shortfall_bytes);
+    return status;
+  }
   // A candidate plan stopped because a plan in hand is already at least as fast as it can
   // become: no defect, and nothing for a person to fix.
   static Status CannotWin(std::string message) { return Status(std::move(message), kCannotWin); }
@@ -25,6 +33,8 @@ class [[nodiscard]] Status {
   bool ok() const { return !message_.has_value(); }
   bool over_budget() const { return reason_ == kOverBudget; }
   bool cannot_win() const { return reason_ == kCannotWin; }
+  // OverBudget's shortfall; 0 for any other status.
+  int64_t shortfall_bytes() const { return shortfall_bytes_; }
   const std::string& message() const {
     static const std::string kOk = "ok";
     return message_ ? *message_ : kOk;
@@ -32,7 +42,9 @@ class [[nodiscard]] Status {
   // Returns this error with `context` in front ("plan.dcplan: " + message).
   Status Prefixed(const std::string& context) const {
     if (ok()) return *this;
-    return Status(context + message(), reason_);
+    Status prefixed(context + message(), reason_);
+    prefixed.shortfall_bytes_ = shortfall_bytes_;
+    return prefixed;
   }
 
  private:
@@ -41,6 +53,7 @@ class [[nodiscard]] Status {
       : message_(std::move(message)), reason_(reason) {}
   std::optional<std::string> message_;
   Reason reason_ = kError;
+  int64_t shortfall_bytes_ = 0;
 };
 
 template <typename T>

@@ -509,7 +509,8 @@ StatusOr<Outcome> Plan(const Flags& f) {
     auto made = MakePlan(request);
     if (!made.ok()) {
       Status failed = made.status().Prefixed(f.synthetic ? "" : f.trace_path + ": ");
-      if (auto smallest = SmallestBudget(request); smallest.has_value()) {
+      if (auto smallest = SmallestBudget(request, made.status().shortfall_bytes());
+          smallest.has_value()) {
         failed = Status::Error(failed.message() + "; the smallest budget the " + request.policy +
                                " policy meets is " + FormatBytes(*smallest) + " (--budget " +
                                std::to_string(*smallest) + ")");
