@@ -47,7 +47,8 @@ namespace {
 
 // The groups every trace adds to, and what decides their keys.
 struct TraceFits {
-  FitGroup ops, host_adam, coll, link, step;
+  FitGroup ops, host_adam, coll, link, concurrency, step;
+  int compute_pairs = 0, collective_pairs = 0;  // the concurrency group's, by constant
   bool bf16 = false;
   std::set<int64_t> coll_sizes, link_sizes;
   std::set<int> coll_ranks;   // world sizes of traces with collectives, on one node
@@ -141,6 +142,31 @@ Status AddTrace(const Trace& trace, TraceFits* fits) {
     }
   }
 
+  // The overlap slowdowns, as the profile of the trace measures them: each op's median beside
+  // collectives against its median alone, each collective beside compute against its line.
+  const size_t concurrency_before = fits->concurrency.observations.size();
+  auto add_pairs = [&](const std::vector<BesidePair>& pairs, const char* what,
+                       double HardwareProfile::*slowdown, int* count) {
+    for (const BesidePair& p : pairs) {
+      if (!(p.alone_seconds > 0) || !(p.beside_seconds > 0)) continue;
+      Observation o;
+      o.what = path + ": " + what + " (" + std::to_string(p.alone_seconds) + " s alone)";
+      o.measured_seconds = p.beside_seconds;
+      o.predict = [alone = p.alone_seconds, slowdown](const HardwareProfile& hw) {
+        return alone * (hw.*slowdown);
+      };
+      fits->concurrency.observations.push_back(std::move(o));
+      ++*count;
+    }
+  };
+  add_pairs(samples.compute_beside, "an op beside collectives",
+            &HardwareProfile::overlap_compute_slowdown, &fits->compute_pairs);
+  add_pairs(samples.collectives_beside, "a collective beside compute",
+            &HardwareProfile::overlap_collective_slowdown, &fits->collective_pairs);
+  if (fits->concurrency.observations.size() > concurrency_before) {
+    AddInput(&fits->concurrency, path);
+  }
+
   // Host link: offloads and reloads.
   const size_t link_before = fits->link.observations.size();
   auto host = [](const HardwareProfile& hw) {
@@ -179,8 +205,9 @@ StatusOr<std::vector<FitGroup>> TraceGroups(const std::vector<const Trace*>& tra
   fits.host_adam.kind = "trace host optimizer";
   fits.coll.kind = "trace collectives";
   fits.link.kind = "trace host link";
+  fits.concurrency.kind = "trace concurrency";
   fits.step.kind = "trace step";
-  for (FitGroup* g : {&fits.host_adam, &fits.coll, &fits.link}) {
+  for (FitGroup* g : {&fits.host_adam, &fits.coll, &fits.link, &fits.concurrency}) {
     g->error = FitGroup::Error::kAbsolute;
   }
   for (const Trace* trace : traces) DC_RETURN_IF_ERROR(AddTrace(*trace, &fits));
@@ -253,14 +280,46 @@ StatusOr<std::vector<FitGroup>> TraceGroups(const std::vector<const Trace*>& tra
     groups.push_back(std::move(link));
   }
 
+  // Measured where enough work ran both alone and beside (the profile's own thresholds,
+  // ConcurrencyFitOptions, over every trace together).
+  const ConcurrencyFitOptions thresholds;
+  const bool compute_measured = !base.serial_streams && fits.compute_pairs >= thresholds.min_ops;
+  FitGroup& concurrency = fits.concurrency;
+  if (!base.serial_streams && !concurrency.observations.empty()) {
+    if (compute_measured) {
+      concurrency.keys.push_back("overlap_compute_slowdown");
+    } else if (fits.compute_pairs > 0) {
+      concurrency.undetermined.push_back(
+          "overlap_compute_slowdown: " + Plural(fits.compute_pairs, "op") +
+          " ran both alone and beside a collective (at least " +
+          std::to_string(thresholds.min_ops) + " tell it)");
+    }
+    if (fits.collective_pairs >= thresholds.min_collectives) {
+      concurrency.keys.push_back("overlap_collective_slowdown");
+    }
+    if (!concurrency.keys.empty()) {
+      groups.push_back(std::move(concurrency));
+    } else {
+      concurrency.observations.clear();
+      if (!concurrency.undetermined.empty()) groups.push_back(std::move(concurrency));
+    }
+  }
+
   FitGroup& step = fits.step;
   if (!step.observations.empty()) {
+    // The whole step fits the compute slowdown only where no op measured it: a step's
+    // unexplained seconds are not all overlap (tiny on 2 ranks: ops ran beside collectives at
+    // their speed alone, and a fit to the steps took 62x).
     if (base.serial_streams) {
       step.undetermined.push_back(
           "overlap_compute_slowdown: the backend runs one instruction at a time");
     } else if (!fits.overlap) {
       step.undetermined.push_back(
           "overlap_compute_slowdown: no compute beside a collective in the trace");
+    } else if (compute_measured) {
+      step.undetermined.push_back(
+          "overlap_compute_slowdown: measured op by op (trace concurrency), not fitted to the "
+          "steps");
     } else {
       step.keys.push_back("overlap_compute_slowdown");
     }

@@ -138,11 +138,10 @@ double WorkSeconds(const TimedSample& s, double slowdown) {
   return SampleSeconds(s) * (1 - s.beside_fraction + s.beside_fraction / slowdown);
 }
 
-// Compute beside collectives: per op, the median of its samples beside over the median of its
-// samples alone, summed over the ops with both (so the long ops weigh most); 0 where fewer than
-// options.min_ops have both.
-double ComputeSlowdown(const proto::Schedule& schedule, const std::vector<TimedSample>& samples,
-                       const ConcurrencyFitOptions& options) {
+// Compute beside collectives: per op with samples both alone and beside, the median of each.
+std::vector<BesidePair> ComputePairs(const proto::Schedule& schedule,
+                                     const std::vector<TimedSample>& samples,
+                                     const ConcurrencyFitOptions& options) {
   std::map<int, std::pair<std::vector<double>, std::vector<double>>> by_op;  // alone, beside
   for (const TimedSample& s : samples) {
     const proto::Instruction& instr = schedule.instructions(s.instruction);
@@ -152,21 +151,19 @@ double ComputeSlowdown(const proto::Schedule& schedule, const std::vector<TimedS
       by_op[instr.op()].second.push_back(SampleSeconds(s));
     }
   }
-  double alone = 0, beside = 0;
-  int ops = 0;
+  std::vector<BesidePair> pairs;
   for (const auto& [op, split] : by_op) {
     if (split.first.empty() || split.second.empty()) continue;
-    alone += Median(split.first);
-    beside += Median(split.second);
-    ++ops;
+    pairs.push_back({Median(split.first), Median(split.second)});
   }
-  return ops >= options.min_ops && alone > 0 ? std::max(1.0, beside / alone) : 0;
+  return pairs;
 }
 
-// Collectives beside compute: the seconds of those beside over what the line fitted to those
-// alone says for their bytes; 0 where either side has fewer than options.min_collectives.
-double CollectiveSlowdown(const proto::Schedule& schedule, const std::vector<TimedSample>& samples,
-                          const ConcurrencyFitOptions& options) {
+// Collectives beside compute: each one's seconds, and what the line fitted to the samples alone
+// (per kind) says for its bytes; none where either side has fewer than options.min_collectives.
+std::vector<BesidePair> CollectivePairs(const proto::Schedule& schedule,
+                                        const std::vector<TimedSample>& samples,
+                                        const ConcurrencyFitOptions& options) {
   std::vector<CostSample> alone[2];
   std::vector<const TimedSample*> beside;
   for (const TimedSample& s : samples) {
@@ -180,26 +177,38 @@ double CollectiveSlowdown(const proto::Schedule& schedule, const std::vector<Tim
   }
   if (static_cast<int>(alone[0].size() + alone[1].size()) < options.min_collectives ||
       static_cast<int>(beside.size()) < options.min_collectives) {
-    return 0;
+    return {};
   }
   const CollectiveCosts line = FitCollectiveCosts(alone[0], alone[1]);
-  double measured = 0, predicted = 0;
+  std::vector<BesidePair> pairs;
   for (const TimedSample* s : beside) {
     const bool reduce = schedule.instructions(s->instruction).kind() == proto::INSTR_REDUCE_SCATTER;
     // A kind never seen alone takes the other kind's line.
     const bool own = !alone[reduce].empty();
     const LinearCost& cost = (reduce == own) ? line.reduce_scatter : line.all_gather;
-    measured += SampleSeconds(*s);
-    predicted += cost.Seconds(s->bytes);
+    pairs.push_back({cost.Seconds(s->bytes), SampleSeconds(*s)});
   }
-  return predicted > 0 ? std::max(1.0, measured / predicted) : 0;
+  return pairs;
+}
+
+// A slowdown from its pairs: the seconds beside over the seconds alone, summed (so the long ones
+// weigh most), at least 1; 0 where fewer than `min_pairs` pairs.
+double SlowdownOf(const std::vector<BesidePair>& pairs, int min_pairs) {
+  double alone = 0, beside = 0;
+  for (const BesidePair& p : pairs) {
+    alone += p.alone_seconds;
+    beside += p.beside_seconds;
+  }
+  return static_cast<int>(pairs.size()) >= min_pairs && alone > 0 ? std::max(1.0, beside / alone)
+                                                                  : 0;
 }
 
 // serial_streams and the overlap slowdowns from the run itself; where a slowdown cannot be
 // measured, a cpu trace takes the cpu profile's (machine/hardware_profiles.json) and others keep
 // none. A serial run's slowdowns stay 1: nothing of it ran beside anything.
 Status FitConcurrency(const Trace& trace, const proto::Schedule& schedule,
-                      std::vector<TimedSample>* samples, Profile* profile) {
+                      std::vector<TimedSample>* samples, Profile* profile,
+                      CostSamples* pairs = nullptr) {
   const ConcurrencyFitOptions options;
   const bool concurrent = MarkOverlaps(schedule, samples);
   const bool cpu = !trace.ranks().empty() && trace.ranks().front().backend == "cpu";
@@ -216,8 +225,14 @@ Status FitConcurrency(const Trace& trace, const proto::Schedule& schedule,
     DC_ASSIGN_OR_RETURN(HardwareProfile hw, FindHardware("cpu"));
     ApplyConcurrency(hw, &fallback);
   }
-  const double compute = ComputeSlowdown(schedule, *samples, options);
-  const double collective = CollectiveSlowdown(schedule, *samples, options);
+  std::vector<BesidePair> compute_pairs = ComputePairs(schedule, *samples, options);
+  std::vector<BesidePair> collective_pairs = CollectivePairs(schedule, *samples, options);
+  const double compute = SlowdownOf(compute_pairs, options.min_ops);
+  const double collective = SlowdownOf(collective_pairs, options.min_collectives);
+  if (pairs) {
+    pairs->compute_beside = std::move(compute_pairs);
+    pairs->collectives_beside = std::move(collective_pairs);
+  }
   costs.overlap_compute_slowdown = compute > 0 ? compute : fallback.overlap_compute_slowdown;
   costs.overlap_collective_slowdown =
       collective > 0 ? collective : fallback.overlap_collective_slowdown;
@@ -344,8 +359,12 @@ StatusOr<CostSamples> CollectCostSamples(const Trace& trace) {
   DC_ASSIGN_OR_RETURN(std::vector<TimedSample> timed, ReadSamples(trace, schedule, steps));
   // The samples as BuildProfile fits them: each as the work it would take alone.
   Profile concurrency;
-  DC_RETURN_IF_ERROR(FitConcurrency(trace, schedule, &timed, &concurrency));
-  return CollectSamples(schedule, timed, concurrency.costs);
+  CostSamples pairs;
+  DC_RETURN_IF_ERROR(FitConcurrency(trace, schedule, &timed, &concurrency, &pairs));
+  CostSamples samples = CollectSamples(schedule, timed, concurrency.costs);
+  samples.compute_beside = std::move(pairs.compute_beside);
+  samples.collectives_beside = std::move(pairs.collectives_beside);
+  return samples;
 }
 
 namespace {

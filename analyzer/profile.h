@@ -78,9 +78,21 @@ struct Profile {
 // What a dc trace measured, warm-up steps left out: every compute's seconds by op id, every
 // collective's and host copy's bytes and seconds (for BuildProfile's fits and dc-calibrate's),
 // each as the work it would take alone (the run's overlap slowdowns taken out).
+// One kind of work measured alone and beside the other kind on its rank (compute beside a
+// collective, a collective beside compute).
+struct BesidePair {
+  double alone_seconds = 0, beside_seconds = 0;
+};
 struct CostSamples {
   std::vector<std::vector<double>> op_seconds;  // by op id
   std::vector<CostSample> all_gather, reduce_scatter, host_to_device, device_to_host;
+  // What the overlap slowdowns are measured from (empty for a serial run): per op with samples
+  // both alone and beside a collective (ConcurrencyFitOptions::beside_min_fraction of its span),
+  // the median of each; per collective beside compute, its kind's line fitted to the collectives
+  // alone (its bytes) and its seconds (none where either side has fewer than min_collectives).
+  // The profile's slowdown is the sum beside over the sum alone, at least 1, where there are at
+  // least min_ops (min_collectives) pairs.
+  std::vector<BesidePair> compute_beside, collectives_beside;
 };
 StatusOr<CostSamples> CollectCostSamples(const Trace& trace);
 

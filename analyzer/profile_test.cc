@@ -4,6 +4,7 @@
 
 #include <filesystem>
 
+#include "analyzer/calibration.h"
 #include "collector/host_tracer.h"
 #include "machine/estimate.h"
 #include "schemas/digest.h"
@@ -277,6 +278,53 @@ TEST(ProfileConcurrencyTest, SerialRunGivesSerialStreamsAndNoSlowdown) {
   EXPECT_EQ(profile->costs.overlap_compute_slowdown, 1);
   EXPECT_EQ(profile->costs.overlap_collective_slowdown, 1);
   EXPECT_DOUBLE_EQ(profile->costs.op_seconds[2], 3000e-9);
+}
+
+// dc-calibrate takes the slowdowns a trace measures op by op (the same pairs BuildProfile's come
+// from), not a fit of the whole step, which would move every unexplained second into them.
+TEST(ProfileConcurrencyTest, CalibrationTakesTheSlowdownsTheTraceMeasured) {
+  TempDir dir;
+  const std::string path = WriteConcurrencyTrace(dir, /*concurrent=*/true);
+  ASSERT_FALSE(path.empty());
+  StatusOr<std::unique_ptr<Trace>> trace = Trace::Open(path);
+  ASSERT_TRUE(trace.ok()) << trace.status().message();
+  StatusOr<CostSamples> samples = CollectCostSamples(**trace);
+  ASSERT_TRUE(samples.ok()) << samples.status().message();
+  EXPECT_EQ(samples->compute_beside.size(), 3u);  // mm0, mm1, mm2
+  EXPECT_EQ(samples->collectives_beside.size(),
+            4u);  // a gather and a reduce-scatter, steps 2 and 4
+  StatusOr<HardwareProfile> base = FindHardware("cpu");
+  ASSERT_TRUE(base.ok());
+  StatusOr<std::vector<FitGroup>> groups = TraceGroups({trace->get()}, *base);
+  ASSERT_TRUE(groups.ok()) << groups.status().message();
+  const FitGroup* concurrency = nullptr;
+  for (const FitGroup& g : *groups) {
+    if (g.kind == "trace concurrency") concurrency = &g;
+    if (g.kind == "trace step") {
+      EXPECT_TRUE(g.keys.empty()) << "the step fits " << g.keys.front();
+      ASSERT_EQ(g.undetermined.size(), 1u);
+      EXPECT_NE(g.undetermined[0].find("measured op by op"), std::string::npos);
+    }
+  }
+  ASSERT_NE(concurrency, nullptr);
+  EXPECT_EQ(concurrency->keys,
+            (std::vector<std::string>{"overlap_compute_slowdown", "overlap_collective_slowdown"}));
+  // (The synthetic ops have no flops for a roofline: only this group is fitted.)
+  StatusOr<Calibration> fit = Calibrate(*base, {*concurrency});
+  ASSERT_TRUE(fit.ok()) << fit.status().message();
+  // Twice as slow beside (2, 4, 6 us against 1, 2, 3), and 1.5x for the collectives.
+  EXPECT_NEAR(fit->profile.overlap_compute_slowdown, 2, 0.01);
+  EXPECT_NEAR(fit->profile.overlap_collective_slowdown, 1.5, 0.01);
+  EXPECT_EQ(fit->profile.sources.at("overlap_compute_slowdown").find("fitted from"), 0u);
+
+  // A serial run measures nothing beside anything: no concurrency group fits.
+  TempDir serial_dir;
+  const std::string serial_path = WriteConcurrencyTrace(serial_dir, /*concurrent=*/false);
+  StatusOr<std::unique_ptr<Trace>> serial = Trace::Open(serial_path);
+  ASSERT_TRUE(serial.ok()) << serial.status().message();
+  StatusOr<std::vector<FitGroup>> serial_groups = TraceGroups({serial->get()}, *base);
+  ASSERT_TRUE(serial_groups.ok()) << serial_groups.status().message();
+  for (const FitGroup& g : *serial_groups) EXPECT_NE(g.kind, "trace concurrency");
 }
 
 }  // namespace
