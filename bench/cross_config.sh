@@ -20,20 +20,37 @@ trap 'rm -rf "$work"' EXIT
 echo "date: $(date -u +%Y-%m-%dT%H:%MZ)  machine: $(nproc) cores  load: $(cut -d' ' -f1-3 /proc/loadavg)  steps: $steps"
 
 # A plan on `hardware` of one configuration; with budget "tight", 70% of its unlimited peak
-# (offload where the policy has it). Prints the plan's JSON path.
+# (offload where the policy has it) or, where the policy cannot meet that, the smallest budget
+# its refusal names. The budget's share of the unlimited peak goes to $work/$name.share.
 plan() {  # name hardware policy world model-flags... ; env: budget
   local name=$1 hardware=$2 policy=$3 world=$4
   shift 4
   local budget_flag=()
+  local free_peak=0 tight=0
   if [[ ${budget:-} == tight ]]; then
     "$bin/dc-plan" --synthetic --hardware "$hardware" --policy "$policy" --world "$world" "$@" \
       --no-cache -o "$work/$name.free.dcplan" --json >"$work/$name.free.json"
-    local peak
-    peak=$(python3 -c 'import json,sys; print(int(json.load(open(sys.argv[1]))["predicted"]["peak_device_bytes"] * 0.7))' "$work/$name.free.json")
-    budget_flag=(--budget "$peak")
+    free_peak=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["predicted"]["peak_device_bytes"])' "$work/$name.free.json")
+    tight=$((free_peak * 7 / 10))
+    budget_flag=(--budget "$tight")
   fi
-  "$bin/dc-plan" --synthetic --hardware "$hardware" --policy "$policy" --world "$world" "$@" \
-    "${budget_flag[@]}" --no-cache -o "$work/$name.dcplan" --json >"$work/$name.plan.json"
+  if ! "$bin/dc-plan" --synthetic --hardware "$hardware" --policy "$policy" --world "$world" "$@" \
+    "${budget_flag[@]}" --no-cache -o "$work/$name.dcplan" --json >"$work/$name.plan.json" \
+    2>"$work/$name.refusal"; then
+    local smallest
+    smallest=$(grep -o -- '--budget [0-9]*)' "$work/$name.refusal" | tr -dc '0-9')
+    if [[ ${budget:-} != tight || -z $smallest ]]; then
+      cat "$work/$name.refusal" >&2
+      return 1
+    fi
+    tight=$smallest
+    "$bin/dc-plan" --synthetic --hardware "$hardware" --policy "$policy" --world "$world" "$@" \
+      --budget "$tight" --no-cache -o "$work/$name.dcplan" --json >"$work/$name.plan.json" ||
+      return 1
+  fi
+  if [[ ${budget:-} == tight ]]; then
+    python3 -c 'import sys; print(round(100 * int(sys.argv[1]) / int(sys.argv[2])))' "$tight" "$free_peak" >"$work/$name.share"
+  fi
 }
 
 run() {  # name world
@@ -102,7 +119,7 @@ for row in "${rows[@]}"; do
   # shellcheck disable=SC2086
   budget=$budget plan "$name-shared" "$work/shared-rates.json" "$policy" "$world" $flags 2>/dev/null
   run "$name" "$world"
-  python3 - "$name$([[ $budget == tight ]] && echo ' (70% budget)')" "$policy" "$world" \
+  python3 - "$name$([[ $budget == tight ]] && echo " ($(cat "$work/$name.share")% budget)")" "$policy" "$world" \
     "$work/$name.plan.json" "$work/$name.run.json" "$work/errors" "$work/$name-shared.plan.json" <<'PY'
 import json, sys
 name, policy, world, plan, run, errors, shared = sys.argv[1:]
