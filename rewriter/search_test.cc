@@ -50,11 +50,23 @@ TEST(Search, DepsStayLinearInDeepModels) {
   EXPECT_LE(most, 16) << "an instruction waits for " << most << " others";
 }
 
+// The baseline's peak with no budget (the smallest budget it meets).
+int64_t BaselinePeak(const PlanRequest& request) {
+  auto unlimited = MakePlan(request);
+  EXPECT_TRUE(unlimited.ok()) << unlimited.status().message();
+  return unlimited.ok() ? unlimited->prediction().peak_device_bytes() : 0;
+}
+
+// The search's precision at `budget`.
+int64_t PrecisionBytes(const BudgetSearchOptions& options, int64_t budget) {
+  return std::max<int64_t>(options.min_step_bytes,
+                           static_cast<int64_t>(options.precision * static_cast<double>(budget)));
+}
+
 TEST(Search, SmallestBudgetIsTheBaselinesPeakWithinThePrecision) {
   PlanRequest request = TinyRequest();
-  auto unlimited = MakePlan(request);
-  ASSERT_TRUE(unlimited.ok()) << unlimited.status().message();
-  const int64_t peak = unlimited->prediction().peak_device_bytes();
+  const int64_t peak = BaselinePeak(request);
+  ASSERT_GT(peak, 0);
   request.budget_bytes = peak / 2;
   const auto failed = MakePlan(request);
   ASSERT_FALSE(failed.ok());
@@ -62,8 +74,7 @@ TEST(Search, SmallestBudgetIsTheBaselinesPeakWithinThePrecision) {
   ASSERT_TRUE(failed.status().over_budget()) << failed.status().message();
   EXPECT_EQ(failed.status().shortfall_bytes(), peak - request.budget_bytes);
   BudgetSearchOptions options;
-  const int64_t precision_bytes =
-      std::max<int64_t>(options.min_step_bytes, static_cast<int64_t>(options.precision * peak));
+  const int64_t precision_bytes = PrecisionBytes(options, peak);
   // Without the shortfall: growth from the budget, then bisection to the precision.
   int blind_plans = 0;
   const std::optional<int64_t> blind = SmallestBudget(request, 0, options, &blind_plans);
@@ -85,13 +96,11 @@ TEST(Search, SmallestBudgetIsTheBaselinesPeakWithinThePrecision) {
 // precision of the peak.
 TEST(Search, SmallestBudgetFromAShortfallThatIsWrongEitherWay) {
   PlanRequest request = TinyRequest();
-  auto unlimited = MakePlan(request);
-  ASSERT_TRUE(unlimited.ok()) << unlimited.status().message();
-  const int64_t peak = unlimited->prediction().peak_device_bytes();
+  const int64_t peak = BaselinePeak(request);
+  ASSERT_GT(peak, 0);
   request.budget_bytes = peak / 2;
   BudgetSearchOptions options;
-  const int64_t precision_bytes =
-      std::max<int64_t>(options.min_step_bytes, static_cast<int64_t>(options.precision * peak));
+  const int64_t precision_bytes = PrecisionBytes(options, peak);
   for (const int64_t shortfall : {peak, peak / 4, peak / 2 - 3 * precision_bytes}) {
     const std::optional<int64_t> smallest = SmallestBudget(request, shortfall, options);
     ASSERT_TRUE(smallest.has_value()) << shortfall;
@@ -116,11 +125,8 @@ TEST(Search, DcsRefusalsShortfallBoundsTheSmallestBudget) {
   const std::optional<int64_t> smallest = SmallestBudget(request, shortfall, options, &plans);
   const std::optional<int64_t> blind = SmallestBudget(request, 0, options, &blind_plans);
   ASSERT_TRUE(smallest.has_value() && blind.has_value());
-  EXPECT_GE(*blind, request.budget_bytes + shortfall -
-                        std::max<int64_t>(options.min_step_bytes,
-                                          static_cast<int64_t>(options.precision * *blind)));
-  const int64_t precision_bytes =
-      std::max<int64_t>(options.min_step_bytes, static_cast<int64_t>(options.precision * *blind));
+  const int64_t precision_bytes = PrecisionBytes(options, *blind);
+  EXPECT_GE(*blind, request.budget_bytes + shortfall - precision_bytes);
   EXPECT_LE(std::llabs(*smallest - *blind), 2 * precision_bytes) << *smallest << " " << *blind;
   EXPECT_LT(plans, blind_plans);
 }
