@@ -8,6 +8,7 @@
 #include "rewriter/gather_index.h"
 #include "rewriter/live_curve.h"
 #include "rewriter/schedule_editor.h"
+#include "rewriter/simulation_cache.h"
 #include "schemas/effects.h"
 
 namespace dc {
@@ -314,7 +315,7 @@ StatusOr<bool> BucketPass::Run(proto::Schedule* schedule, const PassContext& con
   if (context.input_simulation && !ordered) {
     input = *context.input_simulation;
   } else {
-    DC_ASSIGN_OR_RETURN(input, Simulate(*schedule, *context.costs, quick));
+    DC_ASSIGN_OR_RETURN(input, SimulateIn(context, *schedule, quick));
   }
   DC_ASSIGN_OR_RETURN(LiveCurve curve, LiveCurve::Build(*schedule, input));
   const Planner planner(*schedule, *context.costs, input, index, curve);
@@ -340,7 +341,7 @@ StatusOr<bool> BucketPass::Run(proto::Schedule* schedule, const PassContext& con
       const Grouping grouping = planner.Plan(caps, limit, options_);
       if (grouping.*fused_of_kind == 0) break;  // smaller caps fuse no more
       DC_RETURN_IF_ERROR(planner.Emit(grouping, candidate));
-      DC_ASSIGN_OR_RETURN(SimResult output, Simulate(*candidate, *context.costs, quick));
+      DC_ASSIGN_OR_RETURN(SimResult output, SimulateIn(context, *candidate, quick));
       // Fusing is worth its longer lives only when it makes the step faster.
       const bool fits = budget <= 0 || output.peak_device_bytes <= budget;
       if (!fits || output.step_seconds >= start_seconds) continue;

@@ -9,6 +9,7 @@
 #include "rewriter/gather_index.h"
 #include "rewriter/live_curve.h"
 #include "rewriter/schedule_editor.h"
+#include "rewriter/simulation_cache.h"
 #include "schemas/effects.h"
 
 namespace dc {
@@ -248,7 +249,7 @@ StatusOr<bool> DcPrefetchPass::Run(proto::Schedule* schedule, const PassContext&
   google::protobuf::Arena arena;
   proto::Schedule* profiled = rewriter_internal::ScheduleShell(schedule, &arena);
   DC_RETURN_IF_ERROR(NoPrefetch(*schedule, index, profiled));
-  DC_ASSIGN_OR_RETURN(SimResult profile_sim, Simulate(*profiled, *context.costs, quick));
+  DC_ASSIGN_OR_RETURN(SimResult profile_sim, SimulateIn(context, *profiled, quick));
   DC_ASSIGN_OR_RETURN(LiveCurve profile, LiveCurve::Build(*profiled, profile_sim));
   const DcPrefetchPlanner planner(*profiled, *context.costs, index, profile, options_);
   proto::Schedule* candidate = rewriter_internal::ScheduleShell(schedule, &arena);
@@ -259,7 +260,7 @@ StatusOr<bool> DcPrefetchPass::Run(proto::Schedule* schedule, const PassContext&
                         : kUnlimitedBytes;
   for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
     DC_RETURN_IF_ERROR(planner.Emit(planner.Plan(max_mem), candidate));
-    DC_ASSIGN_OR_RETURN(SimResult output, Simulate(*candidate, *context.costs, quick));
+    DC_ASSIGN_OR_RETURN(SimResult output, SimulateIn(context, *candidate, quick));
     if (budget <= 0 || output.peak_device_bytes <= budget) {
       *schedule->mutable_instructions() = candidate->instructions();
       return true;

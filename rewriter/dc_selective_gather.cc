@@ -8,6 +8,7 @@
 #include "rewriter/bridges.h"
 #include "rewriter/gather_index.h"
 #include "rewriter/schedule_editor.h"
+#include "rewriter/simulation_cache.h"
 #include "schemas/effects.h"
 
 namespace dc {
@@ -28,7 +29,7 @@ StatusOr<bool> DcSelectiveGatherPass::Run(proto::Schedule* schedule, const PassC
   quick.memory_timeline = false;
   const GatherIndex index = rewriter_internal::IndexGathers(*schedule);
   const bool ordered = rewriter_internal::OrderGathersAfterReleases(index, schedule);
-  DC_ASSIGN_OR_RETURN(SimResult input, Simulate(*schedule, *context.costs, quick));
+  DC_ASSIGN_OR_RETURN(SimResult input, SimulateIn(context, *schedule, quick));
   const std::vector<int64_t> bytes = rewriter_internal::TensorBytes(schedule->program());
 
   // Per param: its bytes and the seconds of one micro-step's gathers of it.
@@ -78,7 +79,7 @@ StatusOr<bool> DcSelectiveGatherPass::Run(proto::Schedule* schedule, const PassC
     }
     if (bridges.empty()) return ordered;
     DC_RETURN_IF_ERROR(rewriter_internal::ApplyBridges(*schedule, index, bridges, candidate));
-    DC_ASSIGN_OR_RETURN(SimResult output, Simulate(*candidate, *context.costs, quick));
+    DC_ASSIGN_OR_RETURN(SimResult output, SimulateIn(context, *candidate, quick));
     if (budget <= 0 || output.peak_device_bytes <= budget) {
       *schedule->mutable_instructions() = candidate->instructions();
       return true;

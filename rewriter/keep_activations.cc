@@ -11,6 +11,7 @@
 #include "machine/simulator.h"
 #include "rewriter/live_curve.h"
 #include "rewriter/schedule_editor.h"
+#include "rewriter/simulation_cache.h"
 #include "schemas/effects.h"
 
 namespace dc {
@@ -126,7 +127,7 @@ StatusOr<bool> KeepActivationsPass::Run(proto::Schedule* schedule, const PassCon
   if (context.input_simulation) {
     input = *context.input_simulation;
   } else {
-    DC_ASSIGN_OR_RETURN(input, Simulate(*schedule, *context.costs, quick));
+    DC_ASSIGN_OR_RETURN(input, SimulateIn(context, *schedule, quick));
   }
   DC_ASSIGN_OR_RETURN(LiveCurve curve, LiveCurve::Build(*schedule, input));
 
@@ -203,7 +204,7 @@ StatusOr<bool> KeepActivationsPass::Run(proto::Schedule* schedule, const PassCon
   for (int attempt = 0; attempt < options_.max_attempts && !kept.empty(); ++attempt) {
     proto::Schedule out;
     DC_RETURN_IF_ERROR(Apply(*schedule, twin, kept, &out));
-    DC_ASSIGN_OR_RETURN(SimResult output, Simulate(out, *context.costs, quick));
+    DC_ASSIGN_OR_RETURN(SimResult output, SimulateIn(context, out, quick));
     if (rewriter_internal::Acceptable(input, output, context.budget_bytes, 0)) {
       stats_.kept = static_cast<int>(kept.size());
       for (const Candidate* c : kept) {

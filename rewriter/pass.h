@@ -20,6 +20,7 @@ namespace dc {
 
 // What a pass may consult besides the schedule itself.
 class PackingMemo;
+class SimulationCache;
 struct VerifierMemo;
 
 struct PassContext {
@@ -49,6 +50,9 @@ struct PassContext {
   // Threads a pass may use for work whose result does not depend on their number
   // (PlanRequest::threads).
   int threads = 1;
+  // The plan's simulations, for the schedules it meets again (rewriter/simulation_cache.h);
+  // SimulateIn and the verifier go through it. Optional; one per plan, for `costs`.
+  SimulationCache* simulations = nullptr;
 };
 
 class Pass {

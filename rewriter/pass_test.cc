@@ -10,6 +10,7 @@
 #include "machine/simulator.h"
 #include "models/model.h"
 #include "rewriter/planner.h"
+#include "rewriter/simulation_cache.h"
 #include "rewriter/verifier.h"
 #include "rewriter/zero3.h"
 
@@ -350,6 +351,73 @@ TEST(Verifier, TakesOnlyItsOwnSimulationOfIdenticalInstructions) {
   Status status = VerifySchedule(changed, context);
   ASSERT_FALSE(status.ok());
   EXPECT_NE(status.message().find("over the budget"), std::string::npos) << status.message();
+}
+
+// The plan's simulations: a schedule met again with the same instructions, costs and options
+// takes the kept result (the same numbers); any other is simulated; the oldest goes first.
+TEST(SimulationCache, TakesOnlyIdenticalInstructionsUnderTheSameCostsAndOptions) {
+  proto::Schedule s = EmptySchedule();
+  Zero3Pass zero3;
+  ASSERT_TRUE(zero3.Run(&s, {}).ok());
+  SimOptions quick;
+  quick.memory_timeline = false;
+  SimulationCache cache(/*capacity=*/2);
+  auto first = cache.Simulate(s, kCosts, quick);
+  ASSERT_TRUE(first.ok()) << first.status().message();
+  EXPECT_EQ(cache.hits(), 0);
+  auto again = cache.Simulate(s, kCosts, quick);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(cache.hits(), 1);
+  auto fresh = Simulate(s, kCosts, quick);
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_EQ(again->step_seconds, fresh->step_seconds);
+  EXPECT_EQ(again->peak_device_bytes, fresh->peak_device_bytes);
+  EXPECT_EQ(again->start_seconds, fresh->start_seconds);
+  // Other options, other costs (equal numbers, another model), other instructions: simulated.
+  ASSERT_TRUE(cache.Simulate(s, kCosts, SimOptions()).ok());
+  const CostModel other_costs = kCosts;
+  ASSERT_TRUE(cache.Simulate(s, other_costs, quick).ok());
+  proto::Schedule changed = s;
+  changed.mutable_instructions(1)->set_bucket(7);
+  ASSERT_TRUE(cache.Simulate(changed, kCosts, quick).ok());
+  EXPECT_EQ(cache.hits(), 1);
+  // Two kept: the changed schedule and the other costs' run; the first has gone.
+  ASSERT_TRUE(cache.Simulate(changed, kCosts, quick).ok());
+  EXPECT_EQ(cache.hits(), 2);
+  ASSERT_TRUE(cache.Simulate(s, kCosts, quick).ok());
+  EXPECT_EQ(cache.hits(), 2);
+  // A schedule the simulator refuses is refused again, not kept.
+  proto::Schedule broken = s;
+  broken.mutable_instructions(0)->add_tensors(1 << 30);
+  EXPECT_FALSE(cache.Simulate(broken, kCosts, quick).ok());
+  EXPECT_FALSE(cache.Simulate(broken, kCosts, quick).ok());
+  EXPECT_EQ(cache.hits(), 2);
+}
+
+// Through a pipeline: the verifier's check of a pass's chosen candidate and every pipeline's
+// zero3 schedule are taken from the plan's simulations, and the plan is the same as without.
+TEST(SimulationCache, APipelineGivesTheSamePlanThroughIt) {
+  auto run = [](SimulationCache* simulations) {
+    auto pipeline = Make({"zero3", "bucket", "prefetch", "unshard"});
+    proto::Schedule s = EmptySchedule();
+    PassContext context{&kCosts};
+    context.simulations = simulations;
+    EXPECT_TRUE(pipeline->Run(&s, context).ok());
+    return s;
+  };
+  SimulationCache cache;
+  const proto::Schedule with = run(&cache);
+  const proto::Schedule without = run(nullptr);
+  EXPECT_GT(cache.hits(), 0);
+  ASSERT_EQ(with.instructions_size(), without.instructions_size());
+  for (int i = 0; i < with.instructions_size(); ++i) {
+    EXPECT_EQ(with.instructions(i).SerializeAsString(), without.instructions(i).SerializeAsString())
+        << "instruction " << i;
+  }
+  ASSERT_EQ(with.passes_size(), without.passes_size());
+  for (int i = 0; i < with.passes_size(); ++i) {
+    EXPECT_EQ(with.passes(i).predicted_step_seconds(), without.passes(i).predicted_step_seconds());
+  }
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include "machine/simulator.h"
 #include "rewriter/memory_plan.h"
 #include "rewriter/plan_cache.h"
+#include "rewriter/simulation_cache.h"
 #include "rewriter/tasks.h"
 #include "rewriter/zero3.h"
 #include "schemas/digest.h"
@@ -490,6 +491,8 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   DC_ASSIGN_OR_RETURN(std::string key, KeyOf(request, program_digest));
   PassContext context{&request.costs, request.budget_bytes};
   context.threads = request.threads;
+  SimulationCache simulations;
+  context.simulations = &simulations;
   // The policy's search, or none for a pass list of the user's own (--passes).
   const Policy* policy = nullptr;
   if (request.passes.empty()) {

@@ -9,6 +9,7 @@
 #include "rewriter/gather_index.h"
 #include "rewriter/live_curve.h"
 #include "rewriter/schedule_editor.h"
+#include "rewriter/simulation_cache.h"
 #include "schemas/effects.h"
 
 namespace dc {
@@ -259,7 +260,7 @@ StatusOr<bool> PrefetchPass::Run(proto::Schedule* schedule, const PassContext& c
   google::protobuf::Arena arena;
   proto::Schedule* unconstrained = rewriter_internal::ScheduleShell(schedule, &arena);
   DC_RETURN_IF_ERROR(planner.EmitUnconstrained(unconstrained));
-  DC_ASSIGN_OR_RETURN(SimResult fastest, Simulate(*unconstrained, *context.costs, quick));
+  DC_ASSIGN_OR_RETURN(SimResult fastest, SimulateIn(context, *unconstrained, quick));
   DC_ASSIGN_OR_RETURN(LiveCurve curve, LiveCurve::Build(*unconstrained, fastest));
   planner.SetTiming(fastest, curve);
 
@@ -277,7 +278,7 @@ StatusOr<bool> PrefetchPass::Run(proto::Schedule* schedule, const PassContext& c
       proto::Schedule* ordered = rewriter_internal::ScheduleShell(schedule, &arena);
       *ordered->mutable_instructions() = schedule->instructions();
       rewriter_internal::OrderGathersAfterReleases(index, ordered);
-      DC_ASSIGN_OR_RETURN(input, Simulate(*ordered, *context.costs, quick));
+      DC_ASSIGN_OR_RETURN(input, SimulateIn(context, *ordered, quick));
     }
     return rewriter_internal::Acceptable(*input, output, budget, options_.slowdown_tolerance);
   };
@@ -290,7 +291,7 @@ StatusOr<bool> PrefetchPass::Run(proto::Schedule* schedule, const PassContext& c
   for (int attempt = 0; attempt < options_.max_attempts; ++attempt) {
     const std::vector<int> issue = planner.Plan(slack, options_.max_gathers_in_flight, limit);
     DC_RETURN_IF_ERROR(planner.Emit(issue, candidate));
-    DC_ASSIGN_OR_RETURN(SimResult output, Simulate(*candidate, *context.costs, quick));
+    DC_ASSIGN_OR_RETURN(SimResult output, SimulateIn(context, *candidate, quick));
     DC_ASSIGN_OR_RETURN(bool accept, acceptable(output));
     if (accept) {
       const bool changed = !rewriter_internal::SameInstructions(*schedule, *candidate);

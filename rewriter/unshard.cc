@@ -10,6 +10,7 @@
 #include "rewriter/gather_index.h"
 #include "rewriter/live_curve.h"
 #include "rewriter/schedule_editor.h"
+#include "rewriter/simulation_cache.h"
 #include "schemas/effects.h"
 
 namespace dc {
@@ -158,7 +159,7 @@ StatusOr<bool> UnshardPass::Run(proto::Schedule* schedule, const PassContext& co
   if (context.input_simulation && !ordered) {
     input = *context.input_simulation;
   } else {
-    DC_ASSIGN_OR_RETURN(input, Simulate(*schedule, *context.costs, quick));
+    DC_ASSIGN_OR_RETURN(input, SimulateIn(context, *schedule, quick));
   }
   DC_ASSIGN_OR_RETURN(LiveCurve curve, LiveCurve::Build(*schedule, input));
   const std::vector<Gap> gaps =
@@ -177,7 +178,7 @@ StatusOr<bool> UnshardPass::Run(proto::Schedule* schedule, const PassContext& co
     if (bridges.size() > max_bridges) bridges.resize(max_bridges);
     if (bridges.empty()) return ordered;
     DC_RETURN_IF_ERROR(rewriter_internal::ApplyBridges(*schedule, index, bridges, candidate));
-    DC_ASSIGN_OR_RETURN(SimResult output, Simulate(*candidate, *context.costs, quick));
+    DC_ASSIGN_OR_RETURN(SimResult output, SimulateIn(context, *candidate, quick));
     if (rewriter_internal::Acceptable(input, output, budget, options_.slowdown_tolerance)) {
       *schedule->mutable_instructions() = candidate->instructions();
       return true;

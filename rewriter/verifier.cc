@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "machine/simulator.h"
+#include "rewriter/simulation_cache.h"
 #include "schemas/effects.h"
 #include "schemas/happens_before.h"
 #include "schemas/units.h"
@@ -96,8 +97,13 @@ Status VerifySchedule(const proto::Schedule& schedule, const PassContext& contex
     CostModel fallback;
     SimOptions options;
     options.memory_timeline = false;  // the peak is all a check needs
-    DC_ASSIGN_OR_RETURN(sim,
-                        Simulate(schedule, context.costs ? *context.costs : fallback, options));
+    // The plan's simulations are the simulator's own (simulation_cache.h): no pass hands one in.
+    if (context.simulations && context.costs) {
+      DC_ASSIGN_OR_RETURN(sim, context.simulations->Simulate(schedule, *context.costs, options));
+    } else {
+      DC_ASSIGN_OR_RETURN(sim,
+                          Simulate(schedule, context.costs ? *context.costs : fallback, options));
+    }
     if (memo) {
       memo->fingerprint = fingerprint;
       memo->costs = context.costs;

@@ -1,0 +1,54 @@
+// The simulations one MakePlan makes, kept for the schedules it meets again: every candidate
+// pipeline starts from the same zero3 schedule, and a pass's chosen candidate is the schedule the
+// verifier then checks. Simulate is a function of the schedule's instructions, its program and
+// world size (fixed within a plan), the costs and the options, so a schedule with the same
+// instructions (verifier.h's fingerprint, and their count) under the same costs and options takes
+// the kept result: the same numbers, not simulated again. Thread-safe (candidates run at once).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+
+#include "machine/cost_model.h"
+#include "machine/simulator.h"
+#include "rewriter/pass.h"
+#include "schemas/program.h"
+#include "schemas/status.h"
+
+namespace dc {
+
+class SimulationCache {
+ public:
+  // Keeps the last `capacity` simulations (a plan meets a schedule again soon after, if at all;
+  // each holds two doubles per instruction).
+  explicit SimulationCache(size_t capacity = 8) : capacity_(capacity) {}
+  SimulationCache(const SimulationCache&) = delete;
+  SimulationCache& operator=(const SimulationCache&) = delete;
+
+  // Simulate(schedule, costs, options), from what is kept where it can be. Errors are not kept.
+  StatusOr<SimResult> Simulate(const proto::Schedule& schedule, const CostModel& costs,
+                               const SimOptions& options);
+  // Simulations taken from what was kept, for tests and figures.
+  int64_t hits() const;
+
+ private:
+  struct Entry {
+    uint64_t fingerprint = 0;
+    int instructions = 0, world_size = 0;
+    const CostModel* costs = nullptr;
+    bool memory_timeline = false;
+    std::shared_ptr<const SimResult> result;
+  };
+  const size_t capacity_;
+  mutable std::mutex mutex_;
+  std::deque<Entry> entries_;
+  int64_t hits_ = 0;
+};
+
+// Simulate(schedule, *context.costs, options) through context.simulations where there is one.
+StatusOr<SimResult> SimulateIn(const PassContext& context, const proto::Schedule& schedule,
+                               const SimOptions& options);
+
+}  // namespace dc
