@@ -296,6 +296,11 @@ StatusOr<std::vector<FitGroup>> TraceGroups(const std::vector<const Trace*>& tra
     }
     if (fits.collective_pairs >= thresholds.min_collectives) {
       concurrency.keys.push_back("overlap_collective_slowdown");
+    } else if (fits.collective_pairs > 0) {
+      concurrency.undetermined.push_back(
+          "overlap_collective_slowdown: " + Plural(fits.collective_pairs, "collective") +
+          " ran beside compute (at least " + std::to_string(thresholds.min_collectives) +
+          " tell it)");
     }
     if (!concurrency.keys.empty()) {
       groups.push_back(std::move(concurrency));

@@ -5,6 +5,7 @@
 #include <optional>
 #include <utility>
 
+#include "rewriter/simulation_cache.h"
 #include "rewriter/verifier.h"
 #include "schemas/units.h"
 
@@ -106,10 +107,11 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
   enforced.final_budget_bytes = context.budget_bytes;
   PassContext relaxed = enforced;
   if (context.relaxed_budget_bytes > 0) relaxed.budget_bytes = context.relaxed_budget_bytes;
-  // The verifier's memory of its own last simulation, for this run.
-  VerifierMemo memo;
+  // Where the plan keeps no simulations, the run keeps the verifier's last one: a pass that
+  // changes nothing is not simulated again.
+  SimulationCache run_simulations(/*capacity=*/1);
   PassContext checked = context;
-  checked.verifier_memo = &memo;
+  if (!checked.simulations) checked.simulations = &run_simulations;
   PassContext structural = checked;
   structural.budget_bytes = 0;
   // The verifier's last simulation: of the schedule the next pass receives.

@@ -21,7 +21,6 @@ namespace dc {
 // What a pass may consult besides the schedule itself.
 class PackingMemo;
 class SimulationCache;
-struct VerifierMemo;
 
 struct PassContext {
   const CostModel* costs = nullptr;
@@ -40,8 +39,6 @@ struct PassContext {
   // timeline off), when there is one; a pass that would simulate its input takes it instead.
   // The verifier never takes one: it checks what it simulates itself. Null otherwise.
   const SimResult* input_simulation = nullptr;
-  // The verifier's own memory across one pipeline run (rewriter/verifier.h); passes ignore it.
-  VerifierMemo* verifier_memo = nullptr;
   // The step of a plan in hand, for a candidate that is kept only if strictly faster: where the
   // schedule's verified step is at least this before the pipeline's last passes and each of them
   // never speeds it up (Pass::NeverSpeedsUp), the pipeline stops there with Status::CannotWin
@@ -51,7 +48,8 @@ struct PassContext {
   // (PlanRequest::threads).
   int threads = 1;
   // The plan's simulations, for the schedules it meets again (rewriter/simulation_cache.h);
-  // SimulateIn and the verifier go through it. Optional; one per plan, for `costs`.
+  // SimulateIn and the verifier go through it. Optional; one per plan, for `costs` (where a
+  // plan has none, a pipeline run keeps the verifier's last simulation in one of its own).
   SimulationCache* simulations = nullptr;
 };
 

@@ -326,31 +326,33 @@ TEST(Verifier, RecomputesWhatItChecks) {
   EXPECT_EQ(simulated.peak_device_bytes, real->peak_device_bytes);
 }
 
-// The memo holds the verifier's own last simulation: taken for identical instructions only.
-TEST(Verifier, TakesOnlyItsOwnSimulationOfIdenticalInstructions) {
+// The verifier goes through the plan's simulations: identical instructions take the kept one;
+// changed ones are simulated and checked afresh.
+TEST(Verifier, TakesTheKeptSimulationOfIdenticalInstructionsOnly) {
   proto::Schedule s = EmptySchedule();
   Zero3Pass zero3;
   ASSERT_TRUE(zero3.Run(&s, {}).ok());
-  VerifierMemo memo;
+  SimulationCache simulations;
   PassContext context{&kCosts};
-  context.verifier_memo = &memo;
+  context.simulations = &simulations;
   SimResult first;
   ASSERT_TRUE(VerifySchedule(s, context, &first).ok());
-  ASSERT_TRUE(memo.simulation.has_value());
-  EXPECT_EQ(memo.fingerprint, InstructionsFingerprint(s));
-  // Doctor the memo: an identical schedule takes it (so a flattering peak passes the budget) ...
-  memo.simulation->peak_device_bytes = 1;
-  context.budget_bytes = first.peak_device_bytes - 1;
+  EXPECT_EQ(simulations.hits(), 0);
   SimResult taken;
   ASSERT_TRUE(VerifySchedule(s, context, &taken).ok());
-  EXPECT_EQ(taken.peak_device_bytes, 1);
-  // ... a changed one is simulated afresh, and fails the budget.
+  EXPECT_EQ(simulations.hits(), 1);
+  EXPECT_EQ(taken.peak_device_bytes, first.peak_device_bytes);
+  EXPECT_EQ(taken.step_seconds, first.step_seconds);
+  // A changed schedule is simulated, and a budget under its peak fails.
   proto::Schedule changed = s;
   changed.mutable_instructions(1)->set_bucket(7);
   EXPECT_NE(InstructionsFingerprint(changed), InstructionsFingerprint(s));
+  context.budget_bytes = first.peak_device_bytes - 1;
   Status status = VerifySchedule(changed, context);
   ASSERT_FALSE(status.ok());
   EXPECT_NE(status.message().find("over the budget"), std::string::npos) << status.message();
+  EXPECT_EQ(status.shortfall_bytes(), 1);
+  EXPECT_EQ(simulations.hits(), 1);
 }
 
 // The plan's simulations: a schedule met again with the same instructions, costs and options

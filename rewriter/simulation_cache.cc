@@ -24,8 +24,13 @@ StatusOr<SimResult> SimulationCache::Simulate(const proto::Schedule& schedule,
     }
   }
   DC_ASSIGN_OR_RETURN(SimResult result, dc::Simulate(schedule, costs, options));
-  Entry entry{fingerprint, schedule.instructions_size(), schedule.world_size(), &costs,
-              options.memory_timeline, std::make_shared<const SimResult>(result)};
+  Entry entry;
+  entry.fingerprint = fingerprint;
+  entry.instructions = schedule.instructions_size();
+  entry.world_size = schedule.world_size();
+  entry.costs = &costs;
+  entry.memory_timeline = options.memory_timeline;
+  entry.result = std::make_shared<const SimResult>(result);
   std::lock_guard<std::mutex> lock(mutex_);
   entries_.push_back(std::move(entry));
   if (entries_.size() > capacity_) entries_.pop_front();

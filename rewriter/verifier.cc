@@ -86,32 +86,19 @@ Status VerifySchedule(const proto::Schedule& schedule, const PassContext& contex
   DC_RETURN_IF_ERROR(CheckOpCounts(schedule));
   DC_RETURN_IF_ERROR(CheckShardReductions(schedule));
   // Simulate checks every reference and buffer effect (schemas/effects.h) before it times; the
-  // memo holds the verifier's own simulation of identical instructions, if there is one.
-  VerifierMemo* memo = context.verifier_memo;
-  const uint64_t fingerprint = memo ? InstructionsFingerprint(schedule) : 0;
+  // plan's simulations hold its results for identical instructions under the same costs.
+  SimOptions options;
+  options.memory_timeline = false;  // the peak is all a check needs
   SimResult sim;
-  if (memo && memo->simulation && memo->costs == context.costs &&
-      memo->fingerprint == fingerprint) {
-    sim = *memo->simulation;
+  if (context.simulations && context.costs) {
+    DC_ASSIGN_OR_RETURN(sim, context.simulations->Simulate(schedule, *context.costs, options));
   } else {
-    CostModel fallback;
-    SimOptions options;
-    options.memory_timeline = false;  // the peak is all a check needs
-    // The plan's simulations are the simulator's own (simulation_cache.h): no pass hands one in.
-    if (context.simulations && context.costs) {
-      DC_ASSIGN_OR_RETURN(sim, context.simulations->Simulate(schedule, *context.costs, options));
-    } else {
-      DC_ASSIGN_OR_RETURN(sim,
-                          Simulate(schedule, context.costs ? *context.costs : fallback, options));
-    }
-    if (memo) {
-      memo->fingerprint = fingerprint;
-      memo->costs = context.costs;
-      memo->simulation = sim;
-    }
+    const CostModel fallback;
+    DC_ASSIGN_OR_RETURN(sim,
+                        Simulate(schedule, context.costs ? *context.costs : fallback, options));
   }
   // The streams run concurrently: the plan's deps must order what the replay checked in issue
-  // order (references are checked: the simulation, or the memo's of identical instructions).
+  // order (references are checked: by the simulation, or the one of identical instructions).
   DC_RETURN_IF_ERROR(CheckHappensBefore(schedule));
   if (context.budget_bytes > 0 && sim.peak_device_bytes > context.budget_bytes) {
     return Status::OverBudget("the schedule needs " + FormatBytes(sim.peak_device_bytes) +
