@@ -5,11 +5,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <numbers>
+#include <thread>
 #include <vector>
 
 #include "models/param_names.h"
@@ -28,6 +30,9 @@ enum Stream : uint64_t {
 };
 
 uint64_t StreamKey(uint64_t seed, Stream stream) { return random::Combine(seed, stream); }
+
+// InitParamSlice's share of elements per host thread (below it, one thread).
+constexpr int64_t kInitElementsPerThread = int64_t{1} << 20;
 
 class SyntheticTokenSource : public TokenSource {
  public:
@@ -325,18 +330,35 @@ void InitParamSlice(const proto::ModelConfig& config, const proto::Tensor& tenso
   const uint64_t key =
       random::Combine(StreamKey(config.seed(), kStreamInit), random::HashName(tensor.name()));
   // Elements 2j and 2j + 1 are the two halves of normal pair j.
-  for (int64_t i = offset; i < valid_end;) {
-    const int64_t pair = i / 2;
-    double even = 0, odd = 0;
-    NormalPair(random::Combine(key, static_cast<uint64_t>(pair)), &even, &odd);
-    if (i % 2 == 0) {
-      out[i - offset] = static_cast<float>(std_dev * even);
+  const auto fill = [&](int64_t begin, int64_t stop) {
+    for (int64_t i = begin; i < stop;) {
+      const int64_t pair = i / 2;
+      double even = 0, odd = 0;
+      NormalPair(random::Combine(key, static_cast<uint64_t>(pair)), &even, &odd);
+      if (i % 2 == 0) {
+        out[i - offset] = static_cast<float>(std_dev * even);
+        ++i;
+        if (i >= stop) break;
+      }
+      out[i - offset] = static_cast<float>(std_dev * odd);
       ++i;
-      if (i >= valid_end) break;
     }
-    out[i - offset] = static_cast<float>(std_dev * odd);
-    ++i;
+  };
+  // Each element is a function of its index alone, so the slice splits across the host's cores
+  // with the same values (a 1B model's 1.2 G normals take half a minute on one core).
+  const int64_t valid = std::max<int64_t>(valid_end - offset, 0);
+  const int64_t threads = std::clamp<int64_t>(
+      valid / kInitElementsPerThread, 1, std::max<int64_t>(1, std::thread::hardware_concurrency()));
+  if (threads == 1) {
+    fill(offset, valid_end);
+    return;
   }
+  std::vector<std::thread> workers;
+  workers.reserve(static_cast<size_t>(threads));
+  for (int64_t t = 0; t < threads; ++t) {
+    workers.emplace_back(fill, offset + valid * t / threads, offset + valid * (t + 1) / threads);
+  }
+  for (auto& worker : workers) worker.join();
 }
 
 }  // namespace dc

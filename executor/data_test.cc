@@ -285,6 +285,29 @@ TEST(InitParamSlice, SliceEqualsTheSameRangeOfTheWhole) {
   for (int i = 0; i < 5; ++i) EXPECT_EQ(odd[i], whole[101 + i]);
 }
 
+TEST(InitParamSlice, ALargeSliceMadeOnManyThreadsEqualsItsPiecesMadeOnOne) {
+  const proto::ModelConfig config = Tiny();
+  const int64_t rows = 3 * 1024 + 1, cols = 1025;  // 3.1 M elements: several threads' worth
+  const proto::Tensor t = ParamTensor("layers.0.mlp.w_up", {rows, cols});
+  const int64_t n = rows * cols, offset = 11;  // an odd start splits a pair at every boundary
+  std::vector<float> large(n - offset, -1.0f);
+  InitParamSlice(config, t, offset, n - offset, large.data());
+  // Pieces of 7 (one thread each) across the whole range, thread boundaries included.
+  for (int64_t begin = offset; begin + 7 <= n; begin += 104729) {
+    std::vector<float> piece(7, -1.0f);
+    InitParamSlice(config, t, begin, 7, piece.data());
+    for (int64_t i = 0; i < 7; ++i) ASSERT_EQ(large[begin - offset + i], piece[i]) << begin + i;
+  }
+  for (int64_t split = 1; split < 64; ++split) {  // around every share up to 64 threads
+    const int64_t at = offset + (n - offset) * split / 64;
+    std::vector<float> piece(2, -1.0f);
+    InitParamSlice(config, t, at - 1, 2, piece.data());
+    ASSERT_EQ(large[at - 1 - offset], piece[0]) << at;
+    ASSERT_EQ(large[at - offset], piece[1]) << at;
+  }
+  EXPECT_NE(large.back(), -1.0f);
+}
+
 double StdDev(const std::vector<float>& values) {
   double sum = 0, sum_sq = 0;
   for (float v : values) {

@@ -349,7 +349,10 @@ Status Interpreter::InitPersistentShards() {
                                  elements * kShardElementBytes, proto::DTYPE_F32, elements,
                                  proto::STREAM_HOST, what));
     if (arena_bytes_ > 0) startup_place_[t.id()] = shard->data;
-    if (t.role() == proto::ROLE_GRAD) {
+    // Grads start at zero, and so do optimizer states unless the options may give them (a
+    // resumed run): zeroed where they live rather than copied from zeros on the host.
+    if (t.role() == proto::ROLE_GRAD ||
+        (t.role() == proto::ROLE_OPTIMIZER_STATE && !options_.initial_values)) {
       DC_RETURN_IF_ERROR(
           device_->Zero(shard->data, shard->storage_bytes(), proto::STREAM_HOST, what));
       continue;
