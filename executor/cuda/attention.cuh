@@ -1,6 +1,7 @@
 // Causal grouped-query attention, forward and backward, as tiled kernels with an online softmax
-// in fp32 (the flash-attention scheme, on CUDA cores: correctness first; cuDNN's SDPA or a
-// wgmma kernel is the fast path to add later). Include in exactly one translation unit of a
+// in fp32 (the flash-attention scheme). These run on CUDA cores, in fp32 from any operand type
+// and any head_dim up to 256; attention_tc.cuh's run the 16-bit types on the tensor cores where
+// head_dim allows (AttentionOnTensorCores). Include in exactly one translation unit of a
 // binary: attention_kernels.cu, or the emulation test.
 //
 // Forward, one block per (64 queries, batch * head): K and V stream through shared memory in
@@ -15,6 +16,8 @@
 // No atomics: every output element is written once, so results are deterministic.
 #pragma once
 
+#include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "executor/cuda/kernel_common.cuh"
@@ -365,6 +368,12 @@ DC_GLOBAL void DC_LAUNCH_BOUNDS(kAttnThreads)
   StoreAcc<T, kMaxD>(dv_acc, one, dv + kv_offset, kv_stride, k0, p.seq, head_dim);
 }
 
+}  // namespace dc::cuda_kernels
+
+#include "executor/cuda/attention_tc.cuh"
+
+namespace dc::cuda_kernels {
+
 // ---------------------------------------------------------------------------------------------
 // Launchers
 
@@ -394,11 +403,45 @@ cudaError_t LaunchAttentionKernel(void (*kernel)(KernelArgs...), dim3 grid, int6
                       args...);
 }
 
+bool AttentionOnTensorCores(FloatType type, const AttentionDims& dims,
+                            std::initializer_list<const void*> operands) {
+  if (type == FloatType::kF32 || dims.head_dim % 16 != 0 || dims.head_dim > kTcMaxHeadDim) {
+    return false;
+  }
+  for (const void* operand : operands) {
+    if (reinterpret_cast<uintptr_t>(operand) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// Sets the tensor-core kernel's dynamic shared-memory limit and launches it.
+template <typename... KernelArgs, typename... Args>
+cudaError_t LaunchTcKernel(void (*kernel)(KernelArgs...), dim3 grid, int64_t smem_bytes,
+                           cudaStream_t stream, Args... args) {
+  if (cudaError_t e = AllowDynamicSmem(kernel, smem_bytes); e != cudaSuccess) return e;
+  return LaunchKernel(kernel, grid, dim3(kTcThreads), static_cast<size_t>(smem_bytes), stream,
+                      args...);
+}
+
+// Calls fn(std::integral_constant<int, kMaxD>) for the tensor-core kernels (head_dim <= 128).
+template <typename Fn>
+cudaError_t DispatchTcHeadDim(int64_t head_dim, Fn&& fn) {
+  if (head_dim <= 64) return fn(std::integral_constant<int, 64>{});
+  return fn(std::integral_constant<int, kTcMaxHeadDim>{});
+}
+
 int64_t AttentionSmemBytes(int64_t head_dim, bool backward) {
   const int64_t floats = backward ? std::max({ForwardSmemFloats(head_dim), DqSmemFloats(head_dim),
                                               DkDvSmemFloats(head_dim)})
                                   : ForwardSmemFloats(head_dim);
-  return floats * static_cast<int64_t>(sizeof(float));
+  int64_t bytes = floats * static_cast<int64_t>(sizeof(float));
+  if (head_dim % 16 == 0 && head_dim <= kTcMaxHeadDim) {  // the 16-bit types' kernels
+    const int d = static_cast<int>(head_dim);
+    bytes = std::max(bytes, backward ? std::max({TcForwardLayout(d).bytes, TcDqLayout(d).bytes,
+                                                 TcDkDvLayout(d).bytes})
+                                     : TcForwardLayout(d).bytes);
+  }
+  return bytes;
 }
 
 int64_t AttentionBackwardScratchFloats(const AttentionDims& dims) {
@@ -409,8 +452,22 @@ cudaError_t Attention(FloatType type, const AttentionDims& dims, const void* q, 
                       const void* v, void* o, cudaStream_t stream) {
   const AttnParams params = MakeAttnParams(dims);
   const dim3 grid(Tiles(dims.seq, kTileA), static_cast<unsigned>(dims.batch * dims.heads));
+  const bool tensor_cores = AttentionOnTensorCores(type, dims, {q, k, v, o});
   return DispatchFloat(type, [&](auto tag) {
     using T = decltype(tag);
+    if constexpr (!std::is_same_v<T, float>) {
+      if (tensor_cores) {
+        return DispatchTcHeadDim(dims.head_dim, [&](auto max_d) {
+          constexpr int kMaxD = decltype(max_d)::value;
+          return LaunchTcKernel(AttentionForwardTcKernel<T, kMaxD, false>, grid,
+                                TcForwardLayout(static_cast<int>(dims.head_dim)).bytes, stream,
+                                static_cast<const T*>(q), static_cast<const T*>(k),
+                                static_cast<const T*>(v), static_cast<T*>(o),
+                                static_cast<const T*>(nullptr), static_cast<float*>(nullptr),
+                                static_cast<float*>(nullptr), params);
+        });
+      }
+    }
     return DispatchHeadDim(dims.head_dim, [&](auto max_d) {
       constexpr int kMaxD = decltype(max_d)::value;
       return LaunchAttentionKernel(
@@ -430,10 +487,36 @@ cudaError_t AttentionBackward(FloatType type, const AttentionDims& dims, const v
   float* delta = scratch + dims.batch * dims.heads * dims.seq;
   const dim3 query_grid(Tiles(dims.seq, kTileA), static_cast<unsigned>(dims.batch * dims.heads));
   const dim3 key_grid(Tiles(dims.seq, kTileA), static_cast<unsigned>(dims.batch * dims.kv_heads));
+  const bool tensor_cores = AttentionOnTensorCores(type, dims, {d_o, q, k, v, dq, dk, dv});
   return DispatchFloat(type, [&](auto tag) {
     using T = decltype(tag);
     const T *d_o_t = static_cast<const T*>(d_o), *q_t = static_cast<const T*>(q),
             *k_t = static_cast<const T*>(k), *v_t = static_cast<const T*>(v);
+    if constexpr (!std::is_same_v<T, float>) {
+      if (tensor_cores) {
+        const int d = static_cast<int>(dims.head_dim);
+        return DispatchTcHeadDim(dims.head_dim, [&](auto max_d) {
+          constexpr int kMaxD = decltype(max_d)::value;
+          if (cudaError_t e = LaunchTcKernel(AttentionForwardTcKernel<T, kMaxD, true>, query_grid,
+                                             TcForwardLayout(d).bytes, stream, q_t, k_t, v_t,
+                                             static_cast<T*>(nullptr), d_o_t, lse, delta, params);
+              e != cudaSuccess) {
+            return e;
+          }
+          if (cudaError_t e =
+                  LaunchTcKernel(AttentionDqTcKernel<T, kMaxD>, query_grid, TcDqLayout(d).bytes,
+                                 stream, d_o_t, q_t, k_t, v_t, static_cast<const float*>(lse),
+                                 static_cast<const float*>(delta), static_cast<T*>(dq), params);
+              e != cudaSuccess) {
+            return e;
+          }
+          return LaunchTcKernel(AttentionDkDvTcKernel<T, kMaxD>, key_grid, TcDkDvLayout(d).bytes,
+                                stream, d_o_t, q_t, k_t, v_t, static_cast<const float*>(lse),
+                                static_cast<const float*>(delta), static_cast<T*>(dk),
+                                static_cast<T*>(dv), params);
+        });
+      }
+    }
     return DispatchHeadDim(dims.head_dim, [&](auto max_d) {
       constexpr int kMaxD = decltype(max_d)::value;
       if (cudaError_t e = LaunchAttentionKernel(

@@ -54,8 +54,10 @@ DC_HOST_DEVICE TcSmemLayout MakeTcSmemLayout(int head_dim, int tiles, int scores
   for (int i = 0; i < tiles; ++i) {
     layout.tile[i] = TakeTcSmem(&at, int64_t{kTcRows} * TcTileLd(head_dim) * 2);
   }
-  for (int i = 0; i < scores; ++i) layout.score[i] = TakeTcSmem(&at, int64_t{kTcRows} * kTcScoreLd * 4);
-  for (int i = 0; i < probs; ++i) layout.prob[i] = TakeTcSmem(&at, int64_t{kTcRows} * kTcProbLd * 2);
+  for (int i = 0; i < scores; ++i)
+    layout.score[i] = TakeTcSmem(&at, int64_t{kTcRows} * kTcScoreLd * 4);
+  for (int i = 0; i < probs; ++i)
+    layout.prob[i] = TakeTcSmem(&at, int64_t{kTcRows} * kTcProbLd * 2);
   layout.stats = TakeTcSmem(&at, int64_t{2} * kTcCols * 4);
   layout.bytes = at;
   return layout;
@@ -63,9 +65,7 @@ DC_HOST_DEVICE TcSmemLayout MakeTcSmemLayout(int head_dim, int tiles, int scores
 DC_HOST_DEVICE TcSmemLayout TcForwardLayout(int head_dim) {
   return MakeTcSmemLayout(head_dim, 3, 1, 1);
 }
-DC_HOST_DEVICE TcSmemLayout TcDqLayout(int head_dim) {
-  return MakeTcSmemLayout(head_dim, 4, 2, 1);
-}
+DC_HOST_DEVICE TcSmemLayout TcDqLayout(int head_dim) { return MakeTcSmemLayout(head_dim, 4, 2, 1); }
 DC_HOST_DEVICE TcSmemLayout TcDkDvLayout(int head_dim) {
   return MakeTcSmemLayout(head_dim, 4, 2, 2);
 }
@@ -186,8 +186,8 @@ DC_DEVICE void WarpStoreAcc(MmaAcc (&acc)[kMaxD / 16], float row_scale, float* s
 // sum_d acc[row][d] * row_scale * other[d] for row L / 2 of the warp (`other`: that row of
 // another tensor, or null for none); both lanes of the row get it.
 template <typename T, int kMaxD>
-DC_DEVICE float WarpRowDot(MmaAcc (&acc)[kMaxD / 16], float row_scale, const T* other,
-                           int head_dim, float* staging) {
+DC_DEVICE float WarpRowDot(MmaAcc (&acc)[kMaxD / 16], float row_scale, const T* other, int head_dim,
+                           float* staging) {
   float dot = 0.0f;
   ForEachStagedBlock<kMaxD>(acc, head_dim, staging, false, [&](int j, float* staged, int c) {
     if (other == nullptr) return;
@@ -316,15 +316,14 @@ DC_GLOBAL void DC_LAUNCH_BOUNDS(kTcThreads)
       const int col = half * 32 + c;
       const int64_t kj = k0 + col;
       const bool visible = kj <= qi && kj < p.seq && qi < p.seq;
-      const float prob =
-          visible ? expf(ss[row * kTcScoreLd + col] * p.scale - row_lse) : 0.0f;
+      const float prob = visible ? expf(ss[row * kTcScoreLd + col] * p.scale - row_lse) : 0.0f;
       dss[row * kTcProbLd + col] = FromF32<T>(prob * (dps[row * kTcScoreLd + col] - row_delta));
     }
     SyncWarp();
     WarpAccumulate<T, kMaxD>(dss + r0 * kTcProbLd, ks, ld, head_dim, acc);
   }
-  WarpStoreAcc<T, kMaxD>(acc, p.scale, ss + r0 * kTcScoreLd, dq + q_offset, q_stride, q0, r0,
-                         p.seq, head_dim);
+  WarpStoreAcc<T, kMaxD>(acc, p.scale, ss + r0 * kTcScoreLd, dq + q_offset, q_stride, q0, r0, p.seq,
+                         head_dim);
 }
 
 template <typename T, int kMaxD>

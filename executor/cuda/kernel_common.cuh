@@ -72,6 +72,12 @@ DC_DEVICE T WarpSum(T v) {
   return v;
 }
 
+// The largest of the warp's values, on every lane.
+DC_DEVICE float WarpMax(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, ShflXor(v, offset));
+  return v;
+}
+
 // Sum over the block (blockDim.x a multiple of 32); every thread gets the total. `scratch` is
 // 32 T of shared memory; the trailing barrier lets the caller reuse it at once.
 template <typename T>

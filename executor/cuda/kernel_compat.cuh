@@ -6,7 +6,9 @@
 //
 // Rules for kernel code: 1-D blocks whose size is a multiple of 32; warp shuffles through
 // ShflXor only, executed by all 32 lanes; shared memory through DC_SHARED and
-// DC_DYNAMIC_SMEM; atomics through the wrappers below; no device-runtime calls.
+// DC_DYNAMIC_SMEM (or DC_DYNAMIC_SMEM_BYTES); tensor-core tiles through the Mma* functions, with
+// SyncWarp between lanes' shared-memory writes and the warp's loads of them; atomics through the
+// wrappers below; no device-runtime calls.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -19,7 +21,10 @@
 
 #if defined(__CUDACC__)
 
+#include <mma.h>
+
 #define DC_DEVICE __device__ __forceinline__
+#define DC_HOST_DEVICE __host__ __device__ inline
 #define DC_GLOBAL __global__
 #define DC_SHARED __shared__
 #define DC_LAUNCH_BOUNDS(threads) __launch_bounds__(threads)
@@ -29,9 +34,52 @@
   extern __shared__ __align__(16) unsigned char dc_dynamic_smem_[]; \
   type* name = reinterpret_cast<type*>(dc_dynamic_smem_)
 
+// Declares `name`, an `unsigned char*` to the block's dynamic shared memory, 128-byte aligned
+// (tensor-core fragments load from 32-byte aligned addresses).
+#define DC_DYNAMIC_SMEM_BYTES(name)                                        \
+  extern __shared__ __align__(128) unsigned char dc_dynamic_smem_bytes_[]; \
+  unsigned char* name = dc_dynamic_smem_bytes_
+
 namespace dc::cuda_kernels {
 
 DC_DEVICE void SyncThreads() { __syncthreads(); }
+DC_DEVICE void SyncWarp() { __syncwarp(); }
+
+// Copies 16 bytes between 16-byte aligned addresses.
+DC_DEVICE void Copy16(void* dst, const void* src) {
+  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+}
+
+// Tensor-core tiles (nvcuda::wmma): a warp multiplies 16 x 16 tiles of a 16-bit type (__half,
+// __nv_bfloat16) into a 16 x 16 fp32 accumulator. Operands load from shared memory (32-byte
+// aligned tile starts, leading dimensions a multiple of 8 elements; 4 for fp32). Every lane
+// of the warp calls each of these with the same arguments.
+template <typename T>
+using MmaA = nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, T, nvcuda::wmma::row_major>;
+template <typename T>  // element (k, n) at p[k * ld + n]
+using MmaBRow =
+    nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, T, nvcuda::wmma::row_major>;
+template <typename T>  // element (k, n) at p[n * ld + k]: the transpose of a row-major tile
+using MmaBCol =
+    nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, T, nvcuda::wmma::col_major>;
+using MmaAcc = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float>;
+
+template <typename Fragment, typename T>
+DC_DEVICE void MmaLoad(Fragment& fragment, const T* p, int ld) {
+  nvcuda::wmma::load_matrix_sync(fragment, p, static_cast<unsigned>(ld));
+}
+DC_DEVICE void MmaLoadAcc(MmaAcc& acc, const float* p, int ld) {
+  nvcuda::wmma::load_matrix_sync(acc, p, static_cast<unsigned>(ld), nvcuda::wmma::mem_row_major);
+}
+DC_DEVICE void MmaStoreAcc(float* p, const MmaAcc& acc, int ld) {
+  nvcuda::wmma::store_matrix_sync(p, acc, static_cast<unsigned>(ld), nvcuda::wmma::mem_row_major);
+}
+DC_DEVICE void MmaZero(MmaAcc& acc) { nvcuda::wmma::fill_fragment(acc, 0.0f); }
+// acc += a * b
+template <typename A, typename B>
+DC_DEVICE void Mma(MmaAcc& acc, const A& a, const B& b) {
+  nvcuda::wmma::mma_sync(acc, a, b, acc);
+}
 
 template <typename T>
 DC_DEVICE T ShflXor(T value, int lane_mask) {
@@ -81,6 +129,7 @@ inline cudaError_t MemsetZeroAsync(void* data, int64_t bytes, cudaStream_t strea
 #include "executor/cuda/kernel_emulator.h"
 
 #define DC_DEVICE inline
+#define DC_HOST_DEVICE inline
 #define DC_GLOBAL
 #define DC_SHARED static
 #define DC_LAUNCH_BOUNDS(threads)
@@ -92,9 +141,81 @@ inline cudaError_t MemsetZeroAsync(void* data, int64_t bytes, cudaStream_t strea
 #define blockDim (::dc::emu::block_dim)
 #define gridDim (::dc::emu::grid_dim)
 
+#define DC_DYNAMIC_SMEM_BYTES(name) unsigned char* name = ::dc::emu::DynamicSmem()
+
 namespace dc::cuda_kernels {
 
 inline void SyncThreads() { ::dc::emu::SyncThreads(); }
+inline void SyncWarp() { ::dc::emu::Yield(::dc::emu::FiberState::kAtWarpBarrier); }
+
+inline void Copy16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+
+// The tensor-core tiles, each lane holding the whole 16 x 16 tile in fp32: the same products
+// (16-bit operands are exact in fp32) with the layouts the GPU's loads and stores use. Loads and
+// stores are the warp's collective operations, as on the GPU: a load reads what every lane
+// wrote before it, and no lane writes until every lane has loaded (a warp barrier on each side).
+struct EmuTile {
+  float v[16][16];
+};
+template <typename T>
+struct MmaA : EmuTile {};
+template <typename T>
+struct MmaBRow : EmuTile {};
+template <typename T>
+struct MmaBCol : EmuTile {};
+struct MmaAcc : EmuTile {};
+
+inline float EmuToF32(__nv_bfloat16 v) { return __bfloat162float(v); }
+inline float EmuToF32(__half v) { return __half2float(v); }
+
+template <typename T>
+void MmaLoad(MmaA<T>& a, const T* p, int ld) {
+  SyncWarp();
+  for (int r = 0; r < 16; ++r) {
+    for (int c = 0; c < 16; ++c) a.v[r][c] = EmuToF32(p[r * ld + c]);
+  }
+  SyncWarp();
+}
+template <typename T>
+void MmaLoad(MmaBRow<T>& b, const T* p, int ld) {
+  SyncWarp();
+  for (int k = 0; k < 16; ++k) {
+    for (int n = 0; n < 16; ++n) b.v[k][n] = EmuToF32(p[k * ld + n]);
+  }
+  SyncWarp();
+}
+template <typename T>
+void MmaLoad(MmaBCol<T>& b, const T* p, int ld) {
+  SyncWarp();
+  for (int k = 0; k < 16; ++k) {
+    for (int n = 0; n < 16; ++n) b.v[k][n] = EmuToF32(p[n * ld + k]);
+  }
+  SyncWarp();
+}
+inline void MmaLoadAcc(MmaAcc& acc, const float* p, int ld) {
+  SyncWarp();
+  for (int r = 0; r < 16; ++r) {
+    for (int c = 0; c < 16; ++c) acc.v[r][c] = p[r * ld + c];
+  }
+  SyncWarp();
+}
+inline void MmaStoreAcc(float* p, const MmaAcc& acc, int ld) {
+  SyncWarp();
+  for (int r = 0; r < 16; ++r) {
+    for (int c = 0; c < 16; ++c) p[r * ld + c] = acc.v[r][c];
+  }
+}
+inline void MmaZero(MmaAcc& acc) { acc = MmaAcc{}; }
+template <typename A, typename B>
+void Mma(MmaAcc& acc, const A& a, const B& b) {
+  for (int r = 0; r < 16; ++r) {
+    for (int n = 0; n < 16; ++n) {
+      float sum = acc.v[r][n];
+      for (int k = 0; k < 16; ++k) sum += a.v[r][k] * b.v[k][n];
+      acc.v[r][n] = sum;
+    }
+  }
+}
 
 template <typename T>
 T ShflXor(T value, int lane_mask) {

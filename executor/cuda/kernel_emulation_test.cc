@@ -299,6 +299,9 @@ void CheckAttention(const AttentionCase& c, ck::FloatType type, std::mt19937* rn
   Tensor o = Zeros(q.shape, type);
   RunCpu(MakeOp(op_kind::kAttention, ints), {q.Ref(), k.Ref(), v.Ref()}, {o.Ref()});
   const ck::AttentionDims dims{c.batch, c.seq, c.heads, c.kv_heads, c.head_dim};
+  // The 16-bit types take the tensor-core kernels where head_dim is a multiple of 16.
+  EXPECT_EQ(ck::AttentionOnTensorCores(type, dims, {q.Dev(), k.Dev(), v.Dev(), o.Dev()}),
+            type != ck::FloatType::kF32 && c.head_dim % 16 == 0 && c.head_dim <= 128);
   ExpectOk(ck::Attention(type, dims, q.Dev(), k.Dev(), v.Dev(), o.Dev(), nullptr));
   ExpectClose(o, type, Tolerance(type), "o");
 
@@ -320,6 +323,12 @@ TEST_P(Emulated, AttentionSeveralTiles) { CheckAttention({1, 139, 2, 1, 8}, type
 // head_dim 72 runs the 128-wide kernels with partial column groups.
 TEST_P(Emulated, AttentionWideHeads) { CheckAttention({1, 70, 2, 2, 72}, type(), &rng_); }
 TEST_P(Emulated, AttentionWidestHeads) { CheckAttention({1, 33, 1, 1, 130}, type(), &rng_); }
+// The tensor-core kernels (16-bit types): several 64-row tiles each way, a partial last tile,
+// grouped queries, and the widest head they take.
+TEST_P(Emulated, AttentionTensorCoreTiles) { CheckAttention({2, 139, 4, 2, 32}, type(), &rng_); }
+TEST_P(Emulated, AttentionTensorCoreWideHeads) {
+  CheckAttention({1, 70, 2, 1, 128}, type(), &rng_);
+}
 
 TEST_P(Emulated, Swiglu) {
   Tensor gate = Random({5, 67}, type(), &rng_), up = Random({5, 67}, type(), &rng_);

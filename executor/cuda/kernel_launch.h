@@ -9,6 +9,7 @@
 #include <driver_types.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 namespace dc::cuda_kernels {
 
@@ -57,6 +58,11 @@ inline constexpr int64_t kAttentionMaxHeadDim = 256;
 // Dynamic shared memory of the largest attention kernel for this head_dim (forward or
 // backward), for the caller to compare with the device's per-block limit.
 int64_t AttentionSmemBytes(int64_t head_dim, bool backward);
+// Whether Attention and AttentionBackward run on the tensor cores for these operands: 16-bit
+// types, head_dim a multiple of 16 up to 128, every operand 16-byte aligned (else the fp32
+// CUDA-core kernels, which take any head_dim up to kAttentionMaxHeadDim).
+bool AttentionOnTensorCores(FloatType type, const AttentionDims& dims,
+                            std::initializer_list<const void*> operands);
 // The grid's y extent is batch * heads: at most this many.
 inline constexpr int64_t kAttentionMaxBatchHeads = 65535;
 cudaError_t Attention(FloatType type, const AttentionDims& dims, const void* q, const void* k,

@@ -364,12 +364,40 @@ DC_GLOBAL void DC_LAUNCH_BOUNDS(kThreadsPerBlock) AddKernel(AddInputs<T> in, T* 
   }
 }
 
+// y = a + b, 16 bytes of each per thread and step (a, b and y 16-byte aligned): the residual
+// adds of every layer, where AddKernel's inputs, indexed at run time, cost a tenth of the
+// memory's speed.
+template <typename T>
+DC_GLOBAL void DC_LAUNCH_BOUNDS(kThreadsPerBlock)
+    Add2Kernel(const T* a, const T* b, T* y, int64_t n) {
+  constexpr int kVector = 16 / static_cast<int>(sizeof(T));
+  const int64_t vectors = n / kVector;
+  for (int64_t i = GlobalThreadIndex(); i < vectors; i += GridThreads()) {
+    alignas(16) T x[kVector], z[kVector];
+    Copy16(x, a + i * kVector);
+    Copy16(z, b + i * kVector);
+    DC_UNROLL
+    for (int e = 0; e < kVector; ++e) x[e] = FromF32<T>(ToF32(x[e]) + ToF32(z[e]));
+    Copy16(y + i * kVector, x);
+  }
+  for (int64_t i = vectors * kVector + GlobalThreadIndex(); i < n; i += GridThreads()) {
+    y[i] = FromF32<T>(ToF32(a[i]) + ToF32(b[i]));
+  }
+}
+
 // More than kAddInputsPerPass inputs take several passes, each adding the next inputs to y; in
 // fp32 the sum and its order are the CPU backend's, in bf16 / fp16 y is rounded between passes.
 cudaError_t AddN(FloatType type, const void* const* inputs, int num_inputs, void* y, int64_t n,
                  cudaStream_t stream) {
   return DispatchFloat(type, [&](auto tag) {
     using T = decltype(tag);
+    const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    if (num_inputs == 2 && aligned(inputs[0]) && aligned(inputs[1]) && aligned(y)) {
+      constexpr int64_t kVector = 16 / static_cast<int64_t>(sizeof(T));
+      return LaunchKernel(Add2Kernel<T>, ElementwiseGrid((n + kVector - 1) / kVector),
+                          dim3(kThreadsPerBlock), 0, stream, static_cast<const T*>(inputs[0]),
+                          static_cast<const T*>(inputs[1]), static_cast<T*>(y), n);
+    }
     int next = 0;
     bool first_pass = true;
     while (next < num_inputs) {

@@ -137,11 +137,6 @@ cudaError_t MoeLayout(const int32_t* experts, int64_t slots, int64_t num_experts
 // ---------------------------------------------------------------------------------------------
 // moe_router
 
-DC_DEVICE float WarpMax(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, ShflXor(v, offset));
-  return v;
-}
-
 // The fp32 softmax of one row, reduced across a warp (lanes stride the row).
 struct WarpSoftmax {
   float max, sum;
