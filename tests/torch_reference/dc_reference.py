@@ -108,7 +108,7 @@ def rope(x, heads, head_dim, theta):
     half = head_dim // 2
     inv_freq = theta ** (-2.0 * torch.arange(half, dtype=DTYPE) / head_dim)
     angle = torch.arange(s, dtype=DTYPE)[:, None] * inv_freq[None, :]  # [S, half]
-    cos, sin = angle.cos(), angle.sin()
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
     x = x.view(b, s, heads, head_dim)
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
@@ -233,6 +233,19 @@ def compare(what, dc, ref, tolerance, report, metric=relative_difference):
     return failures
 
 
+def compare_to_peer(what, dc, peer, ref, factor, rounding, report, metric):
+    """dc's differences from the float64 reference, each held to `factor` times the largest of
+    the peer's (PyTorch in the same low precision) over the tensors, and at least `rounding`."""
+    peer_worst = max(metric(peer[name], ref[name]) for name in ref)
+    tolerance = max(factor * peer_worst, rounding)
+    failures = compare(what, dc, ref, tolerance, report, metric)
+    report.setdefault("peer " + what, {}).update(
+        {name: metric(peer[name], ref[name]) for name in ref})
+    print(f"{what}: PyTorch's largest relative difference {peer_worst:.3g} "
+          f"(dc's tolerance {tolerance:.3g})")
+    return failures
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--weights", required=True, help="dc-run --export directory: the start")
@@ -249,6 +262,12 @@ def main():
     ap.add_argument("--eval-data", help="held-out token file dc evaluated W0 on (--eval-data)")
     ap.add_argument("--eval-batches", type=int, default=1)
     ap.add_argument("--dc-eval-loss", type=float, help="dc's evaluation loss of W0")
+    ap.add_argument("--peer-dtype", choices=["bf16"],
+                    help="dc computed in this type: hold its differences from the float64 "
+                    "reference to --peer-factor times PyTorch's own in that type (the same model, "
+                    "weights and batches with params and activations in it, fp32 AdamW masters), "
+                    "and at least the type's rounding, instead of the fixed tolerances")
+    ap.add_argument("--peer-factor", type=float, default=2.0)
     ap.add_argument("--json", help="write the differences here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -270,7 +289,9 @@ def main():
     loss.backward()
     print(f"loss: reference {loss.item():.9f}" +
           (f", dc {args.dc_loss:.9f}" if args.dc_loss is not None else ""))
-    if args.dc_loss is not None:
+    if args.peer_dtype and (args.dc_loss is None or args.eval_data):
+        raise SystemExit("--peer-dtype needs --dc-loss and takes no --eval-data")
+    if args.dc_loss is not None and not args.peer_dtype:
         d = abs(args.dc_loss - loss.item()) / abs(loss.item())
         report["loss"] = d
         print(f"loss: relative difference {d:.3g}")
@@ -293,8 +314,28 @@ def main():
                 failures.append(f"eval loss differs by {d:.3g} relative "
                                 f"(tolerance {args.grad_tolerance:g})")
     grads = {n: p.grad.detach() for n, p in params.items()}
-    failures += compare("grads", read_safetensors(f"{args.dump}/grads.safetensors"), grads,
-                        args.grad_tolerance, report)
+    dc_grads = read_safetensors(f"{args.dump}/grads.safetensors")
+    if args.peer_dtype:
+        # PyTorch in the peer type, from the same start: its loss and gradients' differences
+        # from the float64 reference set the bar for dc's.
+        peer_type = {"bf16": torch.bfloat16}[args.peer_dtype]
+        rounding = 2.0 ** -8  # bf16's unit roundoff: 8 significant bits
+        peer = {n: t.to(peer_type).requires_grad_(True) for n, t in start.items()}
+        peer_loss = step_loss(peer, cfg, run, data, run["step"])
+        peer_loss.backward()
+        peer_d = abs(peer_loss.item() - loss.item()) / abs(loss.item())
+        d = abs(args.dc_loss - loss.item()) / abs(loss.item())
+        tolerance = max(args.peer_factor * peer_d, rounding)
+        report["loss"], report["peer_loss"] = d, peer_d
+        print(f"loss: relative difference dc {d:.3g}, PyTorch {args.peer_dtype} {peer_d:.3g} "
+              f"(tolerance {tolerance:.3g})")
+        if not d <= tolerance:
+            failures.append(f"loss differs by {d:.3g} relative (tolerance {tolerance:.3g})")
+        peer_grads = {n: p.grad.detach().to(DTYPE) for n, p in peer.items()}
+        failures += compare_to_peer("grads", dc_grads, peer_grads, grads, args.peer_factor,
+                                    rounding, report, relative_difference)
+    else:
+        failures += compare("grads", dc_grads, grads, args.grad_tolerance, report)
 
     if args.after:
         # dc's AdamW: PyTorch's, with weight decay on the matrices only.
@@ -318,6 +359,29 @@ def main():
         if max_norm > 0 and clipped_steps == 0:
             failures.append(f"--clip-grad-norm {max_norm:g} clipped none of the {args.steps} "
                             "steps; set it lower so that the test exercises clipping")
+        if args.peer_dtype:
+            # PyTorch's mixed precision as dc's: fp32 masters and AdamW, each step's forward and
+            # backward in the peer type from the masters rounded to it.
+            masters = {n: t.float().requires_grad_(True) for n, t in start.items()}
+            groups = [{"params": [p for p in masters.values() if p.dim() >= 2],
+                       "weight_decay": run["weight_decay"]},
+                      {"params": [p for p in masters.values() if p.dim() < 2], "weight_decay": 0.0}]
+            peer_opt = torch.optim.AdamW(groups, lr=run["lr"], betas=(run["beta1"], run["beta2"]),
+                                         eps=run["adam_eps"])
+            for step in range(run["step"], run["step"] + args.steps):
+                low = {n: p.detach().to(peer_type).requires_grad_(True) for n, p in masters.items()}
+                step_loss(low, cfg, run, data, step).backward()
+                for n, p in masters.items():
+                    p.grad = low[n].grad.float()
+                if max_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(list(masters.values()), max_norm)
+                peer_opt.step()
+            ref = {n: p.detach() for n, p in params.items()}
+            peer_after = {n: p.detach().to(DTYPE) for n, p in masters.items()}
+            failures += compare_to_peer(f"weights after {args.steps} steps (L2)",
+                                        read_model(args.after), peer_after, ref, args.peer_factor,
+                                        rounding, report, l2_relative_difference)
+            return finish(args, report, failures)
         # Adam divides by sqrt(v) + eps: where a gradient is near eps (1e-8) a rounding error in
         # it moves that element's update by up to lr, which momentum carries on; PyTorch's own
         # fp32 AdamW shows the same (README, "Parity with PyTorch"). So the weights are held to
@@ -328,6 +392,10 @@ def main():
                             args.weight_tolerance, report, l2_relative_difference)
         failures += compare(f"weights after {args.steps} steps (max)", dc, ref,
                             args.weight_element_tolerance, report)
+    return finish(args, report, failures)
+
+
+def finish(args, report, failures):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, sort_keys=True)

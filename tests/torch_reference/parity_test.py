@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """dc against the PyTorch reference (dc_reference.py) on one model, world size and accumulation:
 
-    parity_test.py BUILD_DIR PRESET WORLD GAS [bf16-weights] [--backend cuda]
+    parity_test.py BUILD_DIR PRESET WORLD GAS [bf16-weights] [--backend cuda [--dtype bf16]]
                    [--clip-grad-norm MAX]
 
 Plans PRESET with dc-plan --synthetic on a small seeded token file, trains one step from dc's
@@ -11,7 +11,10 @@ gradients (1e-5 relative) and the weights after 5 AdamW steps (dc_reference.py's
 With bf16-weights the start is W0 rounded to bf16 and saved in HF's sharded layout (index and
 two files), as a published bf16 checkpoint is: dc widens bf16 exactly, so the same tolerances.
 With --backend cuda the plan is for an H100 in fp32 (--dtype f32) and dc-run trains on the GPU:
-the same reference and tolerances hold the cuda kernels to PyTorch. With --clip-grad-norm the
+the same reference and tolerances hold the cuda kernels to PyTorch; with --dtype bf16 the plan
+computes in bf16 (fp32 masters), and dc's differences from the float64 reference are held to
+twice PyTorch's own in bf16 from the same start (dc_reference.py --peer-dtype), and at least
+bf16's rounding (2^-8). With --clip-grad-norm the
 plan clips the grads by their global norm, and the reference applies
 torch.nn.utils.clip_grad_norm_ before each AdamW step (it fails if no step clipped).
 """
@@ -82,6 +85,14 @@ def main():
         del args[i:i + 2]
     if backend not in ("cpu", "cuda"):
         sys.exit(f"parity_test.py: --backend {backend}: expected cpu or cuda")
+    dtype = "f32"
+    if "--dtype" in args:
+        i = args.index("--dtype")
+        dtype = args[i + 1]
+        del args[i:i + 2]
+    if dtype not in ("f32", "bf16") or (dtype == "bf16" and backend != "cuda"):
+        sys.exit(f"parity_test.py: --dtype {dtype}: expected f32, or bf16 with --backend cuda "
+                 "(the cpu backend computes in fp32)")
     clip = []
     if "--clip-grad-norm" in args:
         i = args.index("--clip-grad-norm")
@@ -90,7 +101,8 @@ def main():
     build, preset, world, gas = args[0], args[1], args[2], args[3]
     bf16 = len(args) > 4 and args[4] == "bf16-weights"
     hardware = ["--hardware", "cpu"] if backend == "cpu" else ["--hardware", "h100-sxm",
-                                                              "--dtype", "f32"]
+                                                              "--dtype", dtype]
+    peer = ["--peer-dtype", dtype] if dtype != "f32" else []
     steps = "5"
     tools = os.path.join(build, "tools")
     with tempfile.TemporaryDirectory(prefix=f"dc-parity-{preset}-") as d:
@@ -115,7 +127,7 @@ def main():
                                         "--export", w5]))
         result = subprocess.run(
             [sys.executable, os.path.join(HERE, "dc_reference.py"), "--weights", w0, "--dump",
-             grads, "--dc-loss", repr(out["losses"][0]), "--after", w5, "--steps", steps])
+             grads, "--dc-loss", repr(out["losses"][0]), "--after", w5, "--steps", steps, *peer])
         return result.returncode
 
 
