@@ -12,9 +12,11 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 #include "analyzer/kineto.h"
 #include "analyzer/limits.h"
@@ -145,6 +147,34 @@ TimelineData PlanData(const std::string& path, const proto::Schedule& plan, cons
   return data;
 }
 
+// The costs a synthetic plan was made with, where a built-in hardware profile on some node
+// shape of the plan's world gives its profile digest: dc-trace diff run.db plan.dcplan then
+// compares with the plan's own prediction without being told the --hardware. nullopt for a plan
+// made from a trace or a profile file.
+std::optional<PlanCosts> BuiltinCostsOf(const proto::Schedule& plan, int gpus_per_node) {
+  if (plan.profile_digest().empty()) return std::nullopt;
+  StatusOr<std::vector<HardwareProfile>> profiles = HardwareProfiles();
+  if (!profiles.ok()) return std::nullopt;
+  std::vector<int> shapes = {gpus_per_node};
+  for (int per_node : {8, 4, 2, 1, 16}) {
+    if (per_node != gpus_per_node) shapes.push_back(per_node);
+  }
+  for (const HardwareProfile& hw : *profiles) {
+    for (int per_node : shapes) {
+      StatusOr<ClusterShape> cluster = MakeCluster(plan.world_size(), per_node);
+      if (!cluster.ok() || !ValidateCluster(hw, *cluster).ok()) continue;
+      PlanCosts result;
+      result.costs = EstimateCostModel(plan.program(), hw, *cluster);
+      if (Sha256Hex(CostModelText(result.costs)) != plan.profile_digest()) continue;
+      result.note = "re-simulated with " + hw.name + " on " + std::to_string(cluster->nodes) +
+                    " node(s) of " + std::to_string(cluster->gpus_per_node) +
+                    " rank(s): the costs the plan was made with (found by its profile digest)";
+      return result;
+    }
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 std::unique_ptr<Timeline> PlanTimeline(const std::string& path, const proto::Schedule& plan,
@@ -176,6 +206,7 @@ StatusOr<PlanCosts> CostsForPlan(const proto::Schedule& plan, const PlanCostSour
     return result;
   }
   if (profile_trace.empty()) {
+    if (std::optional<PlanCosts> own = BuiltinCostsOf(plan, source.gpus_per_node)) return *own;
     if (plan.backend() == "cpu") {
       DC_ASSIGN_OR_RETURN(HardwareProfile cpu, FindHardware("cpu"));
       ApplyConcurrency(cpu, &result.costs);

@@ -33,7 +33,8 @@ std::unique_ptr<Timeline> PlanTimeline(const std::string& path, const proto::Sch
 // Where a plan's re-simulation takes its costs: the profile of a dc trace of the plan's program;
 // or a hardware profile (a built-in name or a profile file, as dc-plan --hardware) on the plan's
 // world in nodes of `gpus_per_node`, which gives a synthetic plan the very costs it was made with;
-// or, with neither, the default CostModel (serial streams for the cpu backend).
+// or, with neither, the built-in profile and node shape whose costs have the plan's profile digest
+// (a synthetic plan's own costs), else the default CostModel (serial streams for the cpu backend).
 struct PlanCostSource {
   std::string profile_trace;
   std::string hardware;

@@ -524,6 +524,27 @@ TEST(CostsForPlan, TheHardwareAPlanWasMadeWithGivesItsPrediction) {
   EXPECT_FALSE(CostsForPlan(*plan, source("", "no-such-gpu", 8)).ok());
   auto odd = CostsForPlan(*plan, source("", "h100-sxm", 3));
   EXPECT_FALSE(odd.ok());  // 16 ranks are not whole nodes of 3
+
+  // Told nothing, the plan's profile digest finds the built-in profile and node shape it was
+  // made with, whatever --gpus-per-node says.
+  for (int per_node : {8, 2}) {
+    auto found = CostsForPlan(*plan, source("", "", per_node));
+    ASSERT_TRUE(found.ok()) << found.status().message();
+    EXPECT_NE(found->note.find("h100-sxm on 2 node(s) of 8 rank(s): the costs the plan was made "
+                               "with (found by its profile digest)"),
+              std::string::npos)
+        << found->note;
+    auto resimulated = Simulate(*plan, found->costs);
+    ASSERT_TRUE(resimulated.ok());
+    EXPECT_DOUBLE_EQ(resimulated->step_seconds, plan->prediction().step_seconds());
+  }
+  // A plan whose costs no built-in profile gives is re-simulated with the default model, and
+  // says so.
+  proto::Schedule foreign = *plan;
+  foreign.set_profile_digest(std::string(64, '0'));
+  auto fallback = CostsForPlan(foreign, source("", "", 8));
+  ASSERT_TRUE(fallback.ok());
+  EXPECT_NE(fallback->note.find("default cost model"), std::string::npos) << fallback->note;
 }
 }  // namespace
 }  // namespace dc
