@@ -42,6 +42,21 @@ struct AttnParams {
   float scale;
 };
 
+// Row strides of q (o, dO) and k (v), and where query head `bh` (batch * heads + head) and its
+// kv head start in them.
+struct HeadOffsets {
+  int64_t q_stride, kv_stride, q_offset, kv_offset;
+};
+DC_DEVICE HeadOffsets QueryHead(const AttnParams& p, int64_t bh) {
+  const int64_t b = bh / p.heads, h = bh % p.heads, kv_head = h / (p.heads / p.kv_heads);
+  HeadOffsets offsets;
+  offsets.q_stride = p.heads * p.head_dim;
+  offsets.kv_stride = p.kv_heads * p.head_dim;
+  offsets.q_offset = b * p.seq * offsets.q_stride + h * p.head_dim;
+  offsets.kv_offset = b * p.seq * offsets.kv_stride + kv_head * p.head_dim;
+  return offsets;
+}
+
 DC_DEVICE int ThreadRow() { return static_cast<int>(threadIdx.x) / 16; }
 DC_DEVICE int ThreadCol() { return static_cast<int>(threadIdx.x) % 16; }
 
@@ -166,11 +181,8 @@ DC_GLOBAL void DC_LAUNCH_BOUNDS(kAttnThreads)
   float* ps = vs + kTileB * ld;
   const int ty = ThreadRow(), tx = ThreadCol();
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kTileA;
-  const int64_t bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
-  const int64_t kv_head = h / (p.heads / p.kv_heads);
-  const int64_t q_stride = p.heads * p.head_dim, kv_stride = p.kv_heads * p.head_dim;
-  const int64_t q_offset = b * p.seq * q_stride + h * p.head_dim;
-  const int64_t kv_offset = b * p.seq * kv_stride + kv_head * p.head_dim;
+  const int64_t bh = blockIdx.y;
+  const auto [q_stride, kv_stride, q_offset, kv_offset] = QueryHead(p, bh);
   LoadTile(qs, ld, q + q_offset, q_stride, q0, kTileA, p.seq, head_dim);
 
   float m[kThreadRows], l[kThreadRows], acc[kThreadRows][kMaxD / 16];
@@ -257,11 +269,8 @@ DC_GLOBAL void DC_LAUNCH_BOUNDS(kAttnThreads)
   float* ds = vs + kTileB * ld;
   const int ty = ThreadRow(), tx = ThreadCol();
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kTileA;
-  const int64_t bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
-  const int64_t kv_head = h / (p.heads / p.kv_heads);
-  const int64_t q_stride = p.heads * p.head_dim, kv_stride = p.kv_heads * p.head_dim;
-  const int64_t q_offset = b * p.seq * q_stride + h * p.head_dim;
-  const int64_t kv_offset = b * p.seq * kv_stride + kv_head * p.head_dim;
+  const int64_t bh = blockIdx.y;
+  const auto [q_stride, kv_stride, q_offset, kv_offset] = QueryHead(p, bh);
   LoadTile(qs, ld, q + q_offset, q_stride, q0, kTileA, p.seq, head_dim);
   LoadTile(dos, ld, d_o + q_offset, q_stride, q0, kTileA, p.seq, head_dim);
   float row_lse[kThreadRows], row_delta[kThreadRows];
@@ -319,8 +328,9 @@ DC_GLOBAL void DC_LAUNCH_BOUNDS(kAttnThreads)
   const int64_t k0 = static_cast<int64_t>(blockIdx.x) * kTileA;
   const int64_t bg = blockIdx.y, b = bg / p.kv_heads, kv_head = bg % p.kv_heads;
   const int64_t group = p.heads / p.kv_heads;
-  const int64_t q_stride = p.heads * p.head_dim, kv_stride = p.kv_heads * p.head_dim;
-  const int64_t kv_offset = b * p.seq * kv_stride + kv_head * p.head_dim;
+  const HeadOffsets first = QueryHead(p, b * p.heads + kv_head * group);  // the group's first
+  const int64_t q_stride = first.q_stride, kv_stride = first.kv_stride;
+  const int64_t kv_offset = first.kv_offset;
   LoadTile(ks, ld, k + kv_offset, kv_stride, k0, kTileA, p.seq, head_dim);
   LoadTile(vs, ld, v + kv_offset, kv_stride, k0, kTileA, p.seq, head_dim);
   float dk_acc[kThreadRows][kMaxD / 16], dv_acc[kThreadRows][kMaxD / 16];
@@ -329,7 +339,7 @@ DC_GLOBAL void DC_LAUNCH_BOUNDS(kAttnThreads)
   for (int64_t i = 0; i < group; ++i) {
     const int64_t h = kv_head * group + i;
     const int64_t bh = b * p.heads + h;
-    const int64_t q_offset = b * p.seq * q_stride + h * p.head_dim;
+    const int64_t q_offset = QueryHead(p, bh).q_offset;
     // Only queries at or after the first key of this tile see it.
     for (int64_t q0 = (k0 / kTileB) * kTileB; q0 < p.seq; q0 += kTileB) {
       SyncThreads();

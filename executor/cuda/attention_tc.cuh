@@ -215,11 +215,8 @@ DC_GLOBAL void DC_LAUNCH_BOUNDS(kTcThreads)
   const int row = r0 + lane / 2, half = lane % 2;  // the half row this lane keeps
   float* staging = ss + r0 * kTcScoreLd;           // the warp's rows of the score tile
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kTcRows, qi = q0 + row;
-  const int64_t bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
-  const int64_t kv_head = h / (p.heads / p.kv_heads);
-  const int64_t q_stride = p.heads * p.head_dim, kv_stride = p.kv_heads * p.head_dim;
-  const int64_t q_offset = b * p.seq * q_stride + h * p.head_dim;
-  const int64_t kv_offset = b * p.seq * kv_stride + kv_head * p.head_dim;
+  const int64_t bh = blockIdx.y;
+  const auto [q_stride, kv_stride, q_offset, kv_offset] = QueryHead(p, bh);
   LoadTcTile(qs, ld, q + q_offset, q_stride, q0, p.seq, head_dim);
   MmaAcc acc[kMaxD / 16];
   DC_UNROLL
@@ -291,11 +288,8 @@ DC_GLOBAL void DC_LAUNCH_BOUNDS(kTcThreads)
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
   const int r0 = warp * 16, row = r0 + lane / 2, half = lane % 2;
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kTcRows, qi = q0 + row;
-  const int64_t bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
-  const int64_t kv_head = h / (p.heads / p.kv_heads);
-  const int64_t q_stride = p.heads * p.head_dim, kv_stride = p.kv_heads * p.head_dim;
-  const int64_t q_offset = b * p.seq * q_stride + h * p.head_dim;
-  const int64_t kv_offset = b * p.seq * kv_stride + kv_head * p.head_dim;
+  const int64_t bh = blockIdx.y;
+  const auto [q_stride, kv_stride, q_offset, kv_offset] = QueryHead(p, bh);
   LoadTcTile(qs, ld, q + q_offset, q_stride, q0, p.seq, head_dim);
   LoadTcTile(dos, ld, d_o + q_offset, q_stride, q0, p.seq, head_dim);
   const float row_lse = qi < p.seq ? lse[bh * p.seq + qi] : 0.0f;
@@ -348,8 +342,9 @@ DC_GLOBAL void DC_LAUNCH_BOUNDS(kTcThreads)
   const int64_t k0 = static_cast<int64_t>(blockIdx.x) * kTcRows, kj = k0 + row;
   const int64_t bg = blockIdx.y, b = bg / p.kv_heads, kv_head = bg % p.kv_heads;
   const int64_t group = p.heads / p.kv_heads;
-  const int64_t q_stride = p.heads * p.head_dim, kv_stride = p.kv_heads * p.head_dim;
-  const int64_t kv_offset = b * p.seq * kv_stride + kv_head * p.head_dim;
+  const HeadOffsets first = QueryHead(p, b * p.heads + kv_head * group);  // the group's first
+  const int64_t q_stride = first.q_stride, kv_stride = first.kv_stride;
+  const int64_t kv_offset = first.kv_offset;
   LoadTcTile(ks, ld, k + kv_offset, kv_stride, k0, p.seq, head_dim);
   LoadTcTile(vs, ld, v + kv_offset, kv_stride, k0, p.seq, head_dim);
   MmaAcc dk_acc[kMaxD / 16], dv_acc[kMaxD / 16];
@@ -361,7 +356,7 @@ DC_GLOBAL void DC_LAUNCH_BOUNDS(kTcThreads)
   for (int64_t i = 0; i < group; ++i) {
     const int64_t h = kv_head * group + i;
     const int64_t bh = b * p.heads + h;
-    const int64_t q_offset = b * p.seq * q_stride + h * p.head_dim;
+    const int64_t q_offset = QueryHead(p, bh).q_offset;
     // Only queries at or after the tile's first key see it (query and key tiles are both 64).
     for (int64_t q0 = k0; q0 < p.seq; q0 += kTcCols) {
       SyncThreads();
