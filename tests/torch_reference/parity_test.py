@@ -2,7 +2,7 @@
 """dc against the PyTorch reference (dc_reference.py) on one model, world size and accumulation:
 
     parity_test.py BUILD_DIR PRESET WORLD GAS [bf16-weights] [--backend cuda [--dtype bf16]]
-                   [--clip-grad-norm MAX]
+                   [--clip-grad-norm MAX] [--peer bf16]
 
 Plans PRESET with dc-plan --synthetic on a small seeded token file, trains one step from dc's
 seeded init and exports it (W0, so no param is at its initial value), then from W0 trains 5
@@ -14,7 +14,9 @@ With --backend cuda the plan is for an H100 in fp32 (--dtype f32) and dc-run tra
 the same reference and tolerances hold the cuda kernels to PyTorch; with --dtype bf16 the plan
 computes in bf16 (fp32 masters), and dc's differences from the float64 reference are held to
 twice PyTorch's own in bf16 from the same start (dc_reference.py --peer-dtype), and at least
-bf16's rounding (2^-8). With --clip-grad-norm the
+bf16's rounding (2^-8); --peer bf16 holds any run to that bar instead of the fixed tolerances
+(on the cpu backend, which computes in fp32, a looser check that keeps the bf16 comparison's
+own code tested where no GPU is). With --clip-grad-norm the
 plan clips the grads by their global norm, and the reference applies
 torch.nn.utils.clip_grad_norm_ before each AdamW step (it fails if no step clipped).
 """
@@ -93,6 +95,13 @@ def main():
     if dtype not in ("f32", "bf16") or (dtype == "bf16" and backend != "cuda"):
         sys.exit(f"parity_test.py: --dtype {dtype}: expected f32, or bf16 with --backend cuda "
                  "(the cpu backend computes in fp32)")
+    peer_dtype = dtype if dtype != "f32" else None
+    if "--peer" in args:
+        i = args.index("--peer")
+        peer_dtype = args[i + 1]
+        del args[i:i + 2]
+        if peer_dtype != "bf16":
+            sys.exit(f"parity_test.py: --peer {peer_dtype}: expected bf16")
     clip = []
     if "--clip-grad-norm" in args:
         i = args.index("--clip-grad-norm")
@@ -102,7 +111,7 @@ def main():
     bf16 = len(args) > 4 and args[4] == "bf16-weights"
     hardware = ["--hardware", "cpu"] if backend == "cpu" else ["--hardware", "h100-sxm",
                                                               "--dtype", dtype]
-    peer = ["--peer-dtype", dtype] if dtype != "f32" else []
+    peer = ["--peer-dtype", peer_dtype] if peer_dtype else []
     steps = "5"
     tools = os.path.join(build, "tools")
     with tempfile.TemporaryDirectory(prefix=f"dc-parity-{preset}-") as d:
