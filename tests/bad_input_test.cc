@@ -47,6 +47,19 @@ int Lines(const std::string& text) {
   return static_cast<int>(std::count(text.begin(), text.end(), '\n'));
 }
 
+// A free TCP port on this host (the kernel's choice; closed again for the ranks to take).
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t length = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
 class BadInput : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -469,6 +482,8 @@ TEST_F(BadInput, PlanForAnotherWorldSize) {
 // directory); one is killed mid-run and the other must exit non-zero on its own, promptly.
 TEST_F(BadInput, ARankThatDiesStopsTheOthers) {
   const std::string rdzv = FreshDir("rdzv");
+  // A port of its own: a fixed one meets another test's ranks under ctest -j.
+  const std::string port = std::to_string(FreePort());
   std::vector<pid_t> pids;
   for (int rank = 0; rank < 2; ++rank) {
     pid_t pid = ::fork();
@@ -477,7 +492,7 @@ TEST_F(BadInput, ARankThatDiesStopsTheOthers) {
       ::setenv("WORLD_SIZE", "2", 1);
       ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
       ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-      ::setenv("MASTER_PORT", "29500", 1);
+      ::setenv("MASTER_PORT", port.c_str(), 1);
       std::freopen((dir_ + "/rank" + std::to_string(rank) + ".out").c_str(), "w", stdout);
       std::freopen((dir_ + "/rank" + std::to_string(rank) + ".err").c_str(), "w", stderr);
       const std::string tool = Tool("dc-run");
@@ -997,19 +1012,6 @@ TEST_F(Launcher, ARendezvousDirectoryCanBeReused) {
         RankCommand(0, plan_ + " --backend cpu --steps 1 --quiet" + rdzv) + " && wait $! )");
     EXPECT_EQ(r.exit_code, 0) << run_id << r.err;
   }
-}
-
-// A free TCP port on this host (the kernel's choice; closed again for the ranks to take).
-int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t length = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
-  ::close(fd);
-  return ntohs(addr.sin_port);
 }
 
 // Two ranks started as torchrun starts them (MASTER_ADDR, MASTER_PORT, no shared directory).

@@ -105,6 +105,15 @@ if [ "$what" = pipeline ] || [ "$what" = all ]; then
   check resume_to_10 "$bin/dc-run" "$work/tiny-offload.dcplan" --steps 10 --backend cuda --resume "$work/ck" \
     --json --quiet
   check resumed_losses_equal losses_equal "$out/run10_tiny-offload.log" "$out/resume_to_10.log"
+  # A collection killed outright keeps the steps it committed (the CUPTI writer streams).
+  "$bin/dc-collect" --backend cuda --model tiny --steps 100000 -o "$work/killed.db" \
+    >"$out/collect_killed.log" 2>&1 &
+  collector=$!
+  sleep 8
+  kill -9 "$collector" 2>/dev/null
+  wait "$collector" 2>/dev/null
+  check merge_killed_collection "$bin/dc-trace" merge "$work/killed.db.rank0.part" -o "$work/killed.db"
+  check killed_trace_is_incomplete sh -c "'$bin/dc-trace' summary '$work/killed.db' | grep incomplete"
   cp "$work"/*.dcplan "$out"/ 2>/dev/null
   rm -rf "$work"
 fi

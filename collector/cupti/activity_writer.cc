@@ -172,15 +172,19 @@ std::optional<std::string> NcclCollectiveKind(std::string_view short_name) {
 StatusOr<std::unique_ptr<ActivityWriter>> ActivityWriter::Open(const std::string& path,
                                                                int64_t global_pid,
                                                                SessionClock clock,
-                                                               ApiNameFn api_name) {
-  const std::string tmp = TempPathBeside(path);
-  std::remove(tmp.c_str());
-  auto db = Database::Create(tmp);
+                                                               ApiNameFn api_name, bool streamed) {
+  const std::string file = streamed ? path : TempPathBeside(path);
+  for (const char* suffix : {"", "-wal", "-shm"}) std::remove((file + suffix).c_str());
+  auto db = Database::Create(file);
   if (!db.ok()) return db.status();
-  std::unique_ptr<ActivityWriter> writer(
-      new ActivityWriter(std::move(db).value(), path, tmp, global_pid, clock, std::move(api_name)));
+  std::unique_ptr<ActivityWriter> writer(new ActivityWriter(
+      std::move(db).value(), path, file, global_pid, clock, std::move(api_name)));
+  writer->streamed_ = streamed;
   Status status = [&]() -> Status {
-    DC_RETURN_IF_ERROR(writer->db_.Exec("PRAGMA journal_mode=OFF; PRAGMA synchronous=OFF;"));
+    // Streamed: WAL, so every committed checkpoint survives the process being killed.
+    DC_RETURN_IF_ERROR(writer->db_.Exec(streamed
+                                            ? "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"
+                                            : "PRAGMA journal_mode=OFF; PRAGMA synchronous=OFF;"));
     DC_RETURN_IF_ERROR(writer->db_.Exec(TraceSchemaSql()));
     // External correlation records: correlation id -> (step << 32 | instruction).
     DC_RETURN_IF_ERROR(
@@ -208,7 +212,7 @@ ActivityWriter::~ActivityWriter() {
   insert_api_ = Statement();
   insert_external_ = Statement();
   (void)db_.Close();
-  std::remove(tmp_path_.c_str());
+  if (!streamed_) std::remove(tmp_path_.c_str());  // a streamed file keeps its checkpoints
 }
 
 Status ActivityWriter::PrepareStatements() {
@@ -504,10 +508,11 @@ Status ActivityWriter::DeleteOutOfWindow(const std::vector<WindowRow>& windows,
   return Status::Ok();
 }
 
-Status ActivityWriter::WriteInstructionMap(const std::vector<InstructionRow>& instructions) {
+Status ActivityWriter::WriteInstructionMap(const std::vector<InstructionRow>& instructions,
+                                           int64_t after, int64_t through) {
   DC_RETURN_IF_ERROR(
-      db_.Exec("CREATE TEMP TABLE dc_instruction(instruction INTEGER PRIMARY KEY, kind TEXT, "
-               "microStep INTEGER, bytes INTEGER, tensors INTEGER, bucket INTEGER)"));
+      db_.Exec("CREATE TEMP TABLE IF NOT EXISTS dc_instruction(instruction INTEGER PRIMARY KEY, "
+               "kind TEXT, microStep INTEGER, bytes INTEGER, tensors INTEGER, bucket INTEGER)"));
   DC_ASSIGN_OR_RETURN(Statement insert,
                       db_.Prepare("INSERT OR REPLACE INTO temp.dc_instruction(instruction, kind, "
                                   "microStep, bytes, tensors, bucket) VALUES (?, ?, ?, ?, ?, ?)"));
@@ -524,13 +529,21 @@ Status ActivityWriter::WriteInstructionMap(const std::vector<InstructionRow>& in
     insert.Bind(6, I(row.bucket));
     DC_RETURN_IF_ERROR(insert.Run());
   }
+  std::string range;
+  if (after < 0) {
+    DC_RETURN_IF_ERROR(db_.Exec("DELETE FROM TC_INSTRUCTION_MAP"));  // a checkpoint's, if any
+  } else {
+    range =
+        " AND e.rowid > " + std::to_string(after) + " AND e.rowid <= " + std::to_string(through);
+  }
   // externalId = step << 32 | instruction (CuptiCollector::PushInstruction).
-  static const std::string kMapped =
+  const std::string kMapped =
       "(SELECT DISTINCT e.correlationId AS correlationId, e.externalId >> 32 AS step, "
       "e.externalId & 4294967295 AS instruction, i.kind AS kind, i.microStep AS microStep, "
       "i.bytes AS bytes, i.tensors AS tensors, i.bucket AS bucket FROM temp.dc_external AS e "
       "LEFT JOIN temp.dc_instruction AS i ON i.instruction = (e.externalId & 4294967295) "
-      "WHERE e.correlationId <> 0)";
+      "WHERE e.correlationId <> 0" +
+      range + ")";
   // One row per (activity correlation id, instruction); kind from the executor, else from the
   // activity. A correlation id can cover several activities (a graph launch): one row.
   DC_RETURN_IF_ERROR(db_.Exec(
@@ -575,11 +588,6 @@ Status ActivityWriter::WriteRank(const RankRow& rank, int64_t device_id) {
       {rank.hostname, I(rank.rank), I(rank.local_rank), I(rank.world_size), device_id, kBackend,
        device != devices_.end() ? device->second.name : "cuda:" + std::to_string(device_id),
        device != devices_.end() ? device->second.memory_bytes : int64_t{0}});
-}
-
-Status ActivityWriter::WriteAnchors(const std::vector<ClockAnchorRow>& anchors) {
-  for (const ClockAnchorRow& anchor : anchors) DC_RETURN_IF_ERROR(rows_.ClockAnchor(anchor));
-  return Status::Ok();
 }
 
 Status ActivityWriter::WriteRecordStats(TraceCounts* counts) {
@@ -627,16 +635,6 @@ Status ActivityWriter::WriteRecordStats(TraceCounts* counts) {
   DC_RETURN_IF_ERROR(rows_.RecordStats({"buffers", buffers_, dropped_records_, 0}));
   counts->dropped_records = dropped_records_;
   counts->overhead_ns = overhead_ns_;
-  return Status::Ok();
-}
-
-Status ActivityWriter::WriteSteps(const std::vector<StepRow>& steps) {
-  for (const StepRow& step : steps) DC_RETURN_IF_ERROR(rows_.Step(step));
-  return Status::Ok();
-}
-
-Status ActivityWriter::WriteStreams(const std::vector<std::pair<int64_t, std::string>>& streams) {
-  for (const auto& [id, name] : streams) DC_RETURN_IF_ERROR(rows_.Stream(id, name));
   return Status::Ok();
 }
 
@@ -697,21 +695,83 @@ Status ActivityWriter::WriteMetadata(
   return Status::Ok();
 }
 
+Status ActivityWriter::WriteNewRows(const std::vector<ClockAnchorRow>& anchors,
+                                    const std::vector<StepRow>& steps,
+                                    const std::vector<EvalRow>& evals,
+                                    const std::vector<std::pair<int64_t, std::string>>& streams,
+                                    Written* written) {
+  *written = written_;
+  for (const ClockAnchorRow& anchor : anchors) {
+    if (!written->anchors.insert(anchor.tag).second) continue;
+    DC_RETURN_IF_ERROR(rows_.ClockAnchor(anchor));
+  }
+  for (; written->steps < steps.size(); ++written->steps) {
+    DC_RETURN_IF_ERROR(rows_.Step(steps[written->steps]));
+  }
+  for (; written->evals < evals.size(); ++written->evals) {
+    DC_RETURN_IF_ERROR(rows_.Evaluation(evals[written->evals]));
+  }
+  for (; written->streams < streams.size(); ++written->streams) {
+    const auto& [id, name] = streams[written->streams];
+    DC_RETURN_IF_ERROR(rows_.Stream(id, name));
+  }
+  return Status::Ok();
+}
+
+Status ActivityWriter::Checkpoint(const CheckpointInput& input) {
+  if (!streamed_) return Status::Error(path_ + ": a checkpoint needs a streamed trace");
+  if (finished_) return Status::Error(path_ + ": the trace is finished");
+  DC_RETURN_IF_ERROR(EndBatch());
+  int64_t device_id = rank_device_, through = external_mark_;
+  Written written;
+  Status status = [&]() -> Status {
+    DC_RETURN_IF_ERROR(db_.Exec("BEGIN"));
+    if (!header_written_) {
+      DC_ASSIGN_OR_RETURN(device_id, RankDevice(input.rank));
+      DC_RETURN_IF_ERROR(WriteRank(input.rank, device_id));
+      DC_RETURN_IF_ERROR(WriteTargetInfo(device_id, I(std::max(input.rank.rank, 0)) << kRankShift));
+      if (input.write_blobs) DC_RETURN_IF_ERROR(input.write_blobs(&db_));
+    }
+    DC_RETURN_IF_ERROR(
+        WriteNewRows(input.anchors, input.steps, input.evals, input.streams, &written));
+    DC_ASSIGN_OR_RETURN(through,
+                        db_.QueryInt("SELECT COALESCE(MAX(rowid), 0) FROM temp.dc_external"));
+    DC_RETURN_IF_ERROR(WriteInstructionMap(input.instructions, external_mark_, through));
+    return db_.Exec("COMMIT");
+  }();
+  if (!status.ok()) {
+    (void)db_.Exec("ROLLBACK");
+    Keep(status);
+    return status;
+  }
+  header_written_ = true;
+  rank_device_ = device_id;
+  external_mark_ = through;
+  written_ = std::move(written);
+  return Status::Ok();
+}
+
 StatusOr<TraceCounts> ActivityWriter::Finish(const FinishInput& input) {
   DC_RETURN_IF_ERROR(EndBatch());
   TraceCounts counts;
   Status status = [&]() -> Status {
     DC_RETURN_IF_ERROR(db_.Exec("BEGIN"));
     if (input.windows) DC_RETURN_IF_ERROR(DeleteOutOfWindow(*input.windows, &counts));
-    DC_RETURN_IF_ERROR(WriteInstructionMap(input.instructions));
-    DC_ASSIGN_OR_RETURN(int64_t device_id, RankDevice(input.rank));
-    DC_RETURN_IF_ERROR(WriteRank(input.rank, device_id));
-    DC_RETURN_IF_ERROR(WriteAnchors(input.anchors));
+    // The whole map, from every external correlation (replacing what checkpoints wrote: the
+    // window may have taken activities they mapped).
+    DC_RETURN_IF_ERROR(WriteInstructionMap(input.instructions, -1, 0));
+    int64_t device_id = rank_device_;
+    if (!header_written_) {
+      DC_ASSIGN_OR_RETURN(device_id, RankDevice(input.rank));
+      DC_RETURN_IF_ERROR(WriteRank(input.rank, device_id));
+    }
+    Written written;
+    DC_RETURN_IF_ERROR(
+        WriteNewRows(input.anchors, input.steps, input.evals, input.streams, &written));
     DC_RETURN_IF_ERROR(WriteRecordStats(&counts));
-    DC_RETURN_IF_ERROR(WriteSteps(input.steps));
-    for (const EvalRow& e : input.evals) DC_RETURN_IF_ERROR(rows_.Evaluation(e));
-    DC_RETURN_IF_ERROR(WriteStreams(input.streams));
-    DC_RETURN_IF_ERROR(WriteTargetInfo(device_id, I(std::max(input.rank.rank, 0)) << kRankShift));
+    if (!header_written_) {
+      DC_RETURN_IF_ERROR(WriteTargetInfo(device_id, I(std::max(input.rank.rank, 0)) << kRankShift));
+    }
     DC_RETURN_IF_ERROR(WriteMetadata(input.metadata, counts));
     return db_.Exec("COMMIT");
   }();
@@ -719,6 +779,13 @@ StatusOr<TraceCounts> ActivityWriter::Finish(const FinishInput& input) {
   rows_.Close();
   insert_api_ = Statement();
   insert_external_ = Statement();
+  if (streamed_) {
+    // One self-contained file again: the WAL folded in and removed; it is in place already.
+    DC_RETURN_IF_ERROR(db_.Exec("PRAGMA journal_mode=DELETE"));
+    DC_RETURN_IF_ERROR(db_.Close());
+    finished_ = true;
+    return counts;
+  }
   DC_RETURN_IF_ERROR(db_.Close());
   if (std::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
     return Status::Error(path_ + ": cannot rename the finished trace into place (" +

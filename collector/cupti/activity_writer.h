@@ -1,9 +1,11 @@
 // Private to collector/cupti: turns CUPTI activity records (CUDA 13 structs: Kernel10, Memcpy6,
 // MemcpyPtoP4, Memset4, Memory4, API, ExternalCorrelation, Overhead3, Device5) into one rank's
 // SQLite file in the schema of schemas/trace_schema.sql, streaming rows into a temp file beside
-// the output and renaming it into place at Finish. Pure SQLite + the CUPTI headers' structs: it
-// calls no CUPTI function, so tests can feed it synthetic records. Not thread-safe: one thread
-// at a time (the collector's writer thread, then the thread that calls Finish).
+// the output and renaming it into place at Finish; or, streamed, into the output itself (WAL),
+// where each Checkpoint commits the steps done so that a killed run leaves them mergeable. Pure
+// SQLite + the CUPTI headers' structs: it calls no CUPTI function, so tests can feed it synthetic
+// records. Not thread-safe: one thread at a time (the collector's writer thread, then the thread
+// that calls Finish).
 #pragma once
 
 #include <cupti_activity.h>
@@ -13,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -101,6 +104,20 @@ struct FinishInput {
   std::vector<std::pair<std::string, std::string>> metadata;  // META_DATA_CAPTURE
 };
 
+// What a streamed file holds from its first Checkpoint on, besides the records: the rank, its
+// device and the plan once, then the rows each checkpoint adds (the vectors are the run's so
+// far: append-only, and only the rows not yet written are written).
+struct CheckpointInput {
+  RankRow rank;
+  std::vector<ClockAnchorRow> anchors;  // the start anchors; Finish adds the end ones
+  // Writes the plan's TC_BLOB rows (CuptiCollectorOptions::stream_blobs); may be empty.
+  std::function<Status(collector_internal::Database*)> write_blobs;
+  std::vector<InstructionRow> instructions;
+  std::vector<StepRow> steps;
+  std::vector<EvalRow> evals;
+  std::vector<std::pair<int64_t, std::string>> streams;
+};
+
 // What a finished rank file holds (warnings are the collector's to fill).
 using TraceCounts = CuptiTraceCounts;
 
@@ -115,9 +132,12 @@ class ActivityWriter {
   // Name of a runtime (driver = false) or driver API callback id.
   using ApiNameFn = std::function<std::string(bool driver, uint32_t cbid)>;
 
-  // Creates `path`'s temp file with the trace schema.
+  // Creates `path`'s temp file with the trace schema; streamed, `path` itself (WAL), which the
+  // writer leaves in place when it is destroyed unfinished: what its checkpoints committed is a
+  // rank file MergeRankTraces takes as an incomplete run's.
   static StatusOr<std::unique_ptr<ActivityWriter>> Open(const std::string& path, int64_t global_pid,
-                                                        SessionClock clock, ApiNameFn api_name);
+                                                        SessionClock clock, ApiNameFn api_name,
+                                                        bool streamed = false);
   ~ActivityWriter();
   ActivityWriter(const ActivityWriter&) = delete;
   ActivityWriter& operator=(const ActivityWriter&) = delete;
@@ -131,7 +151,13 @@ class ActivityWriter {
   // One CUPTI buffer was processed; CUPTI said it dropped `dropped_records` records with it.
   void AddBuffer(size_t dropped_records);
 
-  // Writes the per-rank tables, closes the file and renames it to `path`.
+  // Streamed only: commits the records so far with the rows `input` adds (TC_RANK, the start
+  // anchors, TARGET_INFO and the schedule the first time; then new steps, evaluations, streams
+  // and the instruction map of the external correlations seen since the last checkpoint).
+  Status Checkpoint(const CheckpointInput& input);
+
+  // Writes the per-rank tables (those a checkpoint has not), closes the file and renames it to
+  // `path` (streamed: folds the WAL in, the file is in place already).
   StatusOr<TraceCounts> Finish(const FinishInput& input);
 
   const std::string& path() const { return path_; }
@@ -182,13 +208,23 @@ class ActivityWriter {
   void AddDevice(const CUpti_ActivityDevice5& r);
 
   Status DeleteOutOfWindow(const std::vector<WindowRow>& windows, TraceCounts* counts);
-  Status WriteInstructionMap(const std::vector<InstructionRow>& instructions);
+  // The map of the external correlations with rowid in (after, through]; after < 0: all of them,
+  // replacing any rows a checkpoint wrote.
+  Status WriteInstructionMap(const std::vector<InstructionRow>& instructions, int64_t after,
+                             int64_t through);
+  // The rows of `anchors`, `steps`, `evals` and `streams` not written yet; the counts of what
+  // is written then go to *written (applied by the caller once its transaction commits).
+  struct Written {
+    std::set<std::string> anchors;
+    size_t steps = 0, evals = 0, streams = 0;
+  };
+  Status WriteNewRows(const std::vector<ClockAnchorRow>& anchors, const std::vector<StepRow>& steps,
+                      const std::vector<EvalRow>& evals,
+                      const std::vector<std::pair<int64_t, std::string>>& streams,
+                      Written* written);
   StatusOr<int64_t> RankDevice(const RankRow& rank);
   Status WriteRank(const RankRow& rank, int64_t device_id);
-  Status WriteAnchors(const std::vector<ClockAnchorRow>& anchors);
   Status WriteRecordStats(TraceCounts* counts);
-  Status WriteSteps(const std::vector<StepRow>& steps);
-  Status WriteStreams(const std::vector<std::pair<int64_t, std::string>>& streams);
   Status WriteTargetInfo(int64_t rank_device_id, int64_t vm_id);
   Status WriteMetadata(const std::vector<std::pair<std::string, std::string>>& metadata,
                        const TraceCounts& counts);
@@ -201,6 +237,12 @@ class ActivityWriter {
   Status error_;
   bool in_batch_ = false;
   bool finished_ = false;
+  bool streamed_ = false;
+  // Streamed: what the committed checkpoints wrote.
+  bool header_written_ = false;
+  int64_t rank_device_ = 0;
+  int64_t external_mark_ = 0;  // temp.dc_external rowids up to it are in TC_INSTRUCTION_MAP
+  Written written_;
 
   collector_internal::TraceRowWriter rows_;
   // CUPTI's own: API calls and external correlations.

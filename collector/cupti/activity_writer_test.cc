@@ -3,8 +3,11 @@
 #include "collector/cupti/activity_writer.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sqlite3.h>
 #include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <map>
@@ -14,6 +17,7 @@
 #include "analyzer/trace.h"
 #include "collector/cupti/test_records.h"
 #include "collector/host_tracer.h"
+#include "collector/trace_blobs.h"
 
 namespace dc::cupti_internal {
 namespace {
@@ -117,13 +121,16 @@ TEST(KernelNames, RecognizesNcclCollectives) {
 constexpr uint64_t kOrigin = 1'700'000'000'000'000'000;
 constexpr int64_t kGlobalPid = (int64_t{0} << 48) | (int64_t{1234} << 24);
 
-std::unique_ptr<ActivityWriter> OpenWriter(const std::string& path) {
+std::unique_ptr<ActivityWriter> OpenWriter(const std::string& path, bool streamed = false) {
   SessionClock clock;
   clock.session_start_utc_ns = static_cast<int64_t>(kOrigin);
   clock.cupti_to_realtime_ns = 0;
-  auto writer = ActivityWriter::Open(path, kGlobalPid, clock, [](bool driver, uint32_t cbid) {
-    return std::string(driver ? "cuDriverCall_" : "cudaRuntimeCall_") + std::to_string(cbid);
-  });
+  auto writer = ActivityWriter::Open(
+      path, kGlobalPid, clock,
+      [](bool driver, uint32_t cbid) {
+        return std::string(driver ? "cuDriverCall_" : "cudaRuntimeCall_") + std::to_string(cbid);
+      },
+      streamed);
   EXPECT_TRUE(writer.ok()) << writer.status().message();
   return writer.ok() ? std::move(writer).value() : nullptr;
 }
@@ -332,6 +339,155 @@ TEST(ActivityWriter, LeavesNothingBehindWithoutFinish) {
   }
   EXPECT_FALSE(fs::exists(path));
   EXPECT_TRUE(fs::is_empty(fs::path(path).parent_path()));
+}
+
+// Step `step` of a streamed run: a compute kernel (instruction 0) and an NCCL all-gather
+// (instruction 1), 10 us apart per step. Returns false if the writer refused them.
+bool AddStreamedStep(ActivityWriter& writer, int step) {
+  const uint64_t at = kOrigin + static_cast<uint64_t>(step) * 10000;
+  const uint32_t id = 100 * static_cast<uint32_t>(step + 1);
+  const auto kernel = Kernel("_Z5scalePfif", at + 1000, at + 2000, id + 1);
+  const auto nccl = Kernel("_Z31ncclDevKernel_AllGather_RING_LL24ncclDevKernelArgsStorageILm4096EE",
+                           at + 3000, at + 8000, id + 2, /*stream_id=*/9);
+  const auto x1 = External(id + 1, step, 0), x2 = External(id + 2, step, 1);
+  if (!writer.BeginBatch().ok()) return false;
+  for (const void* r : {static_cast<const void*>(&x1), static_cast<const void*>(&x2),
+                        static_cast<const void*>(&kernel), static_cast<const void*>(&nccl)}) {
+    writer.Add(AsRecord(r));
+  }
+  writer.AddBuffer(0);
+  return writer.EndBatch().ok();
+}
+
+proto::Schedule StreamedSchedule() {
+  proto::Schedule schedule;
+  schedule.set_world_size(1);
+  schedule.set_backend("cuda");
+  return schedule;
+}
+
+CheckpointInput StreamedInput(const proto::Schedule& schedule) {
+  CheckpointInput input;
+  input.rank = {kGlobalPid, 0, 0, 1, "host-a", 0};
+  input.anchors = {{"start", static_cast<int64_t>(kOrigin), 5, 0},
+                   {"cupti_start", static_cast<int64_t>(kOrigin), 5, 0}};
+  input.write_blobs = [&schedule](collector_internal::Database* db) {
+    return collector_internal::WriteScheduleBlobs(db, schedule);
+  };
+  input.instructions = {{0, "compute", 0, 0, 1, -1}, {1, "all_gather", 0, 4096, 2, 3}};
+  input.streams = {{7, "compute"}};
+  return input;
+}
+
+// Writes steps 0 .. steps - 1, each committed by a checkpoint, then step `steps` without one.
+bool StreamSteps(ActivityWriter& writer, CheckpointInput& input, int steps) {
+  for (int step = 0; step <= steps; ++step) {
+    if (!AddStreamedStep(writer, step)) return false;
+    if (step == steps) break;
+    input.steps.push_back({step, step * 10000, step * 10000 + 9000, 2.0 - 0.1 * step, false});
+    if (step == 1) input.streams.emplace_back(9, "gather");  // named after the first commit
+    if (!writer.Checkpoint(input).ok()) return false;
+  }
+  return true;
+}
+
+// A run killed (SIGKILL, no destructor, no Finish) after two committed steps and during a third
+// leaves a rank file that merges into a trace of the two, marked incomplete, that the analyzer
+// reads with every activity of those steps mapped to its instruction.
+TEST(ActivityWriter, AKilledStreamedRunLeavesTheStepsItCommitted) {
+  TempDir dir;
+  const std::string path = dir.File("trace.db.rank0.part");
+  const proto::Schedule schedule = StreamedSchedule();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto writer = OpenWriter(path, /*streamed=*/true);
+    CheckpointInput input = StreamedInput(schedule);
+    if (writer == nullptr || !StreamSteps(*writer, input, 2)) _exit(1);
+    ::kill(::getpid(), SIGKILL);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status))
+      << "the writing process failed (exit " << WEXITSTATUS(status) << ")";
+  {
+    Db db(path);  // the WAL's committed frames are read with it
+    EXPECT_EQ(db.Int("SELECT count(*) FROM TC_STEP"), 2);
+    EXPECT_EQ(db.Int("SELECT count(*) FROM TC_RANK"), 1);
+    EXPECT_EQ(db.Int("SELECT count(*) FROM TC_CLOCK_ANCHOR WHERE tag = 'end'"), 0);
+    EXPECT_EQ(db.Int("SELECT count(*) FROM TC_BLOB WHERE name = 'schedule'"), 1);
+    EXPECT_EQ(db.Text("SELECT group_concat(step || ':' || instruction, ' ') FROM (SELECT * FROM "
+                      "TC_INSTRUCTION_MAP ORDER BY step, instruction)"),
+              "0:0 0:1 1:0 1:1");
+    EXPECT_EQ(db.Int("SELECT bytes FROM TC_COLLECTIVE WHERE correlationId = 102"), 4096);
+    EXPECT_EQ(db.Int("SELECT count(*) FROM TC_STREAM"), 2);
+  }
+  const std::string out = dir.File("trace.db");
+  auto merged = MergeRankTraces({path}, out, MergeOptions{});
+  ASSERT_TRUE(merged.ok()) << merged.status().message();
+  EXPECT_EQ(merged->last_step, 1);
+  EXPECT_NE(merged->incomplete.find("did not finish"), std::string::npos) << merged->incomplete;
+  auto trace = Trace::Open(out);
+  ASSERT_TRUE(trace.ok()) << trace.status().message();
+  EXPECT_FALSE((*trace)->incomplete().empty());
+  EXPECT_EQ((*trace)->Steps().size(), 2u);
+  std::vector<Trace::InstructionSample> samples;
+  ASSERT_TRUE(
+      (*trace)->ForEachInstructionSample([&](const auto& s) { samples.push_back(s); }).ok());
+  EXPECT_EQ(samples.size(), 4u);  // step 2's kernels were cut with it
+}
+
+// Checkpoints then Finish give the file an unstreamed writer gives: the same rows in every
+// per-rank table (none twice), the WAL folded in.
+TEST(ActivityWriter, AStreamedFileFinishesAsAnUnstreamedOne) {
+  TempDir dir;
+  const proto::Schedule schedule = StreamedSchedule();
+  const std::string streamed = dir.File("streamed.db"), whole = dir.File("whole.db");
+  FinishInput finish;
+  {
+    auto writer = OpenWriter(streamed, /*streamed=*/true);
+    ASSERT_NE(writer, nullptr);
+    CheckpointInput input = StreamedInput(schedule);
+    ASSERT_TRUE(StreamSteps(*writer, input, 2));
+    input.steps.push_back({2, 20000, 29000, 1.8, false});
+    finish.rank = input.rank;
+    finish.anchors = input.anchors;
+    finish.anchors.push_back({"end", static_cast<int64_t>(kOrigin) + 30000, 6, 30000});
+    finish.instructions = input.instructions;
+    finish.steps = input.steps;
+    finish.streams = input.streams;
+    finish.windows = std::vector<WindowRow>{{0, 30000}};
+    ASSERT_TRUE(writer->Finish(finish).ok());
+  }
+  {
+    auto writer = OpenWriter(whole);
+    ASSERT_NE(writer, nullptr);
+    for (int step = 0; step <= 2; ++step) ASSERT_TRUE(AddStreamedStep(*writer, step));
+    ASSERT_TRUE(writer->Finish(finish).ok());
+  }
+  EXPECT_FALSE(fs::exists(streamed + "-wal"));
+  Db a(streamed), b(whole);
+  for (const char* table :
+       {"TC_STEP", "TC_RANK", "TC_CLOCK_ANCHOR", "TC_STREAM", "TC_INSTRUCTION_MAP", "TC_COLLECTIVE",
+        "TARGET_INFO_GPU", "TARGET_INFO_SESSION_START_TIME", "TC_RECORD_STATS",
+        "CUPTI_ACTIVITY_KIND_KERNEL", "META_DATA_CAPTURE"}) {
+    const std::string count = std::string("SELECT count(*) FROM ") + table;
+    EXPECT_EQ(a.Int(count), b.Int(count)) << table;
+  }
+  EXPECT_EQ(a.Int("SELECT count(*) FROM TC_INSTRUCTION_MAP"), 6);
+  EXPECT_EQ(a.Int("SELECT sum(bytes) FROM TC_COLLECTIVE"), 3 * 4096);
+  EXPECT_EQ(a.Text("PRAGMA journal_mode"), "delete");
+  // Only the streamed file carries the plan (the merge adds it to an unstreamed run's).
+  EXPECT_EQ(a.Int("SELECT count(*) FROM TC_BLOB WHERE name = 'schedule'"), 1);
+}
+
+// A checkpoint needs a streamed writer.
+TEST(ActivityWriter, AnUnstreamedWriterRefusesCheckpoints) {
+  TempDir dir;
+  auto writer = OpenWriter(dir.File("rank0.db"));
+  ASSERT_NE(writer, nullptr);
+  const proto::Schedule schedule = StreamedSchedule();
+  EXPECT_FALSE(writer->Checkpoint(StreamedInput(schedule)).ok());
 }
 
 }  // namespace

@@ -6,9 +6,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
+#include <future>
 #include <iterator>
 #include <map>
 #include <mutex>
@@ -31,6 +33,8 @@ constexpr int64_t kPidMask = 0xFFFFFF;
 // CUPTI wants activity buffers aligned to 8 bytes.
 constexpr size_t kBufferAlignment = 8;
 constexpr char kSubscriberName[] = "dc";
+// How long a step waits for the writer to commit it before streaming is given up.
+constexpr std::chrono::seconds kCheckpointWait{60};
 
 // Runtime and driver calls left out of the API trace: queries that frameworks issue around
 // every launch (PyTorch calls cudaGetDevice and cudaGetLastError per op, cuBLAS and NCCL
@@ -262,6 +266,9 @@ struct CuptiCollector::Impl {
     uint8_t* buffer = nullptr;
     size_t dropped_records = 0;
     std::vector<const CUpti_Activity*> records;
+    // Or, streamed, a checkpoint: after every buffer queued before it (FIFO).
+    std::optional<cupti_internal::CheckpointInput> checkpoint;
+    std::shared_ptr<std::promise<Status>> checkpointed;
   };
 
   CuptiCollectorOptions options;
@@ -278,6 +285,7 @@ struct CuptiCollector::Impl {
   bool finished = false;
   bool memory_enabled = false;
   bool seen_profiler_start = false;
+  bool stream_failed = false;  // a checkpoint failed: the rest is written at Finish only
   uint64_t window_start_cupti_ns = 0;
   std::vector<std::pair<uint64_t, uint64_t>> windows;  // CUPTI ns
   std::map<int, cupti_internal::InstructionRow> instructions;
@@ -307,6 +315,9 @@ struct CuptiCollector::Impl {
   Status StartLocked();
   Status StopLocked();
   Status SynchronizeContexts();
+  std::vector<cupti_internal::ClockAnchorRow> StartAnchors() const;
+  // Streamed: commits the steps so far (state_mutex held, released while the writer works).
+  void CheckpointLocked(std::unique_lock<std::mutex>& lock);
   void Warn(std::string warning);
   void OnBuffer(uint8_t* buffer, size_t valid_bytes, size_t dropped_records);
   void WriterLoop();
@@ -497,6 +508,63 @@ Status CuptiCollector::Impl::SynchronizeContexts() {
   return status;
 }
 
+std::vector<cupti_internal::ClockAnchorRow> CuptiCollector::Impl::StartAnchors() const {
+  const int64_t origin = clock.session_start_utc_ns;
+  return {
+      Anchor("start", start_sample.realtime_ns, start_sample.monotonic_ns,
+             start_sample.realtime_ns - origin),
+      // sessionNs of the cupti rows: CUPTI's clock at the same instant, on the session origin;
+      // the difference to the row above is CUPTI's offset from CLOCK_REALTIME.
+      Anchor("cupti_start", start_sample.realtime_ns, start_sample.monotonic_ns,
+             static_cast<int64_t>(start_sample.cupti_ns) - origin),
+  };
+}
+
+void CuptiCollector::Impl::CheckpointLocked(std::unique_lock<std::mutex>& lock) {
+  if (!options.stream_blobs || finished || stream_failed) return;
+  // The step's device work done and its records handed over before they are committed.
+  Status ready = SynchronizeContexts();
+  if (ready.ok()) {
+    ready = CuptiCall("cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED)",
+                      cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED));
+  }
+  Pending pending;
+  if (ready.ok()) {
+    cupti_internal::CheckpointInput& input = pending.checkpoint.emplace();
+    input.rank = {global_pid,         options.rank,     options.local_rank,
+                  options.world_size, options.hostname, options.device_id};
+    input.anchors = StartAnchors();
+    input.write_blobs = options.stream_blobs;
+    for (const auto& [index, row] : instructions) input.instructions.push_back(row);
+    input.steps = steps;
+    input.evals = evals;
+    input.streams = streams;
+    pending.checkpointed = std::make_shared<std::promise<Status>>();
+  }
+  std::future<Status> done;
+  if (ready.ok()) {
+    done = pending.checkpointed->get_future();
+    {
+      std::lock_guard<std::mutex> queue_lock(queue_mutex);
+      queue.push_back(std::move(pending));
+    }
+    queue_ready.notify_one();
+    lock.unlock();  // CUPTI's context callbacks take the state while the writer works
+    if (done.wait_for(kCheckpointWait) != std::future_status::ready) {
+      ready =
+          Status::Error("the writer took over " + std::to_string(kCheckpointWait.count()) + " s");
+    } else {
+      ready = done.get();
+    }
+    lock.lock();
+  }
+  if (!ready.ok()) {
+    stream_failed = true;
+    Warn("committing a step to " + options.output_path + " failed (" + ready.message() +
+         "); the trace is written at the end only, and a killed run leaves none");
+  }
+}
+
 Status CuptiCollector::Impl::StopLocked() {
   if (!running) return Status::Ok();
   running = false;
@@ -610,6 +678,10 @@ void CuptiCollector::Impl::WriterLoop() {
       batch.swap(queue);
     }
     for (Pending& pending : batch) {
+      if (pending.checkpoint) {
+        pending.checkpointed->set_value(writer->Checkpoint(*pending.checkpoint));
+        continue;
+      }
       (void)writer->BeginBatch();
       for (const CUpti_Activity* record : pending.records) writer->Add(record);
       writer->AddBuffer(pending.dropped_records);
@@ -626,7 +698,10 @@ void CuptiCollector::Impl::StopWriter() {
   }
   queue_ready.notify_one();
   if (writer_thread.joinable()) writer_thread.join();
-  for (Pending& pending : queue) std::free(pending.buffer);
+  for (Pending& pending : queue) {
+    std::free(pending.buffer);
+    if (pending.checkpointed) pending.checkpointed->set_value(Status::Error("the trace ended"));
+  }
   queue.clear();
 }
 
@@ -712,7 +787,8 @@ StatusOr<std::unique_ptr<CuptiCollector>> CuptiCollector::Create(CuptiCollectorO
   s.clock.cupti_to_realtime_ns =
       s.start_sample.realtime_ns - static_cast<int64_t>(s.start_sample.cupti_ns);
   DC_ASSIGN_OR_RETURN(s.writer,
-                      ActivityWriter::Open(s.options.output_path, s.global_pid, s.clock, ApiName));
+                      ActivityWriter::Open(s.options.output_path, s.global_pid, s.clock, ApiName,
+                                           /*streamed=*/!!s.options.stream_blobs));
   s.writer_thread = std::thread([&s] { s.WriterLoop(); });
   {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -798,18 +874,12 @@ StatusOr<CuptiTraceCounts> CuptiCollector::Finish() {
   }
 
   DC_ASSIGN_OR_RETURN(ClockSample end, ClockSample::Take());
-  const ClockSample& start = s.start_sample;
   const int64_t origin = s.clock.session_start_utc_ns;
-  input.anchors = {
-      Anchor("start", start.realtime_ns, start.monotonic_ns, start.realtime_ns - origin),
-      Anchor("end", end.realtime_ns, end.monotonic_ns, end.realtime_ns - origin),
-      // sessionNs of the cupti rows: CUPTI's clock at the same instant, on the session origin;
-      // the difference to the row above is CUPTI's offset from CLOCK_REALTIME.
-      Anchor("cupti_start", start.realtime_ns, start.monotonic_ns,
-             static_cast<int64_t>(start.cupti_ns) - origin),
-      Anchor("cupti_end", end.realtime_ns, end.monotonic_ns,
-             static_cast<int64_t>(end.cupti_ns) - origin),
-  };
+  input.anchors = s.StartAnchors();
+  input.anchors.push_back(
+      Anchor("end", end.realtime_ns, end.monotonic_ns, end.realtime_ns - origin));
+  input.anchors.push_back(Anchor("cupti_end", end.realtime_ns, end.monotonic_ns,
+                                 static_cast<int64_t>(end.cupti_ns) - origin));
   input.rank = {s.global_pid,         s.options.rank,     s.options.local_rank,
                 s.options.world_size, s.options.hostname, s.options.device_id};
   std::vector<cupti_internal::WindowRow> windows;
@@ -879,8 +949,9 @@ Status CuptiCollector::NameStream(CUstream_st* stream, const std::string& name) 
 }
 
 void CuptiCollector::Step(int step, int64_t start_ns, int64_t end_ns, double loss, bool warmup) {
-  std::lock_guard<std::mutex> lock(impl_->state_mutex);
+  std::unique_lock<std::mutex> lock(impl_->state_mutex);
   impl_->steps.push_back({step, start_ns, end_ns, loss, warmup});
+  impl_->CheckpointLocked(lock);
 }
 
 void CuptiCollector::Evaluation(int64_t step, int64_t start_ns, int64_t end_ns, double loss) {

@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -27,6 +28,10 @@
 #include "schemas/status.h"
 
 struct CUstream_st;  // cudaStream_t and CUstream point to it
+
+namespace dc::collector_internal {
+class Database;
+}
 
 namespace dc {
 
@@ -59,6 +64,11 @@ struct CuptiCollectorOptions {
   CaptureRange capture_range = CaptureRange::kExplicit;
   std::string capture_label = "executor";                     // META_DATA_CAPTURE dc.capture
   std::vector<std::pair<std::string, std::string>> metadata;  // more META_DATA_CAPTURE rows
+  // When set, the rank file is written in place (WAL) and every Step commits the step's records
+  // to it (the device synchronized and CUPTI flushed first): a run killed later leaves the steps
+  // it completed, which MergeRankTraces joins as an incomplete run's (HostTracer::StreamTo's
+  // contract). It writes the plan's TC_BLOB rows (collector/trace_blobs.h) into the file once.
+  std::function<Status(collector_internal::Database*)> stream_blobs;
 };
 
 // What the executor knows about a schedule instruction, for the activities it launches.

@@ -1,6 +1,16 @@
 #include "collector/cupti/execution_tracer.h"
 
+#include "collector/trace_blobs.h"
+
 namespace dc {
+
+std::function<Status(collector_internal::Database*)> StreamScheduleBlobs(
+    const proto::Schedule& schedule) {
+  const proto::Schedule* plan = &schedule;
+  return [plan](collector_internal::Database* db) {
+    return collector_internal::WriteScheduleBlobs(db, *plan);
+  };
+}
 
 void CuptiExecutionTracer::DescribeInstruction(int index, const TracedInstruction& instruction) {
   InstructionInfo info;

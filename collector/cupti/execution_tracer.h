@@ -6,10 +6,17 @@
 // libdc_inject.so.
 #pragma once
 
+#include <functional>
+
 #include "collector/cupti/cupti_collector.h"
 #include "executor/tracer.h"
 
 namespace dc {
+
+// CuptiCollectorOptions::stream_blobs for a run of `schedule` (which must outlive the
+// collector): the plan's TC_BLOB rows, as the cpu backend's streamed rank file carries them.
+std::function<Status(collector_internal::Database*)> StreamScheduleBlobs(
+    const proto::Schedule& schedule);
 
 class CuptiExecutionTracer : public ExecutionTracer {
  public:

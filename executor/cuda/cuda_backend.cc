@@ -66,6 +66,8 @@ class CudaBackend : public RankBackend {
     cupti.hostname = options.identity.hostname;
     cupti.session_start_utc_ns = options.session_start_ns;
     cupti.device_id = device_;
+    // The rank file is committed step by step: a killed run leaves the steps it completed.
+    if (options.schedule != nullptr) cupti.stream_blobs = StreamScheduleBlobs(*options.schedule);
     DC_ASSIGN_OR_RETURN(std::unique_ptr<CuptiCollector> collector, CuptiCollector::Create(cupti));
     DC_RETURN_IF_ERROR(collector->Start());
     auto tracer = std::make_unique<CuptiRankTracer>(std::move(collector));
