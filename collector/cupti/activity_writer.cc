@@ -537,7 +537,7 @@ Status ActivityWriter::WriteInstructionMap(const std::vector<InstructionRow>& in
         " AND e.rowid > " + std::to_string(after) + " AND e.rowid <= " + std::to_string(through);
   }
   // externalId = step << 32 | instruction (CuptiCollector::PushInstruction).
-  const std::string kMapped =
+  const std::string mapped =
       "(SELECT DISTINCT e.correlationId AS correlationId, e.externalId >> 32 AS step, "
       "e.externalId & 4294967295 AS instruction, i.kind AS kind, i.microStep AS microStep, "
       "i.bytes AS bytes, i.tensors AS tensors, i.bucket AS bucket FROM temp.dc_external AS e "
@@ -552,7 +552,7 @@ Status ActivityWriter::WriteInstructionMap(const std::vector<InstructionRow>& in
       std::to_string(global_pid_) +
       ", m.correlationId, m.step, m.microStep, m.instruction, COALESCE(m.kind, MIN(a.kind)) "
       "FROM " +
-      kMapped +
+      mapped +
       " AS m JOIN (SELECT k.correlationId AS correlationId, COALESCE(c.kind, 'compute') AS kind "
       "FROM CUPTI_ACTIVITY_KIND_KERNEL AS k LEFT JOIN TC_COLLECTIVE AS c ON "
       "c.correlationId = k.correlationId AND c.start = k.start "
@@ -567,7 +567,7 @@ Status ActivityWriter::WriteInstructionMap(const std::vector<InstructionRow>& in
       "UPDATE TC_COLLECTIVE SET bytes = COALESCE(m.bytes, 0), tensors = m.tensors, "
       "bucket = m.bucket, kind = CASE WHEN TC_COLLECTIVE.kind IN ('nccl', 'send_recv') AND "
       "m.kind IS NOT NULL THEN m.kind ELSE TC_COLLECTIVE.kind END FROM " +
-      kMapped + " AS m WHERE TC_COLLECTIVE.correlationId = m.correlationId");
+      mapped + " AS m WHERE TC_COLLECTIVE.correlationId = m.correlationId");
 }
 
 StatusOr<int64_t> ActivityWriter::RankDevice(const RankRow& rank) {
