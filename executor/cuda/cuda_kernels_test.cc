@@ -1010,19 +1010,38 @@ TEST(GpuDevice, InfoStreamsEventsArenaPinned) {
 // Timings at a real layer's shapes (llama3-8b, one sequence of 2048 tokens, bf16). Opt-in: set
 // DC_GPU_BENCH=1; prints one line per op kind, for bench/ records.
 
+constexpr int64_t kBenchVocab = 128256;
+
 TEST(GpuBench, Llama8bLayerKernels) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   if (std::getenv("DC_GPU_BENCH") == nullptr) GTEST_SKIP() << "set DC_GPU_BENCH=1 to time kernels";
   constexpr int kWarmups = 3, kRepeats = 20;
   const int64_t tokens = 2048, hidden = 4096, heads = 32, kv_heads = 8, head_dim = 128;
-  const int64_t ffn = 14336, vocab = 128256;
+  const int64_t ffn = 14336, vocab = kBenchVocab;
   const proto::DType bf16 = proto::DTYPE_BF16;
   DeviceMemoryPool pool;
+  // Outputs start at zero; inputs are random (zeros can run faster than real data, and hide
+  // wrong indexing): normal(0, 1) floats, token ids uniform over the vocabulary.
   auto zeros = [&](Shape shape, proto::DType dtype) {
     DeviceTensor t = pool.Allocate(std::move(shape), dtype);
     Check(CudaStatus(cudaMemset(t.data, 0, t.SizeBytes()), "memset"));
     Check(CudaStatus(cudaDeviceSynchronize(), "memset"));
     return t;
+  };
+  std::mt19937 rng(2026);
+  auto random = [&](Shape shape, proto::DType dtype) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    if (dtype == proto::DTYPE_I32) {
+      std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(kBenchVocab) - 1);
+      std::vector<int32_t> ids(static_cast<size_t>(n));
+      for (int32_t& v : ids) v = id(rng);
+      return pool.UploadInts(ids, std::move(shape));
+    }
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> values(static_cast<size_t>(n));
+    for (float& v : values) v = normal(rng);
+    return pool.UploadFloats(values, std::move(shape), dtype);
   };
   auto stream = CudaStream::Create();
   ASSERT_TRUE(stream.ok());
@@ -1050,15 +1069,15 @@ TEST(GpuBench, Llama8bLayerKernels) {
   const std::map<std::string, int64_t> attn = {
       {op_attr::kHeads, heads}, {op_attr::kKvHeads, kv_heads}, {op_attr::kHeadDim, head_dim}};
   const auto eps = std::map<std::string, double>{{op_attr::kEps, 1e-5}};
-  const DeviceTensor x = zeros({1, tokens, hidden}, bf16);
-  const DeviceTensor q = zeros({1, tokens, heads * head_dim}, bf16);
-  const DeviceTensor kv = zeros({1, tokens, kv_heads * head_dim}, bf16);
-  const DeviceTensor w = zeros({hidden, hidden}, bf16);
-  const DeviceTensor norm_w = zeros({hidden}, bf16);
-  const DeviceTensor gate = zeros({1, tokens, ffn}, bf16);
-  const DeviceTensor logits = zeros({1, tokens, vocab}, bf16);
-  const DeviceTensor targets = zeros({1, tokens}, proto::DTYPE_I32);
-  const DeviceTensor table = zeros({vocab, hidden}, bf16);
+  const DeviceTensor x = random({1, tokens, hidden}, bf16);
+  const DeviceTensor q = random({1, tokens, heads * head_dim}, bf16);
+  const DeviceTensor kv = random({1, tokens, kv_heads * head_dim}, bf16);
+  const DeviceTensor w = random({hidden, hidden}, bf16);
+  const DeviceTensor norm_w = random({hidden}, bf16);
+  const DeviceTensor gate = random({1, tokens, ffn}, bf16);
+  const DeviceTensor logits = random({1, tokens, vocab}, bf16);
+  const DeviceTensor targets = random({1, tokens}, proto::DTYPE_I32);
+  const DeviceTensor table = random({vocab, hidden}, bf16);
   const double s2 = static_cast<double>(tokens) * tokens;
   const double two_bytes = 2;
 
@@ -1096,15 +1115,15 @@ TEST(GpuBench, Llama8bLayerKernels) {
   measure(MakeOp(op_kind::kEmbeddingBackward), {x, targets}, {zeros(table.shape, bf16)},
           1.0 * tokens * hidden, two_bytes * (1.0 * tokens * hidden + 1.0 * vocab * hidden));
   const int64_t shard = int64_t{1} << 26;  // 64 Mi fp32 elements
-  const DeviceTensor p = zeros({shard}, proto::DTYPE_F32);
+  const DeviceTensor p = random({shard}, proto::DTYPE_F32);
   measure(MakeOp(op_kind::kAdamW, {},
                  {{op_attr::kLr, 1e-4},
                   {op_attr::kBeta1, 0.9},
                   {op_attr::kBeta2, 0.95},
                   {op_attr::kEps, 1e-8},
                   {op_attr::kWeightDecay, 0.1}}),
-          {p, zeros({shard}, proto::DTYPE_F32), zeros({shard}, proto::DTYPE_F32),
-           zeros({shard}, proto::DTYPE_F32)},
+          {p, random({shard}, proto::DTYPE_F32), zeros({shard}, proto::DTYPE_F32),
+           zeros({shard}, proto::DTYPE_F32)},  // param, grad random; m, v as at the first step
           {}, 12.0 * shard, 4.0 * 7.0 * shard);
   Check(CudaStatus(cudaStreamSynchronize(context.stream), "bench"));
 }
