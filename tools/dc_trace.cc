@@ -56,7 +56,8 @@ struct Common {
 void AddCommon(CLI::App* sub, Common* common) {
   sub->add_option("--profile", common->plan_costs.profile_trace,
                   "for a plan input: re-simulate it with the costs profiled from this dc trace "
-                  "(default: the default cost model)");
+                  "(default: the built-in profile the plan was made with, found by its profile "
+                  "digest, else the default cost model)");
   sub->add_option("--hardware", common->plan_costs.hardware,
                   "for a plan input: re-simulate it with this hardware profile, a built-in name or "
                   "a profile file (dc-calibrate's), as dc-plan --synthetic --hardware made it; "

@@ -419,7 +419,7 @@ bool AttentionOnTensorCores(FloatType type, const AttentionDims& dims,
     return false;
   }
   for (const void* operand : operands) {
-    if (reinterpret_cast<uintptr_t>(operand) % 16 != 0) return false;
+    if (!Aligned16(operand)) return false;
   }
   return true;
 }

@@ -29,8 +29,8 @@ inline constexpr int kTcScoreLd = kTcCols + 4;  // fp32 scores
 inline constexpr int kTcProbLd = kTcCols + 8;   // 16-bit probabilities / dS
 
 // Byte offsets of one kernel's shared-memory regions, each 128-byte aligned: `tiles` 16-bit
-// tiles of kTcRows x head_dim, `scores` fp32 score tiles, `probs` 16-bit probability tiles and
-// 2 * kTcCols fp32 statistics.
+// tiles of kTcRows x head_dim, `scores` fp32 score tiles, `probs` 16-bit probability tiles and,
+// with `stats`, 2 * kTcCols fp32 statistics (the dK/dV kernel's lse and delta of a query tile).
 struct TcSmemLayout {
   int64_t tile[4] = {0, 0, 0, 0};
   int64_t score[2] = {0, 0};
@@ -48,7 +48,8 @@ DC_HOST_DEVICE int64_t TakeTcSmem(int64_t* at, int64_t bytes) {
   return start;
 }
 
-DC_HOST_DEVICE TcSmemLayout MakeTcSmemLayout(int head_dim, int tiles, int scores, int probs) {
+DC_HOST_DEVICE TcSmemLayout MakeTcSmemLayout(int head_dim, int tiles, int scores, int probs,
+                                             bool stats) {
   TcSmemLayout layout;
   int64_t at = 0;
   for (int i = 0; i < tiles; ++i) {
@@ -58,16 +59,18 @@ DC_HOST_DEVICE TcSmemLayout MakeTcSmemLayout(int head_dim, int tiles, int scores
     layout.score[i] = TakeTcSmem(&at, int64_t{kTcRows} * kTcScoreLd * 4);
   for (int i = 0; i < probs; ++i)
     layout.prob[i] = TakeTcSmem(&at, int64_t{kTcRows} * kTcProbLd * 2);
-  layout.stats = TakeTcSmem(&at, int64_t{2} * kTcCols * 4);
+  if (stats) layout.stats = TakeTcSmem(&at, int64_t{2} * kTcCols * 4);
   layout.bytes = at;
   return layout;
 }
 DC_HOST_DEVICE TcSmemLayout TcForwardLayout(int head_dim) {
-  return MakeTcSmemLayout(head_dim, 3, 1, 1);
+  return MakeTcSmemLayout(head_dim, 3, 1, 1, false);
 }
-DC_HOST_DEVICE TcSmemLayout TcDqLayout(int head_dim) { return MakeTcSmemLayout(head_dim, 4, 2, 1); }
+DC_HOST_DEVICE TcSmemLayout TcDqLayout(int head_dim) {
+  return MakeTcSmemLayout(head_dim, 4, 2, 1, false);
+}
 DC_HOST_DEVICE TcSmemLayout TcDkDvLayout(int head_dim) {
-  return MakeTcSmemLayout(head_dim, 4, 2, 2);
+  return MakeTcSmemLayout(head_dim, 4, 2, 2, true);
 }
 
 template <typename T>

@@ -52,6 +52,8 @@ cudaError_t DispatchFloat(FloatType type, Fn&& fn) {
 DC_DEVICE int64_t GlobalThreadIndex() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
 }
+// Whether 16-byte vector accesses may start at `p` (a host-side check before a launch).
+inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 DC_DEVICE int64_t GridThreads() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
 // std::min is a host function to nvcc.
 DC_DEVICE int64_t Min64(int64_t a, int64_t b) { return a < b ? a : b; }

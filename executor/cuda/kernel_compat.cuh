@@ -168,29 +168,27 @@ struct MmaAcc : EmuTile {};
 inline float EmuToF32(__nv_bfloat16 v) { return __bfloat162float(v); }
 inline float EmuToF32(__half v) { return __half2float(v); }
 
+// Element (r, c) of the tile from p[r * ld + c], or from p[c * ld + r] (`transposed`).
 template <typename T>
-void MmaLoad(MmaA<T>& a, const T* p, int ld) {
+void EmuLoadTile(EmuTile& tile, const T* p, int ld, bool transposed) {
   SyncWarp();
   for (int r = 0; r < 16; ++r) {
-    for (int c = 0; c < 16; ++c) a.v[r][c] = EmuToF32(p[r * ld + c]);
+    for (int c = 0; c < 16; ++c)
+      tile.v[r][c] = EmuToF32(transposed ? p[c * ld + r] : p[r * ld + c]);
   }
   SyncWarp();
+}
+template <typename T>
+void MmaLoad(MmaA<T>& a, const T* p, int ld) {
+  EmuLoadTile(a, p, ld, false);
 }
 template <typename T>
 void MmaLoad(MmaBRow<T>& b, const T* p, int ld) {
-  SyncWarp();
-  for (int k = 0; k < 16; ++k) {
-    for (int n = 0; n < 16; ++n) b.v[k][n] = EmuToF32(p[k * ld + n]);
-  }
-  SyncWarp();
+  EmuLoadTile(b, p, ld, false);
 }
 template <typename T>
 void MmaLoad(MmaBCol<T>& b, const T* p, int ld) {
-  SyncWarp();
-  for (int k = 0; k < 16; ++k) {
-    for (int n = 0; n < 16; ++n) b.v[k][n] = EmuToF32(p[n * ld + k]);
-  }
-  SyncWarp();
+  EmuLoadTile(b, p, ld, true);
 }
 inline void MmaLoadAcc(MmaAcc& acc, const float* p, int ld) {
   SyncWarp();

@@ -86,8 +86,6 @@ DC_GLOBAL void DC_LAUNCH_BOUNDS(kThreadsPerBlock)
   }
 }
 
-inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 cudaError_t Embedding(FloatType type, const int32_t* tokens, int64_t num_tokens, const void* table,
                       int64_t vocab, int64_t hidden, void* y, int32_t* device_error,
                       cudaStream_t stream) {
@@ -391,8 +389,7 @@ cudaError_t AddN(FloatType type, const void* const* inputs, int num_inputs, void
                  cudaStream_t stream) {
   return DispatchFloat(type, [&](auto tag) {
     using T = decltype(tag);
-    const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    if (num_inputs == 2 && aligned(inputs[0]) && aligned(inputs[1]) && aligned(y)) {
+    if (num_inputs == 2 && Aligned16(inputs[0]) && Aligned16(inputs[1]) && Aligned16(y)) {
       constexpr int64_t kVector = 16 / static_cast<int64_t>(sizeof(T));
       return LaunchKernel(Add2Kernel<T>, ElementwiseGrid((n + kVector - 1) / kVector),
                           dim3(kThreadsPerBlock), 0, stream, static_cast<const T*>(inputs[0]),

@@ -233,6 +233,15 @@ def compare(what, dc, ref, tolerance, report, metric=relative_difference):
     return failures
 
 
+def dc_adamw(params, run):
+    """dc's AdamW: PyTorch's, with weight decay on the matrices only."""
+    groups = [{"params": [p for p in params.values() if p.dim() >= 2],
+               "weight_decay": run["weight_decay"]},
+              {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=run["lr"], betas=(run["beta1"], run["beta2"]),
+                             eps=run["adam_eps"])
+
+
 def compare_to_peer(what, dc, peer, ref, factor, rounding, report, metric):
     """dc's differences from the float64 reference, each held to `factor` times the largest of
     the peer's (PyTorch in the same low precision) over the tensors, and at least `rounding`."""
@@ -338,13 +347,8 @@ def main():
         failures += compare("grads", dc_grads, grads, args.grad_tolerance, report)
 
     if args.after:
-        # dc's AdamW: PyTorch's, with weight decay on the matrices only.
         params = {n: t.clone().requires_grad_(True) for n, t in start.items()}
-        groups = [{"params": [p for p in params.values() if p.dim() >= 2],
-                   "weight_decay": run["weight_decay"]},
-                  {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(groups, lr=run["lr"], betas=(run["beta1"], run["beta2"]),
-                                eps=run["adam_eps"])
+        opt = dc_adamw(params, run)
         # dc's --clip-grad-norm: clip_grad_norm_ over every param's whole gradient, then AdamW.
         max_norm = run.get("clip_grad_norm", 0.0)
         clipped_steps = 0
@@ -363,11 +367,7 @@ def main():
             # PyTorch's mixed precision as dc's: fp32 masters and AdamW, each step's forward and
             # backward in the peer type from the masters rounded to it.
             masters = {n: t.float().requires_grad_(True) for n, t in start.items()}
-            groups = [{"params": [p for p in masters.values() if p.dim() >= 2],
-                       "weight_decay": run["weight_decay"]},
-                      {"params": [p for p in masters.values() if p.dim() < 2], "weight_decay": 0.0}]
-            peer_opt = torch.optim.AdamW(groups, lr=run["lr"], betas=(run["beta1"], run["beta2"]),
-                                         eps=run["adam_eps"])
+            peer_opt = dc_adamw(masters, run)
             for step in range(run["step"], run["step"] + args.steps):
                 low = {n: p.detach().to(peer_type).requires_grad_(True) for n, p in masters.items()}
                 step_loss(low, cfg, run, data, step).backward()
