@@ -125,8 +125,8 @@ auto BasicArenaOccupancy<Offset>::PathUnion(int node) const -> const std::vector
 }
 
 template <typename Offset>
-int64_t BasicArenaOccupancy<Offset>::BestFit(int alloc_index, int free_index, int64_t floor,
-                                             int64_t size) const {
+template <typename Fn>
+void BasicArenaOccupancy<Offset>::ForEachTakenRun(int alloc_index, int free_index, Fn&& fn) const {
   lists_.clear();
   // Taken at alloc_index: the unions on the leaf's root path, the upper part from the cache.
   int node = Leaf(alloc_index);
@@ -139,7 +139,7 @@ int64_t BasicArenaOccupancy<Offset>::BestFit(int alloc_index, int free_index, in
     if (!allocated_[n].empty()) lists_.push_back(&allocated_[n]);
   });
   // Merge the shortest first (each merge costs the lengths of both), and scan the last merge
-  // for gaps without writing it.
+  // without writing it.
   std::sort(lists_.begin(), lists_.end(),
             [](const std::vector<Range>* x, const std::vector<Range>* y) {
               return x->size() < y->size();
@@ -151,9 +151,15 @@ int64_t BasicArenaOccupancy<Offset>::BestFit(int alloc_index, int free_index, in
     merged_.swap(spare_);
     merged = &merged_;
   }
+  ForEachMerged(*merged, lists_.empty() ? kEmpty : *lists_.back(), fn);
+}
+
+template <typename Offset>
+int64_t BasicArenaOccupancy<Offset>::BestFit(int alloc_index, int free_index, int64_t floor,
+                                             int64_t size) const {
   int64_t cursor = floor, best_offset = -1;
   int64_t best_gap = std::numeric_limits<int64_t>::max();
-  ForEachMerged(*merged, lists_.empty() ? kEmpty : *lists_.back(), [&](const Range& run) {
+  ForEachTakenRun(alloc_index, free_index, [&](const Range& run) {
     const int64_t gap = static_cast<int64_t>(run.first) - cursor;
     if (gap >= size && gap < best_gap) {
       best_gap = gap;
@@ -162,6 +168,24 @@ int64_t BasicArenaOccupancy<Offset>::BestFit(int alloc_index, int free_index, in
     cursor = std::max<int64_t>(cursor, run.second);
   });
   return best_offset >= 0 ? best_offset : cursor;
+}
+
+template <typename Offset>
+int64_t BasicArenaOccupancy<Offset>::HighestFit(int alloc_index, int free_index, int64_t floor,
+                                                int64_t ceiling, int64_t size) const {
+  int64_t cursor = floor, highest = -1;
+  // The gap [cursor, end) below `end`, cut at the ceiling.
+  auto consider = [&](int64_t end) {
+    end = std::min(end, ceiling);
+    if (end - cursor >= size) highest = end - size;
+  };
+  ForEachTakenRun(alloc_index, free_index, [&](const Range& run) {
+    if (cursor >= ceiling) return;
+    consider(static_cast<int64_t>(run.first));
+    cursor = std::max<int64_t>(cursor, run.second);
+  });
+  if (cursor < ceiling) consider(ceiling);
+  return highest;
 }
 
 template class BasicArenaOccupancy<int64_t>;

@@ -45,8 +45,17 @@ class BasicArenaOccupancy {
   // such offset on ties); else the end of the highest of them, or `floor` if that is higher.
   int64_t BestFit(int alloc_index, int free_index, int64_t floor, int64_t size) const;
 
+  // The highest offset o, floor <= o and o + size <= ceiling, where `size` > 0 is free during
+  // [alloc_index, free_index]; -1 if there is none.
+  int64_t HighestFit(int alloc_index, int free_index, int64_t floor, int64_t ceiling,
+                     int64_t size) const;
+
  private:
   int Leaf(int position) const { return position + 1 + leaves_; }
+  // Calls fn(run) for the runs taken at some instant of [alloc_index, free_index], in order of
+  // offset (runs may overlap or touch).
+  template <typename Fn>
+  void ForEachTakenRun(int alloc_index, int free_index, Fn&& fn) const;
   // The union of the `taken_` unions of `node` and its ancestors, from the cache.
   const std::vector<Range>& PathUnion(int node) const;
 
@@ -60,7 +69,7 @@ class BasicArenaOccupancy {
   std::vector<uint64_t> changed_;
   mutable std::vector<uint64_t> built_;
   mutable std::vector<std::vector<Range>> path_;
-  // Scratch of BestFit.
+  // Scratch of the queries.
   mutable std::vector<const std::vector<Range>*> lists_;
   mutable std::vector<Range> merged_, spare_;
   mutable std::vector<int> nodes_;

@@ -38,6 +38,20 @@ int64_t BruteForceBestFit(const std::vector<Placed>& placed, int alloc_index, in
   return best_offset >= 0 ? best_offset : cursor;
 }
 
+// What HighestFit promises: the highest offset in [floor_bytes, ceiling_bytes - size_bytes] free
+// of every placed range that overlaps the lifetime, tried offset by offset; -1 if none.
+int64_t BruteForceHighestFit(const std::vector<Placed>& placed, int alloc_index, int free_index,
+                             int64_t floor_bytes, int64_t ceiling_bytes, int64_t size_bytes) {
+  for (int64_t offset = ceiling_bytes - size_bytes; offset >= floor_bytes; --offset) {
+    const bool free = std::none_of(placed.begin(), placed.end(), [&](const Placed& p) {
+      return p.alloc_index <= free_index && p.free_index >= alloc_index &&
+             p.range.first < offset + size_bytes && offset < p.range.second;
+    });
+    if (free) return offset;
+  }
+  return -1;
+}
+
 // Random lifetimes and sizes, placed where BestFit says (as the packer does) or, now and then,
 // anywhere (overlapping what is there: the index must not assume a packing). `reuse`
 // (optional): an occupancy used before, reset to the axis instead of a new one.
@@ -62,6 +76,12 @@ void CheckAgainstBruteForce(unsigned seed, int axis_length, int buffers, int64_t
     ASSERT_EQ(offset, BruteForceBestFit(placed, alloc_index, free_index, floor_bytes, size_bytes))
         << "seed " << seed << ", buffer " << b << ": [" << alloc_index << ", " << free_index
         << "] of " << size_bytes << " bytes above " << floor_bytes;
+    const int64_t ceiling_bytes = floor_bytes + size(rng) * 4;
+    ASSERT_EQ(occupancy.HighestFit(alloc_index, free_index, floor_bytes, ceiling_bytes, size_bytes),
+              BruteForceHighestFit(placed, alloc_index, free_index, floor_bytes, ceiling_bytes,
+                                   size_bytes))
+        << "seed " << seed << ", buffer " << b << ": [" << alloc_index << ", " << free_index
+        << "] of " << size_bytes << " bytes in [" << floor_bytes << ", " << ceiling_bytes << ")";
     const int64_t at = percent(rng) < 5 ? size(rng) * 3 : offset;
     const Range range{at, at + size_bytes};
     occupancy.Add(alloc_index, free_index,
@@ -98,6 +118,19 @@ TEST(ArenaOccupancy, MatchesBruteForceOnLongAxes) {
 TEST(ArenaOccupancy, EmptyFitsAtTheFloor) {
   ArenaOccupancy occupancy(10);
   EXPECT_EQ(occupancy.BestFit(-1, 10, 256, 100), 256);
+}
+
+TEST(ArenaOccupancy, HighestFitTakesTheHighestGapUnderTheCeiling) {
+  ArenaOccupancy occupancy(4);
+  // Free during [1, 2]: [0, 10), [20, 25), [35, 40), [50, ...).
+  occupancy.Add(0, 1, {10, 20});
+  occupancy.Add(2, 3, {25, 35});
+  occupancy.Add(1, 1, {40, 50});
+  EXPECT_EQ(occupancy.HighestFit(1, 2, 0, 100, 5), 95);
+  EXPECT_EQ(occupancy.HighestFit(1, 2, 0, 48, 5), 35);  // [40, 50) is taken
+  EXPECT_EQ(occupancy.HighestFit(1, 2, 0, 48, 6), 4);   // only [0, 10) holds 6 below 48
+  EXPECT_EQ(occupancy.HighestFit(1, 2, 5, 48, 6), -1);  // above the floor 5, nothing does
+  EXPECT_EQ(occupancy.HighestFit(3, 3, 0, 30, 5), 20);  // [25, 35) alone at 3
 }
 
 TEST(ArenaOccupancy, PrefersTheSmallestGapThenTheLowest) {

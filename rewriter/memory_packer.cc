@@ -34,8 +34,17 @@ const char* OrderName(MemoryPlanOptions::Order order) {
       return "breadth-descending";
     case MemoryPlanOptions::Order::kBreadthSizeDescending:
       return "breadth-size-descending";
+    case MemoryPlanOptions::Order::kEdgesFromTheTop:
+      return "edges-from-the-top";
   }
   return "?";
+}
+
+// "size-descending+breadth-descending"
+std::string OrderNames(const std::vector<MemoryPlanOptions::Order>& orders) {
+  std::vector<std::string> names;
+  for (MemoryPlanOptions::Order order : orders) names.push_back(OrderName(order));
+  return Join(names, "+");
 }
 
 struct Packing {
@@ -57,9 +66,9 @@ struct Axis {
 // `reuse` (optional): an occupancy to reset and place in, keeping its memory.
 template <typename Occupancy>
 bool PlaceInOrder(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
-                  int64_t unit_bytes, const std::vector<int>& rest,
-                  const std::vector<int64_t>& reserve, int64_t base_bytes, Packing* packing,
-                  Occupancy* reuse) {
+                  int64_t unit_bytes, const std::vector<int>& from_top, int64_t ceiling_bytes,
+                  const std::vector<int>& rest, const std::vector<int64_t>& reserve,
+                  int64_t base_bytes, Packing* packing, Occupancy* reuse) {
   using Offset = typename Occupancy::Range::first_type;
   constexpr int64_t kMaxUnits = static_cast<int64_t>(std::numeric_limits<Offset>::max());
   const std::vector<BufferLifetime>& buffers = *primary.buffers;
@@ -75,6 +84,22 @@ bool PlaceInOrder(const Axis& primary, const Axis* spill, int64_t spill_above_by
   std::optional<Occupancy> spill_occupancy;
   if (spill && spill_above_bytes > 0) spill_occupancy.emplace(spill->length);
   packing->spilled = 0;
+  const int64_t ceiling = ceiling_bytes / unit_bytes;
+  // The highest place under the ceiling, else (no room there) the best fit.
+  for (int b : from_top) {
+    const BufferLifetime& life = buffers[b];
+    const int64_t size = reserve[b] / unit_bytes;
+    if (size == 0) {
+      packing->offsets[b] = base_bytes;
+      continue;
+    }
+    int64_t offset = occupancy.HighestFit(life.alloc_index, life.free_index, base, ceiling, size);
+    if (offset < 0) offset = occupancy.BestFit(life.alloc_index, life.free_index, base, size);
+    if (offset + size > kMaxUnits) return false;
+    packing->offsets[b] = offset * unit_bytes;
+    occupancy.Add(life.alloc_index, life.free_index,
+                  {static_cast<Offset>(offset), static_cast<Offset>(offset + size)});
+  }
   for (int b : rest) {
     if (reserve[b] == 0) {
       packing->offsets[b] = base_bytes;  // empty: overlaps nothing
@@ -147,7 +172,11 @@ std::vector<int64_t> BusiestLiveBytes(const Axis& axis, const std::vector<int64_
 struct Sequence {
   std::vector<int64_t> reserve;  // per buffer: its size rounded up to the alignment
   std::vector<int> stacked;      // the whole-step buffers, bottom up
-  std::vector<int> rest;         // the other buffers, in the order's sequence
+  // kEdgesFromTheTop's buffers alive at one edge of the step, top down from ceiling_bytes (the
+  // most reserved bytes live at once); empty in the other orders.
+  std::vector<int> from_top;
+  int64_t ceiling_bytes = 0;
+  std::vector<int> rest;  // the other buffers, in the order's sequence
 };
 
 Sequence SequenceOf(const Axis& primary, int64_t alignment_bytes, MemoryPlanOptions::Order order) {
@@ -169,10 +198,35 @@ Sequence SequenceOf(const Axis& primary, int64_t alignment_bytes, MemoryPlanOpti
   };
   std::vector<int>& stacked = sequence.stacked;
   std::vector<int>& rest = sequence.rest;
-  for (int b = 0; b < n; ++b) (whole_step(b) ? stacked : rest).push_back(b);
+  const bool edges = order == MemoryPlanOptions::Order::kEdgesFromTheTop;
+  std::vector<int> at_start, at_end;
+  for (int b = 0; b < n; ++b) {
+    if (whole_step(b)) {
+      stacked.push_back(b);
+    } else if (edges && buffers[b].alloc_index < 0) {
+      at_start.push_back(b);
+    } else if (edges && buffers[b].free_index >= primary.length) {
+      at_end.push_back(b);
+    } else {
+      rest.push_back(b);
+    }
+  }
   std::sort(stacked.begin(), stacked.end(), [&](int a, int b) {
     return reserve[a] != reserve[b] ? reserve[a] > reserve[b] : key_less(a, b);
   });
+  // Longest-lived first: from the top, so the bytes they leave are one run under them.
+  std::sort(at_start.begin(), at_start.end(), [&](int a, int b) {
+    return buffers[a].free_index != buffers[b].free_index
+               ? buffers[a].free_index > buffers[b].free_index
+               : key_less(a, b);
+  });
+  std::sort(at_end.begin(), at_end.end(), [&](int a, int b) {
+    return buffers[a].alloc_index != buffers[b].alloc_index
+               ? buffers[a].alloc_index < buffers[b].alloc_index
+               : key_less(a, b);
+  });
+  sequence.from_top = std::move(at_start);
+  sequence.from_top.insert(sequence.from_top.end(), at_end.begin(), at_end.end());
 
   // The order's keys, then earlier allocation, then the placement key (unique per buffer, so
   // the order is total), gathered next to each other so the sort does not chase indices.
@@ -180,16 +234,21 @@ Sequence SequenceOf(const Axis& primary, int64_t alignment_bytes, MemoryPlanOpti
     // reserve x lifetime for kAreaDescending; the most bytes live at once during the lifetime
     // for the breadth orders; 0 (no key) otherwise
     int64_t area;
-    int64_t lifetime;  // for kBreadthDescending; 0 (no key) otherwise
+    int64_t lifetime;  // for kBreadthDescending and kEdgesFromTheTop; 0 (no key) otherwise
     int64_t reserve;
     int alloc_index, instruction, tensor, micro_step, buffer;
   };
   std::vector<RestKey> keys;
   keys.reserve(rest.size());
   const bool breadth = order == MemoryPlanOptions::Order::kBreadthDescending ||
-                       order == MemoryPlanOptions::Order::kBreadthSizeDescending;
+                       order == MemoryPlanOptions::Order::kBreadthSizeDescending || edges;
+  const bool by_lifetime = order == MemoryPlanOptions::Order::kBreadthDescending || edges;
   const std::vector<int64_t> busiest =
       breadth ? BusiestLiveBytes(primary, reserve) : std::vector<int64_t>();
+  if (edges) {
+    for (int b = 0; b < n; ++b)
+      sequence.ceiling_bytes = std::max(sequence.ceiling_bytes, busiest[b]);
+  }
   for (int b : rest) {
     const BufferLifetime& x = buffers[b];
     // Below 2^63: sizes are under 2^40 bytes and lifetimes under 2^23 positions.
@@ -197,7 +256,7 @@ Sequence SequenceOf(const Axis& primary, int64_t alignment_bytes, MemoryPlanOpti
     int64_t area = 0, breadth_lifetime = 0;
     if (order == MemoryPlanOptions::Order::kAreaDescending) area = reserve[b] * lifetime;
     if (breadth) area = busiest[b];
-    if (order == MemoryPlanOptions::Order::kBreadthDescending) breadth_lifetime = lifetime;
+    if (by_lifetime) breadth_lifetime = lifetime;
     keys.push_back({area, breadth_lifetime, reserve[b], x.alloc_index, x.instruction, x.tensor,
                     x.micro_step, b});
   }
@@ -243,10 +302,12 @@ Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
 
   // In units of the alignment (every offset and reserve is a multiple of it): 32 bits hold
   // arenas up to 4 Gi units, 1 TiB at 256-byte alignment; past that, 64.
-  if (!PlaceInOrder<ArenaOccupancy32>(primary, spill, spill_above_bytes, alignment_bytes, *rest,
+  if (!PlaceInOrder<ArenaOccupancy32>(primary, spill, spill_above_bytes, alignment_bytes,
+                                      sequence.from_top, sequence.ceiling_bytes, *rest,
                                       sequence.reserve, base, &packing, reuse)) {
-    PlaceInOrder<ArenaOccupancy>(primary, spill, spill_above_bytes, alignment_bytes, *rest,
-                                 sequence.reserve, base, &packing, nullptr);
+    PlaceInOrder<ArenaOccupancy>(primary, spill, spill_above_bytes, alignment_bytes,
+                                 sequence.from_top, sequence.ceiling_bytes, *rest, sequence.reserve,
+                                 base, &packing, nullptr);
   }
   for (int b = 0; b < n; ++b) {
     if (buffers[b].size_bytes > 0) {
@@ -270,7 +331,8 @@ struct Attempt {
 
 // The packings without waits, tried in turn until one is good enough: every order over the
 // primary lifetimes, then round by round a repair of each repaired order (so that a short
-// prefix, the offload pass's arena check, packs every order and repairs each once).
+// prefix, the offload pass's arena check, packs every order and repairs each once), then the
+// last orders.
 std::vector<Attempt> AttemptsWithoutWaits(const MemoryPlanOptions& options, const Axis& primary) {
   std::vector<Attempt> attempts;
   for (MemoryPlanOptions::Order order : options.orders) {
@@ -282,6 +344,9 @@ std::vector<Attempt> AttemptsWithoutWaits(const MemoryPlanOptions& options, cons
         attempts.push_back({&primary, nullptr, 0.0, order, /*repair=*/true});
       }
     }
+  }
+  for (MemoryPlanOptions::Order order : options.last_orders) {
+    attempts.push_back({&primary, nullptr, 0.0, order});
   }
   return attempts;
 }
@@ -318,15 +383,11 @@ int64_t TargetArenaBytes(int64_t live_peak_bytes, const MemoryPlanOptions& optio
 
 // The options that decide the packings without waits, as text.
 std::string PackingsWithoutWaitsText(const MemoryPlanOptions& options) {
-  std::vector<std::string> orders, repaired;
-  for (MemoryPlanOptions::Order order : options.orders) orders.push_back(OrderName(order));
-  for (MemoryPlanOptions::Order order : options.repaired_orders) {
-    repaired.push_back(OrderName(order));
-  }
-  return "orders=" + Join(orders, "+") +
+  return "orders=" + OrderNames(options.orders) +
          ",max_fragmentation=" + std::to_string(options.max_fragmentation) +
-         ",repaired=" + Join(repaired, "+") +
+         ",repaired=" + OrderNames(options.repaired_orders) +
          ",repair_rounds=" + std::to_string(options.repair_rounds) +
+         ",last=" + OrderNames(options.last_orders) +
          ",max_packings=" + std::to_string(options.max_packings) +
          ",budget_check_packings=" + std::to_string(options.budget_check_packings);
 }
@@ -365,13 +426,9 @@ struct Repairs {
 
 // The options that decide the sequence of packings without waits (not where it stops).
 std::string PackingSequenceText(const MemoryPlanOptions& options) {
-  std::vector<std::string> orders, repaired;
-  for (MemoryPlanOptions::Order order : options.orders) orders.push_back(OrderName(order));
-  for (MemoryPlanOptions::Order order : options.repaired_orders) {
-    repaired.push_back(OrderName(order));
-  }
-  return std::to_string(options.alignment_bytes) + "/" + Join(orders, "+") + "/" +
-         Join(repaired, "+") + "/" + std::to_string(options.repair_rounds);
+  return std::to_string(options.alignment_bytes) + "/" + OrderNames(options.orders) + "/" +
+         OrderNames(options.repaired_orders) + "/" + std::to_string(options.repair_rounds) + "/" +
+         OrderNames(options.last_orders);
 }
 
 }  // namespace

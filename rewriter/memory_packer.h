@@ -73,6 +73,15 @@ struct MemoryPlanOptions {
     // small schedules whose ties hold few long-lived buffers (mixtral-tiny at 80% of the
     // baseline's peak) it packs tighter than kBreadthDescending.
     kBreadthSizeDescending,
+    // The buffers alive at the step's start but not its end (shards offloaded during the step)
+    // or at its end but not its start (reloaded shards, reduce-scattered grads) are stacked down
+    // from the live peak, the longest-lived highest (those alive at the start by free
+    // descending, then those alive at the end by allocation ascending), where there is room;
+    // the rest go by kBreadthDescending's keys, bottom up. Such buffers, placed by breadth,
+    // sit among the step's transient ones and split the free bytes those reuse in two; from the
+    // top, the free bytes stay one run. (llama3-70b on 8 ranks at the GPU's memory: 1.11% over
+    // the live peak with the orders and repairs above, 0.56% this way.)
+    kEdgesFromTheTop,
   };
   // Tried in turn (the first always runs) until the arena is within max_fragmentation of the
   // live peak and fits the budget; the smallest arena found wins. Where size-descending packs
@@ -91,6 +100,9 @@ struct MemoryPlanOptions {
   std::vector<Order> repaired_orders = {Order::kBreadthDescending, Order::kBreadthSizeDescending};
   // Repair rounds of an order stop early after one that packs no tighter than the one before.
   int repair_rounds = 3;
+  // After every order and repair round, while none is good enough: these orders, once each.
+  // (Last, so that the offload pass's arena check, a prefix of the sequence, is unchanged.)
+  std::vector<Order> last_orders = {Order::kEdgesFromTheTop};
   // At most this many packings without waits (0: no limit).
   int max_packings = 0;
   // The offload pass's arena check (ArenaBytesWithoutWaits) makes at most this many: a prefix
