@@ -77,6 +77,14 @@ Status AddTrace(const Trace& trace, TraceFits* fits) {
                         ? static_cast<int>(hosts.size())
                         : 1;
   const ClusterShape cluster{nodes, world / nodes};
+  // The profile as it was on the traced host: the cores its ranks shared, where recorded (every
+  // prediction below is at that host's HostShareSlowdown, so the rates fitted are a rank's on a
+  // core of its own, whatever the trace's ranks per core).
+  const int host_cores = TraceHostCores(trace);
+  auto at_host = [host_cores](HardwareProfile hw) {
+    if (host_cores > 0) hw.host_cores_per_node = host_cores;
+    return hw;
+  };
   const std::string& path = trace.path();
   fits->bf16 = fits->bf16 || program->config().compute_dtype() != proto::DTYPE_F32;
 
@@ -94,8 +102,9 @@ Status AddTrace(const Trace& trace, TraceFits* fits) {
     o.what = path + ": op " + program->ops(id).name() + " (" + program->ops(id).kind() + ")";
     o.measured_seconds = Median(samples.op_seconds[id]);
     if (o.measured_seconds <= 0) continue;
-    o.predict = [program, id, world](const HardwareProfile& hw) {
-      return EstimateOp(*program, program->ops(id), hw, world).seconds;
+    o.predict = [program, id, world, cluster, at_host](const HardwareProfile& hw) {
+      return EstimateOp(*program, program->ops(id), hw, world).seconds *
+             HostShareSlowdown(at_host(hw), cluster);
     };
     fits->ops.observations.push_back(std::move(o));
     if (const std::optional<OpKind> kind = FindOpKind(program->ops(id).kind())) {
@@ -129,7 +138,9 @@ Status AddTrace(const Trace& trace, TraceFits* fits) {
     fits->one_rank = true;
   } else {
     const size_t before = fits->coll.observations.size();
-    auto ring = [cluster](const HardwareProfile& hw) { return RingCollectiveCost(hw, cluster); };
+    auto ring = [cluster, at_host](const HardwareProfile& hw) {
+      return Slowed(RingCollectiveCost(hw, cluster), HostShareSlowdown(at_host(hw), cluster));
+    };
     AddTransfers("all_gather", samples.all_gather, ring, &fits->coll, &fits->coll_sizes);
     AddTransfers("reduce_scatter", samples.reduce_scatter, ring, &fits->coll, &fits->coll_sizes);
     if (fits->coll.observations.size() > before) {
@@ -169,8 +180,9 @@ Status AddTrace(const Trace& trace, TraceFits* fits) {
 
   // Host link: offloads and reloads.
   const size_t link_before = fits->link.observations.size();
-  auto host = [](const HardwareProfile& hw) {
-    return LinearCost{hw.host_link_latency_s, hw.host_link_bandwidth_bytes_per_s};
+  auto host = [cluster, at_host](const HardwareProfile& hw) {
+    return Slowed({hw.host_link_latency_s, hw.host_link_bandwidth_bytes_per_s},
+                  HostShareSlowdown(at_host(hw), cluster));
   };
   AddTransfers("reload", samples.host_to_device, host, &fits->link, &fits->link_sizes);
   AddTransfers("offload", samples.device_to_host, host, &fits->link, &fits->link_sizes);
@@ -181,11 +193,11 @@ Status AddTrace(const Trace& trace, TraceFits* fits) {
     Observation o;
     o.what = path + ": median step of " + Plural(schedule->instructions_size(), "instruction");
     o.measured_seconds = profile.step_seconds_median;
-    o.predict = [program, schedule, cluster](const HardwareProfile& hw) {
+    o.predict = [program, schedule, cluster, at_host](const HardwareProfile& hw) {
       SimOptions options;
       options.memory_timeline = false;
       const StatusOr<SimResult> sim =
-          Simulate(*schedule, EstimateCostModel(*program, hw, cluster), options);
+          Simulate(*schedule, EstimateCostModel(*program, at_host(hw), cluster), options);
       return sim.ok() ? sim->step_seconds : -1.0;
     };
     fits->step.observations.push_back(std::move(o));
@@ -331,6 +343,12 @@ StatusOr<std::vector<FitGroup>> TraceGroups(const std::vector<const Trace*>& tra
     groups.push_back(std::move(step));
   }
   return groups;
+}
+
+int TraceHostCores(const Trace& trace) {
+  int cores = 0;
+  for (const TraceRank& r : trace.ranks()) cores = std::max(cores, r.host_cores);
+  return cores;
 }
 
 }  // namespace dc

@@ -26,7 +26,14 @@ namespace dc {
 //   profile. Fits the overlap slowdown where the backend runs streams concurrently and the trace
 //   shows compute beside a collective; otherwise it only reports the error.
 // Constants a group cannot determine are listed with why. Errors name the trace.
+// Every prediction is at the traced host's machine/estimate.h HostShareSlowdown (its
+// TraceHostCores where recorded, else the profile's host_cores_per_node), so that a trace of 4
+// ranks on 2 cores and one of 2 ranks fit the same per-core rates.
 StatusOr<std::vector<FitGroup>> TraceGroups(const std::vector<const Trace*>& traces,
                                             const HardwareProfile& base);
+
+// The cores the trace's ranks could run on, as its ranks recorded them (the most any rank did);
+// 0 where none did (GPU ranks, nsys exports, traces before dc recorded them).
+int TraceHostCores(const Trace& trace);
 
 }  // namespace dc

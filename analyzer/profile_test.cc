@@ -3,10 +3,14 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <map>
+#include <memory>
+#include <vector>
 
 #include "analyzer/calibration.h"
 #include "collector/host_tracer.h"
 #include "machine/estimate.h"
+#include "machine/hardware.h"
 #include "schemas/digest.h"
 #include "tests/support/test_traces.h"
 
@@ -325,6 +329,83 @@ TEST(ProfileConcurrencyTest, CalibrationTakesTheSlowdownsTheTraceMeasured) {
   StatusOr<std::vector<FitGroup>> serial_groups = TraceGroups({serial->get()}, *base);
   ASSERT_TRUE(serial_groups.ok()) << serial_groups.status().message();
   for (const FitGroup& g : *serial_groups) EXPECT_NE(g.kind, "trace concurrency");
+}
+
+// Two cpu ranks of one host whose processes could run on `host_cores` cores (0: not recorded),
+// each running ops mm0, mm1, mm2 (1, 2, 3 us) in steps 1-4 after a warm-up step.
+std::string WriteTwoRankTrace(const TempDir& dir, int host_cores) {
+  proto::Schedule schedule;
+  schedule.set_format_version(kScheduleFormatVersion);
+  schedule.set_world_size(2);
+  schedule.set_backend("cpu");
+  proto::Program* program = schedule.mutable_program();
+  program->set_format_version(kProgramFormatVersion);
+  program->mutable_config()->set_compute_dtype(proto::DTYPE_F32);
+  for (const char* name : {"mm0", "mm1", "mm2"}) {
+    proto::Op* op = program->add_ops();
+    op->set_id(program->ops_size() - 1);
+    op->set_name(name);
+    op->set_phase(proto::PHASE_FORWARD);
+    proto::Instruction* instr = schedule.add_instructions();
+    instr->set_kind(proto::INSTR_COMPUTE);
+    instr->set_stream(proto::STREAM_COMPUTE);
+    instr->set_op(op->id());
+  }
+  std::vector<std::string> rank_paths;
+  for (int rank = 0; rank < 2; ++rank) {
+    RankIdentity identity;
+    identity.rank = identity.local_rank = rank;
+    identity.world_size = 2;
+    identity.hostname = "test";
+    identity.host_cores = host_cores;
+    identity.threads_per_rank = 1;
+    HostTracer tracer(identity, 0);
+    constexpr int64_t kStepNs = 100000;
+    for (int s = 0; s <= 4; ++s) {
+      const int64_t w = kStepNs * s;
+      tracer.Kernel("mm0", proto::STREAM_COMPUTE, w, w + 1000, {s, 0, 0});
+      tracer.Kernel("mm1", proto::STREAM_COMPUTE, w + 1000, w + 3000, {s, 0, 1});
+      tracer.Kernel("mm2", proto::STREAM_COMPUTE, w + 3000, w + 6000, {s, 0, 2});
+      tracer.Step(s, w, w + kStepNs, 1.0, s == 0);
+    }
+    rank_paths.push_back(dir.File("rank" + std::to_string(rank) + ".db"));
+    if (!tracer.WriteRankFile(rank_paths.back()).ok()) return "";
+  }
+  const std::string out = dir.File("two-ranks.db");
+  return MergeRankTraces(rank_paths, schedule, out).ok() ? out : "";
+}
+
+// A trace says how many cores its ranks could run on, and calibration predicts its ops at that
+// host's share of them: two ranks on one core ran at half a core each, so the profile's rates (a
+// rank's on a core of its own) predict them twice as long as on two cores; a trace that did not
+// record its cores is predicted as ranks with a core each.
+TEST(CalibrationHostTest, OpsArePredictedAtTheTracedHostsShareOfItsCores) {
+  StatusOr<HardwareProfile> base = FindHardware("cpu");
+  ASSERT_TRUE(base.ok());
+  std::map<int, std::vector<double>> predicted;
+  for (int cores : {1, 2, 0}) {
+    TempDir dir;
+    const std::string path = WriteTwoRankTrace(dir, cores);
+    ASSERT_FALSE(path.empty());
+    StatusOr<std::unique_ptr<Trace>> trace = Trace::Open(path);
+    ASSERT_TRUE(trace.ok()) << trace.status().message();
+    ASSERT_EQ((*trace)->ranks().size(), 2u);
+    EXPECT_EQ(TraceHostCores(**trace), cores);
+    EXPECT_EQ((*trace)->ranks()[1].host_cores, cores);
+    EXPECT_EQ((*trace)->ranks()[1].threads_per_rank, 1);
+    StatusOr<std::vector<FitGroup>> groups = TraceGroups({trace->get()}, *base);
+    ASSERT_TRUE(groups.ok()) << groups.status().message();
+    for (const FitGroup& g : *groups) {
+      if (g.kind != "trace ops") continue;
+      for (const Observation& o : g.observations) predicted[cores].push_back(o.predict(*base));
+    }
+    ASSERT_EQ(predicted[cores].size(), 3u);
+  }
+  for (size_t op = 0; op < 3; ++op) {
+    EXPECT_GT(predicted[2][op], 0);
+    EXPECT_DOUBLE_EQ(predicted[1][op], 2 * predicted[2][op]);
+    EXPECT_DOUBLE_EQ(predicted[0][op], predicted[2][op]);
+  }
 }
 
 }  // namespace

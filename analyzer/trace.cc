@@ -422,10 +422,21 @@ Status Trace::LoadDc(const std::set<std::string>& tables) {
     }
   }
   DC_RETURN_IF_ERROR(LoadDcBlobs());
+  // hostCores and threadsPerRank: absent before dc recorded them; a value that is not a
+  // positive whole number up to TraceLimits::kMaxIndex reads as not known.
+  DC_ASSIGN_OR_RETURN(std::set<std::string> rank_names, ColumnNames(db_, path_, "TC_RANK"));
+  const Columns rank_columns("r", rank_names);
+  auto count_or_zero = [&](const std::string& column) {
+    const std::string value = rank_columns.Or(column, "0");
+    return "CASE WHEN typeof(" + value + ") = 'integer' AND " + value + " BETWEEN 1 AND " +
+           std::to_string(TraceLimits::kMaxIndex) + " THEN " + value + " ELSE 0 END";
+  };
   Query ranks(db_, path_,
               "SELECT globalPid, rank, worldSize, COALESCE(backend, ''), COALESCE(device, ''), "
               "COALESCE(hostname, ''), COALESCE(deviceMemoryBytes, 0), typeof(globalPid), "
-              "typeof(rank), typeof(worldSize) FROM TC_RANK ORDER BY rank");
+              "typeof(rank), typeof(worldSize), " +
+                  count_or_zero("hostCores") + ", " + count_or_zero("threadsPerRank") +
+                  " FROM TC_RANK AS r ORDER BY rank");
   std::map<int64_t, int64_t> rank_of_pid;
   std::set<int64_t> rank_ids;
   while (true) {
@@ -448,7 +459,8 @@ Status Trace::LoadDc(const std::set<std::string>& tables) {
                            std::to_string(rank) + "); " + kRerecord);
     }
     ranks_.push_back({pid, static_cast<int>(rank), static_cast<int>(world), ranks.Text(3),
-                      ranks.Text(4), ranks.Text(5), ranks.Int(6)});
+                      ranks.Text(4), ranks.Text(5), ranks.Int(6), static_cast<int>(ranks.Int(10)),
+                      static_cast<int>(ranks.Int(11))});
   }
   if (ranks_.empty()) return Status::Error(path_ + ": dc trace without ranks; " + kRerecord);
 

@@ -30,6 +30,10 @@ struct TraceRank {
   int world_size = 1;
   std::string backend, device, hostname;
   int64_t device_memory_bytes = 0;
+  // The cores the rank's process could run on (shared with the other ranks of its host) and its
+  // BLAS threads; 0: not recorded (GPU ranks, nsys exports, traces before dc recorded them).
+  int host_cores = 0;
+  int threads_per_rank = 0;
 };
 
 // One device activity: a kernel, a memcpy, a memset or (dc traces) a collective.

@@ -9,6 +9,10 @@
 #   bench/cross_config.sh [build-dir] [steps]
 # FIT_STEPS=key,key... passes --fit-steps to dc-calibrate (which constants the measured step
 # times fit; default: dc-calibrate's own, kernel_launch_seconds and collective_base_latency_s).
+# Every run has one BLAS thread per rank (--threads-per-rank 1): the profile's rates are a rank's on
+# one core, and the traces record the host's cores, so that ranks beyond the cores (4 ranks on a
+# 2-core machine) are predicted slower by the share they get (machine/estimate.h's
+# HostShareSlowdown); more threads speed up BLAS alone, which the profile does not model.
 # About 5-10 minutes on a 2-core machine; the load average is printed before and after (errors
 # taken under load say more about the load than about the model).
 set -euo pipefail
@@ -54,15 +58,19 @@ plan() {  # name hardware policy world model-flags... ; env: budget
 }
 
 run() {  # name world
-  "$bin/dc-run" "$work/$1.dcplan" --nproc "$2" --steps "$steps" --warmup 1 --json >"$work/$1.run.json"
+  "$bin/dc-run" "$work/$1.dcplan" --nproc "$2" --steps "$steps" --warmup 1 --threads-per-rank 1 \
+    --json >"$work/$1.run.json"
 }
 
 measured() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["step_seconds_median"])' "$work/$1.run.json"; }
 
 # 1. Calibration inputs: small runs only.
-"$bin/dc-collect" --model tiny --nproc 1 --gas 2 --steps 3 --warmup 1 -o "$work/t1.db" --quiet >/dev/null
-"$bin/dc-collect" --model tiny --nproc 2 --gas 2 --steps 3 --warmup 1 -o "$work/t2.db" --quiet >/dev/null
-"$bin/dc-collect" --model tiny --nproc 4 --gas 1 --steps 3 --warmup 1 -o "$work/t4.db" --quiet >/dev/null
+"$bin/dc-collect" --model tiny --nproc 1 --gas 2 --steps 3 --warmup 1 --threads-per-rank 1 \
+  -o "$work/t1.db" --quiet >/dev/null
+"$bin/dc-collect" --model tiny --nproc 2 --gas 2 --steps 3 --warmup 1 --threads-per-rank 1 \
+  -o "$work/t2.db" --quiet >/dev/null
+"$bin/dc-collect" --model tiny --nproc 4 --gas 1 --steps 3 --warmup 1 --threads-per-rank 1 \
+  -o "$work/t4.db" --quiet >/dev/null
 echo "name,model,world,gas,micro_batch,policy,measured_seconds" >"$work/steps.csv"
 for spec in "tiny1 1 1 baseline" "tiny2 2 2 baseline" "tiny2dc 2 4 dc" "tiny4 4 2 baseline"; do
   read -r name world gas policy <<<"$spec"

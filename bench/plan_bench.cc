@@ -35,6 +35,7 @@
 #include "models/model.h"
 #include "rewriter/memory_lifetimes.h"
 #include "rewriter/planner.h"
+#include "schemas/files.h"
 #include "tools/allocator.h"
 #include "tools/cli.h"
 
@@ -505,7 +506,7 @@ int Scale(const dc::HardwareProfile& hw) {
   model.world = cluster->world_size();
   std::fprintf(stderr, "plan_bench: llama3-405b shapes, 1024 ranks, GAS 16\n");
   // One thread, then the cores this process may use (the candidates planned at once).
-  const int cores = dc::cli::AvailableCores();  // as dc-plan's default: taskset counts
+  const int cores = dc::AvailableCores();  // as dc-plan's default: taskset counts
   std::vector<int> thread_counts = {1};
   if (cores > 1) thread_counts.push_back(cores);
   std::vector<PolicyRun> runs;

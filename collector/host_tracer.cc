@@ -309,7 +309,8 @@ Status WriteRankRows(TraceRowWriter& rows, const RankIdentity& identity, const C
   const int64_t device_id = identity.local_rank;
   DC_RETURN_IF_ERROR(
       rows.Rank({identity.hostname, identity.rank, identity.local_rank, identity.world_size,
-                 device_id, identity.backend, identity.device, identity.device_memory_bytes}));
+                 device_id, identity.backend, identity.device, identity.device_memory_bytes,
+                 identity.host_cores, identity.threads_per_rank}));
   DC_RETURN_IF_ERROR(
       rows.ClockAnchor({"start", start.realtime_ns, start.monotonic_ns, start.session_ns}));
   for (int s = proto::Stream_MIN; s <= proto::Stream_MAX; ++s) {

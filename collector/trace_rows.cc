@@ -229,8 +229,8 @@ Status TraceRowWriter::Rank(const RankRow& r) {
   DC_ASSIGN_OR_RETURN(
       Statement insert,
       db_->Prepare("INSERT INTO TC_RANK(globalPid, hostname, rank, localRank, worldSize, "
-                   "deviceId, backend, device, deviceMemoryBytes) "
-                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"));
+                   "deviceId, backend, device, deviceMemoryBytes, hostCores, threadsPerRank) "
+                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
   insert.Bind(1, global_pid_);
   insert.Bind(2, std::string_view(r.hostname));
   insert.Bind(3, r.rank);
@@ -240,6 +240,8 @@ Status TraceRowWriter::Rank(const RankRow& r) {
   insert.Bind(7, std::string_view(r.backend));
   insert.Bind(8, std::string_view(r.device));
   insert.Bind(9, r.device_memory_bytes);
+  insert.Bind(10, r.host_cores);
+  insert.Bind(11, r.threads_per_rank);
   return insert.Run();
 }
 

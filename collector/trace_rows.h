@@ -78,6 +78,7 @@ struct RankRow {
   int64_t rank = 0, local_rank = 0, world_size = 1, device_id = 0;
   std::string backend, device;
   int64_t device_memory_bytes = 0;
+  int64_t host_cores = 0, threads_per_rank = 0;  // 0: not known
 };
 
 struct ClockAnchorRow {

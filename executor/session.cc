@@ -132,6 +132,8 @@ StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const Session
     trace.identity.hostname = Hostname();
     trace.identity.backend = schedule.backend();
     trace.identity.device_memory_bytes = options.run.device_memory_bytes;
+    trace.identity.host_cores = AvailableCores();
+    trace.identity.threads_per_rank = options.run.num_threads;
     trace.part_path = RankPartPath(env, options.trace_path, env.rank);
     trace.schedule = &schedule;
     DC_ASSIGN_OR_RETURN(tracer, backend->MakeTracer(trace));

@@ -22,6 +22,10 @@ struct RankIdentity {
   std::string backend = "cpu";
   std::string device = "cpu";
   int64_t device_memory_bytes = 0;  // capacity given to the backend; 0 = unlimited
+  // The cores the rank's process may run on (its affinity mask: the host's, shared with the other
+  // ranks there) and its kernels' BLAS threads (the cpu backend); 0 = not known.
+  int host_cores = 0;
+  int threads_per_rank = 0;
 };
 
 // Where an activity belongs in the schedule.

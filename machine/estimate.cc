@@ -126,19 +126,31 @@ LinearCost RingCollectiveCost(const HardwareProfile& hw, const ClusterShape& clu
   return cost;
 }
 
+double HostShareSlowdown(const HardwareProfile& hw, const ClusterShape& cluster) {
+  if (hw.host_cores_per_node <= 0) return 1;
+  const int ranks_per_node = std::min(cluster.world_size(), cluster.gpus_per_node);
+  return std::max(1.0, static_cast<double>(ranks_per_node) / hw.host_cores_per_node);
+}
+
+LinearCost Slowed(const LinearCost& cost, double slowdown) {
+  return {cost.latency_seconds * slowdown, cost.bandwidth_bytes_per_second / slowdown};
+}
+
 CostModel EstimateCostModel(const proto::Program& program, const HardwareProfile& hw,
                             const ClusterShape& cluster) {
   const int world_size = cluster.world_size();
+  const double slowdown = HostShareSlowdown(hw, cluster);
   CostModel costs;
   costs.op_seconds.reserve(program.ops_size());
   for (const proto::Op& op : program.ops()) {
-    costs.op_seconds.push_back(EstimateOp(program, op, hw, world_size).seconds);
+    costs.op_seconds.push_back(EstimateOp(program, op, hw, world_size).seconds * slowdown);
   }
   costs.flops_per_second =
-      TensorCorePeak(hw, program.config().compute_dtype()) * hw.matmul_efficiency;
-  costs.all_gather = RingCollectiveCost(hw, cluster);
+      TensorCorePeak(hw, program.config().compute_dtype()) * hw.matmul_efficiency / slowdown;
+  costs.all_gather = Slowed(RingCollectiveCost(hw, cluster), slowdown);
   costs.reduce_scatter = costs.all_gather;
-  costs.host_to_device = {hw.host_link_latency_s, hw.host_link_bandwidth_bytes_per_s};
+  costs.host_to_device =
+      Slowed({hw.host_link_latency_s, hw.host_link_bandwidth_bytes_per_s}, slowdown);
   costs.device_to_host = costs.host_to_device;
   costs.host_optimizer_elements_per_second = hw.host_optimizer_elements_per_s;
   costs.release_seconds = 0;  // a release is bookkeeping in the executor's arena

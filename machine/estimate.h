@@ -43,6 +43,15 @@ OpRoofline EstimateOp(const proto::Program& program, const proto::Op& op, const 
 // so it is min(NVLink busBw, gpus_per_node × network bandwidth per GPU). One rank: a local copy.
 LinearCost RingCollectiveCost(const HardwareProfile& hw, const ClusterShape& cluster);
 
+// How much slower each rank's ops, collectives and host copies run on `cluster` because the ranks
+// of a node outnumber the cores they share: ranks per node over HardwareProfile::
+// host_cores_per_node, at least 1 (ranks time-share the cores; a rank's profile rates are those
+// of a core of its own); 1 where host_cores_per_node is 0 (a device per rank).
+double HostShareSlowdown(const HardwareProfile& hw, const ClusterShape& cluster);
+
+// `cost` `slowdown` times slower: its latency longer and its bandwidth lower.
+LinearCost Slowed(const LinearCost& cost, double slowdown);
+
 // How the backend of `hw` runs streams side by side, into `costs`: serial_streams and the two
 // overlap slowdowns. The one home of that rule for every cost model: estimated ones, the default
 // one a plan is re-simulated with, and the fallback of a profile whose trace could not measure
@@ -54,8 +63,9 @@ void ApplyConcurrency(const HardwareProfile& hw, CostModel* costs);
 std::string BackendOf(const HardwareProfile& hw);
 
 // The whole cost model of `program` on `cluster` of `hw`: op_seconds for every op (EstimateOp),
-// all_gather and reduce_scatter (RingCollectiveCost), host copies over the host link, the
-// fallback flops rate, and the concurrency of ApplyConcurrency.
+// all_gather and reduce_scatter (RingCollectiveCost), host copies over the host link, each at
+// the cluster's HostShareSlowdown, the fallback flops rate, and the concurrency of
+// ApplyConcurrency.
 CostModel EstimateCostModel(const proto::Program& program, const HardwareProfile& hw,
                             const ClusterShape& cluster);
 

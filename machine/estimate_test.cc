@@ -267,6 +267,35 @@ TEST(CpuEstimateTest, Fp32ProgramUsesTheFp32Rate) {
   }
 }
 
+// Ranks beyond the cores of their node time-share them: every op, collective and host copy of a
+// rank takes ranks-per-node / cores times as long (4 cpu ranks on 2 cores: twice); no slower
+// with a core each or where the profile does not say (GPUs).
+TEST(CpuEstimateTest, RanksBeyondTheHostsCoresRunSlowerByTheirShare) {
+  auto config = MakeConfig("tiny", {});
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  auto program = BuildProgram(*config);
+  ASSERT_TRUE(program.ok()) << program.status().message();
+  HardwareProfile cpu = Hardware("cpu");
+  EXPECT_EQ(cpu.host_cores_per_node, 0);
+  const ClusterShape four{1, 4};
+  const CostModel own_cores = EstimateCostModel(*program, cpu, four);
+  EXPECT_EQ(HostShareSlowdown(cpu, four), 1);
+  cpu.host_cores_per_node = 2;
+  EXPECT_EQ(HostShareSlowdown(cpu, four), 2);
+  EXPECT_EQ(HostShareSlowdown(cpu, ClusterShape{1, 2}), 1);
+  EXPECT_EQ(HostShareSlowdown(cpu, ClusterShape{1, 1}), 1);
+  EXPECT_EQ(HostShareSlowdown(cpu, ClusterShape{2, 3}), 1.5);  // per node, not the world
+  const CostModel shared = EstimateCostModel(*program, cpu, four);
+  for (size_t op = 0; op < shared.op_seconds.size(); ++op) {
+    EXPECT_DOUBLE_EQ(shared.op_seconds[op], 2 * own_cores.op_seconds[op]);
+  }
+  EXPECT_DOUBLE_EQ(shared.all_gather.Seconds(1 << 20), 2 * own_cores.all_gather.Seconds(1 << 20));
+  EXPECT_DOUBLE_EQ(shared.reduce_scatter.Seconds(4096), 2 * own_cores.reduce_scatter.Seconds(4096));
+  EXPECT_DOUBLE_EQ(shared.host_to_device.Seconds(1 << 20),
+                   2 * own_cores.host_to_device.Seconds(1 << 20));
+  EXPECT_DOUBLE_EQ(shared.flops_per_second, own_cores.flops_per_second / 2);
+}
+
 // Every kind of the table (schemas/op_kinds.h) is costed by its math: matrix products at the
 // compute dtype's tensor-core rate, the rest at the fp32 vector rate.
 TEST(KindEstimateTest, EveryKindOfTheTableRunsAtItsMathsRate) {

@@ -81,6 +81,9 @@ const Field kFields[] = {
      "compute"},
     {"serial_streams", &HardwareProfile::serial_streams, Range::kBoolean, "boolean"},
     {"max_gpus_per_node", &HardwareProfile::max_gpus_per_node, Range::kNonNegative, "gpus"},
+    {"host_cores_per_node", &HardwareProfile::host_cores_per_node, Range::kNonNegative, "cores",
+     "not in the file (written before the constant existed): 0, each rank has a device of its "
+     "own"},
 };
 
 // The op kinds' time scales (HardwareProfile::op_time_scale): optional, positive ratios.

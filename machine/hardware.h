@@ -70,6 +70,11 @@ struct HardwareProfile {
   bool serial_streams = false;
   // GPUs in one NVLink domain; 0 = no limit.
   int max_gpus_per_node = 0;
+  // Cores the ranks of one node share, where ranks are processes on a host's cores (the cpu
+  // backend): the rates above are one rank's on a core of its own, and ranks beyond the cores
+  // run that much slower (machine/estimate.h's HostShareSlowdown). 0: each rank has a device of
+  // its own (GPUs), or not known.
+  int host_cores_per_node = 0;
   // A factor on the roofline time of each op kind's kernels (index = OpKind, schemas/op_kinds.h):
   // the time they take over what the rates above say, 1 where nothing was measured. A roofline of
   // two rates cannot tell a backend's fused attention from its plain elementwise loops; these

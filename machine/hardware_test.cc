@@ -244,6 +244,20 @@ TEST(HardwareFileTest, AFileWithoutALaterConstantLoadsWithItsDefault) {
   EXPECT_EQ(loaded->overlap_collective_slowdown, 1.0);
   EXPECT_NE(loaded->sources.at("overlap_collective_slowdown").find("not in the file"),
             std::string::npos);
+  // So does one printed before host_cores_per_node: ranks do not share cores.
+  for (auto& profile : file["profiles"]) profile["constants"].erase("host_cores_per_node");
+  auto before_cores = LoadHardwareFile(WriteTemp("older-cores.json", file.dump(2)));
+  ASSERT_TRUE(before_cores.ok()) << before_cores.status().message();
+  EXPECT_EQ(before_cores->host_cores_per_node, 0);
+  EXPECT_NE(before_cores->sources.at("host_cores_per_node").find("not in the file"),
+            std::string::npos);
+  file["profiles"][0]["constants"]["host_cores_per_node"] = {
+      {"value", -2}, {"unit", "cores"}, {"source", "typo"}};
+  auto negative = LoadHardwareFile(WriteTemp("negative-cores.json", file.dump(2)));
+  ASSERT_FALSE(negative.ok());
+  EXPECT_NE(negative.status().message().find("host_cores_per_node"), std::string::npos)
+      << negative.status().message();
+  file["profiles"][0]["constants"].erase("host_cores_per_node");
   // Any other constant is still required.
   file["profiles"][0]["constants"].erase("overlap_compute_slowdown");
   auto older = LoadHardwareFile(WriteTemp("older2.json", file.dump(2)));

@@ -74,6 +74,9 @@ class GracefulStop {
 // "SIGINT", "SIGTERM", "SIGHUP", else "signal N": how messages name a stop signal.
 std::string StopSignalName(int sig);
 
+// The cores this process may run on: its affinity mask's, else std::thread's count, at least 1.
+int AvailableCores();
+
 // Refuses to write `output` over one of `inputs` (the same file by path or by link): "t.db:
 // the output is also the input t.db; write it to another file". Empty paths are ignored.
 Status CheckOutputIsNotAnInput(const std::string& output, const std::vector<std::string>& inputs);

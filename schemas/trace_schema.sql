@@ -87,7 +87,7 @@ CREATE TABLE NVTX_EVENTS(start INTEGER NOT NULL, end INTEGER, eventType INTEGER 
 -- One row per rank of the run.
 CREATE TABLE TC_RANK(globalPid INTEGER PRIMARY KEY, hostname TEXT, rank INTEGER NOT NULL,
   localRank INTEGER, worldSize INTEGER NOT NULL, deviceId INTEGER, backend TEXT, device TEXT,
-  deviceMemoryBytes INTEGER);
+  deviceMemoryBytes INTEGER, hostCores INTEGER, threadsPerRank INTEGER);
 -- Clock anchors: the same instant on each clock a rank used.
 CREATE TABLE TC_CLOCK_ANCHOR(globalPid INTEGER, tag TEXT, realtimeNs INTEGER, monotonicNs INTEGER,
   sessionNs INTEGER);

@@ -1,13 +1,11 @@
 #include "tools/cli.h"
 
-#include <sched.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <iostream>
-#include <thread>
 
+#include "schemas/files.h"
 #include "schemas/units.h"
 
 namespace dc::cli {
@@ -138,13 +136,6 @@ StatusOr<int> ThreadsPerRankFlag::Resolve(int world_size) const {
     ranks_on_host = static_cast<int>(n);
   }
   return std::max(1, cores / ranks_on_host);
-}
-
-int AvailableCores() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 }
 
 const CLI::Validator& NonEmptyPath() {

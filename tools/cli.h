@@ -38,9 +38,6 @@ struct ThreadsPerRankFlag {
   StatusOr<int> Resolve(int world_size) const;
 };
 
-// The cores this process may run on: its affinity mask's, else std::thread's count, at least 1.
-int AvailableCores();
-
 // The exit codes of every dc command (README, "Exit codes"): 0 on success, kUsageExitCode when the
 // command line does not parse (an unknown flag, a missing argument, a value of the wrong type or
 // outside its range: what CLI11 checks), 1 for every other error (Fail).

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "analyzer/calibration.h"
 #include "analyzer/trace.h"
@@ -30,7 +31,11 @@ std::string UnitOf(const std::string& key) {
   return "";
 }
 
-StatusOr<std::vector<FitGroup>> Groups(const Flags& f, const HardwareProfile& base) {
+// The groups of every input. Where the base does not say how many cores its ranks share and the
+// traces recorded them, the profile takes the traces' (the host they ran on is the one the
+// profile describes), before any group predicts with it.
+StatusOr<std::vector<FitGroup>> Groups(const Flags& f, HardwareProfile* base_profile) {
+  HardwareProfile& base = *base_profile;
   std::vector<FitGroup> groups;
   if (!f.nccl_tests.empty()) {
     std::vector<NcclTestsTable> tables;
@@ -49,6 +54,17 @@ StatusOr<std::vector<FitGroup>> Groups(const Flags& f, const HardwareProfile& ba
       DC_ASSIGN_OR_RETURN(std::unique_ptr<Trace> trace, Trace::Open(path));
       views.push_back(trace.get());
       traces.push_back(std::move(trace));
+    }
+    std::set<int> cores;
+    for (const Trace* trace : views) {
+      if (const int c = TraceHostCores(*trace); c > 0) cores.insert(c);
+    }
+    if (base.host_cores_per_node == 0 && !cores.empty()) {
+      base.host_cores_per_node = *cores.rbegin();
+      base.sources["host_cores_per_node"] =
+          "recorded in the traces (" + Join(f.traces, ", ") + "): their ranks could run on " +
+          std::to_string(*cores.rbegin()) + " core(s) of their host" +
+          (cores.size() > 1 ? " (the most any trace recorded; they differ)" : "");
     }
     DC_ASSIGN_OR_RETURN(std::vector<FitGroup> trace_groups, TraceGroups(views, base));
     for (FitGroup& g : trace_groups) groups.push_back(std::move(g));
@@ -128,7 +144,7 @@ Status Run(const Flags& f) {
     DC_RETURN_IF_ERROR(CheckOutputIsNotAnInput(f.out, inputs));
   }
   DC_ASSIGN_OR_RETURN(HardwareProfile base, ResolveHardware(f.base));
-  DC_ASSIGN_OR_RETURN(std::vector<FitGroup> groups, Groups(f, base));
+  DC_ASSIGN_OR_RETURN(std::vector<FitGroup> groups, Groups(f, &base));
   DC_ASSIGN_OR_RETURN(Calibration c, Calibrate(base, groups));
   c.profile.name = f.name.empty() ? base.name + "-calibrated" : f.name;
   c.profile.aliases.clear();

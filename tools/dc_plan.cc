@@ -351,7 +351,7 @@ struct Flags {
   bool quiet = false, print_hardware = false;
   std::string hardware = "h100-sxm", dump_after, perfetto;
   int world = 8, gpus_per_node = 8;
-  int threads = cli::AvailableCores();
+  int threads = AvailableCores();
   cli::ModelFlags model;
   RoundOptions rounds;
   std::vector<std::string> passes, disable;
