@@ -17,6 +17,7 @@
 namespace dc {
 namespace {
 
+using testing::CpuSchedule;
 using testing::TempDir;
 
 class ProfileTest : public ::testing::Test {
@@ -181,13 +182,8 @@ TEST(NsysProfileTest, OverlapAndNoOpCosts) {
 // its 8 us alone) and a 2000-byte reduce-scatter (4.5 us, 1.5x its 3 us); without, they repeat
 // steps 1 and 3 (a DC_CPU_STREAMS=serial run).
 std::string WriteConcurrencyTrace(const TempDir& dir, bool concurrent) {
-  proto::Schedule schedule;
-  schedule.set_format_version(kScheduleFormatVersion);
-  schedule.set_world_size(1);
-  schedule.set_backend("cpu");
+  proto::Schedule schedule = CpuSchedule(1);
   proto::Program* program = schedule.mutable_program();
-  program->set_format_version(kProgramFormatVersion);
-  program->mutable_config()->set_compute_dtype(proto::DTYPE_F32);
   for (const char* name : {"w0", "g0"}) {
     proto::Tensor* t = program->add_tensors();
     t->set_id(program->tensors_size() - 1);
@@ -334,13 +330,8 @@ TEST(ProfileConcurrencyTest, CalibrationTakesTheSlowdownsTheTraceMeasured) {
 // Two cpu ranks of one host whose processes could run on `host_cores` cores (0: not recorded),
 // each running ops mm0, mm1, mm2 (1, 2, 3 us) in steps 1-4 after a warm-up step.
 std::string WriteTwoRankTrace(const TempDir& dir, int host_cores) {
-  proto::Schedule schedule;
-  schedule.set_format_version(kScheduleFormatVersion);
-  schedule.set_world_size(2);
-  schedule.set_backend("cpu");
+  proto::Schedule schedule = CpuSchedule(2);
   proto::Program* program = schedule.mutable_program();
-  program->set_format_version(kProgramFormatVersion);
-  program->mutable_config()->set_compute_dtype(proto::DTYPE_F32);
   for (const char* name : {"mm0", "mm1", "mm2"}) {
     proto::Op* op = program->add_ops();
     op->set_id(program->ops_size() - 1);

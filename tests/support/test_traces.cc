@@ -82,14 +82,20 @@ void RecordRank(HostTracer& tracer, int rank) {
 
 }  // namespace
 
-proto::Schedule ProfileSchedule() {
+proto::Schedule CpuSchedule(int world_size) {
   proto::Schedule schedule;
   schedule.set_format_version(kScheduleFormatVersion);
-  schedule.set_world_size(2);
+  schedule.set_world_size(world_size);
   schedule.set_backend("cpu");
   proto::Program* program = schedule.mutable_program();
   program->set_format_version(kProgramFormatVersion);
   program->mutable_config()->set_compute_dtype(proto::DTYPE_F32);
+  return schedule;
+}
+
+proto::Schedule ProfileSchedule() {
+  proto::Schedule schedule = CpuSchedule(2);
+  proto::Program* program = schedule.mutable_program();
   AddTensor(program, "w0", proto::ROLE_PARAM, -1);
   AddTensor(program, "a0", proto::ROLE_ACTIVATION, -1);
   AddTensor(program, "g0", proto::ROLE_GRAD, 0);

@@ -22,6 +22,10 @@ class TempDir {
   std::string path_;
 };
 
+// An empty fp32 cpu schedule of `world_size` ranks, in the current formats: what the test traces
+// build their programs and instructions on.
+proto::Schedule CpuSchedule(int world_size);
+
 // Tensors w0 (param), a0 (activation), g0 (grad of w0), m0 (optimizer state of w0); ops
 // fwd0 (3500 flops), fwd1 (0 flops), bwd (1e4 flops, never run in the trace); instructions
 // 0 all_gather w0 | 1 fwd0 | 2 fwd1 | 3 reduce_scatter g0 | 4 offload m0 | 5 bwd.
