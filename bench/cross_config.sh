@@ -19,8 +19,17 @@ set -euo pipefail
 build=${1:-build}
 steps=${2:-5}
 bin="$build/tools"
-work=$(mktemp -d /tmp/dc-cross-XXXXXX)
-trap 'rm -rf "$work"' EXIT
+# CROSS_CONFIG_KEEP=DIR: work in DIR and keep it (the traces, steps.csv, calibrated.json, every
+# plan and run), to calibrate again from the same measurements: `dc-calibrate ... -o other.json`
+# on DIR's inputs, then `dc-trace summary DIR/NAME.dcplan --hardware other.json --json` prices
+# the very plan that was measured (DIR/NAME.run.json) under the other calibration.
+if [[ -n ${CROSS_CONFIG_KEEP:-} ]]; then
+  work=$CROSS_CONFIG_KEEP
+  mkdir -p "$work"
+else
+  work=$(mktemp -d /tmp/dc-cross-XXXXXX)
+  trap 'rm -rf "$work"' EXIT
+fi
 echo "date: $(date -u +%Y-%m-%dT%H:%MZ)  machine: $(nproc) cores  load: $(cut -d' ' -f1-3 /proc/loadavg)  steps: $steps"
 
 # A plan on `hardware` of one configuration; with budget "tight", 70% of its unlimited peak
