@@ -77,10 +77,14 @@ Status AddTrace(const Trace& trace, TraceFits* fits) {
                         ? static_cast<int>(hosts.size())
                         : 1;
   const ClusterShape cluster{nodes, world / nodes};
-  // The profile as it was on the traced host: the cores its ranks shared, where recorded (every
-  // prediction below is at that host's HostShareSlowdown, so the rates fitted are a rank's on a
-  // core of its own, whatever the trace's ranks per core).
+  // The traced host's cores where recorded, else the profile's: every prediction below is at
+  // that host's HostShareSlowdown, so the rates fitted are a rank's on a core of its own,
+  // whatever the trace's ranks per core. (The fits call these for every candidate profile:
+  // the whole-step one copies the profile, the per-sample ones do not.)
   const int host_cores = TraceHostCores(trace);
+  auto slowdown = [host_cores, cluster](const HardwareProfile& hw) {
+    return HostShareSlowdown(host_cores > 0 ? host_cores : hw.host_cores_per_node, cluster);
+  };
   auto at_host = [host_cores](HardwareProfile hw) {
     if (host_cores > 0) hw.host_cores_per_node = host_cores;
     return hw;
@@ -102,9 +106,8 @@ Status AddTrace(const Trace& trace, TraceFits* fits) {
     o.what = path + ": op " + program->ops(id).name() + " (" + program->ops(id).kind() + ")";
     o.measured_seconds = Median(samples.op_seconds[id]);
     if (o.measured_seconds <= 0) continue;
-    o.predict = [program, id, world, cluster, at_host](const HardwareProfile& hw) {
-      return EstimateOp(*program, program->ops(id), hw, world).seconds *
-             HostShareSlowdown(at_host(hw), cluster);
+    o.predict = [program, id, world, slowdown](const HardwareProfile& hw) {
+      return EstimateOp(*program, program->ops(id), hw, world).seconds * slowdown(hw);
     };
     fits->ops.observations.push_back(std::move(o));
     if (const std::optional<OpKind> kind = FindOpKind(program->ops(id).kind())) {
@@ -138,8 +141,8 @@ Status AddTrace(const Trace& trace, TraceFits* fits) {
     fits->one_rank = true;
   } else {
     const size_t before = fits->coll.observations.size();
-    auto ring = [cluster, at_host](const HardwareProfile& hw) {
-      return Slowed(RingCollectiveCost(hw, cluster), HostShareSlowdown(at_host(hw), cluster));
+    auto ring = [cluster, slowdown](const HardwareProfile& hw) {
+      return Slowed(RingCollectiveCost(hw, cluster), slowdown(hw));
     };
     AddTransfers("all_gather", samples.all_gather, ring, &fits->coll, &fits->coll_sizes);
     AddTransfers("reduce_scatter", samples.reduce_scatter, ring, &fits->coll, &fits->coll_sizes);
@@ -180,9 +183,8 @@ Status AddTrace(const Trace& trace, TraceFits* fits) {
 
   // Host link: offloads and reloads.
   const size_t link_before = fits->link.observations.size();
-  auto host = [cluster, at_host](const HardwareProfile& hw) {
-    return Slowed({hw.host_link_latency_s, hw.host_link_bandwidth_bytes_per_s},
-                  HostShareSlowdown(at_host(hw), cluster));
+  auto host = [slowdown](const HardwareProfile& hw) {
+    return Slowed({hw.host_link_latency_s, hw.host_link_bandwidth_bytes_per_s}, slowdown(hw));
   };
   AddTransfers("reload", samples.host_to_device, host, &fits->link, &fits->link_sizes);
   AddTransfers("offload", samples.device_to_host, host, &fits->link, &fits->link_sizes);

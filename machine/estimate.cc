@@ -126,10 +126,13 @@ LinearCost RingCollectiveCost(const HardwareProfile& hw, const ClusterShape& clu
   return cost;
 }
 
+double HostShareSlowdown(int host_cores_per_node, const ClusterShape& cluster) {
+  if (host_cores_per_node <= 0) return 1;
+  return std::max(1.0, static_cast<double>(cluster.gpus_per_node) / host_cores_per_node);
+}
+
 double HostShareSlowdown(const HardwareProfile& hw, const ClusterShape& cluster) {
-  if (hw.host_cores_per_node <= 0) return 1;
-  const int ranks_per_node = std::min(cluster.world_size(), cluster.gpus_per_node);
-  return std::max(1.0, static_cast<double>(ranks_per_node) / hw.host_cores_per_node);
+  return HostShareSlowdown(hw.host_cores_per_node, cluster);
 }
 
 LinearCost Slowed(const LinearCost& cost, double slowdown) {

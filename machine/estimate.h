@@ -48,6 +48,8 @@ LinearCost RingCollectiveCost(const HardwareProfile& hw, const ClusterShape& clu
 // host_cores_per_node, at least 1 (ranks time-share the cores; a rank's profile rates are those
 // of a core of its own); 1 where host_cores_per_node is 0 (a device per rank).
 double HostShareSlowdown(const HardwareProfile& hw, const ClusterShape& cluster);
+// The same for `host_cores_per_node` cores (a trace's, dc-calibrate's fits).
+double HostShareSlowdown(int host_cores_per_node, const ClusterShape& cluster);
 
 // `cost` `slowdown` times slower: its latency longer and its bandwidth lower.
 LinearCost Slowed(const LinearCost& cost, double slowdown);

@@ -59,11 +59,12 @@ struct Axis {
   int length = 0;
 };
 
-// Places the buffers `rest`, in that order, each where Occupancy's best fit puts it above
-// `base_bytes` (and over `spill` lifetimes where that ends lower; see Pack), into
-// packing->offsets. False, with offsets half written, when an offset would not fit Occupancy's
-// offsets (counted in units of unit_bytes, which every reserve and base_bytes is a multiple of).
-// `reuse` (optional): an occupancy to reset and place in, keeping its memory.
+// Places the buffers `from_top`, then `rest`, each in its list's order, into packing->offsets:
+// one of `from_top` at the highest free place below `ceiling_bytes` where there is one, every
+// other where Occupancy's best fit puts it above `base_bytes` (and over `spill` lifetimes where
+// that ends lower; see Pack). False, with offsets half written, when an offset would not fit
+// Occupancy's offsets (counted in units of unit_bytes, which every reserve and base_bytes is a
+// multiple of). `reuse` (optional): an occupancy to reset and place in, keeping its memory.
 template <typename Occupancy>
 bool PlaceInOrder(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
                   int64_t unit_bytes, const std::vector<int>& from_top, int64_t ceiling_bytes,
@@ -85,36 +86,28 @@ bool PlaceInOrder(const Axis& primary, const Axis* spill, int64_t spill_above_by
   if (spill && spill_above_bytes > 0) spill_occupancy.emplace(spill->length);
   packing->spilled = 0;
   const int64_t ceiling = ceiling_bytes / unit_bytes;
-  // The highest place under the ceiling, else (no room there) the best fit.
-  for (int b : from_top) {
-    const BufferLifetime& life = buffers[b];
-    const int64_t size = reserve[b] / unit_bytes;
-    if (size == 0) {
-      packing->offsets[b] = base_bytes;
-      continue;
-    }
-    int64_t offset = occupancy.HighestFit(life.alloc_index, life.free_index, base, ceiling, size);
-    if (offset < 0) offset = occupancy.BestFit(life.alloc_index, life.free_index, base, size);
-    if (offset + size > kMaxUnits) return false;
-    packing->offsets[b] = offset * unit_bytes;
-    occupancy.Add(life.alloc_index, life.free_index,
-                  {static_cast<Offset>(offset), static_cast<Offset>(offset + size)});
-  }
-  for (int b : rest) {
+  // Places buffer b: from the top, the highest place under the ceiling where there is room;
+  // else the best fit (which may spill, see Pack).
+  auto place = [&](int b, bool from_top_down) {
     if (reserve[b] == 0) {
       packing->offsets[b] = base_bytes;  // empty: overlaps nothing
-      continue;
+      return true;
     }
     const BufferLifetime& life = buffers[b];
     const int64_t size = reserve[b] / unit_bytes;
-    int64_t offset = occupancy.BestFit(life.alloc_index, life.free_index, base, size);
-    if (spill_occupancy && offset * unit_bytes + life.size_bytes > spill_above_bytes) {
-      const BufferLifetime& spill_life = (*spill->buffers)[b];
-      const int64_t spilled =
-          spill_occupancy->BestFit(spill_life.alloc_index, spill_life.free_index, base, size);
-      if (spilled < offset) {
-        offset = spilled;
-        ++packing->spilled;
+    int64_t offset =
+        from_top_down ? occupancy.HighestFit(life.alloc_index, life.free_index, base, ceiling, size)
+                      : -1;
+    if (offset < 0) {
+      offset = occupancy.BestFit(life.alloc_index, life.free_index, base, size);
+      if (spill_occupancy && offset * unit_bytes + life.size_bytes > spill_above_bytes) {
+        const BufferLifetime& spill_life = (*spill->buffers)[b];
+        const int64_t spilled =
+            spill_occupancy->BestFit(spill_life.alloc_index, spill_life.free_index, base, size);
+        if (spilled < offset) {
+          offset = spilled;
+          ++packing->spilled;
+        }
       }
     }
     if (offset + size > kMaxUnits) return false;
@@ -126,6 +119,13 @@ bool PlaceInOrder(const Axis& primary, const Axis* spill, int64_t spill_above_by
       spill_occupancy->Add((*spill->buffers)[b].alloc_index, (*spill->buffers)[b].free_index,
                            range);
     }
+    return true;
+  };
+  for (int b : from_top) {
+    if (!place(b, true)) return false;
+  }
+  for (int b : rest) {
+    if (!place(b, false)) return false;
   }
   return true;
 }

@@ -184,7 +184,10 @@ int main(int argc, char** argv) {
       ->required();
   // A missing input file is the readers' one line (exit 1), as in every other dc command, not
   // CLI11's two (exit 2).
-  app.add_option("--trace", f.traces, "a dc trace (repeatable)");
+  app.add_option("--trace", f.traces,
+                 "a dc trace (repeatable); a cpu trace's ranks are fitted at their share of the "
+                 "host's cores it recorded, and the profile takes that core count "
+                 "(host_cores_per_node)");
   app.add_option("--nccl-tests", f.nccl_tests,
                  "the text output of all_gather_perf or reduce_scatter_perf (repeatable)");
   app.add_option("--steps", f.steps, "a CSV of measured step times (repeatable)");
