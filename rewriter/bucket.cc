@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <limits>
+#include <map>
 
 #include "machine/simulator.h"
 #include "rewriter/gather_index.h"
@@ -71,6 +72,19 @@ class Planner {
       compute_start_.push_back(sim.start_seconds[c]);
       idle_through_.push_back(idle);
     }
+  }
+
+  // The most bytes one run of `kind` could fuse: its instructions' bytes in the micro-step (or
+  // the optimizer phase) that has the most. A larger cap fuses the same runs.
+  int64_t LargestRunBytes(proto::InstrKind kind) const {
+    std::map<int, int64_t> by_micro_step;
+    for (int i = 0; i < schedule_.instructions_size(); ++i) {
+      const proto::Instruction& instr = schedule_.instructions(i);
+      if (instr.kind() == kind) by_micro_step[instr.micro_step()] += instr_bytes_[i];
+    }
+    int64_t largest = 0;
+    for (const auto& [micro_step, bytes] : by_micro_step) largest = std::max(largest, bytes);
+    return largest;
   }
 
   Grouping Plan(const Caps& caps, int64_t limit, const BucketOptions& options) const {
@@ -328,12 +342,17 @@ StatusOr<bool> BucketPass::Run(proto::Schedule* schedule, const PassContext& con
   proto::Schedule* spare = rewriter_internal::ScheduleShell(schedule, &arena);
   SimResult best_sim = input;
   Caps best_caps;
-  // Tries the caps of one kind from max_bucket_bytes down, the other kind's cap as best_caps
-  // has it, keeping the fastest plan within the budget that beats best_sim.
-  auto search = [&](int64_t Caps::*cap_of_kind, int Grouping::*fused_of_kind) -> Status {
+  // Tries the caps of one kind from max_bucket_bytes (or, where less, the most bytes one run of
+  // the kind could fuse, so a model smaller than the cap still tries buckets smaller than
+  // itself) down, the other kind's cap as best_caps has it, keeping the fastest plan within the
+  // budget that beats best_sim.
+  auto search = [&](int64_t Caps::*cap_of_kind, int Grouping::*fused_of_kind,
+                    proto::InstrKind kind) -> Status {
     const Caps start = best_caps;
     const double start_seconds = best_sim.step_seconds;
-    double cap = static_cast<double>(options_.max_bucket_bytes);
+    const int64_t largest = planner.LargestRunBytes(kind);
+    if (largest <= 0) return Status::Ok();
+    double cap = static_cast<double>(std::min(options_.max_bucket_bytes, largest));
     bool improved = false;
     for (int c = 0; c < options_.candidate_caps; ++c, cap /= options_.cap_ratio) {
       Caps caps = start;
@@ -364,10 +383,11 @@ StatusOr<bool> BucketPass::Run(proto::Schedule* schedule, const PassContext& con
   // path, fused reduce-scatters hold grads longer and, sharing the links with the gathers,
   // slow those, so the caps that suit one rarely suit the other.
   if (options_.all_gathers) {
-    DC_RETURN_IF_ERROR(search(&Caps::gather_bytes, &Grouping::fused_gathers));
+    DC_RETURN_IF_ERROR(search(&Caps::gather_bytes, &Grouping::fused_gathers, proto::INSTR_ALL_GATHER));
   }
   if (options_.reduce_scatters) {
-    DC_RETURN_IF_ERROR(search(&Caps::reduction_bytes, &Grouping::fused_reductions));
+    DC_RETURN_IF_ERROR(search(&Caps::reduction_bytes, &Grouping::fused_reductions,
+                               proto::INSTR_REDUCE_SCATTER));
   }
   if (!best) {
     return ordered;

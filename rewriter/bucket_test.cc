@@ -223,6 +223,43 @@ TEST(Bucket, ChoosesTheCapOfEachKindOnItsOwn) {
   EXPECT_NEAR(MustSimulate(out, costs).step_seconds, 3.32, 1e-9);
 }
 
+TEST(Bucket, TriesCapsBelowTheSizeOfASmallModel) {
+  // Eight grads of 4000 bytes, one every second; a reduce-scatter costs 1 s of latency plus
+  // 0.4 s per grad. Unfused, the reduce stream falls behind (1.4 s per 1 s grad: a 4.2 s
+  // tail after the last grad); all eight fused, the one reduction is the same 4.2 s tail;
+  // pairs keep up (1.8 s every 2 s: a 1.8 s tail). The whole model is 32 kB, far below
+  // max_bucket_bytes, so only caps below the model's own size find the pairs.
+  HandProgram program;
+  const int x = program.Activation("x", 4000);
+  program.Op("seed", proto::PHASE_FORWARD, {}, {x});
+  std::string text = "0: compute compute m0 seed\n";
+  std::vector<int> grads;
+  for (int g = 0; g < 8; ++g) {
+    const std::string name = std::to_string(g);
+    const int param = program.Param("p" + name, 1000);
+    grads.push_back(program.Grad("g" + name, param, 4000));
+    program.Op("b" + name, proto::PHASE_BACKWARD, {x}, {grads.back()});
+    const int at = 1 + 3 * g;
+    text += std::to_string(at) + ": compute compute m0 b" + name + "\n";
+    text += std::to_string(at + 1) + ": reduce_scatter reduce m0 [g" + name +
+            "] deps=" + std::to_string(at) + "\n";
+    text += std::to_string(at + 2) + ": release reduce m0 [g" + name +
+            "] deps=" + std::to_string(at + 1) + "\n";
+  }
+  text += "25: release compute m0 [x] deps=22\n";
+  const proto::Schedule schedule = program.Schedule(text);
+  CostModel costs = HandCosts(program.program(), 1.0, 1.0, 10'000);
+  EXPECT_NEAR(MustSimulate(schedule, costs).step_seconds, 9 + 4.2, 1e-9);
+  BucketPass pass;
+  const proto::Schedule out = RunAndCheck(pass, schedule, PassContext{&costs, 0});
+  std::vector<int> sizes;
+  for (const auto& instr : out.instructions()) {
+    if (instr.kind() == proto::INSTR_REDUCE_SCATTER) sizes.push_back(instr.tensors_size());
+  }
+  EXPECT_EQ(sizes, std::vector<int>(4, 2));
+  EXPECT_NEAR(MustSimulate(out, costs).step_seconds, 9 + 1.8, 1e-9);
+}
+
 class BucketOnModels : public ::testing::TestWithParam<std::tuple<const char*, int>> {};
 
 TEST_P(BucketOnModels, KeepsTheInvariantsAtEveryBudget) {

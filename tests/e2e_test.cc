@@ -400,21 +400,22 @@ TEST(Synthetic, PlansLlama3_70bOn32H100sWithoutATrace) {
   EXPECT_GE(j["range"]["speedup_over_baseline"]["max"].get<double>(), speedup);
 }
 
-// Where DeepCompile's rules plan a faster step than dc's own pipelines (0.0430 s against 0.0499
-// s: a case of the never-worse test's, DC_NEVER_WORSE_CASES=200; 0.0483 s before breadth packing
-// ordered its ties by lifetime), dc keeps the rules' plan, and the summary and --explain say so
-// beside the bound.
+// Where DeepCompile's rules plan a faster step than dc's own pipelines (0.0198 s against 0.0228
+// s: a case of the never-worse test's, DC_NEVER_WORSE_CASES=200 DC_NEVER_WORSE_SEED=7; the case
+// this test had before, 0.0430 s against 0.0499 s, dc's own pipeline wins since the bucket pass
+// tries caps below a small model's size), dc keeps the rules' plan, and the summary and
+// --explain say so beside the bound.
 TEST(Synthetic, DcKeepsARulesPlanWhereItIsFaster) {
   const std::string dir = FreshDir("synthetic-rival");
   auto plan = RunCommand(
       Tool("dc-plan") +
-      " --synthetic --model llama-1b --layers 1 --hidden 4096 --heads 16 --kv-heads 1 --ffn 14336 "
-      "--vocab 32000 --seq 512 --micro-batch 2 --gas 3 --world 8 --gpus-per-node 8 --hardware "
-      "a100-80gb --budget 2154723026 --no-cache --explain -o " +
+      " --synthetic --model llama-1b --layers 3 --hidden 1024 --heads 32 --kv-heads 2 --ffn 4096 "
+      "--vocab 128256 --seq 512 --micro-batch 3 --gas 1 --world 32 --gpus-per-node 8 --hardware "
+      "a100-80gb --budget 1268853715 --no-cache --explain -o " +
       dir + "/p.dcplan");
   ASSERT_EQ(plan.exit_code, 0) << plan.err;
-  EXPECT_NE(plan.out.find("predicted step 0.0430 s (bound "), std::string::npos) << plan.out;
-  EXPECT_NE(plan.out.find("chosen: kept deepcompile's plan: 0.0430 s < dc's 0.0499 s"),
+  EXPECT_NE(plan.out.find("predicted step 0.0198 s (bound "), std::string::npos) << plan.out;
+  EXPECT_NE(plan.out.find("chosen: kept deepcompile's plan: 0.0198 s < dc's 0.0228 s"),
             std::string::npos)
       << plan.out;
 }
