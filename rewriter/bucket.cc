@@ -383,11 +383,12 @@ StatusOr<bool> BucketPass::Run(proto::Schedule* schedule, const PassContext& con
   // path, fused reduce-scatters hold grads longer and, sharing the links with the gathers,
   // slow those, so the caps that suit one rarely suit the other.
   if (options_.all_gathers) {
-    DC_RETURN_IF_ERROR(search(&Caps::gather_bytes, &Grouping::fused_gathers, proto::INSTR_ALL_GATHER));
+    DC_RETURN_IF_ERROR(
+        search(&Caps::gather_bytes, &Grouping::fused_gathers, proto::INSTR_ALL_GATHER));
   }
   if (options_.reduce_scatters) {
-    DC_RETURN_IF_ERROR(search(&Caps::reduction_bytes, &Grouping::fused_reductions,
-                               proto::INSTR_REDUCE_SCATTER));
+    DC_RETURN_IF_ERROR(
+        search(&Caps::reduction_bytes, &Grouping::fused_reductions, proto::INSTR_REDUCE_SCATTER));
   }
   if (!best) {
     return ordered;
