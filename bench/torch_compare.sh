@@ -8,8 +8,11 @@
 # Prints each pair's tokens/s, then per config both medians, their ratio (dc / PyTorch) and the
 # load average before and after. Python: $PYTHON, default /usr/bin/python3 (needs torch).
 # dc's plans: one rank's from `dc-plan --synthetic --hardware cpu`; two or more ranks' from a
-# trace of this machine (dc-collect, 3 steps, then dc-plan on it: dc's own workflow, where the
-# plan sees the Gloo costs it will meet). DC_PLAN=synthetic plans every config synthetically.
+# trace of this machine (dc-collect, 3 steps, then dc-plan on it with DC_ROUNDS profile-guided
+# rounds of 5 steps, default 2: dc's own workflow, where the plan sees the Gloo costs it will meet,
+# and a plan the simulator misjudged is measured against the one re-planned from its run; the
+# rounds' lines are printed; DC_ROUNDS=0 keeps the first plan). DC_PLAN=synthetic plans every
+# config synthetically.
 set -euo pipefail
 build=${1:-build}
 pairs=${2:-5}
@@ -65,8 +68,9 @@ for config in "${configs[@]}"; do
   else
     "$bin/dc-collect" "${flags[@]}" --nproc "$world" --steps 3 --warmup 1 "${dc_threads[@]}" \
       -o "$work/$config.db" --quiet >/dev/null
-    "$bin/dc-plan" "$work/$config.db" --no-cache -o "$work/$config.dcplan" >/dev/null
-    echo "$config: plan from a dc-collect trace of this machine ($world ranks, 3 steps)"
+    "$bin/dc-plan" "$work/$config.db" --no-cache --rounds "${DC_ROUNDS:-2}" --round-steps 5 \
+      -o "$work/$config.dcplan" | { grep -E '^(round|kept)' || true; } | sed "s/^/$config: /"
+    echo "$config: plan from a dc-collect trace of this machine ($world ranks, 3 steps), ${DC_ROUNDS:-2} profile-guided round(s)"
   fi
   load_before=$(cut -d' ' -f1-3 /proc/loadavg)
   dc_runs=()

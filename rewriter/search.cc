@@ -59,7 +59,7 @@ StatusOr<RoundsResult> PlanInRounds(PlanRequest request, proto::Schedule plan, i
     DC_ASSIGN_OR_RETURN(RoundMeasurement measured, measure(round, plan));
     if (on_round) {
       on_round({round, plan.prediction().step_seconds(), measured.step_seconds,
-                plan.instructions_size()});
+                plan.instructions_size(), measured.threads_per_rank});
     }
     if (measured.step_seconds < best.kept_step_seconds) {
       best.kept_step_seconds = measured.step_seconds;

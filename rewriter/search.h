@@ -46,6 +46,7 @@ struct RoundMeasurement {
   double step_seconds = 0;
   CostModel costs;
   std::string profile_digest;
+  int threads_per_rank = 0;  // the BLAS threads per rank the run recorded (0: not recorded)
 };
 // Runs `plan` (round counts from 1) and measures it.
 using MeasureFn = std::function<StatusOr<RoundMeasurement>(int round, const proto::Schedule& plan)>;
@@ -55,6 +56,7 @@ struct RoundRecord {
   double predicted_step_seconds = 0;
   double measured_step_seconds = 0;
   int instructions = 0;
+  int threads_per_rank = 0;  // as RoundMeasurement's
 };
 
 // The plan profile-guided rounds kept: the one whose measured step was fastest.

@@ -172,6 +172,23 @@ TEST_F(EndToEnd, ProfileGuidedRoundsReportPredictedAndMeasured) {
   EXPECT_EQ(files, 1);
 }
 
+// A round runs as the trace it starts from ran: with its BLAS threads per rank (1 here, where
+// dc-run's default, the cores over the ranks, is 2 on CI's two cores), so the rounds'
+// measurements compare with the trace's.
+TEST_F(EndToEnd, ProfileGuidedRoundsRunWithTheTracesThreadsPerRank) {
+  const std::string dir = FreshDir("rounds-threads");
+  auto collect = RunCommand(Tool("dc-collect") + " --model tiny --nproc 1 --steps 2 --warmup 1 " +
+                            "--threads-per-rank 1 --quiet -o " + dir + "/t.db");
+  ASSERT_EQ(collect.exit_code, 0) << collect.err;
+  auto plan =
+      RunCommand(Tool("dc-plan") + " " + dir +
+                 "/t.db --rounds 1 --round-steps 2 --no-cache --json -o " + dir + "/best.dcplan");
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  json j = ParseJson(plan.out);
+  ASSERT_EQ(j["rounds"].size(), 1u);
+  EXPECT_EQ(j["rounds"][0]["threads_per_rank"], 1) << j["rounds"].dump();
+}
+
 // A cache that cannot be written (here a file where the directory should be) costs the next run
 // a re-plan, never this run its plan: a warning, exit 0, the -o plan written.
 TEST_F(EndToEnd, UnwritablePlanCacheWarnsAndStillWritesThePlan) {

@@ -137,7 +137,7 @@ Status SyntheticRequest(const cli::ModelFlags& model, const std::string& hardwar
 
 Status TraceRequest(const std::string& trace_path, const std::string& from_plan, int64_t budget,
                     PlanRequest* request, std::optional<Profile>* measured,
-                    std::vector<std::string>* notes) {
+                    std::vector<std::string>* notes, int* threads_per_rank) {
   DC_ASSIGN_OR_RETURN(auto trace, Trace::Open(trace_path));
   if (!trace->program()) {
     return Status::Error(
@@ -150,6 +150,7 @@ Status TraceRequest(const std::string& trace_path, const std::string& from_plan,
   request->world_size = static_cast<int>(trace->ranks().size());
   request->backend = trace->ranks().empty() ? "cpu" : trace->ranks().front().backend;
   request->device = trace->ranks().empty() ? "cpu" : trace->ranks().front().device;
+  *threads_per_rank = trace->ranks().empty() ? 0 : trace->ranks().front().threads_per_rank;
   request->budget_bytes = budget;
   request->costs = profile.costs;
   request->profile_digest = profile.digest;
@@ -199,6 +200,9 @@ struct RoundOptions {
   int rounds = 0;
   int steps = 3;   // measured steps per round
   int warmup = 1;  // warm-up steps per round, left out of the profile
+  // The BLAS threads per rank the trace ran with (0: not recorded, dc-run's default): each
+  // round runs as the trace did, so its measurement compares with the trace's.
+  int threads_per_rank = 0;
 };
 
 // One round's measurement for PlanInRounds: run the plan with collection on its backend (dc-run
@@ -209,11 +213,14 @@ MeasureFn MeasureByRunning(const RoundOptions& options, const std::string& backe
                                  const proto::Schedule& plan) -> StatusOr<RoundMeasurement> {
     const std::string base = out + ".round" + std::to_string(round);
     DC_RETURN_IF_ERROR(SavePlan(base + ".dcplan", plan));
-    const std::string command = ShellQuote(DcRunPath()) + " " + ShellQuote(base + ".dcplan") +
-                                " --steps " + std::to_string(options.steps) + " --warmup " +
-                                std::to_string(options.warmup) + " --backend " +
-                                ShellQuote(backend) + " --trace " + ShellQuote(base + ".db") +
-                                " --quiet >/dev/null";
+    const std::string command =
+        ShellQuote(DcRunPath()) + " " + ShellQuote(base + ".dcplan") + " --steps " +
+        std::to_string(options.steps) + " --warmup " + std::to_string(options.warmup) +
+        " --backend " + ShellQuote(backend) + " --trace " + ShellQuote(base + ".db") +
+        (options.threads_per_rank > 0
+             ? " --threads-per-rank " + std::to_string(options.threads_per_rank)
+             : std::string()) +
+        " --quiet >/dev/null";
     const int rc = std::system(command.c_str());
     std::error_code ec;
     std::filesystem::remove(base + ".dcplan", ec);
@@ -224,7 +231,8 @@ MeasureFn MeasureByRunning(const RoundOptions& options, const std::string& backe
     DC_ASSIGN_OR_RETURN(auto trace, Trace::Open(base + ".db"));
     DC_ASSIGN_OR_RETURN(Profile profile, BuildProfile(*trace));
     std::filesystem::remove(base + ".db", ec);
-    return RoundMeasurement{profile.step_seconds_median, profile.costs, profile.digest};
+    const int threads = trace->ranks().empty() ? 0 : trace->ranks().front().threads_per_rank;
+    return RoundMeasurement{profile.step_seconds_median, profile.costs, profile.digest, threads};
   };
 }
 
@@ -234,7 +242,8 @@ std::function<void(const RoundRecord&)> ReportRounds(nlohmann::json* report, boo
     report->push_back({{"round", r.round},
                        {"predicted_step_seconds", r.predicted_step_seconds},
                        {"measured_step_seconds", r.measured_step_seconds},
-                       {"instructions", r.instructions}});
+                       {"instructions", r.instructions},
+                       {"threads_per_rank", r.threads_per_rank}});
     if (progress) {
       std::fprintf(stderr, "dc-plan: round %d: predicted %.6f s, measured %.6f s per step\n",
                    r.round, r.predicted_step_seconds, r.measured_step_seconds);
@@ -381,9 +390,9 @@ void AddFlags(CLI::App& app, Flags* f) {
   app.add_flag("--explain", f->explain,
                "say per pass what it changed and what it bought (predicted seconds and bytes)");
   app.add_option("--rounds", f->rounds.rounds,
-                 "profile-guided rounds: run the plan with collection, re-plan from the new trace, "
-                 "keep the "
-                 "best measured plan")
+                 "profile-guided rounds: run the plan with collection (as many BLAS threads per "
+                 "rank as the trace recorded), re-plan from the new trace, keep the best measured "
+                 "plan")
       ->check(CLI::Range(0, 100));
   app.add_option("--round-steps", f->rounds.steps, "measured steps per round")
       ->check(CLI::Range(1, 1000000))
@@ -449,7 +458,8 @@ struct Outcome {
   // profile assumes nothing).
   std::optional<PredictionRange> range;
   nlohmann::json rounds = nlohmann::json::array();
-  int kept_round = 0;  // with --rounds: the round whose plan was written
+  int kept_round = 0;               // with --rounds: the round whose plan was written
+  int traced_threads_per_rank = 0;  // the trace's BLAS threads per rank (0: not recorded)
   double kept_step_seconds = 0;
   CostModel costs;  // what the plan was predicted with
 };
@@ -461,7 +471,8 @@ StatusOr<PlanRequest> RequestOf(const Flags& f, Outcome* outcome) {
   DC_RETURN_IF_ERROR(f.synthetic ? SyntheticRequest(f.model, f.hardware, f.world, f.gpus_per_node,
                                                     f.budget, &request, &outcome->machine)
                                  : TraceRequest(f.trace_path, f.from_plan, f.budget, &request,
-                                                &outcome->measured, &outcome->notes));
+                                                &outcome->measured, &outcome->notes,
+                                                &outcome->traced_threads_per_rank));
   request.policy = f.passes.empty() ? f.policy : "custom";
   request.passes = f.passes;
   request.disabled_passes = f.disable;
@@ -529,9 +540,11 @@ StatusOr<Outcome> Plan(const Flags& f) {
   if (f.rounds.rounds > 0) {
     if (f.synthetic) return Status::Error("--rounds needs a trace to start from, not --synthetic");
     const bool progress = !f.quiet && ::isatty(STDERR_FILENO);
+    RoundOptions rounds = f.rounds;
+    rounds.threads_per_rank = outcome.traced_threads_per_rank;
     DC_ASSIGN_OR_RETURN(RoundsResult kept,
                         PlanInRounds(request, *plan, f.rounds.rounds,
-                                     MeasureByRunning(f.rounds, request.backend, f.out),
+                                     MeasureByRunning(rounds, request.backend, f.out),
                                      ReportRounds(&outcome.rounds, progress)));
     plan = std::move(kept.plan);
     outcome.kept_round = kept.kept_round;
