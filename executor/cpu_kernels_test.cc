@@ -226,9 +226,9 @@ std::map<std::string, int64_t> AttentionInts(int64_t heads, int64_t kv_heads, in
   return {{op_attr::kHeads, heads}, {op_attr::kKvHeads, kv_heads}, {op_attr::kHeadDim, head_dim}};
 }
 
-void CheckAttentionGradients(int64_t heads, int64_t kv_heads) {
+void CheckAttentionGradients(int64_t heads, int64_t kv_heads, int64_t seq = 5) {
   std::mt19937 rng(4);
-  const int64_t batch = 2, seq = 5, head_dim = 4;
+  const int64_t batch = 2, head_dim = 4;
   const auto ints = AttentionInts(heads, kv_heads, head_dim);
   GradCase c = Case(MakeOp(op_kind::kAttention, ints), MakeOp(op_kind::kAttentionBackward, ints),
                     {{batch, seq, heads * head_dim}});
@@ -243,6 +243,9 @@ void CheckAttentionGradients(int64_t heads, int64_t kv_heads) {
 TEST(GradCheck, AttentionGroupedQuery) { CheckAttentionGradients(4, 2); }
 TEST(GradCheck, AttentionMultiQuery) { CheckAttentionGradients(3, 1); }
 TEST(GradCheck, AttentionMultiHead) { CheckAttentionGradients(2, 2); }
+// Past the kernel's 32-row query blocks (the last one partial): each block's keys end at its
+// last row, and dk, dv sum over the blocks.
+TEST(GradCheck, AttentionAcrossQueryBlocks) { CheckAttentionGradients(4, 2, 70); }
 
 TEST(GradCheck, Swiglu) {
   std::mt19937 rng(5);
@@ -379,10 +382,15 @@ std::vector<double> ReferenceAttention(const Buffer& q, const Buffer& k, const B
 }
 
 TEST(Forward, AttentionMatchesReference) {
-  for (auto [heads, kv_heads] : {std::pair<int64_t, int64_t>{4, 2}, {4, 1}, {2, 2}}) {
-    SCOPED_TRACE(std::to_string(heads) + " heads, " + std::to_string(kv_heads) + " kv heads");
+  for (auto [heads, kv_heads, seq] : {std::tuple<int64_t, int64_t, int64_t>{4, 2, 6},
+                                      {4, 1, 6},
+                                      {2, 2, 6},
+                                      {4, 2, 70},
+                                      {2, 1, 64}}) {
+    SCOPED_TRACE(std::to_string(heads) + " heads, " + std::to_string(kv_heads) + " kv heads, seq " +
+                 std::to_string(seq));
     std::mt19937 rng(14);
-    const int64_t batch = 2, seq = 6, head_dim = 4;
+    const int64_t batch = 2, head_dim = 4;
     Buffer q = RandomF32({batch, seq, heads * head_dim}, &rng);
     Buffer k = RandomF32({batch, seq, kv_heads * head_dim}, &rng);
     Buffer v = RandomF32({batch, seq, kv_heads * head_dim}, &rng);
