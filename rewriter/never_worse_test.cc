@@ -133,6 +133,36 @@ void ExpectNoCandidateDefect(const StatusOr<proto::Schedule>& plan, const std::s
   }
 }
 
+// Where dc keeps a rival's plan (the case of Synthetic.DcKeepsARulesPlanWhereItIsFaster), its own
+// pipeline's plan is the runner-up, complete and predicted slower; the rivals that lost follow it,
+// fastest predicted first.
+TEST(NeverWorseTest, APlanKeptFromARivalHasTheOwnPlanAsRunnerUp) {
+  ModelOverrides overrides;
+  overrides.layers = 3;
+  overrides.hidden = 1024;
+  overrides.heads = 32;
+  overrides.kv_heads = 2;
+  overrides.ffn = 4096;
+  overrides.vocab = 128256;
+  overrides.seq = 512;
+  overrides.micro_batch = 3;
+  overrides.gas = 1;
+  PlanRequest request = RequestFor(overrides, 32, "a100-80gb");
+  request.budget_bytes = 1268853715;
+  std::vector<RunnerUp> runners_up;
+  request.runners_up = &runners_up;
+  auto plan = MakePlan(request);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  ASSERT_FALSE(runners_up.empty());
+  EXPECT_EQ(runners_up.front().source, "dc's own pipeline");
+  double previous = plan->prediction().step_seconds();
+  for (const RunnerUp& r : runners_up) {
+    EXPECT_GE(r.plan.prediction().step_seconds(), previous) << r.source;
+    EXPECT_GT(r.plan.memory_plan().arena_bytes(), 0) << r.source;
+    previous = r.plan.prediction().step_seconds();
+  }
+}
+
 // Plans every rule and dc under `request`'s budget and checks dc against each; returns the rule
 // whose plan dc kept, if any ("" otherwise).
 std::string CheckNeverWorse(PlanRequest request) {

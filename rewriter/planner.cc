@@ -408,7 +408,7 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
 Status KeepBestOfRivals(const PlanRequest& request, const std::string& program_digest,
                         const PassContext& context, const Policy& policy,
                         const SimResult& baseline_sim, CandidateFailures* defects,
-                        StatusOr<proto::Schedule>* planned) {
+                        StatusOr<proto::Schedule>* planned, std::vector<RunnerUp>* runners_up) {
   const std::string own_failure = planned->ok() ? "" : planned->status().message();
   std::string kept;  // the rival whose plan is in *planned, if any
   double own_step = planned->ok() ? (*planned)->prediction().step_seconds() : 0;
@@ -452,7 +452,12 @@ Status KeepBestOfRivals(const PlanRequest& request, const std::string& program_d
     if (!candidate.ok()) continue;
     if (planned->ok() &&
         candidate->prediction().step_seconds() >= (*planned)->prediction().step_seconds()) {
+      if (runners_up) runners_up->push_back({rival + "'s plan", *std::move(candidate)});
       continue;
+    }
+    if (runners_up && planned->ok()) {
+      runners_up->push_back(
+          {kept.empty() ? policy.name + "'s own pipeline" : kept + "'s plan", **planned});
     }
     *planned = std::move(candidate);
     kept = rival;
@@ -487,6 +492,7 @@ StatusOr<proto::Schedule> LowerBaseline(const PlanRequest& request,
 StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   if (request.world_size < 1) return Status::Error("world size must be at least 1");
   if (request.threads < 1) return Status::Error("planning threads must be at least 1");
+  if (request.runners_up) request.runners_up->clear();
   const std::string program_digest = ProgramDigest(request.program);
   DC_ASSIGN_OR_RETURN(std::string key, KeyOf(request, program_digest));
   PassContext context{&request.costs, request.budget_bytes};
@@ -542,7 +548,7 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   }
   if (policy && !policy->rivals.empty()) {
     DC_RETURN_IF_ERROR(KeepBestOfRivals(request, program_digest, context, *policy, *baseline_sim,
-                                        &defects, &planned));
+                                        &defects, &planned, request.runners_up));
   }
   if (!planned.ok()) planned = defects.WithLeastShortfall(planned.status());
   defects.NoteIn(&planned);
@@ -550,6 +556,14 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   proto::Schedule schedule = std::move(planned).value();
   *schedule.mutable_baseline() = ToPrediction(*baseline_sim);
   schedule.set_cache_key(key);
+  if (request.runners_up) {
+    for (RunnerUp& r : *request.runners_up) *r.plan.mutable_baseline() = schedule.baseline();
+    std::stable_sort(request.runners_up->begin(), request.runners_up->end(),
+                     [](const RunnerUp& a, const RunnerUp& b) {
+                       return a.plan.prediction().step_seconds() <
+                              b.plan.prediction().step_seconds();
+                     });
+  }
   return schedule;
 }
 

@@ -14,6 +14,14 @@
 
 namespace dc {
 
+// A complete plan the planner weighed under the request's budget and did not keep: the policy's
+// own where a rival's was faster, or a rival's that was not. `source` names it ("dc's own
+// pipeline", "deepcompile's plan").
+struct RunnerUp {
+  std::string source;
+  proto::Schedule plan;
+};
+
 struct PlanRequest {
   proto::Program program;
   int world_size = 1;
@@ -32,6 +40,9 @@ struct PlanRequest {
   // Candidate plans (a policy's splits, its fallbacks) made at once, on up to this many threads.
   // The plan is the same for any number: only the planning time changes.
   int threads = 1;
+  // Optional: gets the runners-up, fastest predicted first (profile-guided rounds measure one
+  // where the simulator's measured error is larger than the margin it was beaten by).
+  std::vector<RunnerUp>* runners_up = nullptr;
 };
 
 // The cache key of the plan `request` would produce.

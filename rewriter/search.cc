@@ -1,6 +1,7 @@
 #include "rewriter/search.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 namespace dc {
@@ -51,15 +52,18 @@ std::optional<int64_t> SmallestBudget(PlanRequest request, int64_t shortfall_byt
 
 StatusOr<RoundsResult> PlanInRounds(PlanRequest request, proto::Schedule plan, int rounds,
                                     const MeasureFn& measure,
-                                    const std::function<void(const RoundRecord&)>& on_round) {
+                                    const std::function<void(const RoundRecord&)>& on_round,
+                                    std::vector<RunnerUp> runners_up) {
   RoundsResult best;
   best.plan = plan;
   best.kept_step_seconds = std::numeric_limits<double>::infinity();
+  std::string source = "the plan";
   for (int round = 1; round <= rounds; ++round) {
     DC_ASSIGN_OR_RETURN(RoundMeasurement measured, measure(round, plan));
+    const double predicted = plan.prediction().step_seconds();
     if (on_round) {
-      on_round({round, plan.prediction().step_seconds(), measured.step_seconds,
-                plan.instructions_size(), measured.threads_per_rank});
+      on_round({round, source, predicted, measured.step_seconds, plan.instructions_size(),
+                measured.threads_per_rank});
     }
     if (measured.step_seconds < best.kept_step_seconds) {
       best.kept_step_seconds = measured.step_seconds;
@@ -67,9 +71,21 @@ StatusOr<RoundsResult> PlanInRounds(PlanRequest request, proto::Schedule plan, i
       best.plan = plan;
     }
     if (round == rounds) break;
+    // A runner-up predicted behind by less than this plan's measured error is as likely faster.
+    const double error = predicted > 0 ? std::abs(measured.step_seconds / predicted - 1) : 0;
+    if (!runners_up.empty() &&
+        runners_up.front().plan.prediction().step_seconds() <= predicted * (1 + error)) {
+      plan = std::move(runners_up.front().plan);
+      source = runners_up.front().source + ", a runner-up within round " + std::to_string(round) +
+               "'s measured error";
+      runners_up.erase(runners_up.begin());
+      continue;
+    }
     request.costs = measured.costs;
     request.profile_digest = measured.profile_digest;
+    request.runners_up = &runners_up;
     DC_ASSIGN_OR_RETURN(plan, MakePlan(request));
+    source = "re-planned from round " + std::to_string(round) + "'s trace";
   }
   return best;
 }

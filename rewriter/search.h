@@ -53,6 +53,9 @@ using MeasureFn = std::function<StatusOr<RoundMeasurement>(int round, const prot
 
 struct RoundRecord {
   int round = 0;
+  // Where the round's plan came from: "the plan", "re-planned from round N's trace" or a
+  // runner-up's source.
+  std::string source;
   double predicted_step_seconds = 0;
   double measured_step_seconds = 0;
   int instructions = 0;
@@ -66,11 +69,16 @@ struct RoundsResult {
   double kept_step_seconds = 0;
 };
 
-// Profile-guided rounds: measures `plan`, re-plans `request` with the measured costs, and so on
-// for `rounds` rounds; keeps the plan whose measured step was fastest (ties: the earliest).
-// `on_round` (optional) hears each round as it ends.
+// Profile-guided rounds: measures `plan`, then the next plan, for `rounds` rounds; keeps the plan
+// whose measured step was fastest (ties: the earliest). The next plan is the fastest predicted
+// runner-up of the plan just measured (`runners_up` for the first: MakePlan's, fastest first)
+// where that plan was measured further from its prediction than the runner-up was predicted
+// behind it (the simulator cannot tell them apart: measuring can), else a re-plan of `request`
+// with the measured costs (whose runners-up are taken up the same way). `on_round` (optional)
+// hears each round as it ends.
 StatusOr<RoundsResult> PlanInRounds(PlanRequest request, proto::Schedule plan, int rounds,
                                     const MeasureFn& measure,
-                                    const std::function<void(const RoundRecord&)>& on_round);
+                                    const std::function<void(const RoundRecord&)>& on_round,
+                                    std::vector<RunnerUp> runners_up = {});
 
 }  // namespace dc

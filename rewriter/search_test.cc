@@ -166,5 +166,44 @@ TEST(Search, RoundsReplanWithWhatWasMeasuredAndKeepTheFastest) {
   EXPECT_EQ(failed.status().message(), "round 1: dc-run failed");
 }
 
+// Round 1's plan measured 20% off its prediction: a runner-up predicted 5% behind it is as
+// likely faster, so round 2 measures it (and keeps it, measured faster) instead of re-planning.
+// Where round 1 measured 1% off, the runner-up stays unmeasured and round 2 re-plans.
+TEST(Search, RoundsMeasureARunnerUpWithinTheMeasuredError) {
+  PlanRequest request = TinyRequest();
+  auto first = MakePlan(request);
+  ASSERT_TRUE(first.ok());
+  const double predicted = first->prediction().step_seconds();
+  RunnerUp runner{"the rival's plan", *first};
+  runner.plan.mutable_prediction()->set_step_seconds(1.05 * predicted);
+  runner.plan.set_profile_digest("runner-up");
+  for (const double round_one_ratio : {1.2, 1.01}) {
+    SCOPED_TRACE(round_one_ratio);
+    std::vector<std::string> measured_plans;
+    auto measure = [&](int round, const proto::Schedule& plan) -> StatusOr<RoundMeasurement> {
+      measured_plans.push_back(plan.profile_digest());
+      RoundMeasurement m;
+      m.step_seconds = round == 1 ? round_one_ratio * predicted : 0.9 * predicted;
+      m.profile_digest = "round-" + std::to_string(round);
+      return m;
+    };
+    std::vector<RoundRecord> records;
+    auto best = PlanInRounds(request, *first, 2, measure,
+                             [&](const RoundRecord& r) { records.push_back(r); }, {runner});
+    ASSERT_TRUE(best.ok()) << best.status().message();
+    ASSERT_EQ(records.size(), 2u);
+    EXPECT_EQ(records[0].source, "the plan");
+    EXPECT_EQ(best->kept_round, 2);
+    if (round_one_ratio > 1.05) {
+      EXPECT_EQ(measured_plans, (std::vector<std::string>{"", "runner-up"}));
+      EXPECT_EQ(records[1].source, "the rival's plan, a runner-up within round 1's measured error");
+      EXPECT_EQ(best->plan.profile_digest(), "runner-up");
+    } else {
+      EXPECT_EQ(measured_plans, (std::vector<std::string>{"", "round-1"}));
+      EXPECT_EQ(records[1].source, "re-planned from round 1's trace");
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dc

@@ -240,13 +240,14 @@ MeasureFn MeasureByRunning(const RoundOptions& options, const std::string& backe
 std::function<void(const RoundRecord&)> ReportRounds(nlohmann::json* report, bool progress) {
   return [report, progress](const RoundRecord& r) {
     report->push_back({{"round", r.round},
+                       {"source", r.source},
                        {"predicted_step_seconds", r.predicted_step_seconds},
                        {"measured_step_seconds", r.measured_step_seconds},
                        {"instructions", r.instructions},
                        {"threads_per_rank", r.threads_per_rank}});
     if (progress) {
-      std::fprintf(stderr, "dc-plan: round %d: predicted %.6f s, measured %.6f s per step\n",
-                   r.round, r.predicted_step_seconds, r.measured_step_seconds);
+      std::fprintf(stderr, "dc-plan: round %d (%s): predicted %.6f s, measured %.6f s per step\n",
+                   r.round, r.source.c_str(), r.predicted_step_seconds, r.measured_step_seconds);
     }
   };
 }
@@ -513,9 +514,14 @@ StatusOr<Outcome> Plan(const Flags& f) {
   DC_ASSIGN_OR_RETURN(outcome.cache_key, PlanKey(request));
   PlanCache cache(f.cache_dir.empty() ? DefaultCacheDir() : f.cache_dir);
   std::optional<proto::Schedule> plan;
-  // A dump is a side effect of planning: skip the cache so it is written.
-  if (!f.no_cache && f.dump_after.empty()) plan = cache.Lookup(outcome.cache_key);
+  // A dump is a side effect of planning: skip the cache so it is written. Rounds measure the
+  // runners-up a planning gives, which the cache does not keep.
+  if (!f.no_cache && f.dump_after.empty() && f.rounds.rounds == 0) {
+    plan = cache.Lookup(outcome.cache_key);
+  }
   outcome.cache_hit = plan.has_value();
+  std::vector<RunnerUp> runners_up;
+  if (f.rounds.rounds > 0) request.runners_up = &runners_up;
   if (!outcome.cache_hit) {
     auto made = MakePlan(request);
     if (!made.ok()) {
@@ -542,10 +548,11 @@ StatusOr<Outcome> Plan(const Flags& f) {
     const bool progress = !f.quiet && ::isatty(STDERR_FILENO);
     RoundOptions rounds = f.rounds;
     rounds.threads_per_rank = outcome.traced_threads_per_rank;
-    DC_ASSIGN_OR_RETURN(RoundsResult kept,
-                        PlanInRounds(request, *plan, f.rounds.rounds,
-                                     MeasureByRunning(rounds, request.backend, f.out),
-                                     ReportRounds(&outcome.rounds, progress)));
+    DC_ASSIGN_OR_RETURN(
+        RoundsResult kept,
+        PlanInRounds(request, *plan, f.rounds.rounds,
+                     MeasureByRunning(rounds, request.backend, f.out),
+                     ReportRounds(&outcome.rounds, progress), std::move(runners_up)));
     plan = std::move(kept.plan);
     outcome.kept_round = kept.kept_round;
     outcome.kept_step_seconds = kept.kept_step_seconds;
@@ -643,7 +650,8 @@ void PrintText(const Flags& f, const Outcome& o) {
       FormatBytes(plan.prediction().peak_device_bytes()).c_str(),
       plan.budget_bytes() ? FormatBytes(plan.budget_bytes()).c_str() : "unlimited");
   for (const auto& round : o.rounds) {
-    std::printf("round %d: predicted %.6f s, measured %.6f s per step\n", round["round"].get<int>(),
+    std::printf("round %d (%s): predicted %.6f s, measured %.6f s per step\n",
+                round["round"].get<int>(), round["source"].get<std::string>().c_str(),
                 round["predicted_step_seconds"].get<double>(),
                 round["measured_step_seconds"].get<double>());
   }
