@@ -932,6 +932,13 @@ def main():
     ap.add_argument("--json", default="")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     a = ap.parse_args()
+    # A shell without job control starts a background job (`fault_sweep.sh build &`) with SIGINT
+    # and SIGQUIT ignored, and exec keeps them ignored: every case would start as a nohup'd
+    # process, which dc rightly leaves alone (collect-1rank-sigINT then runs its 100000 steps).
+    # The cases start as a user's terminal starts them: with the default dispositions (a handled
+    # signal is default again after exec; the sweep itself still stops on Ctrl-C).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
     DC = os.path.abspath(os.path.join(a.build, "tools"))
     for t in ("dc-collect", "dc-plan", "dc-run", "dc-trace", "dc-calibrate"):
         if not os.access(f"{DC}/{t}", os.X_OK):
