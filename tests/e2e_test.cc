@@ -172,6 +172,29 @@ TEST_F(EndToEnd, ProfileGuidedRoundsReportPredictedAndMeasured) {
   EXPECT_EQ(files, 1);
 }
 
+// A rule's plan kept over dc's own by a trace's prediction comes with the way to check it by
+// measuring (--rounds 2); a plan that is dc's own, or planned in rounds, has no such hint.
+TEST_F(EndToEnd, AKeptRulePlanPointsToRounds) {
+  const std::string dir = FreshDir("rounds-hint");
+  for (const std::string policy : {"dc", "deepcompile"}) {
+    auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache --json --policy " +
+                           policy + " -o " + dir + "/p.dcplan");
+    ASSERT_EQ(plan.exit_code, 0) << plan.err;
+    bool kept_rule = false, hinted = false;
+    const json notes = ParseJson(plan.out)["notes"];
+    for (const auto& note : notes) {
+      const std::string text = note.get<std::string>();
+      kept_rule =
+          kept_rule || (text.rfind("kept ", 0) == 0 && text.find("'s plan: ") != std::string::npos);
+      hinted = hinted || text.find("trace.db --rounds 2 measures this plan") != std::string::npos;
+    }
+    EXPECT_EQ(hinted, kept_rule) << policy << ": " << notes.dump();
+    if (policy == "deepcompile") {
+      EXPECT_FALSE(hinted) << notes.dump();  // no rivals: nothing kept
+    }
+  }
+}
+
 // A round runs as the trace it starts from ran: with its BLAS threads per rank (1 here, where
 // dc-run's default, the cores over the ranks, is 2 on CI's two cores), so the rounds'
 // measurements compare with the trace's.

@@ -567,6 +567,18 @@ StatusOr<Outcome> Plan(const Flags& f) {
   if (outcome.machine && f.rounds.rounds == 0 && (f.json || f.explain)) {
     DC_ASSIGN_OR_RETURN(outcome.range, RangeOf(*plan, *outcome.machine));
   }
+  // A rule's plan kept over dc's own by a trace's prediction: a margin the measurement may not
+  // hold (bench/CALIBRATION.md); rounds measure both.
+  if (!f.synthetic && f.rounds.rounds == 0) {
+    for (const std::string& note : plan->notes()) {
+      if (note.rfind("kept ", 0) == 0 && note.find("'s plan: ") != std::string::npos) {
+        outcome.notes.push_back(
+            "predictions from a trace can miss by more than that margin; dc-plan " + f.trace_path +
+            " --rounds 2 measures this plan and, where it misses its prediction by more, the "
+            "runner-up, and keeps the faster");
+      }
+    }
+  }
   outcome.plan = std::move(*plan);
   return outcome;
 }
@@ -599,7 +611,11 @@ void PrintJson(const Flags& f, const Outcome& o) {
   j["budget_bytes"] = plan.budget_bytes();
   j["instructions"] = plan.instructions_size();
   j["arena_bytes"] = plan.memory_plan().arena_bytes();
-  j["notes"] = std::vector<std::string>(plan.notes().begin(), plan.notes().end());
+  // The plan's notes, then the run's (the trace's, and what dc-plan adds about them), as the text
+  // output prints them.
+  std::vector<std::string> notes(plan.notes().begin(), plan.notes().end());
+  notes.insert(notes.end(), o.notes.begin(), o.notes.end());
+  j["notes"] = notes;
   j["predicted"] = PredictionJson(plan.prediction());
   j["baseline"] = PredictionJson(plan.baseline());
   j["bound"] = BoundJson(o.bound, plan.prediction().step_seconds());
