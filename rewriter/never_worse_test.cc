@@ -121,6 +121,22 @@ PlanRequest RequestFor(const ModelOverrides& overrides, int world, const std::st
   return request;
 }
 
+// A Llama shape as the never-worse test's cases print it (--layers ... --gas).
+ModelOverrides LlamaShape(int64_t layers, int64_t hidden, int64_t heads, int64_t kv_heads,
+                          int64_t ffn, int64_t seq, int64_t micro_batch, int64_t gas) {
+  ModelOverrides o;
+  o.layers = layers;
+  o.hidden = hidden;
+  o.heads = heads;
+  o.kv_heads = kv_heads;
+  o.ffn = ffn;
+  o.vocab = 128256;
+  o.seq = seq;
+  o.micro_batch = micro_batch;
+  o.gas = gas;
+  return o;
+}
+
 // A policy's candidates (splits, fallbacks, rivals) may fail only for the budget: any other
 // failure is a pass's defect, which the planner notes in the plan (or says in its error).
 void ExpectNoCandidateDefect(const StatusOr<proto::Schedule>& plan, const std::string& policy) {
@@ -137,17 +153,7 @@ void ExpectNoCandidateDefect(const StatusOr<proto::Schedule>& plan, const std::s
 // pipeline's plan is the runner-up, complete and predicted slower; the rivals that lost follow it,
 // fastest predicted first.
 TEST(NeverWorseTest, APlanKeptFromARivalHasTheOwnPlanAsRunnerUp) {
-  ModelOverrides overrides;
-  overrides.layers = 3;
-  overrides.hidden = 1024;
-  overrides.heads = 32;
-  overrides.kv_heads = 2;
-  overrides.ffn = 4096;
-  overrides.vocab = 128256;
-  overrides.seq = 512;
-  overrides.micro_batch = 3;
-  overrides.gas = 1;
-  PlanRequest request = RequestFor(overrides, 32, "a100-80gb");
+  PlanRequest request = RequestFor(LlamaShape(3, 1024, 32, 2, 4096, 512, 3, 1), 32, "a100-80gb");
   request.budget_bytes = 1268853715;
   std::vector<RunnerUp> runners_up;
   request.runners_up = &runners_up;
@@ -206,17 +212,7 @@ std::string CheckNeverWorse(PlanRequest request) {
 // packing stacks the longest-lived buffers first on its ties, offload gives back less and the
 // plan steps in 0.1429 s.
 TEST(NeverWorseTest, IssueCasePlansNoSlowerThanDeepCompile) {
-  ModelOverrides o;
-  o.layers = 4;
-  o.hidden = 4096;
-  o.heads = 32;
-  o.kv_heads = 2;
-  o.ffn = 8192;
-  o.vocab = 128256;
-  o.seq = 512;
-  o.micro_batch = 3;
-  o.gas = 4;
-  PlanRequest request = RequestFor(o, 8, "h100-sxm");
+  PlanRequest request = RequestFor(LlamaShape(4, 4096, 32, 2, 8192, 512, 3, 4), 8, "h100-sxm");
   request.budget_bytes = 4954009965;
   EXPECT_EQ(CheckNeverWorse(request), "");
   request.policy = "deepcompile";
