@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <limits>
-#include <map>
+#include <vector>
 
 #include "machine/simulator.h"
 #include "rewriter/gather_index.h"
@@ -45,11 +45,25 @@ class Planner {
     const int n = schedule.instructions_size();
     instr_bytes_.assign(n, 0);
     dependents_.resize(n);
+    int lowest_micro_step = 0, highest_micro_step = 0;
     for (int i = 0; i < n; ++i) {
       const proto::Instruction& instr = schedule.instructions(i);
       for (int t : instr.tensors()) instr_bytes_[i] += bytes_[t];
       for (int d : instr.deps()) dependents_[d].push_back(i);
+      lowest_micro_step = std::min(lowest_micro_step, instr.micro_step());
+      highest_micro_step = std::max(highest_micro_step, instr.micro_step());
     }
+    // Bytes of gathers and of reduce-scatters by micro-step, for LargestRunBytes.
+    std::vector<int64_t> gathered(highest_micro_step - lowest_micro_step + 1, 0);
+    std::vector<int64_t> reduced(gathered.size(), 0);
+    for (int i = 0; i < n; ++i) {
+      const proto::Instruction& instr = schedule.instructions(i);
+      const size_t m = static_cast<size_t>(instr.micro_step() - lowest_micro_step);
+      if (instr.kind() == proto::INSTR_ALL_GATHER) gathered[m] += instr_bytes_[i];
+      if (instr.kind() == proto::INSTR_REDUCE_SCATTER) reduced[m] += instr_bytes_[i];
+    }
+    largest_gather_run_ = *std::max_element(gathered.begin(), gathered.end());
+    largest_reduction_run_ = *std::max_element(reduced.begin(), reduced.end());
     // Every candidate cap asks for them again.
     releases_.resize(n);
     first_waiter_.assign(n, std::numeric_limits<int>::max());
@@ -74,17 +88,10 @@ class Planner {
     }
   }
 
-  // The most bytes one run of `kind` could fuse: its instructions' bytes in the micro-step (or
-  // the optimizer phase) that has the most. A larger cap fuses the same runs.
+  // The most bytes one run of gathers (reduce-scatters) could fuse: their bytes in the micro-step
+  // (or the optimizer phase) that has the most. A larger cap fuses the same runs.
   int64_t LargestRunBytes(proto::InstrKind kind) const {
-    std::map<int, int64_t> by_micro_step;
-    for (int i = 0; i < schedule_.instructions_size(); ++i) {
-      const proto::Instruction& instr = schedule_.instructions(i);
-      if (instr.kind() == kind) by_micro_step[instr.micro_step()] += instr_bytes_[i];
-    }
-    int64_t largest = 0;
-    for (const auto& [micro_step, bytes] : by_micro_step) largest = std::max(largest, bytes);
-    return largest;
+    return kind == proto::INSTR_ALL_GATHER ? largest_gather_run_ : largest_reduction_run_;
   }
 
   Grouping Plan(const Caps& caps, int64_t limit, const BucketOptions& options) const {
@@ -297,6 +304,7 @@ class Planner {
   mutable LiveCurve scratch_curve_;   // what Plan edits
   std::vector<int64_t> bytes_;        // by tensor
   std::vector<int64_t> instr_bytes_;  // by instruction: bytes of its tensors
+  int64_t largest_gather_run_ = 0, largest_reduction_run_ = 0;  // LargestRunBytes
   std::vector<std::vector<int>> dependents_;
   std::vector<std::vector<int>> releases_;  // by reduce-scatter: the releases that wait for it
   // By reduce-scatter: the first instruction that waits for it or for its releases (besides
