@@ -99,9 +99,10 @@ class BufferPool {
   }
 
  private:
-  // The cpu device has at most two collectives of a stream alive, made or running, and each
-  // stream has its own channel (so its own pool).
-  static constexpr size_t kKept = 2;
+  // Each stream has its own channel (so its own pool), and the cpu device keeps up to 64 of a
+  // stream's collectives alive, made or running (cpu_device.cc's kPostedAhead, within 256 MiB):
+  // the largest eight freed are kept for the next ones, the rest go back to the allocator.
+  static constexpr size_t kKept = 8;
   std::mutex mu_;
   std::vector<Buffer> free_;
 };
