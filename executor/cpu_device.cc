@@ -318,10 +318,9 @@ class CpuDevice : public RankDevice {
     int64_t packed_elements = 0;
     for (const GatherItem& item : items) packed_elements += item.shard_elements;
     Communicator* comm = ChannelOf(stream);
-    // The ring's input shard and gathered output.
-    const int64_t bytes = packed_elements * (world_ + 1) * static_cast<int64_t>(sizeof(float));
-    DC_ASSIGN_OR_RETURN(std::shared_ptr<Posted> posted,
-                        Post(stream, bytes, [&] { return comm->PostAllGather(packed_elements); }));
+    DC_ASSIGN_OR_RETURN(std::shared_ptr<Posted> posted, Post(stream, packed_elements, [&] {
+                          return comm->PostAllGather(packed_elements);
+                        }));
     return Enqueue(
         stream, what,
         [posted, world = world_, items = std::vector<GatherItem>(items.begin(), items.end())] {
@@ -334,9 +333,7 @@ class CpuDevice : public RankDevice {
     int64_t packed_elements = 0;
     for (const ReduceScatterItem& item : items) packed_elements += item.shard_elements;
     Communicator* comm = ChannelOf(stream);
-    // The ring's full input and reduced shard.
-    const int64_t bytes = packed_elements * (world_ + 1) * static_cast<int64_t>(sizeof(float));
-    DC_ASSIGN_OR_RETURN(std::shared_ptr<Posted> posted, Post(stream, bytes, [&] {
+    DC_ASSIGN_OR_RETURN(std::shared_ptr<Posted> posted, Post(stream, packed_elements, [&] {
                           return comm->PostReduceScatterSum(packed_elements);
                         }));
     return Enqueue(stream, what,
@@ -486,10 +483,14 @@ class CpuDevice : public RankDevice {
     std::unique_ptr<PostedCollective> collective;
   };
 
-  // `bytes`: the collective's payload (what its buffers hold), for kPostedAheadBytes.
+  // `packed_elements`: a rank's share of the collective. Its payload, for kPostedAheadBytes, is
+  // what the ring's buffers hold: a share and the whole (an all-gather's input and output, a
+  // reduce-scatter's output and input).
   template <typename Make>
-  StatusOr<std::shared_ptr<Posted>> Post(proto::Stream stream, int64_t bytes, Make&& make) {
+  StatusOr<std::shared_ptr<Posted>> Post(proto::Stream stream, int64_t packed_elements,
+                                         Make&& make) {
     if (world_ == 1) return std::shared_ptr<Posted>();  // copies, no collective (AllGatherNow)
+    const int64_t bytes = packed_elements * (world_ + 1) * static_cast<int64_t>(sizeof(float));
     // The host's collectives run on the issuing thread, each before the next is made.
     const int slot = stream == proto::STREAM_HOST
                          ? kNumDeviceStreams

@@ -173,25 +173,26 @@ TEST_F(EndToEnd, ProfileGuidedRoundsReportPredictedAndMeasured) {
 }
 
 // A rule's plan kept over dc's own by a trace's prediction comes with the way to check it by
-// measuring (--rounds 2); a plan that is dc's own, or planned in rounds, has no such hint.
+// measuring (--rounds 2). With its own prefetch, bucketing and unsharding disabled (DeepCompile's
+// passes are others), dc keeps DeepCompile's plan on any trace; DeepCompile's policy has no
+// rivals, so nothing is kept and nothing hinted.
 TEST_F(EndToEnd, AKeptRulePlanPointsToRounds) {
   const std::string dir = FreshDir("rounds-hint");
-  for (const std::string policy : {"dc", "deepcompile"}) {
-    auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache --json --policy " +
-                           policy + " -o " + dir + "/p.dcplan");
+  for (const std::string flags :
+       {"--policy dc --disable bucket prefetch unshard", "--policy deepcompile"}) {
+    auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache --json " + flags +
+                           " -o " + dir + "/p.dcplan");
     ASSERT_EQ(plan.exit_code, 0) << plan.err;
     bool kept_rule = false, hinted = false;
     const json notes = ParseJson(plan.out)["notes"];
     for (const auto& note : notes) {
       const std::string text = note.get<std::string>();
-      kept_rule =
-          kept_rule || (text.rfind("kept ", 0) == 0 && text.find("'s plan: ") != std::string::npos);
+      kept_rule = kept_rule || text.rfind("kept deepcompile's plan: ", 0) == 0;
       hinted = hinted || text.find("trace.db --rounds 2 measures this plan") != std::string::npos;
     }
-    EXPECT_EQ(hinted, kept_rule) << policy << ": " << notes.dump();
-    if (policy == "deepcompile") {
-      EXPECT_FALSE(hinted) << notes.dump();  // no rivals: nothing kept
-    }
+    const bool rivals = flags.find("--policy dc") == 0;
+    EXPECT_EQ(kept_rule, rivals) << flags << ": " << notes.dump();
+    EXPECT_EQ(hinted, rivals) << flags << ": " << notes.dump();
   }
 }
 

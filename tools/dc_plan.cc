@@ -135,6 +135,11 @@ Status SyntheticRequest(const cli::ModelFlags& model, const std::string& hardwar
   return Status::Ok();
 }
 
+// The BLAS threads per rank a trace's run recorded (0: not recorded).
+int TracedThreadsPerRank(const Trace& trace) {
+  return trace.ranks().empty() ? 0 : trace.ranks().front().threads_per_rank;
+}
+
 Status TraceRequest(const std::string& trace_path, const std::string& from_plan, int64_t budget,
                     PlanRequest* request, std::optional<Profile>* measured,
                     std::vector<std::string>* notes, int* threads_per_rank) {
@@ -150,7 +155,7 @@ Status TraceRequest(const std::string& trace_path, const std::string& from_plan,
   request->world_size = static_cast<int>(trace->ranks().size());
   request->backend = trace->ranks().empty() ? "cpu" : trace->ranks().front().backend;
   request->device = trace->ranks().empty() ? "cpu" : trace->ranks().front().device;
-  *threads_per_rank = trace->ranks().empty() ? 0 : trace->ranks().front().threads_per_rank;
+  *threads_per_rank = TracedThreadsPerRank(*trace);
   request->budget_bytes = budget;
   request->costs = profile.costs;
   request->profile_digest = profile.digest;
@@ -231,8 +236,8 @@ MeasureFn MeasureByRunning(const RoundOptions& options, const std::string& backe
     DC_ASSIGN_OR_RETURN(auto trace, Trace::Open(base + ".db"));
     DC_ASSIGN_OR_RETURN(Profile profile, BuildProfile(*trace));
     std::filesystem::remove(base + ".db", ec);
-    const int threads = trace->ranks().empty() ? 0 : trace->ranks().front().threads_per_rank;
-    return RoundMeasurement{profile.step_seconds_median, profile.costs, profile.digest, threads};
+    return RoundMeasurement{profile.step_seconds_median, profile.costs, profile.digest,
+                            TracedThreadsPerRank(*trace)};
   };
 }
 
