@@ -333,12 +333,7 @@ StatusOr<bool> BucketPass::Run(proto::Schedule* schedule, const PassContext& con
   quick.memory_timeline = false;
   const GatherIndex index = rewriter_internal::IndexGathers(*schedule);
   const bool ordered = rewriter_internal::OrderGathersAfterReleases(index, schedule);
-  SimResult input;
-  if (context.input_simulation && !ordered) {
-    input = *context.input_simulation;
-  } else {
-    DC_ASSIGN_OR_RETURN(input, SimulateIn(context, *schedule, quick));
-  }
+  DC_ASSIGN_OR_RETURN(const SimResult input, InputSimulation(context, *schedule, ordered));
   DC_ASSIGN_OR_RETURN(LiveCurve curve, LiveCurve::Build(*schedule, input));
   const Planner planner(*schedule, *context.costs, input, index, curve);
 

@@ -123,12 +123,7 @@ StatusOr<bool> KeepActivationsPass::Run(proto::Schedule* schedule, const PassCon
   }
   SimOptions quick;
   quick.memory_timeline = false;
-  SimResult input;
-  if (context.input_simulation) {
-    input = *context.input_simulation;
-  } else {
-    DC_ASSIGN_OR_RETURN(input, SimulateIn(context, *schedule, quick));
-  }
+  DC_ASSIGN_OR_RETURN(const SimResult input, InputSimulation(context, *schedule));
   DC_ASSIGN_OR_RETURN(LiveCurve curve, LiveCurve::Build(*schedule, input));
 
   // Candidates: every recompute op of the layer in the micro-step has a twin whose outputs are

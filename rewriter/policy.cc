@@ -12,6 +12,7 @@
 #include "rewriter/offload.h"
 #include "rewriter/offload_all.h"
 #include "rewriter/prefetch.h"
+#include "rewriter/ramp.h"
 #include "rewriter/unshard.h"
 #include "rewriter/verifier.h"
 #include "rewriter/zero3.h"
@@ -43,6 +44,7 @@ constexpr PassFactory kPasses[] = {
     {"bucket", Make<BucketPass>},
     {"prefetch", Make<PrefetchPass>},
     {"unshard", Make<UnshardPass>},
+    {"ramp", Make<RampPass>},
     {"dc-prefetch", Make<DcPrefetchPass>},
     {"dc-selective-gather", Make<DcSelectiveGatherPass>},
     {"offload", Make<OffloadPass>},
@@ -58,31 +60,33 @@ constexpr PassFactory kPasses[] = {
 // so fusion is judged where communication is hidden as well as it can be; prefetch then bounds
 // how far ahead each gather (or bucket) runs, which leaves the memory unshard fills; a last
 // prefetch re-times the gathers that remain, as the removed ones free both the gather stream and
-// memory. Its fallbacks are simpler pipelines of its own passes, then, where the device cannot
-// hold the optimizer step's shards, Adam on the host: for the largest params only, until the
-// device's shards fit (offload moves the other params' state as it must), else for all, as
-// ZeRO-3 offload runs it; the memory that frees goes to communication.
+// memory; ramp then splits the step's first gather, which nothing can hide, where the step
+// gains by it once the others are timed. Its fallbacks are simpler pipelines of its own passes,
+// then, where the device cannot hold the optimizer step's shards, Adam on the host: for the largest
+// params only, until the device's shards fit (offload moves the other params' state as it must),
+// else for all, as ZeRO-3 offload runs it; the memory that frees goes to communication.
 Policy Dc() {
   Policy p;
   p.name = "dc";
   p.summary = "ours: planned against the memory timeline, with fallbacks";
-  p.passes = {"zero3",   "keep-activations", "bucket",  "prefetch",
-              "unshard", "prefetch",         "offload", "memory-plan"};
+  p.passes = {"zero3", "keep-activations", "bucket",     "prefetch", "unshard", "prefetch",
+              "ramp",  "offload",          "memory-plan"};
   p.relaxes_budget = true;
   p.explores_splits = true;
   p.fallbacks = {
-      {{"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload", "memory-plan"}},
+      {{"zero3", "bucket", "prefetch", "unshard", "prefetch", "ramp", "offload", "memory-plan"}},
       {{"zero3", "bucket", "prefetch", "offload", "memory-plan"}},
       {{"zero3", "prefetch", "offload", "memory-plan"}},
       {{"zero3", "offload", "memory-plan"}},
-      {{"zero3", "bucket", "prefetch", "unshard", "prefetch", "offload"}},
+      {{"zero3", "bucket", "prefetch", "unshard", "prefetch", "ramp", "offload"}},
       {{"zero3", "offload"}},
       {{"zero3"}},
-      {{"zero3", "host-optimizer-part", "bucket", "prefetch", "unshard", "prefetch", "offload",
-        "memory-plan"},
+      {{"zero3", "host-optimizer-part", "bucket", "prefetch", "unshard", "prefetch", "ramp",
+        "offload", "memory-plan"},
        /*relaxed=*/false,
        /*optimizer_on_host=*/true},
-      {{"zero3", "host-optimizer", "bucket", "prefetch", "unshard", "prefetch", "memory-plan"},
+      {{"zero3", "host-optimizer", "bucket", "prefetch", "unshard", "prefetch", "ramp",
+        "memory-plan"},
        /*relaxed=*/false,
        /*optimizer_on_host=*/true},
       {{"zero3", "host-optimizer", "memory-plan"}, /*relaxed=*/false, /*optimizer_on_host=*/true},

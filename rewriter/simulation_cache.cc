@@ -48,4 +48,12 @@ StatusOr<SimResult> SimulateIn(const PassContext& context, const proto::Schedule
   return Simulate(schedule, *context.costs, options);
 }
 
+StatusOr<SimResult> InputSimulation(const PassContext& context, const proto::Schedule& schedule,
+                                    bool changed) {
+  if (context.input_simulation && !changed) return *context.input_simulation;
+  SimOptions quick;
+  quick.memory_timeline = false;
+  return SimulateIn(context, schedule, quick);
+}
+
 }  // namespace dc

@@ -51,4 +51,11 @@ class SimulationCache {
 StatusOr<SimResult> SimulateIn(const PassContext& context, const proto::Schedule& schedule,
                                const SimOptions& options);
 
+// The simulation of the schedule a pass was given, memory timeline off: the verifier's
+// (PassContext::input_simulation) where there is one and `changed` is false, else SimulateIn's.
+// A pass that edits the schedule before it plans (bucket and unshard order gathers after their
+// params' releases) passes `changed` = true.
+StatusOr<SimResult> InputSimulation(const PassContext& context, const proto::Schedule& schedule,
+                                    bool changed = false);
+
 }  // namespace dc

@@ -155,12 +155,7 @@ StatusOr<bool> UnshardPass::Run(proto::Schedule* schedule, const PassContext& co
   // Compare with (and plan on) what the input means: gathers after their previous copy's
   // release.
   const bool ordered = rewriter_internal::OrderGathersAfterReleases(index, schedule);
-  SimResult input;
-  if (context.input_simulation && !ordered) {
-    input = *context.input_simulation;
-  } else {
-    DC_ASSIGN_OR_RETURN(input, SimulateIn(context, *schedule, quick));
-  }
+  DC_ASSIGN_OR_RETURN(const SimResult input, InputSimulation(context, *schedule, ordered));
   DC_ASSIGN_OR_RETURN(LiveCurve curve, LiveCurve::Build(*schedule, input));
   const std::vector<Gap> gaps =
       Candidates(*schedule, *context.costs, input, index, curve, options_);
