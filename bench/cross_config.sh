@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Cross-configuration validation of dc-calibrate on the cpu backend: calibrate a profile from small
-# runs only (traces of `tiny` on 1, 2 and 4 ranks: two world sizes with collectives tell the
-# per-step latency from the base; and the measured steps of four tiny configurations), then
+# runs only (traces of `tiny` on 1, 2 and 4 ranks; sweeps of all-gather and reduce-scatter sizes
+# on 2 and 4 ranks, printed as nccl-tests prints them (bench/comm_bench --nccl-tests), for the
+# network: two world sizes tell the per-step latency from the base, and sizes up to 32 MiB the
+# bandwidth that tiny's 64 KiB collectives cannot; and the measured steps of four tiny
+# configurations), then
 # predict 13 other configurations from it with dc-plan --synthetic --hardware calibrated.json and
 # run each with dc-run; print predicted, measured (median step)
 # and error, then the median and worst absolute error. Goal: median <= 5%, worst <= 15%. The
@@ -80,6 +83,14 @@ measured() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["st
   -o "$work/t2.db" --quiet >/dev/null
 "$bin/dc-collect" --model tiny --nproc 4 --gas 1 --steps 3 --warmup 1 --threads-per-rank 1 \
   -o "$work/t4.db" --quiet >/dev/null
+nccl_tests=()
+for collective in all_gather reduce_scatter; do
+  for ranks in 2 4; do
+    "$build/bench/comm_bench" --nccl-tests "$collective" --ranks "$ranks" --min-bytes 1024 \
+      --max-bytes $((32 << 20)) --iters 10 >"$work/${collective}_perf.$ranks.txt"
+    nccl_tests+=(--nccl-tests "$work/${collective}_perf.$ranks.txt")
+  done
+done
 echo "name,model,world,gas,micro_batch,policy,measured_seconds" >"$work/steps.csv"
 for spec in "tiny1 1 1 baseline" "tiny2 2 2 baseline" "tiny2dc 2 4 dc" "tiny4 4 2 baseline"; do
   read -r name world gas policy <<<"$spec"
@@ -88,7 +99,7 @@ for spec in "tiny1 1 1 baseline" "tiny2 2 2 baseline" "tiny2dc 2 4 dc" "tiny4 4 
   echo "$name,tiny,$world,$gas,1,$policy,$(measured "$name")" >>"$work/steps.csv"
 done
 "$bin/dc-calibrate" --base cpu --trace "$work/t1.db" --trace "$work/t2.db" --trace "$work/t4.db" \
-  --steps "$work/steps.csv" ${FIT_STEPS:+--fit-steps "$FIT_STEPS"} \
+  "${nccl_tests[@]}" --steps "$work/steps.csv" ${FIT_STEPS:+--fit-steps "$FIT_STEPS"} \
   --name cpu-calibrated -o "$work/calibrated.json"
 # The same profile without its op kinds' time scales (the shared roofline rates only), to show
 # what the per-kind factors buy on the same measurements.

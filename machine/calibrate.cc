@@ -413,4 +413,28 @@ StatusOr<FitGroup> NcclTestsGroup(const std::vector<NcclTestsTable>& tables) {
   return group;
 }
 
+void PreferNcclTestsForTheNetwork(std::vector<FitGroup>* groups) {
+  std::set<std::string> network;
+  std::string tables;
+  for (FitGroup& group : *groups) {
+    if (group.kind == "nccl-tests") {
+      network.insert(group.keys.begin(), group.keys.end());
+      tables = group.input;
+      continue;
+    }
+    if (group.kind != "trace collectives" || network.empty()) continue;
+    std::vector<std::string> kept;
+    for (std::string& key : group.keys) {
+      if (network.count(key) == 0) {
+        kept.push_back(std::move(key));
+        continue;
+      }
+      group.undetermined.push_back(key + ": taken from the nccl-tests tables (" + tables +
+                                   "): a trace's collectives hold its model's sizes and the waits "
+                                   "for late peers");
+    }
+    group.keys = std::move(kept);
+  }
+}
+
 }  // namespace dc

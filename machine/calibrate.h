@@ -135,4 +135,12 @@ StatusOr<NcclTestsTable> ParseNcclTests(const std::string& text, const std::stri
 // latency are told apart only with two rank counts; latency and bandwidth only with two sizes.
 StatusOr<FitGroup> NcclTestsGroup(const std::vector<NcclTestsTable>& tables);
 
+// Where a nccl-tests group fits network constants, the trace-collectives groups after it do not
+// fit them again: a sweep of sizes run back to back measures the network, while a trace's
+// collectives hold the model's few sizes and every wait for a late peer. Each such key moves to
+// the trace group's undetermined list, saying why; the group still reports its error under the
+// tables' fit. (The step-times group may still fit collective_base_latency_s: what a step pays
+// per collective beyond the network, waits included, only whole steps show.)
+void PreferNcclTestsForTheNetwork(std::vector<FitGroup>* groups);
+
 }  // namespace dc

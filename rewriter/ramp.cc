@@ -68,8 +68,9 @@ Status Emit(const proto::Schedule& in, int first, const std::vector<std::vector<
       piece->clear_tensors();
       for (int t : pieces[p]) piece->add_tensors(t);
       const bool grouped = pieces[p].size() > 1;
-      piece->set_bucket(!grouped ? 0 : p == 0 && gather.bucket() > 0 ? gather.bucket()
-                                                                      : next_bucket++);
+      piece->set_bucket(!grouped                        ? 0
+                        : p == 0 && gather.bucket() > 0 ? gather.bucket()
+                                                        : next_bucket++);
     }
   }
   DC_RETURN_IF_ERROR(editor.Finish());

@@ -31,11 +31,11 @@ struct FusedStart {
       previous = out;
       names += (i ? ", p" : "p") + name;
       ops += std::to_string(1 + i) + ": compute compute m0 f" + name + " deps=0\n";
-      releases += std::to_string(9 + i) + ": release compute m0 [p" + name + ", a" + name +
-                  "] deps=8\n";
+      releases +=
+          std::to_string(9 + i) + ": release compute m0 [p" + name + ", a" + name + "] deps=8\n";
     }
-    schedule = program.Schedule("0: all_gather gather m0 [" + names + "] bucket=1\n" + ops +
-                                releases);
+    schedule =
+        program.Schedule("0: all_gather gather m0 [" + names + "] bucket=1\n" + ops + releases);
   }
   // Params per all-gather, in stream order.
   static std::vector<int> Pieces(const proto::Schedule& s) {

@@ -165,6 +165,24 @@ TEST_F(DcCalibrate, WritesAProfileDcPlanReads) {
     if (input["kind"] == "step times") fitted_step_kind = !input["fitted"].empty();
   }
   EXPECT_TRUE(fitted_step_kind);
+  // The tables measured the network: the trace's collectives leave what they fitted alone.
+  bool saw_trace_collectives = false;
+  for (const auto& input : report["inputs"]) {
+    if (input["kind"] != "trace collectives") continue;
+    saw_trace_collectives = true;
+    for (const auto& fitted : input["fitted"]) {
+      EXPECT_NE(fitted["key"], "intra_node_bus_bandwidth_bytes_per_s");
+      EXPECT_NE(fitted["key"], "collective_base_latency_s");
+    }
+    bool deferred = false;
+    for (const auto& why : input["undetermined"]) {
+      deferred = deferred || why.get<std::string>().find(
+                                 "intra_node_bus_bandwidth_bytes_per_s: taken from the "
+                                 "nccl-tests tables") == 0;
+    }
+    EXPECT_TRUE(deferred) << input.dump();
+  }
+  EXPECT_TRUE(saw_trace_collectives) << r.out;
 
   auto hw = LoadHardwareFile(out);
   ASSERT_TRUE(hw.ok()) << hw.status().message();
@@ -172,6 +190,9 @@ TEST_F(DcCalibrate, WritesAProfileDcPlanReads) {
   EXPECT_EQ(hw->sources.at("matmul_efficiency").find("fitted from"), std::string::npos)
       << "the cpu profile folds the efficiency into its peak: the peak is fitted instead";
   EXPECT_EQ(hw->sources.at("peak_fp32_flops_per_s").find("fitted from "), 0u);
+  EXPECT_NE(hw->sources.at("intra_node_bus_bandwidth_bytes_per_s").find("(nccl-tests"),
+            std::string::npos)
+      << hw->sources.at("intra_node_bus_bandwidth_bytes_per_s");
   EXPECT_EQ(hw->sources.at("host_optimizer_elements_per_s"),
             FindHardware("cpu")->sources.at("host_optimizer_elements_per_s"));
 

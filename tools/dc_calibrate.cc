@@ -80,6 +80,7 @@ StatusOr<std::vector<FitGroup>> Groups(const Flags& f, HardwareProfile* base_pro
     DC_ASSIGN_OR_RETURN(FitGroup group, StepTimeGroup(rows, path, base, keys));
     groups.push_back(std::move(group));
   }
+  PreferNcclTestsForTheNetwork(&groups);
   return groups;
 }
 
