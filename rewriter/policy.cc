@@ -11,6 +11,7 @@
 #include "rewriter/memory_plan.h"
 #include "rewriter/offload.h"
 #include "rewriter/offload_all.h"
+#include "rewriter/optimizer_order.h"
 #include "rewriter/prefetch.h"
 #include "rewriter/ramp.h"
 #include "rewriter/unshard.h"
@@ -45,6 +46,7 @@ constexpr PassFactory kPasses[] = {
     {"prefetch", Make<PrefetchPass>},
     {"unshard", Make<UnshardPass>},
     {"ramp", Make<RampPass>},
+    {"optimizer-order", Make<OptimizerOrderPass>},
     {"dc-prefetch", Make<DcPrefetchPass>},
     {"dc-selective-gather", Make<DcSelectiveGatherPass>},
     {"offload", Make<OffloadPass>},
@@ -61,7 +63,8 @@ constexpr PassFactory kPasses[] = {
 // how far ahead each gather (or bucket) runs, which leaves the memory unshard fills; a last
 // prefetch re-times the gathers that remain, as the removed ones free both the gather stream and
 // memory; ramp then splits the step's first gather, which nothing can hide, where the step
-// gains by it once the others are timed. Its fallbacks are simpler pipelines of its own passes,
+// gains by it once the others are timed, and optimizer-order steps each param as soon as its
+// grad is reduced. Its fallbacks are simpler pipelines of its own passes,
 // then, where the device cannot hold the optimizer step's shards, Adam on the host: for the largest
 // params only, until the device's shards fit (offload moves the other params' state as it must),
 // else for all, as ZeRO-3 offload runs it; the memory that frees goes to communication.
@@ -69,24 +72,26 @@ Policy Dc() {
   Policy p;
   p.name = "dc";
   p.summary = "ours: planned against the memory timeline, with fallbacks";
-  p.passes = {"zero3", "keep-activations", "bucket",     "prefetch", "unshard", "prefetch",
-              "ramp",  "offload",          "memory-plan"};
+  p.passes = {"zero3", "keep-activations", "bucket",  "prefetch",   "unshard", "prefetch",
+              "ramp",  "optimizer-order",  "offload", "memory-plan"};
   p.relaxes_budget = true;
   p.explores_splits = true;
   p.fallbacks = {
-      {{"zero3", "bucket", "prefetch", "unshard", "prefetch", "ramp", "offload", "memory-plan"}},
+      {{"zero3", "bucket", "prefetch", "unshard", "prefetch", "ramp", "optimizer-order", "offload",
+        "memory-plan"}},
       {{"zero3", "bucket", "prefetch", "offload", "memory-plan"}},
       {{"zero3", "prefetch", "offload", "memory-plan"}},
       {{"zero3", "offload", "memory-plan"}},
-      {{"zero3", "bucket", "prefetch", "unshard", "prefetch", "ramp", "offload"}},
+      {{"zero3", "bucket", "prefetch", "unshard", "prefetch", "ramp", "optimizer-order",
+        "offload"}},
       {{"zero3", "offload"}},
       {{"zero3"}},
       {{"zero3", "host-optimizer-part", "bucket", "prefetch", "unshard", "prefetch", "ramp",
-        "offload", "memory-plan"},
+        "optimizer-order", "offload", "memory-plan"},
        /*relaxed=*/false,
        /*optimizer_on_host=*/true},
       {{"zero3", "host-optimizer", "bucket", "prefetch", "unshard", "prefetch", "ramp",
-        "memory-plan"},
+        "optimizer-order", "memory-plan"},
        /*relaxed=*/false,
        /*optimizer_on_host=*/true},
       {{"zero3", "host-optimizer", "memory-plan"}, /*relaxed=*/false, /*optimizer_on_host=*/true},
