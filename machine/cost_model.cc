@@ -184,6 +184,9 @@ std::string CostModelText(const CostModel& costs) {
   if (costs.overlap_collective_slowdown != 1) {
     add("overlap_collective_slowdown", costs.overlap_collective_slowdown);
   }
+  if (costs.collective_compute_seconds != 0) {
+    add("collective_compute_seconds", costs.collective_compute_seconds);
+  }
   return text;
 }
 

@@ -104,6 +104,8 @@ struct Facts {
 //   the time), times CostModel::overlap_collective_slowdown while a compute runs beside it;
 // - copies and releases: 1. PCIe is full duplex, so h2d and d2h each have a direction of their
 //   own and never share (machine/HARDWARE.md).
+// A collective that starts (streams concurrent) adds CostModel::collective_compute_seconds of
+// work to the compute stream: to the compute running then, or else to the next to start.
 // Events are starts, ends and the end of a collective's latency term while another collective is
 // in flight or a compute runs beside a slowed collective (the only times it can change a rate). An
 // instruction whose rate never changed ends at exactly start + duration, as a plain list schedule
@@ -198,7 +200,20 @@ class TimeReplay {
         slot.left = work;
         slot.latency_left =
             slot.collective ? std::clamp(Facts::LatencySeconds(costs_, instr), 0.0, work) : 0;
+        if (slot.collective && !costs_.serial_streams) {
+          compute_debt_ += costs_.collective_compute_seconds;
+        }
         ++busy_;
+      }
+    }
+    if (compute_debt_ > 0) {
+      for (Slot& slot : slots_) {
+        if (!slot.busy() || !slot.compute) continue;
+        if (!slot.fresh) slot.Progress(now);
+        slot.left += compute_debt_;
+        slot.fresh = true;  // its end is set again by Retime
+        compute_debt_ = 0;
+        break;
       }
     }
   }
@@ -271,6 +286,8 @@ class TimeReplay {
   std::array<Slot, kNumStreams> slots_{};                // what runs on each stream
   std::vector<uint8_t> done_;                            // by instruction
   int started_ = 0, finished_ = 0, busy_ = 0, in_flight_ = 0;
+  // Compute-stream work the collectives started so far added and no compute has taken yet.
+  double compute_debt_ = 0;
   bool computing_ = false;  // a compute runs (set by Retime)
 };
 

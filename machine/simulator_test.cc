@@ -195,6 +195,26 @@ TEST(SimulatorTest, ComputeSlowsWhenACollectiveStartsDuringIt) {
   EXPECT_EQ(result->end_seconds, (std::vector<double>{1.5, 2, 3, 4.5}));
 }
 
+TEST(SimulatorTest, ACollectiveTakesComputeStreamTimeWhenItStarts) {
+  // collective_compute_seconds 0.25: w0's gather starts at 0 with no compute running, so fwd0
+  // (1 s) takes it when it starts at 1.5 and ends at 2.75; w1's gather starts at 1.5 beside it
+  // and adds 0.25 s more: 3.0.
+  CostModel costs = Costs();
+  costs.collective_compute_seconds = 0.25;
+  ScheduleBuilder b;
+  b.Gather({kW0}).Compute(kFwd0, {0}).Gather({kW1});
+  StatusOr<SimResult> result = SimulateWith(b.schedule(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_EQ(result->start_seconds, (std::vector<double>{0, 1.5, 1.5}));
+  EXPECT_DOUBLE_EQ(result->end_seconds[1], 3.0);
+  EXPECT_DOUBLE_EQ(result->end_seconds[2], 4.0);  // the gather's own time is unchanged
+  // Serial streams: a collective's time is its own, nothing is added.
+  costs.serial_streams = true;
+  result = SimulateWith(b.schedule(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_DOUBLE_EQ(result->end_seconds[1], 2.5);
+}
+
 // w0's gather [0, 1.5), then fwd0 (1 s) beside w1's gather (0.5 s latency + 2 s transfer), both
 // from 1.5.
 proto::Schedule ComputeBesideGather() {

@@ -64,8 +64,9 @@ StatusOr<bool> OptimizerOrderPass::Run(proto::Schedule* schedule, const PassCont
   if (!context.costs) return Status::Error("optimizer-order needs a cost model");
   DC_ASSIGN_OR_RETURN(const SimResult input, InputSimulation(context, *schedule));
   if (context.final_budget_bytes > 0 && input.peak_device_bytes > context.final_budget_bytes) {
-    summary_ = "kept the optimizer phase's order: the step is over the budget, and offload plans "
-               "its reloads around that order";
+    summary_ =
+        "kept the optimizer phase's order: the step is over the budget, and offload plans "
+        "its reloads around that order";
     return false;
   }
   const int n = schedule->instructions_size();

@@ -46,7 +46,8 @@ TEST(OptimizerOrder, StepsEachParamOnceItsGradIsReduced) {
   std::sort(sorted_before.begin(), sorted_before.end());
   std::sort(sorted_after.begin(), sorted_after.end());
   EXPECT_EQ(sorted_before, sorted_after);
-  EXPECT_LT(MustSimulate(out, c.costs).step_seconds, MustSimulate(c.schedule, c.costs).step_seconds);
+  EXPECT_LT(MustSimulate(out, c.costs).step_seconds,
+            MustSimulate(c.schedule, c.costs).step_seconds);
   EXPECT_NE(pass.Summary().find("reordered"), std::string::npos) << pass.Summary();
 
   // Run again on its own output, the order stands.
