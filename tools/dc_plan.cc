@@ -286,6 +286,12 @@ void PrintReport(const Profile& profile, const proto::Schedule& plan) {
       profile.costs.all_gather.bandwidth_bytes_per_second / 1e9,
       profile.costs.reduce_scatter.latency_seconds * 1e6,
       profile.costs.reduce_scatter.bandwidth_bytes_per_second / 1e9);
+  if (profile.costs.collective_compute_seconds > 0) {
+    std::printf(
+        "compute-stream time per collective: %.1f us (the communication threads' share of the "
+        "compute thread's core, fitted so the trace's own schedule takes its measured step)\n",
+        profile.costs.collective_compute_seconds * 1e6);
+  }
   const auto& mem = profile.memory;
   std::printf("measured memory timeline (rank 0): peak %s at %.4f s\n",
               FormatBytes(mem.peak_bytes).c_str(), mem.peak_ts_ns / 1e9);
