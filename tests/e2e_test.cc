@@ -173,13 +173,15 @@ TEST_F(EndToEnd, ProfileGuidedRoundsReportPredictedAndMeasured) {
 }
 
 // A rule's plan kept over dc's own by a trace's prediction comes with the way to check it by
-// measuring (--rounds 2). With its own prefetch, bucketing and unsharding disabled (DeepCompile's
-// passes are others), dc keeps DeepCompile's plan on any trace; DeepCompile's policy has no
+// measuring (--rounds 2). With its own gather-moving passes disabled (prefetch, bucket,
+// unshard, ramp, optimizer-order: DeepCompile's passes are others; ramp and optimizer-order left
+// on won it 1 trace in 4), dc keeps DeepCompile's plan on any trace; DeepCompile's policy has no
 // rivals, so nothing is kept and nothing hinted.
 TEST_F(EndToEnd, AKeptRulePlanPointsToRounds) {
   const std::string dir = FreshDir("rounds-hint");
   for (const std::string flags :
-       {"--policy dc --disable bucket prefetch unshard", "--policy deepcompile"}) {
+       {"--policy dc --disable bucket prefetch unshard ramp optimizer-order",
+        "--policy deepcompile"}) {
     auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache --json " + flags +
                            " -o " + dir + "/p.dcplan");
     ASSERT_EQ(plan.exit_code, 0) << plan.err;
