@@ -577,8 +577,7 @@ Status FitCollectiveComputeSeconds(const Trace& trace, Profile* profile) {
   }
   int collectives = 0;
   for (const proto::Instruction& instr : schedule->instructions()) {
-    collectives +=
-        instr.kind() == proto::INSTR_ALL_GATHER || instr.kind() == proto::INSTR_REDUCE_SCATTER;
+    collectives += IsCollective(instr.kind());
   }
   if (collectives == 0) return Status::Ok();
   SimOptions options;

@@ -43,10 +43,10 @@ struct CostModel {
   // the part of it that overlaps a compute on the device: on the cpu backend Gloo's copies and
   // loopback TCP take the cores the compute thread runs on (machine/simulator.h).
   double overlap_collective_slowdown = 1.0;
-  // Each all-gather and reduce-scatter also takes this many seconds of the compute stream when
-  // it starts (machine/simulator.h): on the cpu backend the rank's communication threads take
-  // the compute thread's core for their sends, copies and sums between ops, which no op's own
-  // time shows. 0 (none) unless fitted from a trace (analyzer/profile.h).
+  // Each collective (schemas/program.h's IsCollective) also takes this many seconds of the
+  // compute stream when it starts (machine/simulator.h): on the cpu backend the rank's
+  // communication threads take the compute thread's core for their sends, copies and sums between
+  // ops, which no op's own time shows. 0 (none) unless fitted from a trace (analyzer/profile.h).
   double collective_compute_seconds = 0;
 
   // Measured seconds of `op_id` if op_seconds has them (>= 0), else its roofline estimate.

@@ -449,8 +449,9 @@ void AddFlags(CLI::App& app, Flags* f) {
       ->check(cli::NonEmptyPath())
       ->capture_default_str();
   app.add_flag("--report", f->report,
-               "print the measured memory timeline and overlap summary (with --synthetic: the "
-               "simulated step's)");
+               "print the measured memory timeline and overlap summary, the fitted collective "
+               "costs and, on a cpu trace of two or more ranks, the compute-stream time each "
+               "collective takes (with --synthetic: the simulated step's)");
   app.add_flag("--json", f->json, "print one JSON object");
   app.add_flag("--quiet", f->quiet,
                "no progress on stderr (progress shows only on a terminal anyway)");
