@@ -54,6 +54,9 @@ struct TraceFits {
   std::set<int> coll_ranks;   // world sizes of traces with collectives, on one node
   std::set<OpKind> op_kinds;  // the kinds of the ops measured
   bool inter = false, one_rank = false, overlap = false;
+  // The largest collective_compute_seconds a trace's own profile fitted (analyzer/profile.h):
+  // where the step fit of that constant starts.
+  double collective_compute_seconds = 0;
 };
 
 void AddInput(FitGroup* group, const std::string& path) {
@@ -206,6 +209,8 @@ Status AddTrace(const Trace& trace, TraceFits* fits) {
     AddInput(&fits->step, path);
     for (const StepOverlap& s : profile.overlap)
       fits->overlap = fits->overlap || s.overlap_seconds > 0;
+    fits->collective_compute_seconds =
+        std::max(fits->collective_compute_seconds, profile.costs.collective_compute_seconds);
   }
   return Status::Ok();
 }
@@ -341,6 +346,16 @@ StatusOr<std::vector<FitGroup>> TraceGroups(const std::vector<const Trace*>& tra
           "steps");
     } else {
       step.keys.push_back("overlap_compute_slowdown");
+    }
+    // What the communication threads take from the compute thread's core between ops: only
+    // whole steps show it (no op's time holds it), from a trace whose own schedule needed it.
+    if (!base.serial_streams && fits.collective_compute_seconds > 0) {
+      step.keys.push_back("collective_compute_seconds");
+      step.start_values["collective_compute_seconds"] = fits.collective_compute_seconds;
+    } else if (!base.serial_streams) {
+      step.undetermined.push_back(
+          "collective_compute_seconds: no trace of 2 or more ranks whose measured op and "
+          "collective times fall short of its steps");
     }
     groups.push_back(std::move(step));
   }

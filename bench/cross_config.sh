@@ -98,7 +98,14 @@ for spec in "tiny1 1 1 baseline" "tiny2 2 2 baseline" "tiny2dc 2 4 dc" "tiny4 4 
   run "$name" "$world"
   echo "$name,tiny,$world,$gas,1,$policy,$(measured "$name")" >>"$work/steps.csv"
 done
+# A traced run with host copies (tiny on 2 ranks at 70% of its peak: dc offloads optimizer state)
+# for the host link, which no plan without a budget exercises: on this backend a copy is a hand-off
+# to the copy stream's thread, far from the profile's assumed 1 us.
+budget=tight plan tiny2off cpu dc 2 --model tiny --gas 2
+"$bin/dc-run" "$work/tiny2off.dcplan" --nproc 2 --steps 3 --warmup 1 --threads-per-rank 1 \
+  --trace "$work/t2o.db" --quiet >/dev/null
 "$bin/dc-calibrate" --base cpu --trace "$work/t1.db" --trace "$work/t2.db" --trace "$work/t4.db" \
+  --trace "$work/t2o.db" \
   "${nccl_tests[@]}" --steps "$work/steps.csv" ${FIT_STEPS:+--fit-steps "$FIT_STEPS"} \
   --name cpu-calibrated -o "$work/calibrated.json"
 # The same profile without its op kinds' time scales (the shared roofline rates only), to show

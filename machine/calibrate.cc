@@ -90,6 +90,7 @@ Status FitOne(const std::string& key, const SearchRange& range, const FitGroup& 
     const double f = eval(xs[i]);
     if (f < best_f) best_f = f, best_x = xs[i], best_i = i;
   }
+  if (best_i < 0 && !std::isfinite(best_x)) return Status::Ok();  // 0 beats the whole range
   double lo = best_i < 0 ? std::max(a, best_x - (b - a) / (n - 1)) : xs[std::max(0, best_i - 1)];
   double hi =
       best_i < 0 ? std::min(b, best_x + (b - a) / (n - 1)) : xs[std::min(n - 1, best_i + 1)];
@@ -175,9 +176,13 @@ StatusOr<Calibration> Calibrate(const HardwareProfile& base, const std::vector<F
       // The range is around the base's value, not an earlier group's: a group that fitted a
       // constant badly (a roofline that cannot describe every op) does not fence in a later one.
       const double value = *GetHardwareConstant(out.profile, key);
-      DC_ASSIGN_OR_RETURN(SearchRange range, RangeOf(infos.at(key), *GetHardwareConstant(base, key),
-                                                     options.range_factor));
-      range.lo = std::min(range.lo, value);
+      double centre = *GetHardwareConstant(base, key);
+      if (const auto start = group.start_values.find(key);
+          centre == 0 && start != group.start_values.end()) {
+        centre = start->second;
+      }
+      DC_ASSIGN_OR_RETURN(SearchRange range, RangeOf(infos.at(key), centre, options.range_factor));
+      if (value > 0) range.lo = std::min(range.lo, value);
       range.hi = std::max(range.hi, value);
       ranges.push_back(range);
       result.fitted.push_back({key, value, value, false});
@@ -376,8 +381,11 @@ StatusOr<FitGroup> NcclTestsGroup(const std::vector<NcclTestsTable>& tables) {
       o.what = t.origin + ":" + std::to_string(row.line) + " " + t.collective + " " +
                std::to_string(row.size_bytes) + " B on " + std::to_string(t.ranks) + " ranks";
       o.measured_seconds = row.time_us * kSecondsPerUs;
+      // At the profile's host share, as a plan's collectives are priced (EstimateCostModel):
+      // the cpu backend's sweeps ran their ranks on the cores of one host.
       o.predict = [cluster, bytes = row.size_bytes](const HardwareProfile& hw) {
-        return RingCollectiveCost(hw, cluster).Seconds(bytes);
+        return Slowed(RingCollectiveCost(hw, cluster), HostShareSlowdown(hw, cluster))
+            .Seconds(bytes);
       };
       group.observations.push_back(std::move(o));
     }

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,10 @@ struct FitGroup {
   std::vector<std::string> keys;
   std::vector<Observation> observations;
   std::vector<std::string> undetermined;
+  // Where the base profile holds 0 for a key (a constant it does not model), the value its
+  // search is centred on instead (a fit by the input itself: a trace's own
+  // collective_compute_seconds). 0 stays a candidate: the fit keeps it where nothing is better.
+  std::map<std::string, double> start_values;
 };
 
 struct CalibrateOptions {
@@ -130,9 +135,11 @@ struct NcclTestsTable {
 StatusOr<NcclTestsTable> ParseNcclTests(const std::string& text, const std::string& origin);
 
 // The group of nccl-tests tables: every row predicted by the ring model (machine/estimate.h's
-// RingCollectiveCost) on the table's cluster. Tables on one node fit the NVLink bus bandwidth and
-// latency; tables across nodes the network's bandwidth per GPU and step latency. Base and step
-// latency are told apart only with two rank counts; latency and bandwidth only with two sizes.
+// RingCollectiveCost) on the table's cluster, at the profile's HostShareSlowdown as plans are
+// (ranks beyond a host's cores: the cpu backend's sweeps, bench/comm_bench --nccl-tests). Tables on
+// one node fit the NVLink bus bandwidth and latency; tables across nodes the network's bandwidth
+// per GPU and step latency. Base and step latency are told apart only with two rank counts; latency
+// and bandwidth only with two sizes.
 StatusOr<FitGroup> NcclTestsGroup(const std::vector<NcclTestsTable>& tables);
 
 // Where a nccl-tests group fits network constants, the trace-collectives groups after it do not

@@ -116,6 +116,45 @@ TEST(NcclTests, OneSizeCannotTellLatencyFromBandwidth) {
   EXPECT_NE(group->undetermined[0].find("one message size"), std::string::npos);
 }
 
+// The cpu backend's sweeps (bench/comm_bench --nccl-tests) run their ranks on one host's cores:
+// a table of 4 ranks on 2 cores holds times twice what one rank per core would take, as a plan of
+// 4 ranks on that host is priced (EstimateCostModel's HostShareSlowdown). The fit takes the times
+// at that share, so its constants are a rank's on a core of its own, as the plan's are.
+TEST(NcclTests, SweepsOfRanksSharingCoresFitTheRatesOfARankPerCore) {
+  auto cpu = FindHardware("cpu");
+  ASSERT_TRUE(cpu.ok());
+  HardwareProfile truth = *cpu;
+  truth.intra_node_bus_bandwidth_bytes_per_s = 1e9;
+  truth.collective_base_latency_s = 20e-6;
+  truth.intra_node_step_latency_s = 50e-6;
+  const std::vector<int64_t> sizes = {1 << 10, 1 << 16, 1 << 20, 1 << 24};
+  std::vector<NcclTestsTable> tables;
+  for (int ranks : {2, 4}) {
+    auto table = ParseNcclTests(SyntheticTable(truth, "all_gather_perf", ranks, 1, sizes), "t");
+    ASSERT_TRUE(table.ok()) << table.status().message();
+    if (ranks == 4) {
+      for (NcclTestsRow& row : table->rows) row.time_us *= 2;  // 4 ranks on 2 cores
+    }
+    tables.push_back(*table);
+  }
+  auto group = NcclTestsGroup(tables);
+  ASSERT_TRUE(group.ok()) << group.status().message();
+  HardwareProfile base = *cpu;
+  base.host_cores_per_node = 2;
+  CalibrateOptions options;
+  options.sweeps = 16;  // three correlated constants: coordinate descent needs more sweeps
+  auto fit = Calibrate(base, {*group}, options);
+  ASSERT_TRUE(fit.ok()) << fit.status().message();
+  EXPECT_LT(fit->groups[0].median_error_after, 0.01);
+  EXPECT_NEAR(fit->profile.intra_node_bus_bandwidth_bytes_per_s / 1e9, 1, 0.02);
+  EXPECT_NEAR(fit->profile.intra_node_step_latency_s / 50e-6, 1, 0.05);
+  // Without the host's cores the same tables cannot be told by the ring model alone.
+  base.host_cores_per_node = 0;
+  auto blind = Calibrate(base, {*group}, options);
+  ASSERT_TRUE(blind.ok());
+  EXPECT_GT(blind->groups[0].median_error_after, 0.05);
+}
+
 TEST(NcclTests, RefusesHostileTables) {
   const std::string head =
       "# Collective test starting: all_gather_perf\n"
@@ -177,6 +216,34 @@ TEST(Calibrate, FitsAnyConstantByItsKey) {
   group.keys = {"host_link_bandwidth_bytes_per_s"};
   group.observations[0].measured_seconds = std::nan("");
   EXPECT_FALSE(Calibrate(H100(), {group}).ok());
+}
+
+// A constant the base holds at 0 (a profile that does not model it) is searched around the
+// group's start value; 0 stays where nothing in the range does better.
+TEST(Calibrate, StartsAConstantTheBaseHoldsAtZeroFromTheGroupsValue) {
+  FitGroup group;
+  group.input = "steps";
+  group.kind = "test";
+  group.keys = {"collective_compute_seconds"};
+  Observation o;
+  o.what = "a step of 10 collectives";
+  o.measured_seconds = 1e-3 + 10 * 40e-6;
+  o.predict = [](const HardwareProfile& hw) { return 1e-3 + 10 * hw.collective_compute_seconds; };
+  group.observations.push_back(o);
+  HardwareProfile base = H100();
+  ASSERT_EQ(base.collective_compute_seconds, 0);
+  auto refused = Calibrate(base, {group});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("give it a non-zero start value"), std::string::npos);
+  group.start_values["collective_compute_seconds"] = 10e-6;
+  auto fit = Calibrate(base, {group});
+  ASSERT_TRUE(fit.ok()) << fit.status().message();
+  EXPECT_NEAR(fit->profile.collective_compute_seconds / 40e-6, 1, 0.01);
+  // Measured at what the rest already predicts: nothing beats 0.
+  group.observations[0].measured_seconds = 1e-3;
+  fit = Calibrate(base, {group});
+  ASSERT_TRUE(fit.ok()) << fit.status().message();
+  EXPECT_EQ(fit->profile.collective_compute_seconds, 0);
 }
 
 TEST(HardwareConstants, SetRefusesOutOfRange) {

@@ -158,6 +158,7 @@ CostModel EstimateCostModel(const proto::Program& program, const HardwareProfile
   costs.host_optimizer_elements_per_second = hw.host_optimizer_elements_per_s;
   costs.release_seconds = 0;  // a release is bookkeeping in the executor's arena
   ApplyConcurrency(hw, &costs);
+  costs.collective_compute_seconds *= slowdown;
   return costs;
 }
 
@@ -165,6 +166,7 @@ void ApplyConcurrency(const HardwareProfile& hw, CostModel* costs) {
   costs->serial_streams = hw.serial_streams;
   costs->overlap_compute_slowdown = hw.overlap_compute_slowdown;
   costs->overlap_collective_slowdown = hw.overlap_collective_slowdown;
+  costs->collective_compute_seconds = hw.collective_compute_seconds;
 }
 
 std::string BackendOf(const HardwareProfile& hw) {

@@ -54,10 +54,11 @@ double HostShareSlowdown(int host_cores_per_node, const ClusterShape& cluster);
 // `cost` `slowdown` times slower: its latency longer and its bandwidth lower.
 LinearCost Slowed(const LinearCost& cost, double slowdown);
 
-// How the backend of `hw` runs streams side by side, into `costs`: serial_streams and the two
-// overlap slowdowns. The one home of that rule for every cost model: estimated ones, the default
-// one a plan is re-simulated with, and the fallback of a profile whose trace could not measure
-// them (analyzer/profile.h).
+// How the backend of `hw` runs streams side by side, into `costs`: serial_streams, the two
+// overlap slowdowns and the compute-stream time a collective takes (unscaled by the host share).
+// The one home of that rule for every cost model: estimated ones, the default one a plan is
+// re-simulated with, and the fallback of a profile whose trace could not measure them
+// (analyzer/profile.h).
 void ApplyConcurrency(const HardwareProfile& hw, CostModel* costs);
 
 // The backend that runs plans for `hw`: "cpu" where the host is the device (the profile's
@@ -67,7 +68,7 @@ std::string BackendOf(const HardwareProfile& hw);
 // The whole cost model of `program` on `cluster` of `hw`: op_seconds for every op (EstimateOp),
 // all_gather and reduce_scatter (RingCollectiveCost), host copies over the host link, each at
 // the cluster's HostShareSlowdown, the fallback flops rate, and the concurrency of
-// ApplyConcurrency.
+// ApplyConcurrency (its collective_compute_seconds at the HostShareSlowdown too).
 CostModel EstimateCostModel(const proto::Program& program, const HardwareProfile& hw,
                             const ClusterShape& cluster);
 

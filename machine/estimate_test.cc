@@ -277,6 +277,7 @@ TEST(CpuEstimateTest, RanksBeyondTheHostsCoresRunSlowerByTheirShare) {
   ASSERT_TRUE(program.ok()) << program.status().message();
   HardwareProfile cpu = Hardware("cpu");
   EXPECT_EQ(cpu.host_cores_per_node, 0);
+  cpu.collective_compute_seconds = 30e-6;
   const ClusterShape four{1, 4};
   const CostModel own_cores = EstimateCostModel(*program, cpu, four);
   EXPECT_EQ(HostShareSlowdown(cpu, four), 1);
@@ -294,6 +295,8 @@ TEST(CpuEstimateTest, RanksBeyondTheHostsCoresRunSlowerByTheirShare) {
   EXPECT_DOUBLE_EQ(shared.host_to_device.Seconds(1 << 20),
                    2 * own_cores.host_to_device.Seconds(1 << 20));
   EXPECT_DOUBLE_EQ(shared.flops_per_second, own_cores.flops_per_second / 2);
+  EXPECT_DOUBLE_EQ(own_cores.collective_compute_seconds, 30e-6);
+  EXPECT_DOUBLE_EQ(shared.collective_compute_seconds, 60e-6);
 }
 
 // Every kind of the table (schemas/op_kinds.h) is costed by its math: matrix products at the

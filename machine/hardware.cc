@@ -79,6 +79,10 @@ const Field kFields[] = {
      Range::kAtLeastOne, "ratio",
      "not in the file (written before the constant existed): 1, collectives not slowed beside "
      "compute"},
+    {"collective_compute_seconds", &HardwareProfile::collective_compute_seconds,
+     Range::kNonNegative, "s",
+     "not in the file (written before the constant existed): 0, collectives take no compute-stream "
+     "time"},
     {"serial_streams", &HardwareProfile::serial_streams, Range::kBoolean, "boolean"},
     {"max_gpus_per_node", &HardwareProfile::max_gpus_per_node, Range::kNonNegative, "gpus"},
     {"host_cores_per_node", &HardwareProfile::host_cores_per_node, Range::kNonNegative, "cores",

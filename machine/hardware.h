@@ -66,6 +66,11 @@ struct HardwareProfile {
   // A collective's transfer that overlaps compute runs this much slower (>= 1): on the cpu
   // backend Gloo over loopback shares the rank's cores with the compute thread.
   double overlap_collective_slowdown = 1;
+  // Compute-stream seconds each collective takes when it starts (streams concurrent): on the cpu
+  // backend the communication threads of ranks that share cores take the compute thread's core
+  // between ops, which no op's time shows (machine/cost_model.h's collective_compute_seconds).
+  // Scaled by HostShareSlowdown like every rate. dc-calibrate fits it to traced steps.
+  double collective_compute_seconds = 0;
   // The backend runs one instruction at a time (the cpu backend under DC_CPU_STREAMS=serial).
   bool serial_streams = false;
   // GPUs in one NVLink domain; 0 = no limit.

@@ -73,6 +73,16 @@ TEST_F(DcCalibrate, ATraceGivesAProfileThatPredictsItsOwnStep) {
   ASSERT_TRUE(base.ok());
   auto groups = TraceGroups({trace->get()}, *base);
   ASSERT_TRUE(groups.ok()) << groups.status().message();
+  // The whole step fits the hardware constant from the value the trace's own profile needed.
+  for (const FitGroup& g : *groups) {
+    if (g.kind != "trace step") continue;
+    const bool fits = std::count(g.keys.begin(), g.keys.end(), "collective_compute_seconds") > 0;
+    EXPECT_EQ(fits, profile->costs.collective_compute_seconds > 0);
+    if (fits) {
+      EXPECT_EQ(g.start_values.at("collective_compute_seconds"),
+                profile->costs.collective_compute_seconds);
+    }
+  }
   auto fit = Calibrate(*base, *groups);
   ASSERT_TRUE(fit.ok()) << fit.status().message();
   const ClusterShape cluster{1, 2};
