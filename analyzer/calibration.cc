@@ -1,6 +1,7 @@
 #include "analyzer/calibration.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <memory>
 #include <optional>
 #include <set>
@@ -47,7 +48,8 @@ namespace {
 
 // The groups every trace adds to, and what decides their keys.
 struct TraceFits {
-  FitGroup ops, host_adam, coll, link, concurrency, step;
+  FitGroup ops, host_adam, coll, link, skew, concurrency, step;
+  std::vector<SkewSample> skews;                // every trace's
   int compute_pairs = 0, collective_pairs = 0;  // the concurrency group's, by constant
   bool bf16 = false;
   std::set<int64_t> coll_sizes, link_sizes;
@@ -184,6 +186,13 @@ Status AddTrace(const Trace& trace, TraceFits* fits) {
     AddInput(&fits->concurrency, path);
   }
 
+  // The ranks' skew at collectives (traces of 2 or more ranks on one host).
+  if (!samples.collective_skews.empty()) {
+    fits->skews.insert(fits->skews.end(), samples.collective_skews.begin(),
+                       samples.collective_skews.end());
+    AddInput(&fits->skew, path);
+  }
+
   // Host link: offloads and reloads.
   const size_t link_before = fits->link.observations.size();
   auto host = [slowdown](const HardwareProfile& hw) {
@@ -224,9 +233,10 @@ StatusOr<std::vector<FitGroup>> TraceGroups(const std::vector<const Trace*>& tra
   fits.host_adam.kind = "trace host optimizer";
   fits.coll.kind = "trace collectives";
   fits.link.kind = "trace host link";
+  fits.skew.kind = "trace skew";
   fits.concurrency.kind = "trace concurrency";
   fits.step.kind = "trace step";
-  for (FitGroup* g : {&fits.host_adam, &fits.coll, &fits.link, &fits.concurrency}) {
+  for (FitGroup* g : {&fits.host_adam, &fits.coll, &fits.link, &fits.skew, &fits.concurrency}) {
     g->error = FitGroup::Error::kAbsolute;
   }
   for (const Trace* trace : traces) DC_RETURN_IF_ERROR(AddTrace(*trace, &fits));
@@ -297,6 +307,72 @@ StatusOr<std::vector<FitGroup>> TraceGroups(const std::vector<const Trace*>& tra
           "host_link_latency_s: one copy size: latency and bandwidth cannot both be fitted");
     }
     groups.push_back(std::move(link));
+  }
+
+  // The skew: the collectives in groups of similar gaps since their stream's previous one, each
+  // group's waits against the fraction of its gaps (least squares of seconds: the waits add up
+  // to what the steps lost), searched from the ratio of all waits to all gaps.
+  if (!fits.skews.empty()) {
+    FitGroup& skew = fits.skew;
+    std::vector<SkewSample> sorted = fits.skews;
+    std::sort(sorted.begin(), sorted.end(), [](const SkewSample& a, const SkewSample& b) {
+      return a.gap_seconds < b.gap_seconds;
+    });
+    constexpr size_t kGroups = 8;
+    const size_t count = std::min(kGroups, sorted.size());
+    double gaps = 0, waits = 0;
+    for (size_t g = 0; g < count; ++g) {
+      const size_t begin = g * sorted.size() / count, end = (g + 1) * sorted.size() / count;
+      double gap = 0, wait = 0;
+      for (size_t i = begin; i < end; ++i) {
+        gap += sorted[i].gap_seconds;
+        wait += sorted[i].wait_seconds;
+      }
+      gaps += gap;
+      waits += wait;
+      if (!(wait > 0)) continue;
+      Observation o;
+      char what[160];
+      std::snprintf(what, sizeof(what),
+                    "%zu collectives %.3g-%.3g ms after their stream's previous: the last rank's "
+                    "waits",
+                    end - begin, 1e3 * sorted[begin].gap_seconds,
+                    1e3 * sorted[end - 1].gap_seconds);
+      o.what = what;
+      o.measured_seconds = wait;
+      // Each collective's wait at the profile's fraction of its gap, under its ceiling.
+      std::vector<double> each(sorted.size() > 0 ? end - begin : 0);
+      for (size_t i = begin; i < end; ++i) each[i - begin] = sorted[i].gap_seconds;
+      o.predict = [each = std::move(each)](const HardwareProfile& hw) {
+        double total = 0;
+        for (double g : each) {
+          double w = hw.collective_skew_fraction * g;
+          if (hw.collective_skew_max_seconds > 0) w = std::min(w, hw.collective_skew_max_seconds);
+          total += w;
+        }
+        return total;
+      };
+      skew.observations.push_back(std::move(o));
+    }
+    if (waits > 0 && gaps > 0 && !skew.observations.empty()) {
+      skew.keys.push_back("collective_skew_fraction");
+      skew.start_values["collective_skew_fraction"] = waits / gaps;
+      // The ceiling where the longest gaps wait less than their share (they wait no longer
+      // than the others: the ranks met elsewhere), from the longest gaps' mean wait.
+      const size_t top = sorted.size() - std::max<size_t>(1, sorted.size() / count);
+      double top_wait = 0;
+      for (size_t i = top; i < sorted.size(); ++i) top_wait += sorted[i].wait_seconds;
+      top_wait /= static_cast<double>(sorted.size() - top);
+      if (count >= 3 && top_wait > 0) {
+        skew.keys.push_back("collective_skew_max_seconds");
+        skew.start_values["collective_skew_max_seconds"] = top_wait;
+      } else {
+        skew.undetermined.push_back(
+            "collective_skew_max_seconds: too few collectives to tell a ceiling (3 groups of "
+            "gaps at least)");
+      }
+      groups.push_back(std::move(skew));
+    }
   }
 
   // Measured where enough work ran both alone and beside (the profile's own thresholds,

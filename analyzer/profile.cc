@@ -354,6 +354,72 @@ Status FitCosts(const Trace& trace, const StepIndex& steps, Profile* profile) {
 
 }  // namespace
 
+namespace {
+
+// CostSamples::collective_skews: the ranks' starts of each collective instruction of each
+// measured step, against the same ranks' starts of the previous collective on its stream.
+StatusOr<std::vector<SkewSample>> CollectiveSkews(const Trace& trace,
+                                                  const proto::Schedule& schedule,
+                                                  const StepIndex& steps) {
+  std::set<std::string> hosts;
+  std::map<int64_t, int> rank_of;
+  for (const TraceRank& r : trace.ranks()) {
+    hosts.insert(r.hostname);
+    rank_of.emplace(r.global_pid, static_cast<int>(rank_of.size()));
+  }
+  const int ranks = static_cast<int>(rank_of.size());
+  std::vector<SkewSample> skews;
+  if (ranks < 2 || hosts.size() != 1) return skews;
+  // The previous collective on each collective's stream, in schedule order (-1: the first).
+  const int n = schedule.instructions_size();
+  std::vector<int> previous(n, -1);
+  std::map<int, int> last_on_stream;
+  for (int i = 0; i < n; ++i) {
+    const proto::Instruction& in = schedule.instructions(i);
+    if (!IsCollective(in.kind())) continue;
+    const auto it = last_on_stream.find(in.stream());
+    if (it != last_on_stream.end()) previous[i] = it->second;
+    last_on_stream[in.stream()] = i;
+  }
+  // Each rank's earliest start of each (step, collective instruction).
+  std::map<std::pair<int, int>, std::vector<int64_t>> starts;
+  DC_RETURN_IF_ERROR(trace.ForEachInstructionSample([&](const Trace::InstructionSample& s) {
+    if (steps.IsWarmup(s.global_pid, s.step)) return;
+    if (s.instruction < 0 || s.instruction >= n) return;  // ReadSamples reports it
+    if (!IsCollective(schedule.instructions(s.instruction).kind())) return;
+    const auto rank = rank_of.find(s.global_pid);
+    if (rank == rank_of.end()) return;
+    std::vector<int64_t>& at = starts[{s.step, s.instruction}];
+    if (at.empty()) at.assign(ranks, -1);
+    int64_t& start = at[rank->second];
+    start = start < 0 ? s.start_ns : std::min(start, s.start_ns);
+  }));
+  auto complete = [](const std::vector<int64_t>& at) {
+    return std::none_of(at.begin(), at.end(), [](int64_t t) { return t < 0; });
+  };
+  for (const auto& [key, at] : starts) {
+    const int before = previous[key.second];
+    if (before < 0 || !complete(at)) continue;
+    const auto prior = starts.find({key.first, before});
+    if (prior == starts.end() || !complete(prior->second)) continue;
+    double gap_ns = 0, mean_ns = 0;
+    int64_t last_ns = at.front();
+    for (int r = 0; r < ranks; ++r) {
+      gap_ns += static_cast<double>(at[r] - prior->second[r]);
+      mean_ns += static_cast<double>(at[r] - at.front());
+      last_ns = std::max(last_ns, at[r]);
+    }
+    gap_ns /= ranks;
+    mean_ns /= ranks;
+    if (!(gap_ns > 0)) continue;
+    const double wait_ns = static_cast<double>(last_ns - at.front()) - mean_ns;
+    skews.push_back({gap_ns * kSecondsPerNs, wait_ns * kSecondsPerNs});
+  }
+  return skews;
+}
+
+}  // namespace
+
 StatusOr<CostSamples> CollectCostSamples(const Trace& trace) {
   if (!trace.schedule()) return Status::Error(trace.path() + ": no schedule: not a dc trace");
   const proto::Schedule& schedule = *trace.schedule();
@@ -366,6 +432,7 @@ StatusOr<CostSamples> CollectCostSamples(const Trace& trace) {
   CostSamples samples = CollectSamples(schedule, timed, concurrency.costs);
   samples.compute_beside = std::move(pairs.compute_beside);
   samples.collectives_beside = std::move(pairs.collectives_beside);
+  DC_ASSIGN_OR_RETURN(samples.collective_skews, CollectiveSkews(trace, schedule, steps));
   return samples;
 }
 

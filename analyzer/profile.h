@@ -83,6 +83,13 @@ struct Profile {
 struct BesidePair {
   double alone_seconds = 0, beside_seconds = 0;
 };
+// One collective of a measured step as its ranks reached it: the time since its stream's
+// previous collective started (the mean over the ranks) and how long after the ranks' mean start
+// the last of them started (what the collective waited for it, as the simulator's mean rank
+// sees it: CostModel::collective_skew_fraction).
+struct SkewSample {
+  double gap_seconds = 0, wait_seconds = 0;
+};
 struct CostSamples {
   std::vector<std::vector<double>> op_seconds;  // by op id
   std::vector<CostSample> all_gather, reduce_scatter, host_to_device, device_to_host;
@@ -93,6 +100,10 @@ struct CostSamples {
   // The profile's slowdown is the sum beside over the sum alone, at least 1, where there are at
   // least min_ops (min_collectives) pairs.
   std::vector<BesidePair> compute_beside, collectives_beside;
+  // Every collective of a measured step that every rank ran, after the first on its stream, where
+  // the trace's ranks are 2 or more on one host (one clock; across hosts the clocks' offsets would
+  // read as skew).
+  std::vector<SkewSample> collective_skews;
 };
 StatusOr<CostSamples> CollectCostSamples(const Trace& trace);
 

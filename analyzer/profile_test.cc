@@ -369,6 +369,97 @@ std::string WriteTwoRankTrace(const TempDir& dir, int host_cores) {
   return MergeRankTraces(rank_paths, schedule, out).ok() ? out : "";
 }
 
+// Two ranks on one host, each step three all-gathers on one stream: rank r starts the second
+// 10 + 2r us and the third 30 + 3r us into the step, and both end 1 us after the later start.
+std::string WriteSkewTrace(const TempDir& dir) {
+  proto::Schedule schedule = CpuSchedule(2);
+  proto::Program* program = schedule.mutable_program();
+  for (int p = 0; p < 3; ++p) {
+    proto::Tensor* t = program->add_tensors();
+    t->set_id(program->tensors_size() - 1);
+    t->set_name("w" + std::to_string(p));
+    t->add_shape(256);
+    t->set_dtype(proto::DTYPE_F32);
+    t->set_role(proto::ROLE_PARAM);
+    t->set_param(-1);
+    proto::Instruction* instr = schedule.add_instructions();
+    instr->set_kind(proto::INSTR_ALL_GATHER);
+    instr->set_stream(proto::STREAM_GATHER);
+    instr->add_tensors(t->id());
+  }
+  std::vector<std::string> rank_paths;
+  for (int rank = 0; rank < 2; ++rank) {
+    RankIdentity identity;
+    identity.rank = identity.local_rank = rank;
+    identity.world_size = 2;
+    identity.hostname = "test";
+    HostTracer tracer(identity, 0);
+    constexpr int64_t kStepNs = 100000;
+    for (int s = 0; s <= 4; ++s) {
+      const int64_t w = kStepNs * s;
+      const int64_t starts[2][3] = {{0, 10000, 30000}, {0, 12000, 33000}};
+      for (int g = 0; g < 3; ++g) {
+        const int64_t end = w + std::max(starts[0][g], starts[1][g]) + 1000;
+        tracer.Collective(proto::INSTR_ALL_GATHER, proto::STREAM_GATHER, w + starts[rank][g], end,
+                          1024, 1, 0, {s, 0, g});
+      }
+      tracer.Step(s, w, w + kStepNs, 1.0, s == 0);
+    }
+    rank_paths.push_back(dir.File("rank" + std::to_string(rank) + ".db"));
+    if (!tracer.WriteRankFile(rank_paths.back()).ok()) return "";
+  }
+  const std::string out = dir.File("skew.db");
+  return MergeRankTraces(rank_paths, schedule, out).ok() ? out : "";
+}
+
+// Each collective after its stream's first waits for the later rank: how long after the ranks'
+// mean start it started, against the mean time since the stream's previous collective. The
+// calibration fits the fraction and the ceiling that give back every group of waits.
+TEST(CollectiveSkew, TheLastRanksWaitIsMeasuredAgainstTheTimeSinceTheStreamsPreviousCollective) {
+  TempDir dir;
+  const std::string path = WriteSkewTrace(dir);
+  ASSERT_FALSE(path.empty());
+  StatusOr<std::unique_ptr<Trace>> trace = Trace::Open(path);
+  ASSERT_TRUE(trace.ok()) << trace.status().message();
+  StatusOr<CostSamples> samples = CollectCostSamples(**trace);
+  ASSERT_TRUE(samples.ok()) << samples.status().message();
+  // Steps 1-4 (0 is warm-up), the second and third gathers of each.
+  ASSERT_EQ(samples->collective_skews.size(), 8u);
+  int second = 0, third = 0;
+  for (const SkewSample& s : samples->collective_skews) {
+    if (std::abs(s.gap_seconds - 11e-6) < 1e-12) {
+      EXPECT_NEAR(s.wait_seconds, 1e-6, 1e-12);  // 12 - (10 + 12) / 2
+      ++second;
+    } else {
+      EXPECT_NEAR(s.gap_seconds, 20.5e-6, 1e-12);  // ((30 - 10) + (33 - 12)) / 2
+      EXPECT_NEAR(s.wait_seconds, 1.5e-6, 1e-12);  // 33 - (30 + 33) / 2
+      ++third;
+    }
+  }
+  EXPECT_EQ(second, 4);
+  EXPECT_EQ(third, 4);
+  StatusOr<HardwareProfile> base = FindHardware("cpu");
+  ASSERT_TRUE(base.ok());
+  StatusOr<std::vector<FitGroup>> groups = TraceGroups({trace->get()}, *base);
+  ASSERT_TRUE(groups.ok()) << groups.status().message();
+  const FitGroup* skew = nullptr;
+  for (const FitGroup& g : *groups) {
+    if (g.kind == "trace skew") skew = &g;
+  }
+  ASSERT_NE(skew, nullptr);
+  EXPECT_EQ(skew->keys,
+            (std::vector<std::string>{"collective_skew_fraction", "collective_skew_max_seconds"}));
+  EXPECT_NEAR(skew->start_values.at("collective_skew_fraction"), 10.0 / 126, 1e-9);
+  CalibrateOptions options;
+  options.sweeps = 16;
+  StatusOr<Calibration> fit = Calibrate(*base, {*skew}, options);
+  ASSERT_TRUE(fit.ok()) << fit.status().message();
+  // 1 us of 11 (the second gathers), and a ceiling of 1.5 us under 20.5 / 11.
+  EXPECT_LT(fit->groups[0].median_error_after, 0.01);
+  EXPECT_NEAR(fit->profile.collective_skew_fraction, 1.0 / 11, 0.002);
+  EXPECT_NEAR(fit->profile.collective_skew_max_seconds, 1.5e-6, 0.02e-6);
+}
+
 // A trace says how many cores its ranks could run on, and calibration predicts its ops at that
 // host's share of them: two ranks on one core ran at half a core each, so the profile's rates (a
 // rank's on a core of its own) predict them twice as long as on two cores; a trace that did not

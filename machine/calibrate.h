@@ -147,7 +147,9 @@ StatusOr<FitGroup> NcclTestsGroup(const std::vector<NcclTestsTable>& tables);
 // collectives hold the model's few sizes and every wait for a late peer. Each such key moves to
 // the trace group's undetermined list, saying why; the group still reports its error under the
 // tables' fit. (The step-times group may still fit collective_base_latency_s: what a step pays
-// per collective beyond the network, waits included, only whole steps show.)
+// per collective beyond the network, waits included, only whole steps show.) Where no table fits
+// the network and the trace collectives do, the "trace skew" group fits nothing and says why:
+// those collectives' durations hold the waits for the last rank already.
 void PreferNcclTestsForTheNetwork(std::vector<FitGroup>* groups);
 
 }  // namespace dc

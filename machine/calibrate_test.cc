@@ -246,6 +246,46 @@ TEST(Calibrate, StartsAConstantTheBaseHoldsAtZeroFromTheGroupsValue) {
   EXPECT_EQ(fit->profile.collective_compute_seconds, 0);
 }
 
+// The skew's waits are fitted only where nccl-tests tables give the network: otherwise the trace
+// collectives' durations fit it, every wait for the last rank inside them.
+TEST(Calibrate, TheSkewIsFittedOnlyBesideANetworkFromTables) {
+  auto groups_with = [](bool tables) {
+    std::vector<FitGroup> groups;
+    if (tables) {
+      FitGroup nccl;
+      nccl.kind = "nccl-tests";
+      nccl.input = "ag.txt";
+      nccl.keys = {"intra_node_bus_bandwidth_bytes_per_s", "collective_base_latency_s"};
+      groups.push_back(nccl);
+    }
+    FitGroup coll;
+    coll.kind = "trace collectives";
+    coll.input = "t.db";
+    coll.keys = {"intra_node_bus_bandwidth_bytes_per_s", "collective_base_latency_s"};
+    groups.push_back(coll);
+    FitGroup skew;
+    skew.kind = "trace skew";
+    skew.input = "t.db";
+    skew.keys = {"collective_skew_fraction", "collective_skew_max_seconds"};
+    skew.start_values = {{"collective_skew_fraction", 0.2}};
+    skew.observations.resize(3);
+    groups.push_back(skew);
+    PreferNcclTestsForTheNetwork(&groups);
+    return groups;
+  };
+  const std::vector<FitGroup> alone = groups_with(false);
+  EXPECT_FALSE(alone[0].keys.empty());  // the traces fit the network
+  EXPECT_TRUE(alone[1].keys.empty());
+  EXPECT_TRUE(alone[1].observations.empty());
+  ASSERT_EQ(alone[1].undetermined.size(), 2u);
+  EXPECT_NE(alone[1].undetermined[0].find("their waits for the last rank included"),
+            std::string::npos);
+  const std::vector<FitGroup> beside = groups_with(true);
+  EXPECT_TRUE(beside[1].keys.empty());  // the tables fit the network
+  EXPECT_EQ(beside[2].keys.size(), 2u);
+  EXPECT_EQ(beside[2].observations.size(), 3u);
+}
+
 TEST(HardwareConstants, SetRefusesOutOfRange) {
   HardwareProfile hw = H100();
   EXPECT_FALSE(SetHardwareConstant(&hw, "matmul_efficiency", 1.5).ok());

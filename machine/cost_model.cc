@@ -187,6 +187,10 @@ std::string CostModelText(const CostModel& costs) {
   if (costs.collective_compute_seconds != 0) {
     add("collective_compute_seconds", costs.collective_compute_seconds);
   }
+  if (costs.collective_skew_fraction != 0) {
+    add("collective_skew_fraction", costs.collective_skew_fraction);
+    add("collective_skew_max_seconds", costs.collective_skew_max_seconds);
+  }
   return text;
 }
 

@@ -48,6 +48,16 @@ struct CostModel {
   // communication threads take the compute thread's core for their sends, copies and sums between
   // ops, which no op's own time shows. 0 (none) unless fitted from a trace (analyzer/profile.h).
   double collective_compute_seconds = 0;
+  // Ranks reach a collective apart, by about this fraction of the time since the previous
+  // collective on its stream started (their progress drifts apart between syncs: on the cpu
+  // backend, ranks share cores), and the collective ends only once the last is in. The simulator
+  // times the mean rank, so each collective waits this fraction of that gap for the last arrival
+  // (the latest of the ranks' starts less their mean) before its own latency (machine/simulator.h).
+  // 0 (lockstep ranks) unless fitted from traces (dc-calibrate). The wait is at most
+  // collective_skew_max_seconds (0: no ceiling): long after the last collective on a stream, the
+  // ranks have met at others' (a compute waits for a gather) and drifted no further.
+  double collective_skew_fraction = 0;
+  double collective_skew_max_seconds = 0;
 
   // Measured seconds of `op_id` if op_seconds has them (>= 0), else its roofline estimate.
   double OpSeconds(const proto::Program& program, int op_id) const;

@@ -167,6 +167,8 @@ void ApplyConcurrency(const HardwareProfile& hw, CostModel* costs) {
   costs->overlap_compute_slowdown = hw.overlap_compute_slowdown;
   costs->overlap_collective_slowdown = hw.overlap_collective_slowdown;
   costs->collective_compute_seconds = hw.collective_compute_seconds;
+  costs->collective_skew_fraction = hw.collective_skew_fraction;
+  costs->collective_skew_max_seconds = hw.collective_skew_max_seconds;
 }
 
 std::string BackendOf(const HardwareProfile& hw) {

@@ -55,7 +55,8 @@ double HostShareSlowdown(int host_cores_per_node, const ClusterShape& cluster);
 LinearCost Slowed(const LinearCost& cost, double slowdown);
 
 // How the backend of `hw` runs streams side by side, into `costs`: serial_streams, the two
-// overlap slowdowns and the compute-stream time a collective takes (unscaled by the host share).
+// overlap slowdowns, the compute-stream time a collective takes (unscaled by the host share) and
+// the ranks' skew at a collective.
 // The one home of that rule for every cost model: estimated ones, the default one a plan is
 // re-simulated with, and the fallback of a profile whose trace could not measure them
 // (analyzer/profile.h).

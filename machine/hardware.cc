@@ -83,6 +83,13 @@ const Field kFields[] = {
      Range::kNonNegative, "s",
      "not in the file (written before the constant existed): 0, collectives take no compute-stream "
      "time"},
+    {"collective_skew_fraction", &HardwareProfile::collective_skew_fraction, Range::kNonNegative,
+     "ratio",
+     "not in the file (written before the constant existed): 0, ranks reach each collective "
+     "together"},
+    {"collective_skew_max_seconds", &HardwareProfile::collective_skew_max_seconds,
+     Range::kNonNegative, "s",
+     "not in the file (written before the constant existed): 0, no ceiling on the skew's wait"},
     {"serial_streams", &HardwareProfile::serial_streams, Range::kBoolean, "boolean"},
     {"max_gpus_per_node", &HardwareProfile::max_gpus_per_node, Range::kNonNegative, "gpus"},
     {"host_cores_per_node", &HardwareProfile::host_cores_per_node, Range::kNonNegative, "cores",

@@ -71,6 +71,12 @@ struct HardwareProfile {
   // between ops, which no op's time shows (machine/cost_model.h's collective_compute_seconds).
   // Scaled by HostShareSlowdown like every rate. dc-calibrate fits it to traced steps.
   double collective_compute_seconds = 0;
+  // The wait of a collective for the last rank to arrive, as a fraction of the time since the
+  // previous collective on its stream started (machine/cost_model.h's collective_skew_fraction).
+  // dc-calibrate measures it in traces of 2 or more ranks.
+  double collective_skew_fraction = 0;
+  // That wait's ceiling (0: none).
+  double collective_skew_max_seconds = 0;
   // The backend runs one instruction at a time (the cpu backend under DC_CPU_STREAMS=serial).
   bool serial_streams = false;
   // GPUs in one NVLink domain; 0 = no limit.

@@ -105,7 +105,11 @@ struct Facts {
 // - copies and releases: 1. PCIe is full duplex, so h2d and d2h each have a direction of their
 //   own and never share (machine/HARDWARE.md).
 // A collective that starts (streams concurrent) adds CostModel::collective_compute_seconds of
-// work to the compute stream: to the compute running then, or else to the next to start.
+// work to the compute stream: to the compute running then, or else to the next to start. A
+// collective also waits CostModel::collective_skew_fraction of the time since the previous
+// collective on its stream started (the step's start for the first) for the last rank to arrive,
+// at most CostModel::collective_skew_max_seconds where that is set: the wait is added to its
+// latency term.
 // Events are starts, ends and the end of a collective's latency term while another collective is
 // in flight or a compute runs beside a slowed collective (the only times it can change a rate). An
 // instruction whose rate never changed ends at exactly start + duration, as a plain list schedule
@@ -200,6 +204,17 @@ class TimeReplay {
         slot.left = work;
         slot.latency_left =
             slot.collective ? std::clamp(Facts::LatencySeconds(costs_, instr), 0.0, work) : 0;
+        if (slot.collective && costs_.collective_skew_fraction > 0) {
+          // The wait for the last rank: a fraction of the time since the stream's previous
+          // collective started (the step's start for its first), at rate 1 like the latency.
+          double wait = costs_.collective_skew_fraction * (now - last_collective_start_[s]);
+          if (costs_.collective_skew_max_seconds > 0) {
+            wait = std::min(wait, costs_.collective_skew_max_seconds);
+          }
+          slot.left += wait;
+          slot.latency_left += wait;
+        }
+        if (slot.collective) last_collective_start_[s] = now;
         if (slot.collective && !costs_.serial_streams) {
           compute_debt_ += costs_.collective_compute_seconds;
         }
@@ -288,7 +303,8 @@ class TimeReplay {
   int started_ = 0, finished_ = 0, busy_ = 0, in_flight_ = 0;
   // Compute-stream work the collectives started so far added and no compute has taken yet.
   double compute_debt_ = 0;
-  bool computing_ = false;  // a compute runs (set by Retime)
+  std::array<double, kNumStreams> last_collective_start_{};  // by stream, for the skew wait
+  bool computing_ = false;                                   // a compute runs (set by Retime)
 };
 
 void ComputeBusy(const proto::Schedule& schedule, SimResult* result) {

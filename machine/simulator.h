@@ -12,8 +12,10 @@
 // bandwidth equally, each progressing at 1/k of its rate while k transfer, and a transfer runs
 // CostModel::overlap_collective_slowdown times slower while a compute runs beside it (the cpu
 // backend: Gloo and the kernels share the rank's cores). Host copies never
-// share: PCIe is full duplex, h2d and d2h each have a direction (machine/HARDWARE.md). An
-// instruction that met no contention lasts exactly its cost model duration.
+// share: PCIe is full duplex, h2d and d2h each have a direction (machine/HARDWARE.md). A
+// collective first waits CostModel::collective_skew_fraction of the time since its stream's
+// previous collective started (at most collective_skew_max_seconds), for the last rank to arrive.
+// An instruction that met no contention lasts exactly its cost model duration (plus that wait).
 //
 // Memory: the persistent shards from time 0 (with the compute-dtype shards of the params whose
 // masters the schedule offloads: schemas/program.h's ComputeShardParams); an all-gather allocates

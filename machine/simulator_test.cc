@@ -215,6 +215,31 @@ TEST(SimulatorTest, ACollectiveTakesComputeStreamTimeWhenItStarts) {
   EXPECT_DOUBLE_EQ(result->end_seconds[1], 2.5);
 }
 
+TEST(SimulatorTest, ACollectiveWaitsForTheLastRankBySkewSinceItsStreamsPreviousOne) {
+  // collective_skew_fraction 0.5: w0's gather is the stream's first and starts with the step (no
+  // time since, no wait); w1's starts 1.5 s after it and waits 0.75 s before its own 2.5 s.
+  CostModel costs = Costs();
+  costs.collective_skew_fraction = 0.5;
+  ScheduleBuilder b;
+  b.Gather({kW0}).Compute(kFwd0, {0}).Gather({kW1});
+  StatusOr<SimResult> result = SimulateWith(b.schedule(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_EQ(result->start_seconds, (std::vector<double>{0, 1.5, 1.5}));
+  EXPECT_EQ(result->end_seconds, (std::vector<double>{1.5, 2.5, 4.75}));
+  // The wait is latency: it does not share the links, so a transfer beside it is not slowed,
+  // and it is the same with serial streams.
+  costs.serial_streams = true;
+  result = SimulateWith(b.schedule(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  // Serial: fwd0 [1.5, 2.5), w1's gather from 2.5, 2.5 s after w0's: waits 1.25 s, ends 6.25.
+  EXPECT_EQ(result->end_seconds, (std::vector<double>{1.5, 2.5, 6.25}));
+  // A ceiling of 0.5 s on the wait.
+  costs.collective_skew_max_seconds = 0.5;
+  result = SimulateWith(b.schedule(), costs);
+  ASSERT_TRUE(result.ok()) << result.status().message();
+  EXPECT_EQ(result->end_seconds, (std::vector<double>{1.5, 2.5, 5.5}));
+}
+
 // w0's gather [0, 1.5), then fwd0 (1 s) beside w1's gather (0.5 s latency + 2 s transfer), both
 // from 1.5.
 proto::Schedule ComputeBesideGather() {

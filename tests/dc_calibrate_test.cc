@@ -73,6 +73,16 @@ TEST_F(DcCalibrate, ATraceGivesAProfileThatPredictsItsOwnStep) {
   ASSERT_TRUE(base.ok());
   auto groups = TraceGroups({trace->get()}, *base);
   ASSERT_TRUE(groups.ok()) << groups.status().message();
+  // The ranks' skew at collectives is measured (two ranks on one host), from the ratio of the
+  // last rank's waits to the time since each stream's previous collective.
+  bool skew = false;
+  for (const FitGroup& g : *groups) {
+    if (g.kind != "trace skew") continue;
+    skew = true;
+    EXPECT_EQ(g.keys.front(), "collective_skew_fraction");
+    EXPECT_GT(g.start_values.at("collective_skew_fraction"), 0);
+  }
+  EXPECT_TRUE(skew);
   // The whole step fits the hardware constant from the value the trace's own profile needed.
   for (const FitGroup& g : *groups) {
     if (g.kind != "trace step") continue;
