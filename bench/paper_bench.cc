@@ -115,9 +115,7 @@ PolicyRun Plan(const dc::proto::Program& program, const dc::CostModel& costs, in
   run.ok = true;
   run.step_seconds = plan->prediction().step_seconds();
   run.peak_bytes = plan->prediction().peak_device_bytes();
-  for (const std::string& note : plan->notes()) {
-    if (note.rfind("kept ", 0) == 0) run.kept = note.substr(5, note.find("'s plan") - 5);
-  }
+  run.kept = plan->kept_rival();
   return run;
 }
 

@@ -241,9 +241,7 @@ PolicyRun Plan(const Model& model, const std::string& policy, int64_t budget_byt
   run.ok = true;
   run.step_seconds = plan->prediction().step_seconds();
   run.peak_bytes = plan->prediction().peak_device_bytes();
-  for (const std::string& note : plan->notes()) {
-    if (note.rfind("kept ", 0) == 0) run.kept = note.substr(5, note.find("'s plan") - 5);
-  }
+  run.kept = plan->kept_rival();
   run.instructions = plan->instructions_size();
   if (plan->has_memory_plan() && plan->memory_plan().arena_bytes() > 0) {
     run.arena_bytes = plan->memory_plan().arena_bytes();

@@ -463,6 +463,8 @@ Status KeepBestOfRivals(const PlanRequest& request, const std::string& program_d
     kept = rival;
   }
   if (kept.empty()) return Status::Ok();
+  (*planned)->set_kept_rival(kept);
+  if (own_failure.empty()) (*planned)->set_own_step_seconds(own_step);
   char text[256];
   if (own_failure.empty()) {
     std::snprintf(text, sizeof(text), "kept %s's plan: %.4f s < %s's %.4f s", kept.c_str(),

@@ -582,13 +582,11 @@ StatusOr<Outcome> Plan(const Flags& f) {
   // A rule's plan kept over dc's own by a trace's prediction: a margin the measurement may not
   // hold (bench/CALIBRATION.md); rounds measure both.
   if (!f.synthetic && f.rounds.rounds == 0) {
-    for (const std::string& note : plan->notes()) {
-      if (note.rfind("kept ", 0) == 0 && note.find("'s plan: ") != std::string::npos) {
-        outcome.notes.push_back(
-            "predictions from a trace can miss by more than that margin; dc-plan " + f.trace_path +
-            " --rounds 2 measures this plan and, where it misses its prediction by more, the "
-            "runner-up, and keeps the faster");
-      }
+    if (!plan->kept_rival().empty() && plan->own_step_seconds() > 0) {
+      outcome.notes.push_back(
+          "predictions from a trace can miss by more than that margin; dc-plan " + f.trace_path +
+          " --rounds 2 measures this plan and, where it misses its prediction by more, the "
+          "runner-up, and keeps the faster");
     }
   }
   outcome.plan = std::move(*plan);
