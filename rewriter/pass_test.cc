@@ -355,6 +355,40 @@ TEST(Verifier, TakesTheKeptSimulationOfIdenticalInstructionsOnly) {
   EXPECT_EQ(simulations.hits(), 1);
 }
 
+// The verifier checks the streams' order of identical instructions once per plan; a schedule
+// that fails the check fails it every time.
+TEST(Verifier, ChecksTheOrderOfIdenticalInstructionsOnce) {
+  proto::Schedule s = EmptySchedule();
+  Zero3Pass zero3;
+  ASSERT_TRUE(zero3.Run(&s, {}).ok());
+  SimulationCache simulations;
+  PassContext context{&kCosts};
+  context.simulations = &simulations;
+  ASSERT_TRUE(VerifySchedule(s, context).ok());
+  EXPECT_EQ(simulations.order_hits(), 0);
+  ASSERT_TRUE(VerifySchedule(s, context).ok());
+  EXPECT_EQ(simulations.order_hits(), 1);
+  // A compute that lost its wait for a gather on another stream.
+  proto::Schedule unordered = s;
+  bool cut = false;
+  for (proto::Instruction& in : *unordered.mutable_instructions()) {
+    if (in.stream() != proto::STREAM_COMPUTE) continue;
+    for (int d : in.deps()) {
+      cut = cut || unordered.instructions(d).kind() == proto::INSTR_ALL_GATHER;
+    }
+    if (cut) {
+      in.clear_deps();
+      break;
+    }
+  }
+  ASSERT_TRUE(cut);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const Status status = VerifySchedule(unordered, context);
+    EXPECT_FALSE(status.ok());
+  }
+  EXPECT_EQ(simulations.order_hits(), 1);
+}
+
 // The plan's simulations: a schedule met again with the same instructions, costs and options
 // takes the kept result (the same numbers); any other is simulated; the oldest goes first.
 TEST(SimulationCache, TakesOnlyIdenticalInstructionsUnderTheSameCostsAndOptions) {

@@ -3,12 +3,14 @@
 #include <utility>
 
 #include "rewriter/verifier.h"
+#include "schemas/happens_before.h"
 
 namespace dc {
 
 StatusOr<SimResult> SimulationCache::Simulate(const proto::Schedule& schedule,
-                                              const CostModel& costs, const SimOptions& options) {
-  const uint64_t fingerprint = InstructionsFingerprint(schedule);
+                                              const CostModel& costs, const SimOptions& options,
+                                              std::optional<uint64_t> given) {
+  const uint64_t fingerprint = given ? *given : InstructionsFingerprint(schedule);
   auto same = [&](const Entry& e) {
     return e.fingerprint == fingerprint && e.instructions == schedule.instructions_size() &&
            e.world_size == schedule.world_size() && e.costs == &costs &&
@@ -40,6 +42,31 @@ StatusOr<SimResult> SimulationCache::Simulate(const proto::Schedule& schedule,
 int64_t SimulationCache::hits() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return hits_;
+}
+
+Status SimulationCache::CheckHappensBefore(const proto::Schedule& schedule,
+                                           std::optional<uint64_t> given) {
+  const uint64_t fingerprint = given ? *given : InstructionsFingerprint(schedule);
+  const int instructions = schedule.instructions_size();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const Checked& c : checked_) {
+      if (c.fingerprint == fingerprint && c.instructions == instructions) {
+        ++order_hits_;
+        return Status::Ok();
+      }
+    }
+  }
+  DC_RETURN_IF_ERROR(dc::CheckHappensBefore(schedule));
+  std::lock_guard<std::mutex> lock(mutex_);
+  checked_.push_back({fingerprint, instructions});
+  if (checked_.size() > capacity_) checked_.pop_front();
+  return Status::Ok();
+}
+
+int64_t SimulationCache::order_hits() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return order_hits_;
 }
 
 StatusOr<SimResult> SimulateIn(const PassContext& context, const proto::Schedule& schedule,

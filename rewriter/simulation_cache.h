@@ -10,6 +10,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "machine/cost_model.h"
 #include "machine/simulator.h"
@@ -28,10 +29,20 @@ class SimulationCache {
   SimulationCache& operator=(const SimulationCache&) = delete;
 
   // Simulate(schedule, costs, options), from what is kept where it can be. Errors are not kept.
+  // `fingerprint`: the schedule's InstructionsFingerprint where the caller has it already.
   StatusOr<SimResult> Simulate(const proto::Schedule& schedule, const CostModel& costs,
-                               const SimOptions& options);
+                               const SimOptions& options,
+                               std::optional<uint64_t> fingerprint = std::nullopt);
   // Simulations taken from what was kept, for tests and figures.
   int64_t hits() const;
+  // CheckHappensBefore(schedule) (schemas/happens_before.h), a function of the instructions alone
+  // (the program is the plan's): Ok at once for instructions that passed it before in this plan
+  // (every candidate verifies the same zero3 schedule, and a pass that changes nothing hands the
+  // verifier the schedule it checked last). Failures are not kept.
+  Status CheckHappensBefore(const proto::Schedule& schedule,
+                            std::optional<uint64_t> fingerprint = std::nullopt);
+  // Checks taken from what was kept, for tests.
+  int64_t order_hits() const;
 
  private:
   struct Entry {
@@ -41,10 +52,15 @@ class SimulationCache {
     bool memory_timeline = false;
     std::shared_ptr<const SimResult> result;
   };
+  struct Checked {
+    uint64_t fingerprint = 0;
+    int instructions = 0;
+  };
   const size_t capacity_;
   mutable std::mutex mutex_;
   std::deque<Entry> entries_;
-  int64_t hits_ = 0;
+  std::deque<Checked> checked_;  // the last `capacity_` that passed CheckHappensBefore
+  int64_t hits_ = 0, order_hits_ = 0;
 };
 
 // Simulate(schedule, *context.costs, options) through context.simulations where there is one.

@@ -1,6 +1,7 @@
 #include "rewriter/verifier.h"
 
 #include <cstdio>
+#include <optional>
 #include <vector>
 
 #include "machine/simulator.h"
@@ -90,8 +91,13 @@ Status VerifySchedule(const proto::Schedule& schedule, const PassContext& contex
   SimOptions options;
   options.memory_timeline = false;  // the peak is all a check needs
   SimResult sim;
+  // The instructions' fingerprint, for the plan's kept simulations and order checks.
+  const std::optional<uint64_t> fingerprint =
+      context.simulations ? std::optional<uint64_t>(InstructionsFingerprint(schedule))
+                          : std::nullopt;
   if (context.simulations && context.costs) {
-    DC_ASSIGN_OR_RETURN(sim, context.simulations->Simulate(schedule, *context.costs, options));
+    DC_ASSIGN_OR_RETURN(
+        sim, context.simulations->Simulate(schedule, *context.costs, options, fingerprint));
   } else {
     const CostModel fallback;
     DC_ASSIGN_OR_RETURN(sim,
@@ -99,7 +105,9 @@ Status VerifySchedule(const proto::Schedule& schedule, const PassContext& contex
   }
   // The streams run concurrently: the plan's deps must order what the replay checked in issue
   // order (references are checked: by the simulation, or the one of identical instructions).
-  DC_RETURN_IF_ERROR(CheckHappensBefore(schedule));
+  DC_RETURN_IF_ERROR(context.simulations
+                         ? context.simulations->CheckHappensBefore(schedule, fingerprint)
+                         : CheckHappensBefore(schedule));
   if (context.budget_bytes > 0 && sim.peak_device_bytes > context.budget_bytes) {
     return Status::OverBudget("the schedule needs " + FormatBytes(sim.peak_device_bytes) +
                                   " of device memory at its peak (instruction " +
