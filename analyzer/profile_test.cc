@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -330,6 +331,34 @@ TEST(ProfileConcurrencyTest, CalibrationTakesTheSlowdownsTheTraceMeasured) {
   for (const FitGroup& g : *serial_groups) EXPECT_NE(g.kind, "trace concurrency");
 }
 
+// A trace of `schedule` on two ranks of host "test" whose processes could run on `host_cores`
+// cores (0: not recorded): steps 0 (warm-up) to 4 of 100 us from 0, each filled by
+// record(tracer, rank, step, its start). "" where a file could not be written.
+std::string WriteTwoRanks(const TempDir& dir, const proto::Schedule& schedule, int host_cores,
+                          const std::string& name,
+                          const std::function<void(HostTracer&, int, int, int64_t)>& record) {
+  std::vector<std::string> rank_paths;
+  for (int rank = 0; rank < 2; ++rank) {
+    RankIdentity identity;
+    identity.rank = identity.local_rank = rank;
+    identity.world_size = 2;
+    identity.hostname = "test";
+    identity.host_cores = host_cores;
+    identity.threads_per_rank = 1;
+    HostTracer tracer(identity, 0);
+    constexpr int64_t kStepNs = 100000;
+    for (int s = 0; s <= 4; ++s) {
+      const int64_t w = kStepNs * s;
+      record(tracer, rank, s, w);
+      tracer.Step(s, w, w + kStepNs, 1.0, s == 0);
+    }
+    rank_paths.push_back(dir.File("rank" + std::to_string(rank) + ".db"));
+    if (!tracer.WriteRankFile(rank_paths.back()).ok()) return "";
+  }
+  const std::string out = dir.File(name);
+  return MergeRankTraces(rank_paths, schedule, out).ok() ? out : "";
+}
+
 // Two cpu ranks of one host whose processes could run on `host_cores` cores (0: not recorded),
 // each running ops mm0, mm1, mm2 (1, 2, 3 us) in steps 1-4 after a warm-up step.
 std::string WriteTwoRankTrace(const TempDir& dir, int host_cores) {
@@ -345,28 +374,12 @@ std::string WriteTwoRankTrace(const TempDir& dir, int host_cores) {
     instr->set_stream(proto::STREAM_COMPUTE);
     instr->set_op(op->id());
   }
-  std::vector<std::string> rank_paths;
-  for (int rank = 0; rank < 2; ++rank) {
-    RankIdentity identity;
-    identity.rank = identity.local_rank = rank;
-    identity.world_size = 2;
-    identity.hostname = "test";
-    identity.host_cores = host_cores;
-    identity.threads_per_rank = 1;
-    HostTracer tracer(identity, 0);
-    constexpr int64_t kStepNs = 100000;
-    for (int s = 0; s <= 4; ++s) {
-      const int64_t w = kStepNs * s;
-      tracer.Kernel("mm0", proto::STREAM_COMPUTE, w, w + 1000, {s, 0, 0});
-      tracer.Kernel("mm1", proto::STREAM_COMPUTE, w + 1000, w + 3000, {s, 0, 1});
-      tracer.Kernel("mm2", proto::STREAM_COMPUTE, w + 3000, w + 6000, {s, 0, 2});
-      tracer.Step(s, w, w + kStepNs, 1.0, s == 0);
-    }
-    rank_paths.push_back(dir.File("rank" + std::to_string(rank) + ".db"));
-    if (!tracer.WriteRankFile(rank_paths.back()).ok()) return "";
-  }
-  const std::string out = dir.File("two-ranks.db");
-  return MergeRankTraces(rank_paths, schedule, out).ok() ? out : "";
+  return WriteTwoRanks(dir, schedule, host_cores, "two-ranks.db",
+                       [](HostTracer& tracer, int, int s, int64_t w) {
+                         tracer.Kernel("mm0", proto::STREAM_COMPUTE, w, w + 1000, {s, 0, 0});
+                         tracer.Kernel("mm1", proto::STREAM_COMPUTE, w + 1000, w + 3000, {s, 0, 1});
+                         tracer.Kernel("mm2", proto::STREAM_COMPUTE, w + 3000, w + 6000, {s, 0, 2});
+                       });
 }
 
 // Two ranks on one host, each step three all-gathers on one stream: rank r starts the second
@@ -387,29 +400,15 @@ std::string WriteSkewTrace(const TempDir& dir) {
     instr->set_stream(proto::STREAM_GATHER);
     instr->add_tensors(t->id());
   }
-  std::vector<std::string> rank_paths;
-  for (int rank = 0; rank < 2; ++rank) {
-    RankIdentity identity;
-    identity.rank = identity.local_rank = rank;
-    identity.world_size = 2;
-    identity.hostname = "test";
-    HostTracer tracer(identity, 0);
-    constexpr int64_t kStepNs = 100000;
-    for (int s = 0; s <= 4; ++s) {
-      const int64_t w = kStepNs * s;
-      const int64_t starts[2][3] = {{0, 10000, 30000}, {0, 12000, 33000}};
-      for (int g = 0; g < 3; ++g) {
-        const int64_t end = w + std::max(starts[0][g], starts[1][g]) + 1000;
-        tracer.Collective(proto::INSTR_ALL_GATHER, proto::STREAM_GATHER, w + starts[rank][g], end,
-                          1024, 1, 0, {s, 0, g});
-      }
-      tracer.Step(s, w, w + kStepNs, 1.0, s == 0);
-    }
-    rank_paths.push_back(dir.File("rank" + std::to_string(rank) + ".db"));
-    if (!tracer.WriteRankFile(rank_paths.back()).ok()) return "";
-  }
-  const std::string out = dir.File("skew.db");
-  return MergeRankTraces(rank_paths, schedule, out).ok() ? out : "";
+  return WriteTwoRanks(dir, schedule, 0, "skew.db",
+                       [](HostTracer& tracer, int rank, int s, int64_t w) {
+                         const int64_t starts[2][3] = {{0, 10000, 30000}, {0, 12000, 33000}};
+                         for (int g = 0; g < 3; ++g) {
+                           const int64_t end = w + std::max(starts[0][g], starts[1][g]) + 1000;
+                           tracer.Collective(proto::INSTR_ALL_GATHER, proto::STREAM_GATHER,
+                                             w + starts[rank][g], end, 1024, 1, 0, {s, 0, g});
+                         }
+                       });
 }
 
 // Each collective after its stream's first waits for the later rank: how long after the ranks'
