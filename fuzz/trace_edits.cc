@@ -9,8 +9,10 @@
 #include <fstream>
 #include <sstream>
 
+#include "analyzer/calibration.h"
 #include "analyzer/profile.h"
 #include "analyzer/trace.h"
+#include "machine/hardware.h"
 #include "tracetools/perfetto.h"
 #include "tracetools/report.h"
 #include "tracetools/svg.h"
@@ -211,6 +213,10 @@ void ReadEverything(const std::string& path) {
   }
   if (StatusOr<std::unique_ptr<Trace>> trace = Trace::Open(path); trace.ok()) {
     (void)BuildProfile(**trace);
+    // dc-calibrate's reading: every sample, the ranks' skews, the groups' observations.
+    if (StatusOr<HardwareProfile> cpu = FindHardware("cpu"); cpu.ok()) {
+      (void)TraceGroups({trace->get()}, *cpu);
+    }
   }
 }
 
