@@ -404,7 +404,8 @@ void AddFlags(CLI::App& app, Flags* f) {
   app.add_option("--rounds", f->rounds.rounds,
                  "profile-guided rounds: run the plan with collection (as many BLAS threads per "
                  "rank as the trace recorded), re-plan from the new trace, keep the best measured "
-                 "plan")
+                 "plan (plans measured within 3% of it are measured again, alternately, and the "
+                 "means decide)")
       ->check(CLI::Range(0, 100));
   app.add_option("--round-steps", f->rounds.steps, "measured steps per round")
       ->check(CLI::Range(1, 1000000))
@@ -566,6 +567,9 @@ StatusOr<Outcome> Plan(const Flags& f) {
                      MeasureByRunning(rounds, request.backend, f.out),
                      ReportRounds(&outcome.rounds, progress), std::move(runners_up)));
     plan = std::move(kept.plan);
+    // Its prediction, bound and timeline are its own costs' (a later round's plan: that round's
+    // trace).
+    request.costs = std::move(kept.costs);
     outcome.kept_round = kept.kept_round;
     outcome.kept_step_seconds = kept.kept_step_seconds;
   }
@@ -659,6 +663,7 @@ void PrintJson(const Flags& f, const Outcome& o) {
   if (f.rounds.rounds > 0) {
     j["rounds"] = o.rounds;
     j["kept_round"] = o.kept_round;
+    j["kept_step_seconds"] = o.kept_step_seconds;
   }
   j["warnings"] = o.warnings;
   j["device"] = plan.device();
@@ -682,8 +687,10 @@ void PrintText(const Flags& f, const Outcome& o) {
                 round["measured_step_seconds"].get<double>());
   }
   if (o.kept_round > 0) {
-    std::printf("kept round %d's plan: measured %.6f s per step, the fastest of %zu round(s)\n",
-                o.kept_round, o.kept_step_seconds, o.rounds.size());
+    std::printf(
+        "kept round %d's plan: measured %.6f s per step (the mean of its measurements), the "
+        "fastest of %zu measurement(s)\n",
+        o.kept_round, o.kept_step_seconds, o.rounds.size());
   }
   if (f.explain) {
     PrintExplain(plan, o.bound);
