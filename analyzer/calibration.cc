@@ -341,8 +341,9 @@ StatusOr<std::vector<FitGroup>> TraceGroups(const std::vector<const Trace*>& tra
       o.what = what;
       o.measured_seconds = wait;
       // Each collective's wait at the profile's fraction of its gap, under its ceiling.
-      std::vector<double> each(sorted.size() > 0 ? end - begin : 0);
-      for (size_t i = begin; i < end; ++i) each[i - begin] = sorted[i].gap_seconds;
+      std::vector<double> each;
+      each.reserve(end - begin);
+      for (size_t i = begin; i < end; ++i) each.push_back(sorted[i].gap_seconds);
       o.predict = [each = std::move(each)](const HardwareProfile& hw) {
         double total = 0;
         for (double g : each) {

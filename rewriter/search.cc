@@ -105,6 +105,12 @@ StatusOr<RoundsResult> PlanInRounds(PlanRequest request, proto::Schedule plan, i
     DC_ASSIGN_OR_RETURN(plan, MakePlan(request));
     source = "re-planned from round " + std::to_string(round) + "'s trace";
   }
+  if (measured_plans.empty()) {  // no rounds: the plan as it came
+    RoundsResult unmeasured;
+    unmeasured.plan = std::move(plan);
+    unmeasured.costs = request.costs;
+    return unmeasured;
+  }
   // The fastest measured (ties: the earliest). A plan of other instructions measured within
   // kRemeasureWithin of it is measured again, alternately with it (the later round's plan first:
   // with the rounds' order, A B B A, so that a drift of the machine falls on both alike), and the

@@ -160,6 +160,13 @@ TEST(Search, RoundsReplanWithWhatWasMeasuredAndKeepTheFastest) {
   EXPECT_EQ(records[1].round, 2);
   EXPECT_DOUBLE_EQ(records[1].measured_step_seconds, 0.1);
 
+  // No rounds: the plan as it came, nothing measured.
+  planned_from.clear();
+  auto none = PlanInRounds(request, *first, 0, measure, nullptr);
+  ASSERT_TRUE(none.ok()) << none.status().message();
+  EXPECT_EQ(none->kept_round, 0);
+  EXPECT_TRUE(planned_from.empty());
+
   auto failing = [](int round, const proto::Schedule&) -> StatusOr<RoundMeasurement> {
     return Status::Error("round " + std::to_string(round) + ": dc-run failed");
   };
