@@ -204,7 +204,8 @@ TEST_F(EndToEnd, AKeptRulePlanPointsToRounds) {
                            " -o " + dir + "/p.dcplan");
     ASSERT_EQ(plan.exit_code, 0) << plan.err;
     bool kept_rule = false, hinted = false;
-    const json notes = ParseJson(plan.out)["notes"];
+    const json out = ParseJson(plan.out);
+    const json notes = out["notes"];
     for (const auto& note : notes) {
       const std::string text = note.get<std::string>();
       kept_rule = kept_rule || text.rfind("kept deepcompile's plan: ", 0) == 0;
@@ -213,6 +214,13 @@ TEST_F(EndToEnd, AKeptRulePlanPointsToRounds) {
     const bool rivals = flags.find("--policy dc") == 0;
     EXPECT_EQ(kept_rule, rivals) << flags << ": " << notes.dump();
     EXPECT_EQ(hinted, rivals) << flags << ": " << notes.dump();
+    // The same in fields: the rival kept and dc's own step it beat.
+    EXPECT_EQ(out.contains("kept_rival"), rivals) << out.dump();
+    if (rivals) {
+      EXPECT_EQ(out["kept_rival"], "deepcompile");
+      EXPECT_GT(out["own_step_seconds"].get<double>(),
+                out["predicted"]["step_seconds"].get<double>());
+    }
   }
 }
 

@@ -621,6 +621,12 @@ void PrintJson(const Flags& f, const Outcome& o) {
   j["cache"] = o.cache_hit ? "hit" : "miss";
   j["cache_key"] = o.cache_key;
   j["policy"] = plan.policy();
+  // Where the policy kept another policy's plan: which, and its own step that lost (0: its own
+  // pipelines did not fit the budget).
+  if (!plan.kept_rival().empty()) {
+    j["kept_rival"] = plan.kept_rival();
+    j["own_step_seconds"] = plan.own_step_seconds();
+  }
   j["world_size"] = plan.world_size();
   j["budget_bytes"] = plan.budget_bytes();
   j["instructions"] = plan.instructions_size();
