@@ -63,6 +63,7 @@ class StepIndex {
 // work on its rank (compute beside collectives, a collective beside compute).
 struct TimedSample {
   int64_t global_pid = 0;
+  int step = 0;
   int instruction = 0;
   int64_t start_ns = 0, end_ns = 0, bytes = 0;
   double beside_fraction = 0;  // of its span, in [0, 1]
@@ -80,7 +81,7 @@ StatusOr<std::vector<TimedSample>> ReadSamples(const Trace& trace, const proto::
                           std::to_string(schedule.instructions_size()));
       return;
     }
-    samples.push_back({s.global_pid, s.instruction, s.start_ns, s.end_ns, s.bytes, 0});
+    samples.push_back({s.global_pid, s.step, s.instruction, s.start_ns, s.end_ns, s.bytes, 0});
   }));
   DC_RETURN_IF_ERROR(bad);
   return samples;
@@ -356,11 +357,11 @@ Status FitCosts(const Trace& trace, const StepIndex& steps, Profile* profile) {
 
 namespace {
 
-// CostSamples::collective_skews: the ranks' starts of each collective instruction of each
-// measured step, against the same ranks' starts of the previous collective on its stream.
-StatusOr<std::vector<SkewSample>> CollectiveSkews(const Trace& trace,
-                                                  const proto::Schedule& schedule,
-                                                  const StepIndex& steps) {
+// CostSamples::collective_skews from the measured steps' samples (ReadSamples'): the ranks'
+// starts of each collective instruction of each step, against the same ranks' starts of the
+// previous collective on its stream.
+std::vector<SkewSample> CollectiveSkews(const Trace& trace, const proto::Schedule& schedule,
+                                        const std::vector<TimedSample>& timed) {
   std::set<std::string> hosts;
   std::map<int64_t, int> rank_of;
   for (const TraceRank& r : trace.ranks()) {
@@ -383,17 +384,15 @@ StatusOr<std::vector<SkewSample>> CollectiveSkews(const Trace& trace,
   }
   // Each rank's earliest start of each (step, collective instruction).
   std::map<std::pair<int, int>, std::vector<int64_t>> starts;
-  DC_RETURN_IF_ERROR(trace.ForEachInstructionSample([&](const Trace::InstructionSample& s) {
-    if (steps.IsWarmup(s.global_pid, s.step)) return;
-    if (s.instruction < 0 || s.instruction >= n) return;  // ReadSamples reports it
-    if (!IsCollective(schedule.instructions(s.instruction).kind())) return;
+  for (const TimedSample& s : timed) {
+    if (!IsCollective(schedule.instructions(s.instruction).kind())) continue;
     const auto rank = rank_of.find(s.global_pid);
-    if (rank == rank_of.end()) return;
+    if (rank == rank_of.end()) continue;
     std::vector<int64_t>& at = starts[{s.step, s.instruction}];
     if (at.empty()) at.assign(ranks, -1);
     int64_t& start = at[rank->second];
     start = start < 0 ? s.start_ns : std::min(start, s.start_ns);
-  }));
+  }
   auto complete = [](const std::vector<int64_t>& at) {
     return std::none_of(at.begin(), at.end(), [](int64_t t) { return t < 0; });
   };
@@ -425,6 +424,7 @@ StatusOr<CostSamples> CollectCostSamples(const Trace& trace) {
   const proto::Schedule& schedule = *trace.schedule();
   const StepIndex steps(trace.Steps());
   DC_ASSIGN_OR_RETURN(std::vector<TimedSample> timed, ReadSamples(trace, schedule, steps));
+  std::vector<SkewSample> skews = CollectiveSkews(trace, schedule, timed);
   // The samples as BuildProfile fits them: each as the work it would take alone.
   Profile concurrency;
   CostSamples pairs;
@@ -432,7 +432,7 @@ StatusOr<CostSamples> CollectCostSamples(const Trace& trace) {
   CostSamples samples = CollectSamples(schedule, timed, concurrency.costs);
   samples.compute_beside = std::move(pairs.compute_beside);
   samples.collectives_beside = std::move(pairs.collectives_beside);
-  DC_ASSIGN_OR_RETURN(samples.collective_skews, CollectiveSkews(trace, schedule, steps));
+  samples.collective_skews = std::move(skews);
   return samples;
 }
 
