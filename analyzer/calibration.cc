@@ -340,17 +340,15 @@ StatusOr<std::vector<FitGroup>> TraceGroups(const std::vector<const Trace*>& tra
                     1e3 * sorted[end - 1].gap_seconds);
       o.what = what;
       o.measured_seconds = wait;
-      // Each collective's wait at the profile's fraction of its gap, under its ceiling.
+      // Each collective's wait as the simulator prices it (CostModel::SkewWaitSeconds).
       std::vector<double> each;
       each.reserve(end - begin);
       for (size_t i = begin; i < end; ++i) each.push_back(sorted[i].gap_seconds);
       o.predict = [each = std::move(each)](const HardwareProfile& hw) {
+        CostModel costs;
+        ApplyConcurrency(hw, &costs);
         double total = 0;
-        for (double g : each) {
-          double w = hw.collective_skew_fraction * g;
-          if (hw.collective_skew_max_seconds > 0) w = std::min(w, hw.collective_skew_max_seconds);
-          total += w;
-        }
+        for (double g : each) total += costs.SkewWaitSeconds(g);
         return total;
       };
       skew.observations.push_back(std::move(o));

@@ -8,6 +8,11 @@
 
 namespace dc {
 
+double CostModel::SkewWaitSeconds(double since_previous) const {
+  const double wait = collective_skew_fraction * since_previous;
+  return collective_skew_max_seconds > 0 ? std::min(wait, collective_skew_max_seconds) : wait;
+}
+
 double CostModel::OpSeconds(const proto::Program& program, int op_id) const {
   if (op_id >= 0 && op_id < static_cast<int>(op_seconds.size()) && op_seconds[op_id] >= 0) {
     return op_seconds[op_id];

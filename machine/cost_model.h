@@ -61,6 +61,9 @@ struct CostModel {
 
   // Measured seconds of `op_id` if op_seconds has them (>= 0), else its roofline estimate.
   double OpSeconds(const proto::Program& program, int op_id) const;
+  // What a collective waits for the last rank, `since_previous` seconds after its stream's
+  // previous collective started: collective_skew_fraction of that, under the ceiling.
+  double SkewWaitSeconds(double since_previous) const;
   // Unscaled duration of one instruction: compute its op's seconds, collectives their fitted
   // cost of InstructionBytes, offload / reload the copy cost of CopyBytes (schemas/effects.h),
   // release

@@ -207,10 +207,7 @@ class TimeReplay {
         if (slot.collective && costs_.collective_skew_fraction > 0) {
           // The wait for the last rank: a fraction of the time since the stream's previous
           // collective started (the step's start for its first), at rate 1 like the latency.
-          double wait = costs_.collective_skew_fraction * (now - last_collective_start_[s]);
-          if (costs_.collective_skew_max_seconds > 0) {
-            wait = std::min(wait, costs_.collective_skew_max_seconds);
-          }
+          const double wait = costs_.SkewWaitSeconds(now - last_collective_start_[s]);
           slot.left += wait;
           slot.latency_left += wait;
         }
