@@ -188,7 +188,8 @@ int main(int argc, char** argv) {
   app.add_option("--trace", f.traces,
                  "a dc trace (repeatable); a cpu trace's ranks are fitted at their share of the "
                  "host's cores it recorded, and the profile takes that core count "
-                 "(host_cores_per_node)");
+                 "(host_cores_per_node); traces of 2 or more ranks on one host also measure the "
+                 "ranks' skew at collectives (fitted beside --nccl-tests tables)");
   app.add_option("--nccl-tests", f.nccl_tests,
                  "the text output of all_gather_perf or reduce_scatter_perf (repeatable)");
   app.add_option("--steps", f.steps, "a CSV of measured step times (repeatable)");
