@@ -1,4 +1,5 @@
-// comm_bench: the cpu backend's collectives (executor/comm.h, Gloo over loopback TCP).
+// comm_bench: the cpu backend's collectives (executor/comm.h: shared memory between ranks on
+// one host, Gloo over loopback TCP with DC_CPU_TRANSPORT=tcp; the transport is printed first).
 //
 //   comm_bench
 //     On two ranks, in the patterns a training step makes: an all-gather alone; after 20
@@ -53,6 +54,12 @@ int Rank(int rank, const std::string& store, const std::vector<int64_t>& sizes) 
   options.world_size = 2;
   options.store_dir = store;
   options.channels = 2;  // the second for the reduce-scatters beside the all-gathers
+  auto transport = dc::TransportFromEnvironment();
+  if (!transport.ok()) {
+    std::fprintf(stderr, "comm_bench: %s\n", transport.status().message().c_str());
+    return 1;
+  }
+  options.transport = *transport;
   auto comm = dc::Connect(options);
   if (!comm.ok()) {
     std::fprintf(stderr, "comm_bench: rank %d: %s\n", rank, comm.status().message().c_str());
@@ -127,6 +134,12 @@ int SweepRank(int rank, const std::string& store, const Sweep& sweep) {
   options.rank = rank;
   options.world_size = sweep.ranks;
   options.store_dir = store;
+  auto transport = dc::TransportFromEnvironment();
+  if (!transport.ok()) {
+    std::fprintf(stderr, "comm_bench: %s\n", transport.status().message().c_str());
+    return 1;
+  }
+  options.transport = *transport;
   auto comm = dc::Connect(options);
   if (!comm.ok()) {
     std::fprintf(stderr, "comm_bench: rank %d: %s\n", rank, comm.status().message().c_str());

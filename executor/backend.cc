@@ -100,6 +100,7 @@ class CpuBackend : public RankBackend {
                                                   const RankEnv& /*env*/) override {
     RendezvousOptions channels = rendezvous;  // one for each of the device's streams
     channels.channels = std::max(channels.channels, kCpuDeviceChannels);
+    DC_ASSIGN_OR_RETURN(channels.transport, TransportFromEnvironment());
     return dc::Connect(channels);
   }
 

@@ -1,5 +1,6 @@
 #include "executor/comm.h"
 
+#include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
@@ -23,6 +24,7 @@
 #include <mutex>
 #include <vector>
 
+#include "executor/shared_memory.h"
 #include "executor/tcp_store.h"
 
 namespace dc {
@@ -273,12 +275,17 @@ class GlooCommunicator : public Communicator {
     if (index < 0 || index > static_cast<int>(channels_.size())) return nullptr;
     return channels_[index - 1].get();
   }
+  // All-gathers and reduce-scatters that fit its arena go through `shared` from now on.
+  void UseSharedMemory(std::unique_ptr<SharedMemoryChannel> shared) { shared_ = std::move(shared); }
+  std::string transport() const override { return shared_ ? "shared-memory" : "tcp"; }
+
   // This rank's rings in flight end their waits; closing the connections makes the peers see
   // their end close (their collectives with this rank fail).
   void Abort() override {
     bool expected = false;
     if (!aborted_.compare_exchange_strong(expected, true)) return;
     for (auto& c : channels_) c->Abort();
+    if (shared_) shared_->Abort();
     running_->Abort();
     try {
       context_->closeConnections();
@@ -338,6 +345,10 @@ class GlooCommunicator : public Communicator {
   }
 
   StatusOr<std::unique_ptr<PostedCollective>> Post(GlooRing::Kind kind, int64_t n) {
+    if (shared_ && shared_->Takes(n)) {
+      return kind == GlooRing::Kind::kAllGather ? shared_->PostAllGather(n)
+                                                : shared_->PostReduceScatterSum(n);
+    }
     std::unique_ptr<PostedCollective> ring;
     DC_RETURN_IF_ERROR(
         Guarded(kind == GlooRing::Kind::kAllGather ? "all-gather" : "reduce-scatter", rank(),
@@ -349,8 +360,45 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<BufferPool> pool_ = std::make_shared<BufferPool>();
   std::shared_ptr<RunningRings> running_ = std::make_shared<RunningRings>();
   std::vector<std::unique_ptr<GlooCommunicator>> channels_;
+  std::unique_ptr<SharedMemoryChannel> shared_;  // null: everything over TCP
   std::atomic<bool> aborted_{false};
 };
+
+// The meeting of a channel's shared-memory set-up, over its Gloo context: fixed-size records
+// gathered, and a vote.
+SharedMemoryMeeting GlooMeeting(const std::shared_ptr<gloo::rendezvous::Context>& context) {
+  SharedMemoryMeeting meeting;
+  meeting.exchange = [context](const std::string& mine) -> StatusOr<std::vector<std::string>> {
+    constexpr size_t kRecord = 256;
+    if (mine.size() >= kRecord) return Status::Error("shared memory set-up: a record too long");
+    std::vector<char> in(kRecord, '\0'), out(kRecord * static_cast<size_t>(context->size), '\0');
+    std::copy(mine.begin(), mine.end(), in.begin());
+    DC_RETURN_IF_ERROR(Guarded("shared memory set-up", context->rank, [&] {
+      gloo::AllgatherOptions opts(context);
+      opts.setInput(in.data(), in.size());
+      opts.setOutput(out.data(), out.size());
+      gloo::allgather(opts);
+    }));
+    std::vector<std::string> records;
+    for (int r = 0; r < context->size; ++r) {
+      const char* record = out.data() + static_cast<size_t>(r) * kRecord;
+      records.emplace_back(record, strnlen(record, kRecord));
+    }
+    return records;
+  };
+  meeting.all_agree = [context](bool mine) -> StatusOr<bool> {
+    int64_t refusals = mine ? 0 : 1;
+    DC_RETURN_IF_ERROR(Guarded("shared memory set-up", context->rank, [&] {
+      gloo::AllreduceOptions opts(context);
+      opts.setOutput(&refusals, 1);
+      opts.setReduceFunction(
+          static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<int64_t>));
+      gloo::allreduce(opts);
+    }));
+    return refusals == 0;
+  };
+  return meeting;
+}
 
 // Gloo's file store with this run's timeout on every wait (Gloo's own waits, in `get` and in
 // the key checks of a full-mesh connect, use a fixed 30 s otherwise), and a key of an earlier
@@ -431,6 +479,17 @@ Status CheckStoreDir(const RendezvousOptions& options) {
 
 }  // namespace
 
+StatusOr<RendezvousOptions::Transport> TransportFromEnvironment() {
+  const char* value = std::getenv("DC_CPU_TRANSPORT");
+  const std::string text = value ? value : "";
+  if (text.empty() || text == "auto") return RendezvousOptions::Transport::kAuto;
+  if (text == "shm") return RendezvousOptions::Transport::kSharedMemory;
+  if (text == "tcp") return RendezvousOptions::Transport::kTcp;
+  return Status::Error("DC_CPU_TRANSPORT=" + text +
+                       ": takes auto (the default: shared memory between ranks that can map each "
+                       "other's, else TCP), shm or tcp");
+}
+
 StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& options) {
   if (options.world_size <= 1) return std::unique_ptr<Communicator>(new LocalCommunicator());
   const bool tcp = options.store_dir.empty();
@@ -478,10 +537,33 @@ StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& options
                          (tcp ? "MASTER_ADDR and MASTER_PORT" : "rendezvous directory") + "? (" +
                          connected.message() + ")");
   }
-  auto comm = std::make_unique<GlooCommunicator>(contexts.front());
-  for (size_t c = 1; c < contexts.size(); ++c) {
-    comm->AddChannel(std::make_unique<GlooCommunicator>(contexts[c]));
+  std::vector<std::unique_ptr<GlooCommunicator>> channels;
+  for (const auto& context : contexts) {
+    channels.push_back(std::make_unique<GlooCommunicator>(context));
   }
+  if (options.transport != RendezvousOptions::Transport::kTcp) {
+    SharedMemoryOptions shared;
+    shared.timeout = options.timeout;
+    shared.run_id = options.run_id;
+    for (size_t c = 0; c < contexts.size(); ++c) {
+      std::string why_not;
+      DC_ASSIGN_OR_RETURN(
+          std::unique_ptr<SharedMemoryChannel> channel,
+          SharedMemoryChannel::Join(options.rank, options.world_size, static_cast<int>(c), shared,
+                                    GlooMeeting(contexts[c]), &why_not));
+      if (!channel) {
+        if (options.transport == RendezvousOptions::Transport::kSharedMemory) {
+          return Status::Error("rank " + std::to_string(options.rank) +
+                               ": DC_CPU_TRANSPORT=shm, but the ranks cannot share memory: " +
+                               why_not + "; unset it to fall back to TCP");
+        }
+        break;  // every rank saw the same vote: all of them stay on TCP
+      }
+      channels[c]->UseSharedMemory(std::move(channel));
+    }
+  }
+  std::unique_ptr<GlooCommunicator> comm = std::move(channels.front());
+  for (size_t c = 1; c < channels.size(); ++c) comm->AddChannel(std::move(channels[c]));
   return std::unique_ptr<Communicator>(std::move(comm));
 }
 

@@ -1,8 +1,9 @@
 // Collectives between the ranks of a run. The cpu backend's implementation is Gloo over TCP
 // (rendezvous through a TCP store at MASTER_ADDR:MASTER_PORT or a file store in a shared
-// directory); a world of one needs no transport. Calls are blocking and must be made in the same
-// order on every rank. Not thread-safe: threads that need collectives at the same time (the cpu
-// device's streams) each take a channel of their own.
+// directory), with all-gathers and reduce-scatters through shared memory where every rank can
+// map every other's (executor/shared_memory.h); a world of one needs no transport. Calls are
+// blocking and must be made in the same order on every rank. Not thread-safe: threads that need
+// collectives at the same time (the cpu device's streams) each take a channel of their own.
 #pragma once
 
 #include <chrono>
@@ -59,6 +60,8 @@ class Communicator {
   // closed connections) on the peers, fail at once instead of waiting for the timeout. Callable
   // from any thread; no collective succeeds afterwards.
   virtual void Abort() {}
+  // How the all-gathers and reduce-scatters move: "shared-memory", "tcp", or "none" (one rank).
+  virtual std::string transport() const { return "none"; }
 };
 
 struct RendezvousOptions {
@@ -74,7 +77,15 @@ struct RendezvousOptions {
   std::string run_id = "dc";            // prefix of the store's keys; the TCP store's run identity
   std::chrono::milliseconds timeout{60000};  // rendezvous and each collective
   int channels = 1;                          // Communicator::channels(): one Gloo context each
+  // The all-gathers' and reduce-scatters' transport. kAuto: shared memory where every rank of
+  // the run can map every other's, else TCP; kSharedMemory: shared memory or an error (why not);
+  // kTcp: Gloo's TCP alone.
+  enum class Transport { kAuto, kSharedMemory, kTcp };
+  Transport transport = Transport::kAuto;
 };
+
+// DC_CPU_TRANSPORT (auto, shm, tcp; unset: auto) as a transport; an error names the variable.
+StatusOr<RendezvousOptions::Transport> TransportFromEnvironment();
 
 // A collective that posts nothing ahead: Run makes the communicator's blocking call.
 class BlockingCollective : public PostedCollective {

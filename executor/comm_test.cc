@@ -1,16 +1,23 @@
-// The cpu backend's collectives (Gloo over loopback TCP), ranks as threads of this process:
-// what they compute on worlds of 2-4 ranks, made ahead of their run or not, and that a rank
-// reaching a collective long before its peer costs no CPU while it waits.
+// The cpu backend's collectives, over Gloo's loopback TCP and through shared memory, ranks as
+// threads of this process (and one test's as a second process): what they compute on worlds of
+// 2-4 ranks, made ahead of their run or not, the same bits on both transports, that a rank
+// reaching a collective long before its peer costs no CPU while it waits, and what a wait says
+// when the peer aborts, dies or made another collective.
 #include "executor/comm.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <functional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,7 +27,19 @@ namespace {
 
 // Runs `body(rank, comm)` on every rank of a `world`-rank run, each on its own thread with its
 // own connection; failures come back as test failures naming the rank.
-void OnRanks(int world, const std::string& tag,
+using Transport = RendezvousOptions::Transport;
+
+RendezvousOptions RankOptions(int rank, int world, const std::string& store, Transport transport) {
+  RendezvousOptions options;
+  options.rank = rank;
+  options.world_size = world;
+  options.store_dir = store;
+  options.timeout = std::chrono::seconds(30);
+  options.transport = transport;
+  return options;
+}
+
+void OnRanks(int world, const std::string& tag, Transport transport,
              const std::function<void(int, Communicator*)>& body) {
   const std::string store = ::testing::TempDir() + "/comm_test_" + std::to_string(::getpid()) +
                             "_" + tag + "_" + std::to_string(world);
@@ -28,13 +47,9 @@ void OnRanks(int world, const std::string& tag,
   std::vector<std::thread> ranks;
   for (int r = 0; r < world; ++r) {
     ranks.emplace_back([&, r] {
-      RendezvousOptions options;
-      options.rank = r;
-      options.world_size = world;
-      options.store_dir = store;
-      options.timeout = std::chrono::seconds(30);
-      auto comm = Connect(options);
+      auto comm = Connect(RankOptions(r, world, store, transport));
       ASSERT_TRUE(comm.ok()) << "rank " << r << ": " << comm.status().message();
+      EXPECT_EQ((*comm)->transport(), transport == Transport::kTcp ? "tcp" : "shared-memory");
       body(r, comm->get());
     });
   }
@@ -42,10 +57,25 @@ void OnRanks(int world, const std::string& tag,
   std::filesystem::remove_all(store);
 }
 
+// Every test runs on both transports.
+class Comm : public ::testing::TestWithParam<Transport> {
+ protected:
+  void OnRanks(int world, const std::string& tag,
+               const std::function<void(int, Communicator*)>& body) {
+    dc::OnRanks(world, tag + (GetParam() == Transport::kTcp ? "_tcp" : "_shm"), GetParam(), body);
+  }
+};
+
+INSTANTIATE_TEST_SUITE_P(Transports, Comm,
+                         ::testing::Values(Transport::kTcp, Transport::kSharedMemory),
+                         [](const ::testing::TestParamInfo<Transport>& info) {
+                           return info.param == Transport::kTcp ? "tcp" : "shm";
+                         });
+
 // Element i of rank r's contribution: small integers, so every sum is exact in any order.
 float Value(int rank, int64_t i) { return static_cast<float>((rank + 1) * 1000 + i % 997); }
 
-TEST(Comm, AllGatherConcatenatesTheShardsInRankOrder) {
+TEST_P(Comm, AllGatherConcatenatesTheShardsInRankOrder) {
   for (int world : {2, 3, 4}) {
     for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{5000}}) {
       OnRanks(world, "gather" + std::to_string(n), [&](int rank, Communicator* comm) {
@@ -63,7 +93,7 @@ TEST(Comm, AllGatherConcatenatesTheShardsInRankOrder) {
   }
 }
 
-TEST(Comm, ReduceScatterSumsEachRanksChunk) {
+TEST_P(Comm, ReduceScatterSumsEachRanksChunk) {
   for (int world : {2, 3, 4}) {
     for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{5000}}) {
       OnRanks(world, "reduce" + std::to_string(n), [&](int rank, Communicator* comm) {
@@ -82,7 +112,7 @@ TEST(Comm, ReduceScatterSumsEachRanksChunk) {
 
 // The cpu device's pattern: the next collectives are made (their receives posted) while an
 // earlier one has not run yet; runs go in the order they were made.
-TEST(Comm, CollectivesMadeAheadRunInTheirOrder) {
+TEST_P(Comm, CollectivesMadeAheadRunInTheirOrder) {
   constexpr int kWorld = 3;
   constexpr int64_t kN = 777;
   OnRanks(kWorld, "ahead", [&](int rank, Communicator* comm) {
@@ -120,7 +150,7 @@ double ProcessCpuSeconds() {
 // burn a core meanwhile: Gloo's bound-buffer algorithms left the late rank's device thread
 // spinning on the early bytes until its buffer was registered (about the whole half second of
 // CPU here), which on a machine with as many ranks as cores starved the ranks' own threads.
-TEST(Comm, ARankWaitingForItsPeerCostsNoCpu) {
+TEST_P(Comm, ARankWaitingForItsPeerCostsNoCpu) {
   constexpr auto kLate = std::chrono::milliseconds(500);
   constexpr int64_t kN = 4096;
   double cpu_seconds = -1;
@@ -144,7 +174,7 @@ TEST(Comm, ARankWaitingForItsPeerCostsNoCpu) {
 
 // Abort ends a collective waiting for a peer that will never come, on this rank at once, not
 // at the timeout: the cpu device aborts its channels when one of its streams fails.
-TEST(Comm, AbortEndsACollectiveWaitingForItsPeer) {
+TEST_P(Comm, AbortEndsACollectiveWaitingForItsPeer) {
   constexpr int64_t kN = 1024;
   std::atomic<bool> done{false};
   OnRanks(2, "abort", [&](int rank, Communicator* comm) {
@@ -174,5 +204,123 @@ TEST(Comm, AbortEndsACollectiveWaitingForItsPeer) {
     EXPECT_LT(seconds, 5.0) << "the aborted all-gather took " << seconds << " s (timeout 30 s)";
   });
 }
+
+// Sums that round: the shared-memory reduce-scatter adds each chunk in the order of Gloo's ring
+// (the owner's next rank first, the owner last), so the two transports give the same bits, and
+// so do losses whichever transport a run gets.
+TEST(CommTransports, AReduceScatterGivesTheSameBitsOnBothTransports) {
+  constexpr int64_t kN = 3001;
+  for (int world : {2, 3, 4}) {
+    std::vector<std::vector<float>> shards[2];
+    std::vector<float> inputs[4];
+    for (int t = 0; t < 2; ++t) {
+      const Transport transport = t == 0 ? Transport::kTcp : Transport::kSharedMemory;
+      shards[t].assign(world, {});
+      OnRanks(world, "bits" + std::to_string(t), transport, [&](int rank, Communicator* comm) {
+        std::mt19937 random(1234 + rank);
+        std::uniform_real_distribution<float> mantissa(-1.0f, 1.0f);
+        std::uniform_int_distribution<int> exponent(-20, 20);
+        std::vector<float> full(kN * world), shard(kN);
+        for (float& x : full) x = std::ldexp(mantissa(random), exponent(random));
+        if (t == 0) inputs[rank] = full;
+        ASSERT_TRUE(comm->ReduceScatterSum(full.data(), kN, shard.data()).ok());
+        shards[t][rank] = shard;
+      });
+    }
+    for (int rank = 0; rank < world; ++rank) {
+      ASSERT_EQ(shards[0][rank].size(), static_cast<size_t>(kN));
+      ASSERT_EQ(shards[1][rank].size(), static_cast<size_t>(kN));
+      EXPECT_EQ(std::memcmp(shards[0][rank].data(), shards[1][rank].data(), kN * sizeof(float)), 0)
+          << "world " << world << " rank " << rank;
+    }
+    // The test can tell orders apart: rank 0's chunk summed in rank order differs somewhere.
+    if (world >= 3) {
+      int differ = 0;
+      for (int64_t i = 0; i < kN; ++i) {
+        float in_rank_order = 0;
+        for (int r = 0; r < world; ++r) in_rank_order += inputs[r][i];
+        differ += in_rank_order != shards[1][0][i];
+      }
+      EXPECT_GT(differ, 0) << "world " << world;
+    }
+  }
+}
+
+// Ranks that made different collectives (another plan, another build) hear so at once, instead
+// of reading past each other's buffers or waiting for the timeout.
+TEST(CommSharedMemory, RanksThatMadeDifferentCollectivesAreToldSo) {
+  OnRanks(2, "mismatch", Transport::kSharedMemory, [&](int rank, Communicator* comm) {
+    auto gather = comm->PostAllGather(rank == 0 ? 100 : 101);
+    ASSERT_TRUE(gather.ok());
+    const auto start = std::chrono::steady_clock::now();
+    const Status status = (*gather)->Run();
+    EXPECT_FALSE(status.ok());
+    EXPECT_NE(status.message().find("the ranks run different plans"), std::string::npos)
+        << status.message();
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+  });
+}
+
+// A peer process that dies (killed, crashed) ends the waits for it well before the timeout: the
+// wait looks for the process between its sleeps.
+TEST(CommSharedMemory, AWaitEndsWhenThePeersProcessIsGone) {
+  const std::string store =
+      ::testing::TempDir() + "/comm_test_" + std::to_string(::getpid()) + "_gone";
+  std::filesystem::remove_all(store);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // Rank 1: meets rank 0, then dies without joining its all-gather.
+    auto comm = Connect(RankOptions(1, 2, store, Transport::kSharedMemory));
+    int64_t token = 0;
+    const bool ok = comm.ok() && (*comm)->Broadcast(&token, 0).ok();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    ::_exit(ok ? 0 : 3);
+  }
+  int child_status = -1;
+  std::thread reaper([&] { ::waitpid(child, &child_status, 0); });
+  auto comm = Connect(RankOptions(0, 2, store, Transport::kSharedMemory));
+  int64_t token = 0;
+  const bool met = comm.ok() && (*comm)->Broadcast(&token, 0).ok();
+  if (!met) ::kill(child, SIGKILL);
+  Status status = Status::Ok();
+  double seconds = -1;
+  if (met) {
+    auto gather = (*comm)->PostAllGather(1024);
+    const auto start = std::chrono::steady_clock::now();
+    status = gather.ok() ? (*gather)->Run() : gather.status();
+    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  reaper.join();
+  ASSERT_TRUE(met) << (comm.ok() ? "the broadcast failed" : comm.status().message());
+  EXPECT_TRUE(WIFEXITED(child_status) && WEXITSTATUS(child_status) == 0);
+  EXPECT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("a peer rank is gone (rank 1"), std::string::npos)
+      << status.message();
+  EXPECT_LT(seconds, 5.0) << "the wait took " << seconds << " s (timeout 30 s)";
+  std::filesystem::remove_all(store);
+}
+
+// Every segment is unlinked once the ranks have mapped it: a run leaves nothing in /dev/shm,
+// even one that is killed.
+TEST(CommSharedMemory, NothingIsLeftInDevShm) {
+  auto ours = [] {
+    int count = 0;
+    std::error_code ec;
+    const std::string mine = "-" + std::to_string(::getpid()) + "-";
+    for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
+      count += entry.path().filename().string().find(mine) != std::string::npos;
+    }
+    return count;
+  };
+  OnRanks(2, "unlinked", Transport::kSharedMemory, [&](int rank, Communicator* comm) {
+    std::vector<float> shard(10, static_cast<float>(rank)), out(20);
+    ASSERT_TRUE(comm->AllGather(shard.data(), 10, out.data()).ok());
+    int64_t token = 0;
+    ASSERT_TRUE(comm->Broadcast(&token, 0).ok());  // both past the all-gather
+    EXPECT_EQ(ours(), 0);
+  });
+}
+
 }  // namespace
 }  // namespace dc

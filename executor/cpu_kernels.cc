@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cmath>
 #include <iterator>
 #include <limits>
@@ -1087,6 +1088,28 @@ Status RunCpuOp(const proto::Op& op, std::span<TensorRef> inputs, std::span<Tens
   if (!kind) return OpError(op, "the CPU backend has no kernel for this kind");
   UseBlasThreads(context.num_threads);
   return kKernels[static_cast<size_t>(*kind)](op, inputs, outputs, context);
+}
+
+std::string BlasCore() {
+  const char* name = openblas_get_corename();
+  return name ? name : "unknown";
+}
+
+std::string BlasCoreWarning() {
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return "";
+  // OpenBLAS's x86-64 kernels with AVX2 and FMA.
+  std::string core = BlasCore();
+  for (char& c : core) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (const char* modern :
+       {"haswell", "zen", "excavator", "skylakex", "cooperlake", "sapphirerapids"}) {
+    if (core == modern) return "";
+  }
+  const char* ask = __builtin_cpu_supports("avx512f") ? "SkylakeX" : "Haswell";
+  return "OpenBLAS chose its " + BlasCore() + " kernels on a CPU with AVX2 and FMA" +
+         (__builtin_cpu_supports("avx512f") ? " (and AVX-512)" : "") +
+         ": it does not know this CPU model, and its matrix products run several times slower "
+         "than the CPU can; set OPENBLAS_CORETYPE=" +
+         ask + " to use its " + ask + " kernels";
 }
 
 }  // namespace dc

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "schemas/program.h"
@@ -45,5 +46,14 @@ struct KernelContext {
 // Thread-safety: kernels share no state, but see num_threads.
 Status RunCpuOp(const proto::Op& op, std::span<TensorRef> inputs, std::span<TensorRef> outputs,
                 const KernelContext& context);
+
+// The kernels OpenBLAS picked for this process when it loaded ("SkylakeX", "Haswell", "Zen",
+// "Prescott", ...; OPENBLAS_CORETYPE overrides its pick).
+std::string BlasCore();
+// Where OpenBLAS picked kernels without AVX2 on a CPU that has AVX2 and FMA (a CPU model it does
+// not know, as some virtual machines report): its matrix products then run at a fraction of the
+// core's speed (4x slower on one such VM). The warning names the kernels to ask for; empty
+// otherwise. dc leaves OPENBLAS_CORETYPE to the user: it changes the GEMMs' rounding.
+std::string BlasCoreWarning();
 
 }  // namespace dc

@@ -7,7 +7,7 @@ set_target_properties(dc_tcp_store PROPERTIES POSITION_INDEPENDENT_CODE ON)
 dc_add_test(tcp_store_test SOURCES tcp_store_test.cc LIBS dc_tcp_store)
 
 add_library(dc_executor STATIC backend.cc checkpoint.cc comm.cc cpu_device.cc device_memory.cc executor.cc
-                               interpreter.cc launch.cc layout.cc session.cc tracer.cc)
+                               interpreter.cc launch.cc layout.cc session.cc shared_memory.cc tracer.cc)
 target_link_libraries(dc_executor PUBLIC dc_schemas dc_cpu_kernels dc_data dc_models dc_weights
                       dc_collector dc_tcp_store gloo Threads::Threads PRIVATE nlohmann_json::nlohmann_json
                       dc_warnings)

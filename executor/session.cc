@@ -115,6 +115,7 @@ StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const Session
   rendezvous.run_id = "dc-" + schedule.program_digest().substr(0, 12);
   DC_ASSIGN_OR_RETURN(auto comm, backend->Connect(rendezvous, env));
   DC_RETURN_IF_ERROR(CheckRunnable(schedule, comm->world_size(), backend->name()));
+  result.transport = comm->transport();
 
   std::unique_ptr<RankTracer> tracer;
   // A traced run asked to stop (SIGINT, SIGTERM, SIGHUP) ends after the step it is in, every

@@ -26,6 +26,7 @@ struct SessionResult {
   RankEnv env;
   RunResult run;
   std::optional<MergeSummary> trace;  // on rank 0 when tracing
+  std::string transport;              // the collectives' (Communicator::transport)
 };
 
 StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const SessionOptions& options);

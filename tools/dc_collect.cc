@@ -12,6 +12,7 @@
 #include "collector/cupti/attach.h"
 #endif
 #include "executor/backends.h"
+#include "executor/cpu_kernels.h"
 #include "executor/cpu_simd.h"
 #include "executor/data.h"
 #include "executor/launch.h"
@@ -213,7 +214,9 @@ int main(int argc, char** argv) {
     j["backend"] = *chosen;
     if (*chosen == "cpu") {
       j["cpu_kernels"] = simd::SimdKernels().name;
+      j["blas_core"] = BlasCore();
       j["threads_per_rank"] = *blas_threads;
+      j["transport"] = result->transport;
     }
     std::cout << j.dump() << "\n";
   } else {
@@ -223,6 +226,9 @@ int main(int argc, char** argv) {
         out.c_str(), trace.ranks, std::max(0, result->run.steps_done - warmup),
         std::min(warmup, result->run.steps_done), static_cast<long long>(trace.activities),
         static_cast<long long>(trace.memory_events), static_cast<long long>(trace.dropped_records));
+  }
+  if (*chosen == "cpu" && !BlasCoreWarning().empty()) {
+    std::fprintf(stderr, "dc-collect: warning: %s\n", BlasCoreWarning().c_str());
   }
   if (result->run.stop_signal != 0) {
     std::fprintf(stderr, "dc-collect: %s; %s keeps them (marked incomplete)\n",

@@ -10,6 +10,7 @@
 
 #include "executor/backends.h"
 #include "executor/checkpoint.h"
+#include "executor/cpu_kernels.h"
 #include "executor/cpu_simd.h"
 #include "executor/data.h"
 #include "executor/launch.h"
@@ -342,7 +343,9 @@ int main(int argc, char** argv) {
     j["backend"] = *chosen;
     if (*chosen == "cpu") {
       j["cpu_kernels"] = simd::SimdKernels().name;  // the build the start-up chose
+      j["blas_core"] = BlasCore();
       j["threads_per_rank"] = *blas_threads;
+      j["transport"] = result->transport;
     }
     j["first_step"] = session.run.first_step;
     if (!resumed_from.empty()) j["resumed_from"] = resumed_from;
@@ -364,13 +367,17 @@ int main(int argc, char** argv) {
         plan->prediction().step_seconds(),
         FormatBytes(plan->prediction().peak_device_bytes()).c_str());
     if (*chosen == "cpu") {
-      std::printf("cpu kernels: %s, %d BLAS thread(s) per rank\n", simd::SimdKernels().name,
-                  *blas_threads);
+      std::printf("cpu kernels: %s, OpenBLAS %s, %d BLAS thread(s) per rank, collectives over %s\n",
+                  simd::SimdKernels().name, BlasCore().c_str(), *blas_threads,
+                  result->transport.c_str());
     }
     if (!resumed_from.empty()) {
       std::printf("resumed from %s (step %lld)\n", resumed_from.c_str(),
                   static_cast<long long>(session.run.first_step));
     }
+  }
+  if (*chosen == "cpu" && !BlasCoreWarning().empty()) {
+    std::fprintf(stderr, "dc-run: warning: %s\n", BlasCoreWarning().c_str());
   }
   if (run.stop_signal != 0) {
     std::fprintf(stderr, "dc-run: %s; %s keeps the steps done (marked incomplete)\n",
