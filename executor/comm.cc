@@ -277,7 +277,10 @@ class GlooCommunicator : public Communicator {
   }
   // All-gathers and reduce-scatters that fit its arena go through `shared` from now on.
   void UseSharedMemory(std::unique_ptr<SharedMemoryChannel> shared) { shared_ = std::move(shared); }
+  // Why the ranks could not share memory, for transport_note.
+  void NoSharedMemory(std::string why) { why_not_shared_ = std::move(why); }
   std::string transport() const override { return shared_ ? "shared-memory" : "tcp"; }
+  std::string transport_note() const override { return why_not_shared_; }
 
   // This rank's rings in flight end their waits; closing the connections makes the peers see
   // their end close (their collectives with this rank fail).
@@ -361,8 +364,12 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<RunningRings> running_ = std::make_shared<RunningRings>();
   std::vector<std::unique_ptr<GlooCommunicator>> channels_;
   std::unique_ptr<SharedMemoryChannel> shared_;  // null: everything over TCP
+  std::string why_not_shared_;
   std::atomic<bool> aborted_{false};
 };
+
+// DC_CPU_TRANSPORT=auto takes shared memory only where /dev/shm has this much free.
+constexpr int64_t kAutoSharedMemoryFreeBytes = int64_t{1} << 30;
 
 // The meeting of a channel's shared-memory set-up, over its Gloo context: fixed-size records
 // gathered, and a vote.
@@ -544,6 +551,9 @@ StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& options
   if (options.transport != RendezvousOptions::Transport::kTcp) {
     SharedMemoryOptions shared;
     shared.timeout = options.timeout;
+    if (options.transport == RendezvousOptions::Transport::kAuto) {
+      shared.min_free_bytes = kAutoSharedMemoryFreeBytes;
+    }
     shared.run_id = options.run_id;
     for (size_t c = 0; c < contexts.size(); ++c) {
       std::string why_not;
@@ -557,6 +567,7 @@ StatusOr<std::unique_ptr<Communicator>> Connect(const RendezvousOptions& options
                                ": DC_CPU_TRANSPORT=shm, but the ranks cannot share memory: " +
                                why_not + "; unset it to fall back to TCP");
         }
+        channels.front()->NoSharedMemory(why_not);
         break;  // every rank saw the same vote: all of them stay on TCP
       }
       channels[c]->UseSharedMemory(std::move(channel));

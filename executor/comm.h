@@ -60,8 +60,10 @@ class Communicator {
   // closed connections) on the peers, fail at once instead of waiting for the timeout. Callable
   // from any thread; no collective succeeds afterwards.
   virtual void Abort() {}
-  // How the all-gathers and reduce-scatters move: "shared-memory", "tcp", or "none" (one rank).
+  // How the all-gathers and reduce-scatters move: "shared-memory", "tcp", or "none" (one rank);
+  // and why not through shared memory where the ranks could not have it ("" otherwise).
   virtual std::string transport() const { return "none"; }
+  virtual std::string transport_note() const { return ""; }
 };
 
 struct RendezvousOptions {

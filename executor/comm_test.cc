@@ -6,6 +6,8 @@
 #include "executor/comm.h"
 
 #include <gtest/gtest.h>
+#include <sched.h>
+#include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -320,6 +322,48 @@ TEST(CommSharedMemory, NothingIsLeftInDevShm) {
     ASSERT_TRUE(comm->Broadcast(&token, 0).ok());  // both past the all-gather
     EXPECT_EQ(ours(), 0);
   });
+}
+
+// A container's /dev/shm is small (Docker's default: 64 MiB), and a run whose buffers outgrow it
+// would fail at that collective: there DC_CPU_TRANSPORT=auto keeps every rank on TCP and says
+// why. Tried as a user meets it: in a mount namespace of its own whose /dev/shm is an 8 MiB tmpfs.
+TEST(CommSharedMemory, ASmallDevShmKeepsTheRanksOnTcpAndSaysWhy) {
+  const std::string store =
+      ::testing::TempDir() + "/comm_test_" + std::to_string(::getpid()) + "_small_shm";
+  std::filesystem::remove_all(store);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // 77: the namespace cannot be had here (no privilege); 0: as expected; else a failure.
+    if (::unshare(CLONE_NEWNS) != 0 ||
+        ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        ::mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=8m") != 0) {
+      ::_exit(77);
+    }
+    int code = 0;
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < 2; ++r) {
+      ranks.emplace_back([&, r] {
+        auto comm = Connect(RankOptions(r, 2, store, Transport::kAuto));
+        if (!comm.ok() || (*comm)->transport() != "tcp" ||
+            (*comm)->transport_note().find("MiB free, under the 1024 MiB") == std::string::npos) {
+          code = 1;
+          return;
+        }
+        std::vector<float> shard(10, static_cast<float>(r)), out(20);
+        if (!(*comm)->AllGather(shard.data(), 10, out.data()).ok() || out[10] != 1.0f) code = 2;
+      });
+    }
+    for (std::thread& t : ranks) t.join();
+    ::_exit(code);
+  }
+  int status = -1;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "no mount namespace here (needs CAP_SYS_ADMIN)";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: not on TCP, or the note does not say why; 2: the "
+                                       "all-gather over TCP failed";
+  std::filesystem::remove_all(store);
 }
 
 }  // namespace

@@ -116,6 +116,7 @@ StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const Session
   DC_ASSIGN_OR_RETURN(auto comm, backend->Connect(rendezvous, env));
   DC_RETURN_IF_ERROR(CheckRunnable(schedule, comm->world_size(), backend->name()));
   result.transport = comm->transport();
+  result.transport_note = comm->transport_note();
 
   std::unique_ptr<RankTracer> tracer;
   // A traced run asked to stop (SIGINT, SIGTERM, SIGHUP) ends after the step it is in, every

@@ -27,6 +27,7 @@ struct SessionResult {
   RunResult run;
   std::optional<MergeSummary> trace;  // on rank 0 when tracing
   std::string transport;              // the collectives' (Communicator::transport)
+  std::string transport_note;         // Communicator::transport_note
 };
 
 StatusOr<SessionResult> RunAsRank(const proto::Schedule& schedule, const SessionOptions& options);

@@ -5,6 +5,7 @@
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -229,6 +230,19 @@ StatusOr<std::unique_ptr<SharedMemoryChannel>> SharedMemoryChannel::Join(
       header->pid = ::getpid();
       header->pid_namespace = PidNamespace();
       header->arena_bytes = options.arena_bytes;
+    }
+  }
+  if (failed.empty() && options.min_free_bytes > 0) {
+    struct statvfs shm;
+    if (::statvfs("/dev/shm", &shm) == 0) {
+      const int64_t free_bytes =
+          static_cast<int64_t>(shm.f_bavail) * static_cast<int64_t>(shm.f_frsize);
+      if (free_bytes < options.min_free_bytes) {
+        failed = "/dev/shm has " + std::to_string(free_bytes >> 20) + " MiB free, under the " +
+                 std::to_string(options.min_free_bytes >> 20) +
+                 " MiB the shared-memory transport asks for; a container's is 64 MiB unless it "
+                 "is started with more (docker run --shm-size=1g)";
+      }
     }
   }
   const std::string record = failed.empty() ? own->name + " " + Hex(token) : std::string();

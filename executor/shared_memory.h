@@ -37,6 +37,11 @@ struct SharedMemoryOptions {
   // every rank: it depends on the sizes alone). The cpu device keeps at most 256 MiB of a
   // stream's collectives in flight, plus one larger one.
   int64_t largest_buffer_bytes = int64_t{320} << 20;
+  // A rank takes part only where /dev/shm has at least this much free when the run starts (0:
+  // no check): a run whose buffers outgrow /dev/shm fails at that collective, so where it is
+  // small (a container's default 64 MiB) every rank stays on TCP instead. dc-run asks 1 GiB
+  // under DC_CPU_TRANSPORT=auto and nothing under shm.
+  int64_t min_free_bytes = 0;
   std::chrono::milliseconds timeout{60000};  // each wait for a peer
   std::string run_id = "dc";                 // part of the segments' names
 };

@@ -346,6 +346,7 @@ int main(int argc, char** argv) {
       j["blas_core"] = BlasCore();
       j["threads_per_rank"] = *blas_threads;
       j["transport"] = result->transport;
+      if (!result->transport_note.empty()) j["transport_note"] = result->transport_note;
     }
     j["first_step"] = session.run.first_step;
     if (!resumed_from.empty()) j["resumed_from"] = resumed_from;
@@ -367,9 +368,12 @@ int main(int argc, char** argv) {
         plan->prediction().step_seconds(),
         FormatBytes(plan->prediction().peak_device_bytes()).c_str());
     if (*chosen == "cpu") {
-      std::printf("cpu kernels: %s, OpenBLAS %s, %d BLAS thread(s) per rank, collectives over %s\n",
-                  simd::SimdKernels().name, BlasCore().c_str(), *blas_threads,
-                  result->transport.c_str());
+      const std::string why =
+          result->transport_note.empty() ? std::string() : " (" + result->transport_note + ")";
+      std::printf(
+          "cpu kernels: %s, OpenBLAS %s, %d BLAS thread(s) per rank, collectives over %s%s\n",
+          simd::SimdKernels().name, BlasCore().c_str(), *blas_threads, result->transport.c_str(),
+          why.c_str());
     }
     if (!resumed_from.empty()) {
       std::printf("resumed from %s (step %lld)\n", resumed_from.c_str(),
