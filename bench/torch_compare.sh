@@ -30,22 +30,8 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 dc_threads=()
 if "$bin/dc-run" --help | grep -q -- --threads-per-rank; then dc_threads=(--threads-per-rank 1); fi
 
-# Model flags (dc-plan's names, which torch_peer.py shares), measured steps, warm-up steps.
-model_flags() {
-  case "$1" in
-    tiny) echo "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 256 --seq 32 --micro-batch 2" ;;
-    small) echo "--layers 4 --hidden 256 --heads 8 --kv-heads 4 --ffn 688 --vocab 2048 --seq 128 --micro-batch 4" ;;
-    wide) echo "--layers 4 --hidden 512 --heads 8 --kv-heads 4 --ffn 1376 --vocab 4096 --seq 256 --micro-batch 2" ;;
-    *) echo "torch_compare.sh: unknown model '$1'; use tiny, small or wide" >&2; exit 2 ;;
-  esac
-}
-steps_for() {
-  case "$1" in
-    tiny) echo 60 ;;
-    small) echo 10 ;;
-    *) echo 6 ;;
-  esac
-}
+# shellcheck source=bench/cpu_models.sh
+. "$(dirname "$0")/cpu_models.sh"
 
 field() { "$python" -c 'import json,sys; print(json.loads(sys.stdin.read().strip().splitlines()[-1])[sys.argv[1]])' "$1"; }
 

@@ -18,21 +18,8 @@ work=$(mktemp -d /tmp/dc-transport-compare-XXXXXX)
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 
-model_flags() {
-  case "$1" in
-    tiny) echo "--layers 2 --hidden 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 256 --seq 32 --micro-batch 2" ;;
-    small) echo "--layers 4 --hidden 256 --heads 8 --kv-heads 4 --ffn 688 --vocab 2048 --seq 128 --micro-batch 4" ;;
-    wide) echo "--layers 4 --hidden 512 --heads 8 --kv-heads 4 --ffn 1376 --vocab 4096 --seq 256 --micro-batch 2" ;;
-    *) echo "transport_compare.sh: unknown model '$1'; use tiny, small or wide" >&2; exit 2 ;;
-  esac
-}
-steps_for() {
-  case "$1" in
-    tiny) echo 40 ;;
-    small) echo 10 ;;
-    *) echo 6 ;;
-  esac
-}
+# shellcheck source=bench/cpu_models.sh
+. "$(dirname "$0")/cpu_models.sh"
 
 echo "date: $(date -u +%Y-%m-%dT%H:%MZ)  machine: $(getconf _NPROCESSORS_ONLN) cores, $(uname -m), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
 echo "dc: $(git -C "$(dirname "$0")" rev-parse --short HEAD 2>/dev/null || echo unknown)  pairs: $pairs  OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-(unset)}"
