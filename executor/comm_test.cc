@@ -207,6 +207,31 @@ TEST_P(Comm, AbortEndsACollectiveWaitingForItsPeer) {
   });
 }
 
+// A peer's abort (its run failed elsewhere) ends this rank's wait at once, as a consequence of the
+// peer's failure ("a peer rank is gone"): the launcher then reports the peer's own error, not
+// this rank's.
+TEST_P(Comm, APeersAbortEndsTheWaitAsThePeersFailure) {
+  constexpr int64_t kN = 1024;
+  OnRanks(2, "peer_abort", [&](int rank, Communicator* comm) {
+    int64_t token = 0;
+    ASSERT_TRUE(comm->Broadcast(&token, 0).ok());
+    if (rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      comm->Abort();
+      return;
+    }
+    auto gather = comm->PostAllGather(kN);
+    ASSERT_TRUE(gather.ok());
+    const auto start = std::chrono::steady_clock::now();
+    const Status status = (*gather)->Run();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_FALSE(status.ok());
+    EXPECT_NE(status.message().find("a peer rank is gone"), std::string::npos) << status.message();
+    EXPECT_LT(seconds, 5.0) << "the wait took " << seconds << " s (timeout 30 s)";
+  });
+}
+
 // Sums that round: the shared-memory reduce-scatter adds each chunk in the order of Gloo's ring
 // (the owner's next rank first, the owner last), so the two transports give the same bits, and
 // so do losses whichever transport a run gets.

@@ -436,9 +436,17 @@ Status SharedMemoryChannel::WaitFor(int peer, const std::function<bool()>& ready
       theirs->waiters.fetch_sub(1, std::memory_order_seq_cst);
       return Status::Ok();
     }
-    for (const auto& segment : segments_) {
-      if (segment->header()->aborted.load(std::memory_order_acquire) != 0) {
-        failed = Status::Error(failed_here + "the run was aborted (" + Name() + ")");
+    // This rank's own abort (another of its streams failed), or a peer's: that one is a
+    // consequence of the peer's failure and says so as TCP's closed connections do (the launcher
+    // reports the rank whose failure is not "a peer rank is gone").
+    if (mine->aborted.load(std::memory_order_acquire) != 0) {
+      failed = Status::Error(failed_here + "the run was aborted (" + Name() + ")");
+    }
+    for (int other = 0; other < world_ && failed.ok(); ++other) {
+      if (other != rank_ &&
+          segments_[other]->header()->aborted.load(std::memory_order_acquire) != 0) {
+        failed = Status::Error(failed_here + "a peer rank is gone (rank " + std::to_string(other) +
+                               " stopped the run after a failure of its own; " + Name() + ")");
       }
     }
     if (failed.ok() && same_pids && ProcessEnded(theirs->pid)) {
