@@ -7,7 +7,8 @@
 #   tools/setup.sh asan     build everything with ASan + UBSan (and float-cast-overflow, every report
 #                           fatal) in build-asan/, then run every test under it
 #   tools/setup.sh asan-readers  the same build of the tests of every reader of outside input only
-#                           (traces, plans, weights, token files, the TCP rendezvous), and run them;
+#                           (traces, plans, weights, token files, the TCP rendezvous, the peers'
+#                           shared memory), and run them;
 #                           CI runs this after `test` (the whole tree under ASan would not fit its time)
 #   tools/setup.sh fuzz [S] build the libFuzzer harnesses (fuzz/, clang) in build-fuzz/ and run each
 #                           for S seconds (default 60) from its seed corpus in fuzz/corpus/
@@ -16,7 +17,7 @@ cd "$(dirname "$0")/.."
 mode=${1:-demo}
 jobs=${DC_JOBS:-$(nproc)}
 # The readers of outside input, for asan-readers: their tests' binaries.
-asan_readers=(schemas_test plan_check_test weights_test analyzer_test data_test tcp_store_test)
+asan_readers=(schemas_test plan_check_test weights_test analyzer_test data_test tcp_store_test comm_test)
 
 case "$mode" in
   asan | asan-readers) build_dir=${DC_BUILD_DIR:-build-asan} ;;
