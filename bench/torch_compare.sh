@@ -36,7 +36,7 @@ if "$bin/dc-run" --help | grep -q -- --threads-per-rank; then dc_threads=(--thre
 field() { "$python" -c 'import json,sys; print(json.loads(sys.stdin.read().strip().splitlines()[-1])[sys.argv[1]])' "$1"; }
 
 echo "date: $(date -u +%Y-%m-%dT%H:%MZ)  machine: $(getconf _NPROCESSORS_ONLN) cores, $(uname -m), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')"
-echo "torch: $("$python" -c 'import torch; print(torch.__version__)')  dc: $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo unknown)  pairs: $pairs"
+echo "torch: $("$python" -c 'import torch; print(torch.__version__)')  dc: $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo unknown)  pairs: $pairs  OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-(unset)}"
 summary=()
 for config in "${configs[@]}"; do
   model=${config%-*}

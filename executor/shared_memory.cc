@@ -506,7 +506,7 @@ Status SharedMemoryChannel::Run(Collective& collective) {
           ": the ranks run different plans; start every rank with the same "
           "plan file and build");
     }
-    if (their_entry.offset < 0 ||
+    if (their_entry.offset < 0 || their_entry.offset % kBlockAlignment != 0 ||
         their_entry.offset + n * (world_ + 1) * static_cast<int64_t>(sizeof(float)) >
             AlignUp(options_.arena_bytes)) {
       return Status::Error(Where() + ": rank " + std::to_string(peer) +

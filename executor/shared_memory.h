@@ -71,7 +71,7 @@ class SharedMemoryChannel {
   // every rank).
   bool Takes(int64_t shard_elements) const;
   // Made on the channel's making thread; they take an arena buffer (waiting for one if the
-  // arena is full).
+  // arena is full). A collective must not outlive its channel.
   StatusOr<std::unique_ptr<PostedCollective>> PostAllGather(int64_t shard_elements);
   StatusOr<std::unique_ptr<PostedCollective>> PostReduceScatterSum(int64_t shard_elements);
   // Ends every wait, here and on the peers; nothing succeeds afterwards. Any thread.
