@@ -149,7 +149,7 @@ class RunningRings {
 // chunk is summed in one fixed order, the same on every run.
 class GlooRing : public PostedCollective {
  public:
-  enum class Kind { kAllGather, kReduceScatterSum };
+  using Kind = CollectiveKind;
   // Throws Gloo's exceptions (a closed connection).
   GlooRing(const std::shared_ptr<gloo::rendezvous::Context>& context,
            std::shared_ptr<BufferPool> pool, std::shared_ptr<RunningRings> running, Kind kind,
@@ -195,7 +195,7 @@ class GlooRing : public PostedCollective {
 
   Status Run() override {
     if (n_ == 0) return Status::Ok();
-    const char* what = kind_ == Kind::kAllGather ? "all-gather" : "reduce-scatter";
+    const char* what = CollectiveKindName(kind_);
     auto aborted_status = [&] {
       return Status::Error(std::string(what) + " on rank " + std::to_string(me_) +
                            ": the run was aborted");
@@ -298,10 +298,10 @@ class GlooCommunicator : public Communicator {
   }
 
   StatusOr<std::unique_ptr<PostedCollective>> PostAllGather(int64_t n) override {
-    return Post(GlooRing::Kind::kAllGather, n);
+    return Post(CollectiveKind::kAllGather, n);
   }
   StatusOr<std::unique_ptr<PostedCollective>> PostReduceScatterSum(int64_t n) override {
-    return Post(GlooRing::Kind::kReduceScatterSum, n);
+    return Post(CollectiveKind::kReduceScatterSum, n);
   }
 
   Status AllGather(const float* shard, int64_t n, float* out) override {
@@ -347,15 +347,12 @@ class GlooCommunicator : public Communicator {
     });
   }
 
-  StatusOr<std::unique_ptr<PostedCollective>> Post(GlooRing::Kind kind, int64_t n) {
-    if (shared_ && shared_->Takes(n)) {
-      return kind == GlooRing::Kind::kAllGather ? shared_->PostAllGather(n)
-                                                : shared_->PostReduceScatterSum(n);
-    }
+  StatusOr<std::unique_ptr<PostedCollective>> Post(CollectiveKind kind, int64_t n) {
+    if (shared_ && shared_->Takes(n)) return shared_->Post(kind, n);
     std::unique_ptr<PostedCollective> ring;
-    DC_RETURN_IF_ERROR(
-        Guarded(kind == GlooRing::Kind::kAllGather ? "all-gather" : "reduce-scatter", rank(),
-                [&] { ring = std::make_unique<GlooRing>(context_, pool_, running_, kind, n); }));
+    DC_RETURN_IF_ERROR(Guarded(CollectiveKindName(kind), rank(), [&] {
+      ring = std::make_unique<GlooRing>(context_, pool_, running_, kind, n);
+    }));
     return ring;
   }
 

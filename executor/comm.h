@@ -16,6 +16,13 @@
 
 namespace dc {
 
+// The two collectives a plan's streams make ahead of their run.
+enum class CollectiveKind { kAllGather, kReduceScatterSum };
+// "all-gather" or "reduce-scatter", for messages.
+inline const char* CollectiveKindName(CollectiveKind kind) {
+  return kind == CollectiveKind::kAllGather ? "all-gather" : "reduce-scatter";
+}
+
 // A collective made ahead of its run. Made, its receives are posted: a peer that reaches the
 // collective first finds where its data goes instead of waiting for this rank to get there. Run,
 // it sends, receives and finishes. Made in the same order on every rank of its channel, and run
@@ -92,7 +99,7 @@ StatusOr<RendezvousOptions::Transport> TransportFromEnvironment();
 // A collective that posts nothing ahead: Run makes the communicator's blocking call.
 class BlockingCollective : public PostedCollective {
  public:
-  enum class Kind { kAllGather, kReduceScatterSum };
+  using Kind = CollectiveKind;
   BlockingCollective(Communicator* comm, Kind kind, int64_t n)
       : comm_(comm),
         kind_(kind),
@@ -116,13 +123,13 @@ class BlockingCollective : public PostedCollective {
 inline StatusOr<std::unique_ptr<PostedCollective>> Communicator::PostAllGather(
     int64_t shard_elements) {
   return std::unique_ptr<PostedCollective>(
-      new BlockingCollective(this, BlockingCollective::Kind::kAllGather, shard_elements));
+      new BlockingCollective(this, CollectiveKind::kAllGather, shard_elements));
 }
 
 inline StatusOr<std::unique_ptr<PostedCollective>> Communicator::PostReduceScatterSum(
     int64_t shard_elements) {
   return std::unique_ptr<PostedCollective>(
-      new BlockingCollective(this, BlockingCollective::Kind::kReduceScatterSum, shard_elements));
+      new BlockingCollective(this, CollectiveKind::kReduceScatterSum, shard_elements));
 }
 
 // A world of one (no transport) or Gloo's full mesh over TCP.

@@ -25,7 +25,7 @@
 namespace dc {
 namespace {
 
-constexpr uint64_t kMagic = 0x64632d73686d0001;  // "dc-shm", layout 1
+constexpr uint64_t kMagic = 0x64632d73686d0002;  // "dc-shm", layout 2
 // Published collectives a peer may still be reading the entry of: a rank publishes collective
 // s + 2 only after finishing s + 1, which needs every peer to have published s + 1, which each
 // does only after finishing s. Two would do.
@@ -39,17 +39,18 @@ constexpr int kSpinChecks = 64;
 constexpr std::chrono::microseconds kPollBeforeSleep{1000};
 constexpr std::chrono::milliseconds kWaitSlice{50};
 
-enum class Kind : int32_t { kAllGather = 1, kReduceScatterSum = 2 };
+using Kind = CollectiveKind;
 
-const char* KindName(Kind kind) {
-  return kind == Kind::kAllGather ? "all-gather" : "reduce-scatter";
+// "an all-gather" or "a reduce-scatter" of a published entry's kind, for messages.
+const char* EntryKindName(int32_t kind) {
+  return kind == static_cast<int32_t>(Kind::kAllGather) ? "an all-gather" : "a reduce-scatter";
 }
 
 struct Entry {
   std::atomic<uint64_t> seq;
   int64_t offset;    // of the buffer in its owner's arena
   int64_t elements;  // per rank
-  int32_t kind;
+  int32_t kind;      // CollectiveKind
 };
 
 struct alignas(64) Header {
@@ -310,17 +311,12 @@ bool SharedMemoryChannel::Takes(int64_t shard_elements) const {
              options_.largest_buffer_bytes / (static_cast<int64_t>(sizeof(float)) * (world_ + 1));
 }
 
-StatusOr<std::unique_ptr<PostedCollective>> SharedMemoryChannel::PostAllGather(int64_t n) {
-  DC_ASSIGN_OR_RETURN(Block block, Allocate(n * world_ * static_cast<int64_t>(sizeof(float))));
-  return std::unique_ptr<PostedCollective>(
-      new Collective(this, Kind::kAllGather, n, next_seq_++, block));
-}
-
-StatusOr<std::unique_ptr<PostedCollective>> SharedMemoryChannel::PostReduceScatterSum(int64_t n) {
-  DC_ASSIGN_OR_RETURN(Block block,
-                      Allocate(n * (world_ + 1) * static_cast<int64_t>(sizeof(float))));
-  return std::unique_ptr<PostedCollective>(
-      new Collective(this, Kind::kReduceScatterSum, n, next_seq_++, block));
+StatusOr<std::unique_ptr<PostedCollective>> SharedMemoryChannel::Post(Kind kind, int64_t n) {
+  // An all-gather's buffer is its output (its input inside it); a reduce-scatter's, its input
+  // and then its output.
+  const int64_t floats = kind == Kind::kAllGather ? n * world_ : n * (world_ + 1);
+  DC_ASSIGN_OR_RETURN(Block block, Allocate(floats * static_cast<int64_t>(sizeof(float))));
+  return std::unique_ptr<PostedCollective>(new Collective(this, kind, n, next_seq_++, block));
 }
 
 StatusOr<SharedMemoryChannel::Block> SharedMemoryChannel::Allocate(int64_t bytes) {
@@ -410,7 +406,7 @@ void SharedMemoryChannel::Retire(Block block, uint64_t seq) {
 }
 
 Status SharedMemoryChannel::WaitFor(int peer, const std::function<bool()>& ready,
-                                    const std::string& what) {
+                                    const char* what) {
   for (int i = 0; i < kSpinChecks; ++i) {
     if (ready()) return Status::Ok();
   }
@@ -427,7 +423,8 @@ Status SharedMemoryChannel::WaitFor(int peer, const std::function<bool()>& ready
   const Header* mine = segments_[rank_]->header();
   const bool same_pids = mine->pid_namespace != 0 && mine->pid_namespace == theirs->pid_namespace;
   const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
-  const std::string failed_here = what + " failed on rank " + std::to_string(rank_) + ": ";
+  const std::string failed_here =
+      std::string(what) + " failed on rank " + std::to_string(rank_) + ": ";
   for (;;) {
     theirs->waiters.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t seen = theirs->word.load(std::memory_order_seq_cst);
@@ -483,7 +480,7 @@ Status SharedMemoryChannel::Run(Collective& collective) {
   mine->ready.store(seq, std::memory_order_release);
   Bump(mine);
 
-  const std::string what = KindName(collective.kind_);
+  const char* what = CollectiveKindName(collective.kind_);
   // Each peer's buffer, where this rank maps it.
   std::vector<const float*> buffers(world_, nullptr);
   buffers[rank_] = collective.data();
@@ -495,16 +492,13 @@ Status SharedMemoryChannel::Run(Collective& collective) {
     const Entry& their_entry = theirs->mailbox[seq % kMailbox];
     if (their_entry.seq.load(std::memory_order_acquire) != seq ||
         their_entry.kind != static_cast<int32_t>(collective.kind_) || their_entry.elements != n) {
-      return Status::Error(
-          Where() + ": rank " + std::to_string(peer) + "'s collective " + std::to_string(seq) +
-          " is " +
-          (their_entry.kind == static_cast<int32_t>(Kind::kAllGather) ? "an all-gather"
-                                                                      : "a reduce-scatter") +
-          " of " + std::to_string(their_entry.elements) + " floats per rank where this rank's is " +
-          (collective.kind_ == Kind::kAllGather ? "an all-gather" : "a reduce-scatter") + " of " +
-          std::to_string(n) +
-          ": the ranks run different plans; start every rank with the same "
-          "plan file and build");
+      return Status::Error(Where() + ": rank " + std::to_string(peer) + "'s collective " +
+                           std::to_string(seq) + " is " + EntryKindName(their_entry.kind) + " of " +
+                           std::to_string(their_entry.elements) +
+                           " floats per rank where this rank's is " + EntryKindName(entry.kind) +
+                           " of " + std::to_string(n) +
+                           ": the ranks run different plans; start every rank with the same "
+                           "plan file and build");
     }
     if (their_entry.offset < 0 || their_entry.offset % kBlockAlignment != 0 ||
         their_entry.offset + n * (world_ + 1) * static_cast<int64_t>(sizeof(float)) >

@@ -72,8 +72,7 @@ class SharedMemoryChannel {
   bool Takes(int64_t shard_elements) const;
   // Made on the channel's making thread; they take an arena buffer (waiting for one if the
   // arena is full). A collective must not outlive its channel.
-  StatusOr<std::unique_ptr<PostedCollective>> PostAllGather(int64_t shard_elements);
-  StatusOr<std::unique_ptr<PostedCollective>> PostReduceScatterSum(int64_t shard_elements);
+  StatusOr<std::unique_ptr<PostedCollective>> Post(CollectiveKind kind, int64_t shard_elements);
   // Ends every wait, here and on the peers; nothing succeeds afterwards. Any thread.
   void Abort();
 
@@ -89,8 +88,8 @@ class SharedMemoryChannel {
   Status Run(Collective& collective);
   StatusOr<Block> Allocate(int64_t bytes);
   void Retire(Block block, uint64_t seq);
-  // Waits until `ready()` holds for `peer`'s header; what it waits for, for the error.
-  Status WaitFor(int peer, const std::function<bool()>& ready, const std::string& what);
+  // Waits until `ready()` holds for `peer`'s header; `what` names the collective, for the error.
+  Status WaitFor(int peer, const std::function<bool()>& ready, const char* what);
   std::string Name() const;   // "shared-memory channel 1"
   std::string Where() const;  // "rank 0's shared-memory channel 1", for errors
 

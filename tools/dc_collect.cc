@@ -227,8 +227,8 @@ int main(int argc, char** argv) {
         std::min(warmup, result->run.steps_done), static_cast<long long>(trace.activities),
         static_cast<long long>(trace.memory_events), static_cast<long long>(trace.dropped_records));
   }
-  if (*chosen == "cpu" && !BlasCoreWarning().empty()) {
-    std::fprintf(stderr, "dc-collect: warning: %s\n", BlasCoreWarning().c_str());
+  if (const std::string blas = *chosen == "cpu" ? BlasCoreWarning() : ""; !blas.empty()) {
+    std::fprintf(stderr, "dc-collect: warning: %s\n", blas.c_str());
   }
   if (result->run.stop_signal != 0) {
     std::fprintf(stderr, "dc-collect: %s; %s keeps them (marked incomplete)\n",

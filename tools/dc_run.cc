@@ -368,20 +368,22 @@ int main(int argc, char** argv) {
         plan->prediction().step_seconds(),
         FormatBytes(plan->prediction().peak_device_bytes()).c_str());
     if (*chosen == "cpu") {
-      const std::string why =
-          result->transport_note.empty() ? std::string() : " (" + result->transport_note + ")";
-      std::printf(
-          "cpu kernels: %s, OpenBLAS %s, %d BLAS thread(s) per rank, collectives over %s%s\n",
-          simd::SimdKernels().name, BlasCore().c_str(), *blas_threads, result->transport.c_str(),
-          why.c_str());
+      // One rank has no collectives to name.
+      std::string collectives;
+      if (result->transport != "none") {
+        collectives = ", collectives over " + result->transport;
+        if (!result->transport_note.empty()) collectives += " (" + result->transport_note + ")";
+      }
+      std::printf("cpu kernels: %s, OpenBLAS %s, %d BLAS thread(s) per rank%s\n",
+                  simd::SimdKernels().name, BlasCore().c_str(), *blas_threads, collectives.c_str());
     }
     if (!resumed_from.empty()) {
       std::printf("resumed from %s (step %lld)\n", resumed_from.c_str(),
                   static_cast<long long>(session.run.first_step));
     }
   }
-  if (*chosen == "cpu" && !BlasCoreWarning().empty()) {
-    std::fprintf(stderr, "dc-run: warning: %s\n", BlasCoreWarning().c_str());
+  if (const std::string blas = *chosen == "cpu" ? BlasCoreWarning() : ""; !blas.empty()) {
+    std::fprintf(stderr, "dc-run: warning: %s\n", blas.c_str());
   }
   if (run.stop_signal != 0) {
     std::fprintf(stderr, "dc-run: %s; %s keeps the steps done (marked incomplete)\n",
