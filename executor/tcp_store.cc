@@ -25,31 +25,6 @@ using Clock = std::chrono::steady_clock;
 
 std::string Errno() { return std::strerror(errno); }
 
-// True when a connected socket's two ends are one: a client retrying a port in the ephemeral
-// range on its own host, with nothing listening yet, can be handed that very port as its source
-// and connect to itself (TCP's simultaneous open). It must retry, not talk to itself.
-bool ConnectedToItself(int fd) {
-  sockaddr_storage local{}, peer{};
-  socklen_t local_size = sizeof(local), peer_size = sizeof(peer);
-  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_size) != 0 ||
-      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_size) != 0) {
-    return false;
-  }
-  if (local.ss_family != peer.ss_family) return false;
-  if (local.ss_family == AF_INET) {
-    const auto& a = reinterpret_cast<const sockaddr_in&>(local);
-    const auto& b = reinterpret_cast<const sockaddr_in&>(peer);
-    return a.sin_port == b.sin_port && a.sin_addr.s_addr == b.sin_addr.s_addr;
-  }
-  if (local.ss_family == AF_INET6) {
-    const auto& a = reinterpret_cast<const sockaddr_in6&>(local);
-    const auto& b = reinterpret_cast<const sockaddr_in6&>(peer);
-    return a.sin6_port == b.sin6_port &&
-           std::memcmp(&a.sin6_addr, &b.sin6_addr, sizeof(a.sin6_addr)) == 0;
-  }
-  return false;
-}
-
 // Milliseconds left until `deadline` for poll(): -1 waits without end.
 int PollMs(Clock::time_point deadline) {
   if (deadline == Clock::time_point::max()) return -1;
@@ -149,6 +124,28 @@ int64_t MaxFrameBytes(const TcpStoreLimits& limits) {
 }
 
 }  // namespace
+
+bool ConnectedToItself(int fd) {
+  sockaddr_storage local{}, peer{};
+  socklen_t local_size = sizeof(local), peer_size = sizeof(peer);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_size) != 0 ||
+      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_size) != 0) {
+    return false;
+  }
+  if (local.ss_family != peer.ss_family) return false;
+  if (local.ss_family == AF_INET) {
+    const auto& a = reinterpret_cast<const sockaddr_in&>(local);
+    const auto& b = reinterpret_cast<const sockaddr_in&>(peer);
+    return a.sin_port == b.sin_port && a.sin_addr.s_addr == b.sin_addr.s_addr;
+  }
+  if (local.ss_family == AF_INET6) {
+    const auto& a = reinterpret_cast<const sockaddr_in6&>(local);
+    const auto& b = reinterpret_cast<const sockaddr_in6&>(peer);
+    return a.sin6_port == b.sin6_port &&
+           std::memcmp(&a.sin6_addr, &b.sin6_addr, sizeof(a.sin6_addr)) == 0;
+  }
+  return false;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Server

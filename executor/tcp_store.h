@@ -72,6 +72,11 @@ class TcpStore {
   TcpStoreLimits limits_;
 };
 
+// True when connected socket `fd`'s two ends are one. A client that retries a port in the
+// ephemeral range on its own host before anything listens there can be given that very port as
+// its source and connect to itself (TCP's simultaneous open); TcpStore::Connect then retries.
+bool ConnectedToItself(int fd);
+
 // One rank's place in a TCP rendezvous: rank 0 serves the store and every rank, rank 0 included,
 // connects to it. Rank 0 must keep this until every rank has read what it needs (the caller's
 // barrier or communicator join); then destroying it stops the server. Errors name the rank and

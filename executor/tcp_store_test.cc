@@ -87,6 +87,36 @@ TEST(TcpStore, ClientsWaitForAServerThatStartsLater) {
   }
 }
 
+// A socket bound to port P that connects to 127.0.0.1:P, where nothing listens, is joined to
+// itself (Linux's simultaneous open): what a retrying client can fall into by chance, here on
+// purpose. A connection to a real server is not.
+TEST(TcpStore, ASocketConnectedToItselfIsToldApart) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in self{};
+  self.sin_family = AF_INET;
+  self.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&self), sizeof(self)), 0);
+  socklen_t size = sizeof(self);
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&self), &size), 0);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&self), sizeof(self)), 0)
+      << "the kernel refused a simultaneous open";
+  EXPECT_TRUE(ConnectedToItself(fd));
+  ::close(fd);
+
+  auto server = Serve();
+  ASSERT_TRUE(server);
+  const int client = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(client, 0);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  to.sin_port = htons(static_cast<uint16_t>(server->port()));
+  ASSERT_EQ(::connect(client, reinterpret_cast<sockaddr*>(&to), sizeof(to)), 0);
+  EXPECT_FALSE(ConnectedToItself(client));
+  ::close(client);
+}
+
 TEST(TcpStore, AnotherRunIsRefusedByName) {
   auto server = Serve("run-a", 2);
   ASSERT_TRUE(server);
