@@ -269,14 +269,14 @@ Sequence SequenceOf(const Axis& primary, int64_t alignment_bytes, MemoryPlanOpti
   return sequence;
 }
 
-// Best fit over `primary` lifetimes in `sequence`, the buffers marked in `first` (optional)
-// before the others (each part in the sequence's order). With `spill` and spill_above_bytes >
-// 0, a buffer whose best place over `primary` ends above spill_above_bytes may take a gap that
-// is free over the `spill` lifetimes (which conflict less) if that place ends lower. `reuse`
-// (optional): the occupancy to place in (reset first), so that packings one after another
-// allocate it once.
+// Best fit over `primary` lifetimes in `sequence`; with `marks` (optional), the buffers placed by
+// their marks descending (how many earlier packings put them above the live peak), ties in the
+// sequence's order. With `spill` and spill_above_bytes > 0, a buffer whose best place over
+// `primary` ends above spill_above_bytes may take a gap that is free over the `spill` lifetimes
+// (which conflict less) if that place ends lower. `reuse` (optional): the occupancy to place in
+// (reset first), so that packings one after another allocate it once.
 Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
-             int64_t alignment_bytes, const Sequence& sequence, const std::vector<char>* first,
+             int64_t alignment_bytes, const Sequence& sequence, const std::vector<int>* marks,
              ArenaOccupancy32* reuse) {
   const std::vector<BufferLifetime>& buffers = *primary.buffers;
   const int n = static_cast<int>(buffers.size());
@@ -288,16 +288,12 @@ Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
     base += sequence.reserve[b];
   }
   const std::vector<int>* rest = &sequence.rest;
-  std::vector<int> marked_first;
-  if (first) {
-    marked_first.reserve(sequence.rest.size());
-    for (int b : sequence.rest) {
-      if ((*first)[b]) marked_first.push_back(b);
-    }
-    for (int b : sequence.rest) {
-      if (!(*first)[b]) marked_first.push_back(b);
-    }
-    rest = &marked_first;
+  std::vector<int> by_marks;
+  if (marks) {
+    by_marks = sequence.rest;
+    std::stable_sort(by_marks.begin(), by_marks.end(),
+                     [&](int a, int b) { return (*marks)[a] > (*marks)[b]; });
+    rest = &by_marks;
   }
 
   // In units of the alignment (every offset and reserve is a multiple of it): 32 bits hold
@@ -319,8 +315,9 @@ Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
 }
 
 // One packing PlanMemory tries: an order over the lifetimes of `axis`, spilling to `spill`
-// (optional) from `headroom_fraction` below the budget; `repair`: a repair round of the packing
-// before it (same order, the buffers it put above the live peak placed first).
+// (optional) from `headroom_fraction` below the budget; `repair`: a repair round of the order's
+// packings before it (the buffers they put above the live peak placed first, the most often
+// first).
 struct Attempt {
   const Axis* axis;
   const Axis* spill;
@@ -328,6 +325,18 @@ struct Attempt {
   MemoryPlanOptions::Order order;
   bool repair = false;
 };
+
+// `rounds` repair rounds, each a repair of every repaired order (those of options.orders).
+void AddRepairRounds(const MemoryPlanOptions& options, const Axis& primary, int rounds,
+                     std::vector<Attempt>* attempts) {
+  for (int round = 0; round < rounds; ++round) {
+    for (MemoryPlanOptions::Order order : options.repaired_orders) {
+      if (std::count(options.orders.begin(), options.orders.end(), order) > 0) {
+        attempts->push_back({&primary, nullptr, 0.0, order, /*repair=*/true});
+      }
+    }
+  }
+}
 
 // The packings without waits, tried in turn until one is good enough: every order over the
 // primary lifetimes, then round by round a repair of each repaired order (so that a short
@@ -338,13 +347,7 @@ std::vector<Attempt> AttemptsWithoutWaits(const MemoryPlanOptions& options, cons
   for (MemoryPlanOptions::Order order : options.orders) {
     attempts.push_back({&primary, nullptr, 0.0, order});
   }
-  for (int round = 0; round < options.repair_rounds; ++round) {
-    for (MemoryPlanOptions::Order order : options.orders) {
-      if (std::count(options.repaired_orders.begin(), options.repaired_orders.end(), order) > 0) {
-        attempts.push_back({&primary, nullptr, 0.0, order, /*repair=*/true});
-      }
-    }
-  }
+  AddRepairRounds(options, primary, options.repair_rounds, &attempts);
   for (MemoryPlanOptions::Order order : options.last_orders) {
     attempts.push_back({&primary, nullptr, 0.0, order});
   }
@@ -387,6 +390,9 @@ std::string PackingsWithoutWaitsText(const MemoryPlanOptions& options) {
          ",max_fragmentation=" + std::to_string(options.max_fragmentation) +
          ",repaired=" + OrderNames(options.repaired_orders) +
          ",repair_rounds=" + std::to_string(options.repair_rounds) +
+         ",repair_patience=" + std::to_string(options.repair_patience) +
+         ",over_budget_repair_rounds=" + std::to_string(options.over_budget_repair_rounds) +
+         ",over_budget_repair_patience=" + std::to_string(options.over_budget_repair_patience) +
          ",last=" + OrderNames(options.last_orders) +
          ",max_packings=" + std::to_string(options.max_packings) +
          ",budget_check_packings=" + std::to_string(options.budget_check_packings);
@@ -416,19 +422,23 @@ proto::MemoryPlan ToPlan(const std::vector<BufferLifetime>& buffers, const Packi
   return plan;
 }
 
-// An order's repair rounds: each marks what that order's last packing put above the live peak.
+// An order's repair rounds: each adds a mark to what that order's last packing put above the
+// live peak.
 struct Repairs {
-  Packing last;  // the order's last packing (empty offsets: not packed)
-  std::vector<char> first;
+  Packing last;            // the order's last packing (empty offsets: not packed)
+  std::vector<int> marks;  // per buffer: how many of the order's packings put it above the peak
   int round = 0;
+  int64_t best_arena_bytes = 0;  // the order's smallest arena so far
+  int rounds_without_better = 0;
   bool done = false;
 };
 
-// The options that decide the sequence of packings without waits (not where it stops).
+// The options that decide the sequence of packings without waits up to the over-budget repair
+// rounds (not where it stops): what a PackingProgress holds.
 std::string PackingSequenceText(const MemoryPlanOptions& options) {
   return std::to_string(options.alignment_bytes) + "/" + OrderNames(options.orders) + "/" +
          OrderNames(options.repaired_orders) + "/" + std::to_string(options.repair_rounds) + "/" +
-         OrderNames(options.last_orders);
+         std::to_string(options.repair_patience) + "/" + OrderNames(options.last_orders);
 }
 
 }  // namespace
@@ -536,9 +546,10 @@ StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
     }
   };
   // Without waits, until the arena is within the fragmentation target and fits the budget.
-  // Each repair round of an order marks what that order's last packing put above the live
-  // peak; a round that would mark nothing new would repeat that packing, and is skipped.
-  // Repairs of an order stop after a round that packs no tighter than the packing before it.
+  // Each repair round of an order adds a mark to what that order's last packing put above the
+  // live peak, and places the buffers by their marks, most first; a round that would mark
+  // nothing would repeat that packing, and is skipped. Repairs of an order stop after
+  // repair_patience rounds in a row that pack no tighter than its best.
   std::map<MemoryPlanOptions::Order, Repairs> repairs;
   for (MemoryPlanOptions::Order order : options.repaired_orders) repairs[order];
   int packed = 0;
@@ -579,87 +590,99 @@ StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
     size_t attempt = 0;
     bool pack = false;
     bool repairs_done = false;  // a repair that would mark nothing new: its order's are done
-    std::vector<char> first;    // a repair's marks
+    std::vector<int> marks;     // a repair's marks
     int round = 0;
     Packing packing;
   };
   const int batch = std::max(1, threads);
-  while (next_attempt < without_waits.size() && !good_enough()) {
-    std::vector<Decided> decided;
-    std::vector<MemoryPlanOptions::Order> orders;
-    int packings = 0;
-    for (size_t i = next_attempt; i < without_waits.size() && packings < batch; ++i) {
-      const Attempt& attempt = without_waits[i];
-      if (options.max_packings > 0 && packed + packings == options.max_packings) break;
-      if (std::count(orders.begin(), orders.end(), attempt.order) > 0) break;
-      orders.push_back(attempt.order);
-      Decided d;
-      d.attempt = i;
-      if (attempt.repair) {
-        const Repairs& state = repairs.at(attempt.order);
-        if (state.done || state.last.offsets.empty()) {
-          decided.push_back(std::move(d));
-          continue;
-        }
-        d.first = state.first;
-        bool marked = false;
-        for (size_t b = 0; b < buffers.size(); ++b) {
-          if (!d.first[b] && buffers[b].size_bytes > 0 &&
-              state.last.offsets[b] + buffers[b].size_bytes > live_peak) {
-            d.first[b] = 1;
-            marked = true;
-          }
-        }
-        if (!marked) {
-          d.repairs_done = true;
-          d.first.clear();
-          decided.push_back(std::move(d));
-          continue;
-        }
-        d.round = state.round + 1;
-      }
-      d.pack = true;
-      sequence_of(attempt.order);
-      ++packings;
-      decided.push_back(std::move(d));
-    }
-    if (decided.empty()) break;  // at max_packings
-    std::vector<Decided*> to_pack;
-    for (Decided& d : decided) {
-      if (d.pack) to_pack.push_back(&d);
-    }
-    while (occupancies.size() < to_pack.size()) occupancies.emplace_back(0);
-    rewriter_internal::RunTasks(static_cast<int>(to_pack.size()), batch, [&](int k) {
-      Decided& d = *to_pack[k];
-      const Attempt& attempt = without_waits[d.attempt];
-      d.packing = Pack(primary, nullptr, 0, options.alignment_bytes, sequences.at(attempt.order),
-                       attempt.repair ? &d.first : nullptr, &occupancies[k]);
-    });
-    for (Decided& d : decided) {
-      const Attempt& attempt = without_waits[d.attempt];
-      next_attempt = d.attempt + 1;
-      const auto repairing = repairs.find(attempt.order);
-      Repairs* state = repairing == repairs.end() ? nullptr : &repairing->second;
-      if (!d.pack) {
-        if (d.repairs_done) state->done = true;
-        continue;
-      }
-      ++s.orders_tried;
-      ++packed;
-      if (state) {
+  // Packs `list` in turn from *next on until `enough()`: an order's repairs stop after
+  // `patience` rounds in a row that pack no tighter than its best.
+  auto pack_in_turn = [&](const std::vector<Attempt>& list, size_t* next, int patience,
+                          const auto& enough) {
+    while (*next < list.size() && !enough()) {
+      std::vector<Decided> decided;
+      std::vector<MemoryPlanOptions::Order> orders;
+      int packings = 0;
+      for (size_t i = *next; i < list.size() && packings < batch; ++i) {
+        const Attempt& attempt = list[i];
+        if (options.max_packings > 0 && packed + packings == options.max_packings) break;
+        if (std::count(orders.begin(), orders.end(), attempt.order) > 0) break;
+        orders.push_back(attempt.order);
+        Decided d;
+        d.attempt = i;
         if (attempt.repair) {
-          state->first = std::move(d.first);
-          state->round = d.round;
-          if (d.packing.arena_bytes >= state->last.arena_bytes) state->done = true;
-        } else {
-          state->first.assign(buffers.size(), 0);
+          const Repairs& state = repairs.at(attempt.order);
+          if (state.done || state.last.offsets.empty()) {
+            decided.push_back(std::move(d));
+            continue;
+          }
+          d.marks = state.marks;
+          bool marked = false;
+          for (size_t b = 0; b < buffers.size(); ++b) {
+            if (buffers[b].size_bytes > 0 &&
+                state.last.offsets[b] + buffers[b].size_bytes > live_peak) {
+              ++d.marks[b];
+              marked = true;
+            }
+          }
+          if (!marked) {
+            d.repairs_done = true;
+            d.marks.clear();
+            decided.push_back(std::move(d));
+            continue;
+          }
+          d.round = state.round + 1;
         }
-        state->last = d.packing;
+        d.pack = true;
+        sequence_of(attempt.order);
+        ++packings;
+        decided.push_back(std::move(d));
       }
-      keep_if_best(std::move(d.packing), attempt, d.round);
-      if (good_enough()) break;
+      if (decided.empty()) break;  // at max_packings
+      std::vector<Decided*> to_pack;
+      for (Decided& d : decided) {
+        if (d.pack) to_pack.push_back(&d);
+      }
+      while (occupancies.size() < to_pack.size()) occupancies.emplace_back(0);
+      rewriter_internal::RunTasks(static_cast<int>(to_pack.size()), batch, [&](int k) {
+        Decided& d = *to_pack[k];
+        const Attempt& attempt = list[d.attempt];
+        d.packing = Pack(primary, nullptr, 0, options.alignment_bytes, sequences.at(attempt.order),
+                         attempt.repair ? &d.marks : nullptr, &occupancies[k]);
+      });
+      for (Decided& d : decided) {
+        const Attempt& attempt = list[d.attempt];
+        *next = d.attempt + 1;
+        const auto repairing = repairs.find(attempt.order);
+        Repairs* state = repairing == repairs.end() ? nullptr : &repairing->second;
+        if (!d.pack) {
+          if (d.repairs_done) state->done = true;
+          continue;
+        }
+        ++s.orders_tried;
+        ++packed;
+        if (state) {
+          if (attempt.repair) {
+            state->marks = std::move(d.marks);
+            state->round = d.round;
+            if (d.packing.arena_bytes < state->best_arena_bytes) {
+              state->best_arena_bytes = d.packing.arena_bytes;
+              state->rounds_without_better = 0;
+            } else if (++state->rounds_without_better >= patience) {
+              state->done = true;
+            }
+          } else {
+            state->marks.assign(buffers.size(), 0);
+            state->best_arena_bytes = d.packing.arena_bytes;
+          }
+          state->last = d.packing;
+        }
+        keep_if_best(std::move(d.packing), attempt, d.round);
+        if (enough()) break;
+      }
     }
-  }
+  };
+  pack_in_turn(without_waits, &next_attempt, options.repair_patience, good_enough);
   if (save) {
     save->sequence = PackingSequenceText(options);
     save->budget_bytes = budget_bytes;
@@ -672,7 +695,20 @@ StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
     save->stats = s;
     save->repairs = repairs;
   }
-  // Over the budget: reuse that waits, as little as it takes. The attempts are independent:
+  // Over the budget: first more repair rounds, since a packing without waits costs the step
+  // nothing and one that waits does.
+  if (has_budget && best.arena_bytes > budget_bytes && options.over_budget_repair_rounds > 0) {
+    for (auto& [order, state] : repairs) {
+      state.rounds_without_better = 0;
+      state.done = state.last.offsets.empty();
+    }
+    std::vector<Attempt> more;
+    AddRepairRounds(options, primary, options.over_budget_repair_rounds, &more);
+    size_t next = 0;
+    pack_in_turn(more, &next, options.over_budget_repair_patience,
+                 [&] { return best.arena_bytes <= budget_bytes; });
+  }
+  // Still over the budget: reuse that waits, as little as it takes. The attempts are independent:
   // with threads > 1 they are packed `threads` at a time and taken in turn as one by one.
   if (has_budget && best.arena_bytes > budget_bytes) {
     const std::vector<Attempt> attempts =
@@ -751,6 +787,7 @@ MemoryPlanOptions BudgetCheckOptions(const MemoryPlanOptions& options) {
   check.fall_back_to_instruction_order = false;
   check.max_fragmentation = std::numeric_limits<double>::infinity();
   check.max_packings = options.budget_check_packings;
+  check.over_budget_repair_rounds = 0;
   return check;
 }
 

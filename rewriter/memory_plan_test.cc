@@ -492,12 +492,13 @@ TEST(MemoryPlan, OverBudgetNamesArenaAndBudgetAfterTryingEveryOrder) {
   EXPECT_NE(message.find(FormatBytes(stats.arena_bytes)), std::string::npos) << message;
   EXPECT_NE(message.find(FormatBytes(budget)), std::string::npos) << message;
   EXPECT_NE(message.find("no packing fits"), std::string::npos) << message;
-  // Every order over simulated-time lifetimes without waits (and the breadth orders' repair rounds
-  // while they mark buffers anew), then every order spilling at the budget, two lower spill marks,
-  // every order in instruction order.
+  // Every order over simulated-time lifetimes without waits (and the repaired orders' rounds, the
+  // first ones and those over the budget, while they mark buffers and pack tighter), then every
+  // order spilling at the budget, two lower spill marks, every order in instruction order.
   const MemoryPlanOptions defaults;
   const int orders = static_cast<int>(defaults.orders.size());
-  const int repairs = static_cast<int>(defaults.repaired_orders.size()) * defaults.repair_rounds;
+  const int repairs = static_cast<int>(defaults.repaired_orders.size()) *
+                      (defaults.repair_rounds + defaults.over_budget_repair_rounds);
   const int over_budget = orders + 2 + orders;
   EXPECT_GE(pass.stats().orders_tried, orders + over_budget);
   EXPECT_LE(pass.stats().orders_tried, orders + repairs + over_budget);
@@ -744,6 +745,68 @@ TEST(MemoryPlan, ArenaWithinOnePercentOfTheLivePeakOnDcSchedules) {
               1.01 * static_cast<double>(stats.live_peak_bytes))
         << stats.order << ", " << stats.orders_tried << " packings";
   }
+}
+
+// Where every packing of the first rounds is over the budget, more repair rounds come before
+// any reuse that waits. On the schedule of plan_bench's llama3-8b row (8 ranks, GAS 4, 80% of
+// the baseline's peak), the over-budget rounds pack a smaller arena than the first rounds do;
+// at a budget of that arena the pass then needs no spill, where stopping at the first rounds
+// spills buffers to instruction order (their waits cost the step).
+TEST(MemoryPlan, RepairsMoreBeforeReuseThatWaits) {
+  ModelOverrides overrides;
+  overrides.gas = 4;
+  overrides.seq = 1024;
+  overrides.micro_batch = 1;
+  auto config = MakeConfig("llama3-8b", overrides);
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  auto program = BuildProgram(*config);
+  ASSERT_TRUE(program.ok()) << program.status().message();
+  PlanRequest request;
+  request.program = *program;
+  request.world_size = 8;
+  request.costs = EstimateCostModel(request.program, *FindHardware("h100"), ClusterShape{1, 8});
+  proto::Schedule baseline;
+  baseline.set_world_size(8);
+  *baseline.mutable_program() = request.program;
+  ASSERT_TRUE(Zero3Pass().Run(&baseline, PassContext{}).ok());
+  auto sim = Simulate(baseline, request.costs);
+  ASSERT_TRUE(sim.ok());
+  request.budget_bytes = static_cast<int64_t>(static_cast<double>(sim->peak_device_bytes) * 0.8);
+  request.disabled_passes = {"memory-plan"};
+  auto plan = MakePlan(request);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+
+  // The smallest arena without waits, under a budget nothing meets: after the first rounds,
+  // and after the over-budget rounds too.
+  auto arena_without_waits = [&](int over_budget_rounds) {
+    MemoryPlanOptions options;
+    options.spill_to_instruction_order = false;
+    options.fall_back_to_instruction_order = false;
+    options.over_budget_repair_rounds = over_budget_rounds;
+    MemoryPlanStats stats;
+    auto packed = PlanMemory(*plan, options, 1, &request.costs, &stats);
+    EXPECT_TRUE(packed.ok()) << packed.status().message();
+    return stats.arena_bytes;
+  };
+  const int64_t first_rounds = arena_without_waits(0);
+  const int64_t more_rounds = arena_without_waits(MemoryPlanOptions{}.over_budget_repair_rounds);
+  ASSERT_LT(more_rounds, first_rounds);
+
+  MemoryPlanOptions first_rounds_only;
+  first_rounds_only.over_budget_repair_rounds = 0;
+  MemoryPlanStats spilling;
+  auto spilled = PlanMemory(*plan, first_rounds_only, more_rounds, &request.costs, &spilling);
+  ASSERT_TRUE(spilled.ok()) << spilled.status().message();
+  EXPECT_GT(spilling.spilled_buffers, 0) << spilling.order;
+
+  MemoryPlanStats stats;
+  auto packed = PlanMemory(*plan, MemoryPlanOptions{}, more_rounds, &request.costs, &stats);
+  ASSERT_TRUE(packed.ok()) << packed.status().message();
+  ExpectNoConflicts(*plan, *packed, MemoryPlanOptions{}.alignment_bytes);
+  EXPECT_EQ(stats.arena_bytes, more_rounds);
+  EXPECT_EQ(stats.spilled_buffers, 0) << stats.order;
+  EXPECT_EQ(stats.lifetimes, MemoryPlanOptions::Lifetimes::kInstructionAndSimulatedTime);
+  EXPECT_NE(stats.order.find("repair round"), std::string::npos) << stats.order;
 }
 
 // The scale the pass must handle: Llama-3 70B, GAS 16, 16 ranks (≈127k instructions, ≈83k

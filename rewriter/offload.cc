@@ -1,8 +1,12 @@
 #include "rewriter/offload.h"
 
+#include <algorithm>
+#include <cstdio>
+#include <optional>
 #include <utility>
 
 #include "machine/simulator.h"
+#include "rewriter/memory_plan.h"
 #include "rewriter/offload_planner.h"
 #include "schemas/units.h"
 
@@ -25,6 +29,25 @@ std::string OffloadPass::OptionsText() const {
          ",max_arena_rounds=" + std::to_string(options_.max_arena_rounds) +
          ",arena_overshoot_factor=" + std::to_string(options_.arena_overshoot_factor) +
          ",memory_plan={" + MemoryPlanOptionsText(options_.memory_plan) + "}";
+}
+
+// The step `schedule` predicts once the memory-plan pass has packed it under the context's
+// budget, its reuse that waits included; nullopt where no memory plan fits.
+StatusOr<std::optional<double>> OffloadPass::StepWithReuseThatWaits(
+    const proto::Schedule& schedule, const PassContext& context) const {
+  proto::Schedule planned = schedule;
+  MemoryPlanPass pass(options_.memory_plan);
+  PassContext plan_context{context.costs, context.budget_bytes};
+  plan_context.threads = context.threads;
+  const StatusOr<bool> changed = pass.Run(&planned, plan_context);
+  if (!changed.ok()) {
+    if (changed.status().over_budget()) return std::optional<double>();
+    return changed.status();
+  }
+  SimOptions options;
+  options.memory_timeline = false;
+  DC_ASSIGN_OR_RETURN(const SimResult sim, Simulate(planned, CostsOf(context), options));
+  return std::optional<double>(sim.step_seconds);
 }
 
 StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& context) {
@@ -56,6 +79,15 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
   SimResult out_simulation;
   const OffloadStats input_stats = stats_;
   OffloadStats out_stats;
+  // Where a lowered planning budget has no plan, the next round goes back up halfway to the
+  // planning budget of the last plan (`out`), from the least the failed one said a plan needs.
+  int64_t out_planning_budget = -1;
+  int64_t no_plan_below = -1;  // no plan exists at a planning budget under this
+  // The first plan, where its arena is over the budget: the memory-plan pass would make some
+  // reuse wait in it, which may cost the step less than the offloading that makes room.
+  std::optional<proto::Schedule> first_over;
+  double first_over_step_seconds = 0;
+  OffloadStats first_over_stats;
   for (int round = 0;; ++round) {
     stats_.planning_budget_bytes = planning_budget;
     OffloadPlanner planner(*schedule, layout, costs, planning_budget, mode, &stats_);
@@ -67,6 +99,17 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
         return false;
       }
       if (round == 0) return planned.status();
+      if (planned.status().over_budget()) {
+        no_plan_below =
+            std::max(no_plan_below,
+                     planning_budget + std::max<int64_t>(1, planned.status().shortfall_bytes()));
+      }
+      if (planned.status().over_budget() && round < options_.max_arena_rounds &&
+          no_plan_below < out_planning_budget) {
+        stats_ = out_stats;
+        planning_budget = no_plan_below + (out_planning_budget - no_plan_below) / 2;
+        continue;
+      }
       // The last plan fits the simulated peak but not its arena, and no plan against a lower
       // budget exists: keep it; the memory-plan pass decides (it can fall back to instruction
       // order).
@@ -78,6 +121,7 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
     }
     out = std::move(planned).value();
     out_simulation = planner.output_simulation();
+    out_planning_budget = planning_budget;
     if (options_.fit_memory_plan) {
       DC_ASSIGN_OR_RETURN(
           stats_.arena_bytes,
@@ -90,11 +134,37 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
         round == options_.max_arena_rounds) {
       break;
     }
+    if (!first_over) {
+      first_over = out;
+      first_over_step_seconds = out_simulation.step_seconds;
+      first_over_stats = stats_;
+    }
     // Doubling the factor each round: a plan moves whole fragments, so an excess of a few bytes
-    // lowered by a few bytes gives the same plan again, round after round.
+    // lowered by a few bytes gives the same plan again, round after round. Not under a budget
+    // known to have no plan: halfway down to it instead.
     planning_budget -= static_cast<int64_t>(static_cast<double>(stats_.arena_bytes - budget) *
                                             options_.arena_overshoot_factor *
                                             static_cast<double>(int64_t{1} << round));
+    if (no_plan_below >= 0) {
+      planning_budget =
+          std::max(planning_budget, no_plan_below + (out_planning_budget - no_plan_below) / 2);
+      if (planning_budget >= out_planning_budget) break;
+    }
+  }
+  if (first_over && out_simulation.step_seconds > first_over_step_seconds) {
+    DC_ASSIGN_OR_RETURN(const std::optional<double> waiting,
+                        StepWithReuseThatWaits(*first_over, context));
+    if (waiting && *waiting < out_simulation.step_seconds) {
+      out = std::move(*first_over);
+      stats_ = first_over_stats;
+      char note[192];
+      std::snprintf(note, sizeof note,
+                    " over the budget: the memory plan's waits in it cost the step less (%.4f s) "
+                    "than offloading room for its arena (%.4f s)",
+                    *waiting, out_simulation.step_seconds);
+      arena_note_ =
+          "; kept the plan whose arena is " + FormatBytes(stats_.arena_bytes - budget) + note;
+    }
   }
   if (stats_.offloaded == 0) return false;
   *schedule = std::move(out);

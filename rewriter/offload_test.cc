@@ -12,6 +12,7 @@
 #include "rewriter/dc_offload.h"
 #include "rewriter/memory_plan.h"
 #include "rewriter/offload_all.h"
+#include "rewriter/policy.h"
 #include "rewriter/verifier.h"
 #include "rewriter/zero3.h"
 
@@ -515,6 +516,50 @@ TEST(Offload, Llama70bOn16H100sMovesLessAndRunsFasterThanOffloadAll) {
   std::printf("offload:     %s\noffload-all: %s\ndc-offload:  %s\nmemory-plan: %s\n",
               offload.Summary().c_str(), offload_all.Summary().c_str(),
               dc_offload.Summary().c_str(), memory_plan.Summary().c_str());
+}
+
+// dc's split that spends all of Adam's state bytes before offload, for llama3-8b on 8 ranks,
+// GAS 4, at a budget of 17.28 GiB: the first offload plan's arena is 0.94 GiB over the budget,
+// and the planning budget lowered by 1.25 times that has no plan at all. The rounds then go back
+// up halfway, where a plan's arena fits: without that, the plan kept had a peak of exactly the
+// budget and the memory plan fell back to instruction order (0.87 s against 0.68 s).
+TEST(Offload, ARoundWithNoPlanGoesBackUpHalfway) {
+  ModelOverrides overrides;
+  overrides.gas = 4;
+  overrides.seq = 1024;
+  overrides.micro_batch = 1;
+  auto config = MakeConfig("llama3-8b", overrides);
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  auto program = BuildProgram(*config);
+  ASSERT_TRUE(program.ok()) << program.status().message();
+  const CostModel costs =
+      EstimateCostModel(*program, *FindHardware("h100-sxm"), ClusterShape{1, 8});
+  proto::Schedule s;
+  s.set_world_size(8);
+  *s.mutable_program() = *program;
+  auto pipeline =
+      MakePipelineFromNames({"zero3", "keep-activations", "bucket", "prefetch", "unshard",
+                             "prefetch", "ramp", "optimizer-order", "offload"});
+  ASSERT_TRUE(pipeline.ok()) << pipeline.status().message();
+  const int64_t budget = 18550000000;
+  const int64_t states =
+      PersistentBytesByKind(*program, 8)[static_cast<int>(BufferKind::kOptimizerState)];
+  PassContext context{&costs, budget};
+  context.relaxed_budget_bytes = budget + states;
+  context.final_budget_bytes = budget;
+  const Status ran = (*pipeline)->Run(&s, context);
+  ASSERT_TRUE(ran.ok()) << ran.message();
+  const std::string summary = s.passes(s.passes_size() - 1).summary();
+  EXPECT_EQ(summary.find("no plan leaves room"), std::string::npos) << summary;
+  // The arena check's plans: the first, the one with no plan, and at least the one halfway.
+  const size_t plans = summary.find(" plans");
+  ASSERT_NE(plans, std::string::npos) << summary;
+  EXPECT_GE(std::stoi(summary.substr(summary.rfind(' ', plans - 1) + 1)), 3) << summary;
+  MemoryPlanStats stats;
+  auto packed = PlanMemory(s, MemoryPlanOptions{}, budget, &costs, &stats);
+  ASSERT_TRUE(packed.ok()) << packed.status().message();
+  EXPECT_EQ(stats.spilled_buffers, 0);
+  EXPECT_EQ(stats.lifetimes, MemoryPlanOptions::Lifetimes::kInstructionAndSimulatedTime);
 }
 
 }  // namespace
