@@ -239,6 +239,35 @@ TEST(NeverWorseTest, IssueCasePlansNoSlowerThanDeepCompile) {
   EXPECT_EQ(dc->policy(), "dc");
 }
 
+// A full pipeline that only ties the baseline has gained nothing from its passes, and the
+// fallbacks are planned as where it is slower: tiny on 2 cpu ranks at 75% of the baseline's
+// peak, where the full pipeline offloads room for its arena and steps as the baseline does, and
+// Adam on the host with bucketing and prefetching is a third faster.
+TEST(NeverWorseTest, APlanThatOnlyTiesTheBaselineTriesTheFallbacks) {
+  auto config = MakeConfig("tiny", ModelOverrides{});
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  auto program = BuildProgram(*config);
+  ASSERT_TRUE(program.ok()) << program.status().message();
+  PlanRequest request;
+  request.program = *program;
+  request.world_size = 2;
+  request.costs = EstimateCostModel(*program, *FindHardware("cpu"), ClusterShape{1, 2});
+  request.policy = "baseline";
+  auto baseline = MakePlan(request);
+  ASSERT_TRUE(baseline.ok()) << baseline.status().message();
+  request.policy = "dc";
+  request.budget_bytes =
+      static_cast<int64_t>(static_cast<double>(baseline->prediction().peak_device_bytes()) * 0.75);
+  auto plan = MakePlan(request);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  EXPECT_LT(plan->prediction().step_seconds(), 0.9 * baseline->prediction().step_seconds());
+  bool noted = false;
+  for (const std::string& note : plan->notes()) {
+    noted = noted || note.find("no faster than the baseline's") != std::string::npos;
+  }
+  EXPECT_TRUE(noted);
+}
+
 // Mixtral 8x7B at the paper's scale (32 H100s, seq 2048, micro-batch 4): dc's plan prefetches
 // and keeps experts gathered under the 79.65 GiB budget. One of its candidates used to make a
 // schedule the happens-before check refused (a compute lost its wait for a gather when unshard

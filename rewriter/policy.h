@@ -32,8 +32,8 @@ struct SearchOptions {
   // where the zero3 stream has at most this many instructions, so planning stays under a second
   // (Mixtral 8x7B at GAS 16 has 105k instructions and is planned once).
   int64_t max_instructions_to_explore = 50000;
-  // A plan is slower than the baseline when its step is longer by more than this relative
-  // margin (float noise of the simulator's sums, not a real difference).
+  // A plan is faster or slower than the baseline when its step differs by more than this
+  // relative margin (float noise of the simulator's sums, not a real difference).
   double slower_than_baseline_tolerance = 1e-9;
 };
 
@@ -57,7 +57,7 @@ struct Policy {
   // activations; half or all of the offloadable state bytes before offload) and keeps the
   // fastest.
   bool explores_splits = false;
-  // Tried, in order, where the pipeline fails at the budget or predicts a slower step than the
+  // Tried, in order, where the pipeline fails at the budget or predicts a step no faster than the
   // baseline; the fastest plan wins (ties: the first). Where the persistent shards alone exceed
   // the budget, only those with the optimizer step on the host are tried.
   std::vector<FallbackPipeline> fallbacks;
