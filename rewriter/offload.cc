@@ -28,6 +28,7 @@ std::string OffloadPass::OptionsText() const {
          ",fit_memory_plan=" + (options_.fit_memory_plan ? "1" : "0") +
          ",max_arena_rounds=" + std::to_string(options_.max_arena_rounds) +
          ",arena_overshoot_factor=" + std::to_string(options_.arena_overshoot_factor) +
+         ",min_gain_to_weigh_waits=" + std::to_string(options_.min_gain_to_weigh_waits) +
          ",memory_plan={" + MemoryPlanOptionsText(options_.memory_plan) + "}";
 }
 
@@ -36,7 +37,13 @@ std::string OffloadPass::OptionsText() const {
 StatusOr<std::optional<double>> OffloadPass::StepWithReuseThatWaits(
     const proto::Schedule& schedule, const PassContext& context) const {
   proto::Schedule planned = schedule;
-  MemoryPlanPass pass(options_.memory_plan);
+  // Without the repair rounds: the waits' cost is an upper bound then, for a fraction of the
+  // packings.
+  MemoryPlanOptions quick = options_.memory_plan;
+  quick.repaired_orders.clear();
+  quick.last_orders.clear();
+  quick.over_budget_repair_rounds = 0;
+  MemoryPlanPass pass(quick);
   PassContext plan_context{context.costs, context.budget_bytes};
   plan_context.threads = context.threads;
   const StatusOr<bool> changed = pass.Run(&planned, plan_context);
@@ -151,7 +158,8 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
       if (planning_budget >= out_planning_budget) break;
     }
   }
-  if (first_over && out_simulation.step_seconds > first_over_step_seconds) {
+  if (first_over && out_simulation.step_seconds >
+                        first_over_step_seconds * (1 + options_.min_gain_to_weigh_waits)) {
     DC_ASSIGN_OR_RETURN(const std::optional<double> waiting,
                         StepWithReuseThatWaits(*first_over, context));
     if (waiting && *waiting < out_simulation.step_seconds) {
