@@ -129,6 +129,13 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
     out = std::move(planned).value();
     out_simulation = planner.output_simulation();
     out_planning_budget = planning_budget;
+    // A plan already no faster than the one in hand cannot win: more rounds only offload more
+    // (the pipeline stops after this pass, Status::CannotWin, unless the first plan is kept).
+    if (context.step_to_beat_seconds > 0 &&
+        out_simulation.step_seconds >= context.step_to_beat_seconds) {
+      out_stats = stats_;
+      break;
+    }
     if (options_.fit_memory_plan) {
       DC_ASSIGN_OR_RETURN(
           stats_.arena_bytes,
@@ -158,8 +165,11 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
       if (planning_budget >= out_planning_budget) break;
     }
   }
-  if (first_over && out_simulation.step_seconds >
-                        first_over_step_seconds * (1 + options_.min_gain_to_weigh_waits)) {
+  const bool first_may_win =
+      context.step_to_beat_seconds <= 0 || first_over_step_seconds < context.step_to_beat_seconds;
+  if (first_over && first_may_win &&
+      out_simulation.step_seconds >
+          first_over_step_seconds * (1 + options_.min_gain_to_weigh_waits)) {
     DC_ASSIGN_OR_RETURN(const std::optional<double> waiting,
                         StepWithReuseThatWaits(*first_over, context));
     if (waiting && *waiting < out_simulation.step_seconds) {
