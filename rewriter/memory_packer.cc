@@ -589,7 +589,7 @@ StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
   struct Decided {
     size_t attempt = 0;
     bool pack = false;
-    bool repairs_done = false;  // a repair that would mark nothing new: its order's are done
+    bool repairs_done = false;  // a repair that would mark nothing: its order's are done
     std::vector<int> marks;     // a repair's marks
     int round = 0;
     Packing packing;

@@ -133,6 +133,8 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
     // (the pipeline stops after this pass, Status::CannotWin, unless the first plan is kept).
     if (context.step_to_beat_seconds > 0 &&
         out_simulation.step_seconds >= context.step_to_beat_seconds) {
+      stats_.arena_bytes = 0;  // this plan's arena is not packed
+      stats_.arena_rounds = round + 1;
       out_stats = stats_;
       break;
     }
