@@ -137,9 +137,13 @@ TEST_F(EndToEnd, PlanThenCacheHitThenRunWithFallingLoss) {
   EXPECT_EQ(r["backend"], "cpu");
   EXPECT_GT(r["tokens_per_second"].get<double>(), 0);
   EXPECT_GT(r["step_seconds_median"].get<double>(), 0);
-  // The measured live peak is exactly what the plan predicted (one accounting for both), and
-  // the device held exactly the memory plan's arena.
-  EXPECT_EQ(r["peak_live_bytes"], plan["predicted"]["peak_device_bytes"]);
+  // The trace ran the default (threaded) streams, so the predicted peak is the larger of the
+  // issue-order and the time-resolved one (see ThreadedTrace.PredictedPeakBoundsTheRun; the
+  // serially collected tests below hold the two equal): the run never holds more live bytes than
+  // the plan promised, and the device held exactly the memory plan's arena.
+  EXPECT_LE(r["peak_live_bytes"].get<int64_t>(),
+            plan["predicted"]["peak_device_bytes"].get<int64_t>());
+  EXPECT_GT(r["peak_live_bytes"].get<int64_t>(), 0);
   EXPECT_GT(plan["arena_bytes"].get<int64_t>(), 0);
   EXPECT_EQ(r["peak_device_bytes"], plan["arena_bytes"]);
   const double first_loss = r["losses"][0], last_loss = r["losses"][19];
