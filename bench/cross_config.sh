@@ -12,7 +12,8 @@
 # column is the same calibration without its per-op-kind time scales, on the same runs.
 #   bench/cross_config.sh [build-dir] [steps]
 # FIT_STEPS=key,key... passes --fit-steps to dc-calibrate (which constants the measured step
-# times fit; default: dc-calibrate's own, kernel_launch_seconds and collective_base_latency_s).
+# times fit; default: dc-calibrate's own, kernel_launch_seconds, the collectives' base latency
+# being the nccl-tests tables').
 # Every run has one BLAS thread per rank (--threads-per-rank 1): the profile's rates are a rank's on
 # one core, and the traces record the host's cores, so that ranks beyond the cores (4 ranks on a
 # 2-core machine) are predicted slower by the share they get (machine/estimate.h's

@@ -168,14 +168,22 @@ StatusOr<std::vector<StepTimeRow>> ParseStepTimes(const std::string& text,
   return rows;
 }
 
-std::vector<std::string> DefaultStepTimeKeys(const HardwareProfile& profile, bool rates_measured) {
-  std::vector<std::string> keys;
+StepTimeKeys DefaultStepTimeKeys(const HardwareProfile& profile, bool rates_measured,
+                                 const std::string& network_tables) {
+  StepTimeKeys out;
   if (!rates_measured) {
-    keys = EfficiencyOrRateKeys(profile, "matmul_efficiency", {"peak_fp32_flops_per_s"});
+    out.keys = EfficiencyOrRateKeys(profile, "matmul_efficiency", {"peak_fp32_flops_per_s"});
   }
-  keys.push_back("kernel_launch_seconds");
-  keys.push_back("collective_base_latency_s");
-  return keys;
+  out.keys.push_back("kernel_launch_seconds");
+  if (network_tables.empty()) {
+    out.keys.push_back("collective_base_latency_s");
+  } else {
+    out.undetermined.push_back(
+        "collective_base_latency_s: taken from the nccl-tests tables (" + network_tables +
+        "): a sweep of sizes measures the latency; a few whole steps only trade it against the "
+        "other overheads (--fit-steps collective_base_latency_s fits it here anyway)");
+  }
+  return out;
 }
 
 StatusOr<FitGroup> StepTimeGroup(const std::vector<StepTimeRow>& rows, const std::string& origin,
@@ -184,7 +192,7 @@ StatusOr<FitGroup> StepTimeGroup(const std::vector<StepTimeRow>& rows, const std
   FitGroup group;
   group.input = origin;
   group.kind = "step times";
-  group.keys = keys.empty() ? DefaultStepTimeKeys(plan_profile, false) : keys;
+  group.keys = keys.empty() ? DefaultStepTimeKeys(plan_profile, false).keys : keys;
   bool any_collective = false;
   for (const StepTimeRow& row : rows) {
     const std::string at = origin + ":" + std::to_string(row.line) + ": ";

@@ -44,17 +44,27 @@ StatusOr<std::vector<StepTimeRow>> ParseStepTimes(const std::string& text,
 // The rows as one group: each row's program (MakeConfig, BuildProgram) planned once by its policy
 // on `plan_profile`'s cost model (the plan stays fixed while constants move), then predicted by
 // simulating that plan on the candidate profile's cost model (machine/estimate.h). `keys`: the
-// constants to fit; empty: DefaultStepTimeKeys(plan_profile, false). Errors name the origin and
+// constants to fit; empty: DefaultStepTimeKeys(plan_profile, false)'s. Errors name the origin and
 // line (an unknown preset, a cluster the profile cannot build, a budget no plan meets).
 StatusOr<FitGroup> StepTimeGroup(const std::vector<StepTimeRow>& rows, const std::string& origin,
                                  const HardwareProfile& plan_profile,
                                  const std::vector<std::string>& keys);
 
-// What a step-time table fits by default: the launch time per op and the base latency per
-// collective (the overheads only whole steps show), and, unless `rates_measured` (a trace beside
-// it measured the ops), the matmul efficiency (or the peak, where the profile folds it in:
-// EfficiencyOrRateKeys). Small models' steps are mostly overhead: fitting the rate from them
-// alone trades it against the overheads.
-std::vector<std::string> DefaultStepTimeKeys(const HardwareProfile& profile, bool rates_measured);
+// What a step-time table fits by default, and what it leaves to other inputs and why.
+struct StepTimeKeys {
+  std::vector<std::string> keys;
+  std::vector<std::string> undetermined;  // "key: why", for FitGroup::undetermined
+};
+
+// The launch time per op and the base latency per collective (the overheads only whole steps
+// show), and, unless `rates_measured` (a trace beside it measured the ops), the matmul efficiency
+// (or the peak, where the profile folds it in: EfficiencyOrRateKeys). Small models' steps are
+// mostly overhead: fitting the rate from them alone trades it against the overheads. Where
+// `network_tables` is not empty (nccl-tests tables beside it fit the network), the base latency is
+// theirs: a few small steps, each a median on a machine whose millisecond steps move by a third,
+// fitted it 1.3 us -> 114 us over the tables' fit, and the configurations with many collectives
+// were then predicted 2-3.6x their measured steps (bench/results/cross_config-2026-12-02b.md).
+StepTimeKeys DefaultStepTimeKeys(const HardwareProfile& profile, bool rates_measured,
+                                 const std::string& network_tables = "");
 
 }  // namespace dc

@@ -132,5 +132,25 @@ TEST(StepTimes, RecoversMatmulEfficiencyAndLaunchTime) {
   EXPECT_NEAR(fit->profile.kernel_launch_seconds / 9e-6, 1, 0.05);
 }
 
+// Beside nccl-tests tables the step times leave the collectives' base latency to them (a few
+// whole steps trade it against the other overheads), and say so; alone, they fit it.
+TEST(StepTimes, LeaveTheBaseLatencyToNcclTestsTables) {
+  const HardwareProfile base = H100();
+  const StepTimeKeys alone = DefaultStepTimeKeys(base, /*rates_measured=*/true);
+  EXPECT_EQ(alone.keys,
+            (std::vector<std::string>{"kernel_launch_seconds", "collective_base_latency_s"}));
+  EXPECT_TRUE(alone.undetermined.empty());
+  const StepTimeKeys beside = DefaultStepTimeKeys(base, true, "ag.txt, rs.txt");
+  EXPECT_EQ(beside.keys, std::vector<std::string>{"kernel_launch_seconds"});
+  ASSERT_EQ(beside.undetermined.size(), 1u);
+  EXPECT_EQ(beside.undetermined[0].find(
+                "collective_base_latency_s: taken from the nccl-tests tables (ag.txt, rs.txt)"),
+            0u)
+      << beside.undetermined[0];
+  const StepTimeKeys unmeasured = DefaultStepTimeKeys(base, false, "ag.txt");
+  EXPECT_EQ(unmeasured.keys,
+            (std::vector<std::string>{"matmul_efficiency", "kernel_launch_seconds"}));
+}
+
 }  // namespace
 }  // namespace dc

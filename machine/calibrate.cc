@@ -199,6 +199,8 @@ StatusOr<Calibration> Calibrate(const HardwareProfile& base, const std::vector<F
       }
     }
     const ErrorSummary fit = Errors(group.observations, out.profile);
+    result.median_error_fit = fit.median;
+    result.worst_error_fit = fit.worst;
     for (size_t k = 0; k < group.keys.size(); ++k) {
       FittedConstant& c = result.fitted[k];
       c.after = *GetHardwareConstant(out.profile, c.key);
@@ -212,6 +214,14 @@ StatusOr<Calibration> Calibrate(const HardwareProfile& base, const std::vector<F
     out.groups.push_back(std::move(result));
   }
   for (size_t g = 0; g < groups.size(); ++g) {
+    for (const std::string& key : groups[g].keys) {
+      for (size_t later = g + 1; later < groups.size(); ++later) {
+        const std::vector<std::string>& keys = groups[later].keys;
+        if (std::find(keys.begin(), keys.end(), key) == keys.end()) continue;
+        out.groups[g].refitted_later.push_back(key + " by " + groups[later].kind + " (" +
+                                               groups[later].input + ")");
+      }
+    }
     const ErrorSummary before = Errors(groups[g].observations, base);
     const ErrorSummary after = Errors(groups[g].observations, out.profile);
     out.groups[g].median_error_before = before.median;

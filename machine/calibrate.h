@@ -74,6 +74,12 @@ struct GroupResult {
   // profile and under the calibrated one (every group fitted).
   double median_error_before = 0, worst_error_before = 0;
   double median_error_after = 0, worst_error_after = 0;
+  // Under the profile right after this group's own fit (before the groups after it): where a
+  // later group fits one of its keys again, the two can differ by much.
+  double median_error_fit = 0, worst_error_fit = 0;
+  // Its keys that a later group fitted again (so the calibrated profile holds that group's
+  // value): "collective_base_latency_s by step times (steps.csv)".
+  std::vector<std::string> refitted_later;
   // Each observation under the base profile and under the calibrated one.
   struct Point {
     std::string what;
@@ -146,8 +152,9 @@ StatusOr<FitGroup> NcclTestsGroup(const std::vector<NcclTestsTable>& tables);
 // fit them again: a sweep of sizes run back to back measures the network, while a trace's
 // collectives hold the model's few sizes and every wait for a late peer. Each such key moves to
 // the trace group's undetermined list, saying why; the group still reports its error under the
-// tables' fit. (The step-times group may still fit collective_base_latency_s: what a step pays
-// per collective beyond the network, waits included, only whole steps show.) Where no table fits
+// tables' fit. (The step-times group's default keys leave collective_base_latency_s to the tables
+// too, calibrate/step_times.h's DefaultStepTimeKeys; --fit-steps may still name it.) Where no table
+// fits
 // the network and the trace collectives do, the "trace skew" group fits nothing and says why:
 // those collectives' durations hold the waits for the last rank already.
 void PreferNcclTestsForTheNetwork(std::vector<FitGroup>* groups);

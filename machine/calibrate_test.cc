@@ -246,6 +246,36 @@ TEST(Calibrate, StartsAConstantTheBaseHoldsAtZeroFromTheGroupsValue) {
   EXPECT_EQ(fit->profile.collective_compute_seconds, 0);
 }
 
+// Where a later group fits a key an earlier one fitted, the calibrated profile holds the later
+// value; the earlier group's result says so and keeps its error under its own fit.
+TEST(Calibrate, SaysWhichKeysALaterGroupFittedAgain) {
+  auto group_at = [](const std::string& input, double latency_s) {
+    FitGroup group;
+    group.input = input;
+    group.kind = "test";
+    group.keys = {"host_link_latency_s"};
+    for (int64_t bytes : {1 << 10, 1 << 12}) {
+      Observation o;
+      o.what = std::to_string(bytes);
+      o.measured_seconds = latency_s + bytes / 20e9;
+      o.predict = [bytes](const HardwareProfile& hw) {
+        return hw.host_link_latency_s + bytes / 20e9;
+      };
+      group.observations.push_back(o);
+    }
+    return group;
+  };
+  auto fit = Calibrate(H100(), {group_at("sweep", 5e-6), group_at("steps", 50e-6)});
+  ASSERT_TRUE(fit.ok()) << fit.status().message();
+  EXPECT_NEAR(fit->profile.host_link_latency_s / 50e-6, 1, 0.01);
+  ASSERT_EQ(fit->groups[0].refitted_later.size(), 1u);
+  EXPECT_EQ(fit->groups[0].refitted_later[0], "host_link_latency_s by test (steps)");
+  EXPECT_LT(fit->groups[0].median_error_fit, 0.01);   // its own fit matched it ...
+  EXPECT_GT(fit->groups[0].median_error_after, 1.0);  // ... the calibrated profile does not
+  EXPECT_TRUE(fit->groups[1].refitted_later.empty());
+  EXPECT_EQ(fit->groups[1].median_error_fit, fit->groups[1].median_error_after);
+}
+
 // The skew's waits are fitted only where nccl-tests tables give the network: otherwise the trace
 // collectives' durations fit it, every wait for the last rank inside them.
 TEST(Calibrate, TheSkewIsFittedOnlyBesideANetworkFromTables) {

@@ -207,9 +207,31 @@ TEST_F(DcCalibrate, WritesAProfileDcPlanReads) {
   bool fitted_step_kind = false;
   for (const auto& input : report["inputs"]) {
     EXPECT_TRUE(input.contains("error_before") && input.contains("error_after"));
-    if (input["kind"] == "step times") fitted_step_kind = !input["fitted"].empty();
+    if (input["kind"] != "step times") continue;
+    fitted_step_kind = !input["fitted"].empty();
+    // The tables measured the collectives' latency: the steps leave it to them, and say so.
+    for (const auto& fitted : input["fitted"]) {
+      EXPECT_NE(fitted["key"], "collective_base_latency_s");
+    }
+    ASSERT_FALSE(input["undetermined"].empty()) << input.dump();
+    EXPECT_EQ(input["undetermined"][0].get<std::string>().find(
+                  "collective_base_latency_s: taken from the nccl-tests tables (" + nccl + ")"),
+              0u)
+        << input.dump();
   }
   EXPECT_TRUE(fitted_step_kind);
+  // The trace's ops fitted the launch time before the steps fitted it again: that input says so.
+  bool refit_said = false;
+  for (const auto& input : report["inputs"]) {
+    if (input["kind"] != "trace ops") continue;
+    ASSERT_TRUE(input.contains("refitted_later") && input.contains("error_own_fit"));
+    for (const auto& said : input["refitted_later"]) {
+      refit_said = refit_said || said.get<std::string>().find(
+                                     "kernel_launch_seconds by step "
+                                     "times (") == 0;
+    }
+  }
+  EXPECT_TRUE(refit_said) << r.out;
   // The tables measured the network: the trace's collectives leave what they fitted alone.
   bool saw_trace_collectives = false;
   for (const auto& input : report["inputs"]) {

@@ -72,12 +72,16 @@ StatusOr<std::vector<FitGroup>> Groups(const Flags& f, HardwareProfile* base_pro
   for (const std::string& key : f.fit_steps) {
     DC_RETURN_IF_ERROR(GetHardwareConstant(base, key).status().Prefixed("--fit-steps: "));
   }
+  StepTimeKeys step_keys{f.fit_steps, {}};
+  if (f.fit_steps.empty()) {
+    step_keys = DefaultStepTimeKeys(base, !f.traces.empty(), Join(f.nccl_tests, ", "));
+  }
   for (const std::string& path : f.steps) {
     DC_ASSIGN_OR_RETURN(std::string text, ReadFileBytes(path));
     DC_ASSIGN_OR_RETURN(std::vector<StepTimeRow> rows, ParseStepTimes(text, path));
-    const std::vector<std::string> keys =
-        f.fit_steps.empty() ? DefaultStepTimeKeys(base, !f.traces.empty()) : f.fit_steps;
-    DC_ASSIGN_OR_RETURN(FitGroup group, StepTimeGroup(rows, path, base, keys));
+    DC_ASSIGN_OR_RETURN(FitGroup group, StepTimeGroup(rows, path, base, step_keys.keys));
+    group.undetermined.insert(group.undetermined.begin(), step_keys.undetermined.begin(),
+                              step_keys.undetermined.end());
     groups.push_back(std::move(group));
   }
   PreferNcclTestsForTheNetwork(&groups);
@@ -110,7 +114,9 @@ nlohmann::json ReportJson(const Flags& f, const Calibration& c) {
          {"undetermined", g.undetermined},
          {"observations", points},
          {"error_before", {{"median", g.median_error_before}, {"worst", g.worst_error_before}}},
-         {"error_after", {{"median", g.median_error_after}, {"worst", g.worst_error_after}}}});
+         {"error_after", {{"median", g.median_error_after}, {"worst", g.worst_error_after}}},
+         {"error_own_fit", {{"median", g.median_error_fit}, {"worst", g.worst_error_fit}}},
+         {"refitted_later", g.refitted_later}});
   }
   return {{"base", f.base}, {"name", c.profile.name}, {"output", f.out}, {"inputs", inputs}};
 }
@@ -128,6 +134,12 @@ void PrintReport(const Flags& f, const Calibration& c) {
                   UnitOf(k.key).c_str(), k.at_bound ? " (at the end of its search range)" : "");
     }
     for (const std::string& u : g.undetermined) std::printf("  not determined: %s\n", u.c_str());
+    if (!g.refitted_later.empty()) {
+      std::printf(
+          "  fitted again later: %s; under this input's own fit its error was median %.1f%%, "
+          "worst %.1f%%\n",
+          Join(g.refitted_later, ", ").c_str(), 100 * g.median_error_fit, 100 * g.worst_error_fit);
+    }
     if (g.fitted.empty() && g.undetermined.empty()) std::printf("  (checks the fit only)\n");
   }
 }
