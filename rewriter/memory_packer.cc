@@ -20,6 +20,7 @@ namespace {
 
 using rewriter_internal::ArenaOccupancy;
 using rewriter_internal::ArenaOccupancy32;
+using rewriter_internal::ThreadShare;
 int64_t AlignUp(int64_t bytes, int64_t alignment) {
   return (bytes + alignment - 1) / alignment * alignment;
 }
@@ -487,7 +488,8 @@ StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
                                            const MemoryPlanOptions& options, int64_t budget_bytes,
                                            const CostModel* costs, MemoryPlanStats* stats,
                                            const SimResult* simulation, int threads,
-                                           const PackingProgress* resume, PackingProgress* save) {
+                                           ThreadShare* share, const PackingProgress* resume,
+                                           PackingProgress* save) {
   if (options.alignment_bytes <= 0 ||
       (options.alignment_bytes & (options.alignment_bytes - 1)) != 0) {
     return Status::Error("memory plan alignment must be a power of two, not " +
@@ -594,12 +596,28 @@ StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
     int round = 0;
     Packing packing;
   };
-  const int batch = std::max(1, threads);
+  // How many attempts the next batch may pack at once: `threads`, or 1 and the share's idle slots,
+  // lent for the batch (given back when `lent` goes).
+  struct Lent {
+    ThreadShare* share;
+    int borrowed = 0;
+    ~Lent() {
+      if (share) share->GiveBack(borrowed);
+    }
+  };
+  const int most = share ? share->threads() : std::max(1, threads);
+  auto lend = [&](Lent* lent) {
+    if (!share) return most;
+    lent->borrowed = share->Borrow(most - 1);
+    return 1 + lent->borrowed;
+  };
   // Packs `list` in turn from *next on until `enough()`: an order's repairs stop after
   // `patience` rounds in a row that pack no tighter than its best.
   auto pack_in_turn = [&](const std::vector<Attempt>& list, size_t* next, int patience,
                           const auto& enough) {
     while (*next < list.size() && !enough()) {
+      Lent lent{share};
+      const int batch = lend(&lent);
       std::vector<Decided> decided;
       std::vector<MemoryPlanOptions::Order> orders;
       int packings = 0;
@@ -717,11 +735,13 @@ StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
       if (attempt.axis == &primary) sequence_of(attempt.order);
     }
     std::vector<Packing> packed_batch;
-    // Task i of each batch places in occupancies[i] (one thread at a time).
-    while (static_cast<int>(occupancies.size()) < batch) occupancies.emplace_back(0);
-    for (size_t start = 0; start < attempts.size() && best.arena_bytes > budget_bytes;
-         start += batch) {
-      const size_t end = std::min(attempts.size(), start + batch);
+    for (size_t start = 0, end = 0; start < attempts.size() && best.arena_bytes > budget_bytes;
+         start = end) {
+      Lent lent{share};
+      const int batch = lend(&lent);
+      // Task i of each batch places in occupancies[i] (one thread at a time).
+      while (static_cast<int>(occupancies.size()) < batch) occupancies.emplace_back(0);
+      end = std::min(attempts.size(), start + batch);
       packed_batch.assign(end - start, Packing());
       rewriter_internal::RunTasks(static_cast<int>(end - start), batch, [&](int i) {
         const Attempt& attempt = attempts[start + i];
@@ -758,8 +778,8 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
                                        const MemoryPlanOptions& options, int64_t budget_bytes,
                                        const CostModel* costs, MemoryPlanStats* stats,
                                        const SimResult* simulation, int threads,
-                                       const PackingMemo* memo) {
-  return PlanMemoryFrom(schedule, options, budget_bytes, costs, stats, simulation, threads,
+                                       const PackingMemo* memo, ThreadShare* share) {
+  return PlanMemoryFrom(schedule, options, budget_bytes, costs, stats, simulation, threads, share,
                         memo ? memo->last() : nullptr, nullptr);
 }
 
@@ -771,11 +791,11 @@ const PackingProgress* PackingMemo::last() const { return last_.get(); }
 StatusOr<int64_t> ArenaBytesWithoutWaits(const proto::Schedule& schedule,
                                          const MemoryPlanOptions& options, int64_t budget_bytes,
                                          const CostModel* costs, const SimResult* simulation,
-                                         PackingMemo* memo, int threads) {
+                                         PackingMemo* memo, int threads, ThreadShare* share) {
   MemoryPlanStats stats;
   auto progress = memo ? std::make_unique<PackingProgress>() : nullptr;
   DC_RETURN_IF_ERROR(PlanMemoryFrom(schedule, BudgetCheckOptions(options), budget_bytes, costs,
-                                    &stats, simulation, threads, nullptr, progress.get())
+                                    &stats, simulation, threads, share, nullptr, progress.get())
                          .status());
   if (memo) memo->last_ = std::move(progress);
   return stats.arena_bytes;

@@ -159,6 +159,9 @@ struct MemoryPlanStats {
 };
 
 class PackingMemo;
+namespace rewriter_internal {
+class ThreadShare;
+}  // namespace rewriter_internal
 
 // The plan of `schedule` under `options`: placements sorted by (instruction, tensor,
 // micro_step). First the packings without waits (the orders and their repair rounds) until one
@@ -168,7 +171,8 @@ class PackingMemo;
 // the simulation for kInstructionAndSimulatedTime; without them (null) lifetimes are in
 // instruction order. `stats` is optional; so is `simulation`, Simulate(schedule, *costs) when
 // the caller has it (the memory timeline is not needed), which spares simulating again.
-// `threads` > 1 packs that many attempts at a time (the plan is the same).
+// `threads` > 1 packs that many attempts at a time (the plan is the same); with `share`, as many
+// as it lends at the time, up to its threads.
 // `memo` (optional): where the offload pass's last arena check packed the same lifetimes under
 // the same budget and orders, its packings are this plan's first, and the plan goes on from
 // them instead of packing them again (the same plan; MemoryPlanStats::packings_reused).
@@ -176,7 +180,8 @@ StatusOr<proto::MemoryPlan> PlanMemory(const proto::Schedule& schedule,
                                        const MemoryPlanOptions& options, int64_t budget_bytes,
                                        const CostModel* costs, MemoryPlanStats* stats,
                                        const SimResult* simulation = nullptr, int threads = 1,
-                                       const PackingMemo* memo = nullptr);
+                                       const PackingMemo* memo = nullptr,
+                                       rewriter_internal::ThreadShare* share = nullptr);
 
 // Where PlanMemory's packings without waits stopped (memory_packer.cc).
 struct PackingProgress;
@@ -198,7 +203,8 @@ class PackingMemo {
  private:
   friend StatusOr<int64_t> ArenaBytesWithoutWaits(const proto::Schedule&, const MemoryPlanOptions&,
                                                   int64_t, const CostModel*, const SimResult*,
-                                                  PackingMemo*, int);
+                                                  PackingMemo*, int,
+                                                  rewriter_internal::ThreadShare*);
   std::unique_ptr<PackingProgress> last_;
 };
 
@@ -211,13 +217,14 @@ MemoryPlanOptions BudgetCheckOptions(const MemoryPlanOptions& options);
 // The arena `schedule` gets without slowing down: packed with BudgetCheckOptions(options) (no
 // reuse that waits (no spills, no fall-back to instruction order: those
 // are the memory-plan pass's last resorts). What the offload pass asks of a candidate plan.
-// `costs`, `simulation` and `threads` as for PlanMemory (with threads > 1 its packings are made
-// that many at a time: the same arena); where its packings stopped is kept in `memo` (optional)
-// for the memory-plan pass to go on from.
+// `costs`, `simulation`, `threads` and `share` as for PlanMemory (with threads > 1 its packings are
+// made that many at a time: the same arena); where its packings stopped is kept in `memo`
+// (optional) for the memory-plan pass to go on from.
 StatusOr<int64_t> ArenaBytesWithoutWaits(const proto::Schedule& schedule,
                                          const MemoryPlanOptions& options, int64_t budget_bytes,
                                          const CostModel* costs, const SimResult* simulation,
-                                         PackingMemo* memo, int threads = 1);
+                                         PackingMemo* memo, int threads = 1,
+                                         rewriter_internal::ThreadShare* share = nullptr);
 
 // `options` as text, for a pass's OptionsText (part of the plan cache's key).
 std::string MemoryPlanOptionsText(const MemoryPlanOptions& options);

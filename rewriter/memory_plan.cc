@@ -125,9 +125,10 @@ StatusOr<bool> MemoryPlanPass::Run(proto::Schedule* schedule, const PassContext&
   reuse_dependencies_added_ = 0;
   const int64_t budget = context.budget_bytes;
   // Where the offload pass's arena check packed these lifetimes, its packings are not made again.
-  DC_ASSIGN_OR_RETURN(proto::MemoryPlan plan,
-                      PlanMemory(*schedule, options_, budget, context.costs, &stats_,
-                                 context.input_simulation, context.threads, context.packings));
+  DC_ASSIGN_OR_RETURN(
+      proto::MemoryPlan plan,
+      PlanMemory(*schedule, options_, budget, context.costs, &stats_, context.input_simulation,
+                 context.threads, context.packings, context.thread_share));
   static const CostModel kFallback;
   const CostModel& costs = context.costs ? *context.costs : kFallback;
   SimOptions sim_options;

@@ -46,6 +46,7 @@ StatusOr<std::optional<double>> OffloadPass::StepWithReuseThatWaits(
   MemoryPlanPass pass(quick);
   PassContext plan_context{context.costs, context.budget_bytes};
   plan_context.threads = context.threads;
+  plan_context.thread_share = context.thread_share;
   const StatusOr<bool> changed = pass.Run(&planned, plan_context);
   if (!changed.ok()) {
     if (changed.status().over_budget()) return std::optional<double>();
@@ -75,7 +76,7 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
     DC_ASSIGN_OR_RETURN(
         const int64_t arena_bytes,
         ArenaBytesWithoutWaits(*schedule, options_.memory_plan, budget, context.costs, &base,
-                               context.packings, context.threads));
+                               context.packings, context.threads, context.thread_share));
     if (arena_bytes <= budget) return false;
     planning_budget -= static_cast<int64_t>(static_cast<double>(arena_bytes - budget) *
                                             options_.arena_overshoot_factor);
@@ -131,8 +132,8 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
     out_planning_budget = planning_budget;
     // A plan already no faster than the one in hand cannot win: more rounds only offload more
     // (the pipeline stops after this pass, Status::CannotWin, unless the first plan is kept).
-    if (context.step_to_beat_seconds > 0 &&
-        out_simulation.step_seconds >= context.step_to_beat_seconds) {
+    const double to_beat = StepToBeatSeconds(context);
+    if (to_beat > 0 && out_simulation.step_seconds >= to_beat) {
       stats_.arena_bytes = 0;  // this plan's arena is not packed
       stats_.arena_rounds = round + 1;
       out_stats = stats_;
@@ -142,7 +143,7 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
       DC_ASSIGN_OR_RETURN(
           stats_.arena_bytes,
           ArenaBytesWithoutWaits(out, options_.memory_plan, budget, context.costs, &out_simulation,
-                                 context.packings, context.threads));
+                                 context.packings, context.threads, context.thread_share));
       stats_.arena_rounds = round + 1;
     }
     out_stats = stats_;
@@ -167,8 +168,8 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
       if (planning_budget >= out_planning_budget) break;
     }
   }
-  const bool first_may_win =
-      context.step_to_beat_seconds <= 0 || first_over_step_seconds < context.step_to_beat_seconds;
+  const double to_beat = first_over ? StepToBeatSeconds(context) : 0;
+  const bool first_may_win = to_beat <= 0 || first_over_step_seconds < to_beat;
   if (first_over && first_may_win &&
       out_simulation.step_seconds >
           first_over_step_seconds * (1 + options_.min_gain_to_weigh_waits)) {

@@ -11,6 +11,11 @@
 
 namespace dc {
 
+double StepToBeatSeconds(const PassContext& context) {
+  return context.step_to_beat_later ? (*context.step_to_beat_later)()
+                                    : context.step_to_beat_seconds;
+}
+
 std::vector<std::string> Pipeline::PassNames() const {
   std::vector<std::string> names;
   for (const auto& pass : passes_) names.emplace_back(pass->name());
@@ -140,13 +145,15 @@ Status Pipeline::Run(proto::Schedule* schedule, const PassContext& context,
     Pass* pass = enabled.passes[i];
     const std::string name(pass->name());
     *ended_at = i;
-    if (i == enabled.slowing_tail && context.step_to_beat_seconds > 0 && verified_sim &&
-        context.costs && verified_sim->step_seconds >= context.step_to_beat_seconds) {
-      char text[160];
-      std::snprintf(text, sizeof(text),
-                    "its step before %s is %.6g s, no faster than the plan in hand's %.6g s",
-                    name.c_str(), verified_sim->step_seconds, context.step_to_beat_seconds);
-      return Status::CannotWin(text);
+    if (i == enabled.slowing_tail && verified_sim && context.costs) {
+      const double to_beat = StepToBeatSeconds(context);
+      if (to_beat > 0 && verified_sim->step_seconds >= to_beat) {
+        char text[160];
+        std::snprintf(text, sizeof(text),
+                      "its step before %s is %.6g s, no faster than the plan in hand's %.6g s",
+                      name.c_str(), verified_sim->step_seconds, to_beat);
+        return Status::CannotWin(text);
+      }
     }
     const bool before_freeing = enabled.relaxed[i];
     PassContext pass_context = before_freeing ? relaxed : enforced;

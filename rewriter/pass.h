@@ -21,6 +21,9 @@ namespace dc {
 // What a pass may consult besides the schedule itself.
 class PackingMemo;
 class SimulationCache;
+namespace rewriter_internal {
+class ThreadShare;
+}  // namespace rewriter_internal
 
 struct PassContext {
   const CostModel* costs = nullptr;
@@ -42,16 +45,27 @@ struct PassContext {
   // The step of a plan in hand, for a candidate that is kept only if strictly faster: where the
   // schedule's verified step is at least this before the pipeline's last passes and each of them
   // never speeds it up (Pass::NeverSpeedsUp), the pipeline stops there with Status::CannotWin
-  // (the memory plan's packings of 200k instructions take seconds). 0: none.
+  // (the memory plan's packings of 200k instructions take seconds). 0: none. Read it through
+  // StepToBeatSeconds.
   double step_to_beat_seconds = 0;
+  // A candidate planned while the ones before it still are (PlanRequest::threads > 1) does not
+  // know that step yet: this, where set, waits until the planner knows it and returns it (0:
+  // none), giving the candidate's thread slot back meanwhile, so that a candidate that could
+  // only lose stops where it would have stopped planned after them, and lends its thread to them
+  // while it waits. Called only from the candidate's own thread.
+  std::shared_ptr<const std::function<double()>> step_to_beat_later = nullptr;
   // Threads a pass may use for work whose result does not depend on their number
-  // (PlanRequest::threads).
+  // (PlanRequest::threads): at most `threads` at once, or, with a share, its idle ones.
   int threads = 1;
+  rewriter_internal::ThreadShare* thread_share = nullptr;
   // The plan's simulations, for the schedules it meets again (rewriter/simulation_cache.h);
   // SimulateIn and the verifier go through it. Optional; one per plan, for `costs` (where a
   // plan has none, a pipeline run keeps the verifier's last simulation in one of its own).
   SimulationCache* simulations = nullptr;
 };
+
+// context.step_to_beat_seconds, or what context.step_to_beat_later waits for.
+double StepToBeatSeconds(const PassContext& context);
 
 class Pass {
  public:

@@ -1,10 +1,15 @@
 #include "rewriter/planner.h"
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdio>
 #include <functional>
+#include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
+#include <system_error>
+#include <thread>
 
 #include "machine/lower_bound.h"
 #include "machine/simulator.h"
@@ -17,6 +22,8 @@
 #include "schemas/units.h"
 
 namespace dc {
+
+using rewriter_internal::ThreadShare;
 
 namespace {
 
@@ -172,34 +179,125 @@ double StepToBeat(const StatusOr<proto::Schedule>& best) {
   return best.ok() ? best->prediction().step_seconds() : 0;
 }
 
-// Candidates planned one by one or, with threads > 1, all at once; run(i, step, threads) plans
-// candidate i with `threads` for its passes (PassContext::threads). One by one, each is given
-// the step of the best plan so far to beat (PassContext::step_to_beat_seconds) and may stop
-// early, and has every thread; all at once, none is (none is known yet), and they share the
-// threads. The caller chooses in the candidates' order either way, and a candidate stopped early
-// could not have been chosen (Pass::NeverSpeedsUp): the plan does not depend on the threads.
+// The step a candidate must beat, as it gets it: known (planned after the candidates before it),
+// or to wait for (planned at once with them).
+struct CandidateStep {
+  double seconds = 0;
+  std::shared_ptr<const std::function<double()>> later;
+  void Into(PassContext* context) const {
+    context->step_to_beat_seconds = seconds;
+    context->step_to_beat_later = later;
+  }
+};
+
+// Candidates planned one by one or, with a share of more than one thread, all at once;
+// run(i, step) plans candidate i against `step` (PassContext::step_to_beat_seconds). One by one,
+// each is given the step of the best plan so far to beat (the caller's `best` at Take) and may
+// stop early. All at once, each runs on a thread of its own, holding a slot of the share while it
+// plans, and where it first needs that step (PassContext::step_to_beat_later) it waits, its slot
+// lent to the others' packings, until the caller takes it with the step it would have been given
+// one by one: the plan, and which candidates stop where, do not depend on the threads. One the
+// caller never takes is given a step no plan beats (it stops where it first looks).
 class Candidates {
  public:
-  using Run =
-      std::function<StatusOr<proto::Schedule>(int i, double step_to_beat_seconds, int threads)>;
-  Candidates(int count, int threads, Run run) : threads_(threads), run_(std::move(run)) {
-    if (threads > 1 && count > 1) {
-      made_.resize(count, Status::Error("not planned"));
-      const int each = std::max(1, threads / count);
-      rewriter_internal::RunTasks(count, threads,
-                                  [this, each](int i) { made_[i] = run_(i, 0, each); });
+  using Run = std::function<StatusOr<proto::Schedule>(int i, const CandidateStep& step)>;
+  Candidates(int count, ThreadShare* share, Run run) : share_(share), run_(std::move(run)) {
+    if (!share_ || share_->threads() < 2 || count < 2) return;
+    share_->GiveBack(1);  // the caller only waits for them from here on
+    for (int i = 0; i < count; ++i) {
+      running_.push_back(std::make_unique<Running>());
+      Running* r = running_.back().get();
+      try {
+        r->thread = std::thread([this, i, r] { Plan(i, r); });
+        r->started = true;
+      } catch (const std::system_error&) {
+        // Where the system starts no more threads, the caller plans it at its Take.
+      }
     }
   }
-  // Candidate i's plan: the one made at once, or one made now against `best`.
+  Candidates(const Candidates&) = delete;
+  Candidates& operator=(const Candidates&) = delete;
+  ~Candidates() {
+    for (auto& r : running_) Give(r.get(), kUnbeatable);
+    for (auto& r : running_) {
+      if (r->thread.joinable()) r->thread.join();
+    }
+    if (!running_.empty()) share_->Take(-1);
+  }
+
+  // Candidate i's plan, against `best`: made now, or the one made at once (given best's step
+  // where it waits for it).
   StatusOr<proto::Schedule> Take(int i, const StatusOr<proto::Schedule>& best) {
-    if (!made_.empty()) return std::move(made_[i]);
-    return run_(i, StepToBeat(best), threads_);
+    const CandidateStep step{StepToBeat(best), nullptr};
+    if (running_.empty()) return run_(i, step);
+    Running* r = running_[i].get();
+    if (!r->started) {
+      share_->Take(-1);
+      StatusOr<proto::Schedule> made = run_(i, step);
+      share_->GiveBack(1);
+      return made;
+    }
+    Give(r, step.seconds);
+    std::unique_lock<std::mutex> lock(r->mu);
+    r->changed.wait(lock, [r] { return r->done; });
+    return std::move(r->made);
   }
 
  private:
-  int threads_;
+  // A step below every plan's: a candidate given it stops where it first looks.
+  static constexpr double kUnbeatable = std::numeric_limits<double>::min();
+
+  struct Running {
+    std::thread thread;
+    bool started = false;
+    std::mutex mu;
+    std::condition_variable changed;
+    bool step_given = false;
+    double step_seconds = 0;
+    bool done = false;
+    StatusOr<proto::Schedule> made = Status::Error("not planned");
+  };
+
+  // Candidate i on its own thread.
+  void Plan(int i, Running* r) {
+    share_->Take(i);
+    CandidateStep step;
+    if (i > 0) {
+      step.later = std::make_shared<const std::function<double()>>([this, i, r] {
+        std::unique_lock<std::mutex> lock(r->mu);
+        if (!r->step_given) {
+          share_->GiveBack(1);
+          r->changed.wait(lock, [r] { return r->step_given; });
+          lock.unlock();
+          share_->Take(i);
+          lock.lock();
+        }
+        return r->step_seconds;
+      });
+    }
+    StatusOr<proto::Schedule> made = run_(i, step);
+    share_->GiveBack(1);
+    {
+      std::lock_guard<std::mutex> lock(r->mu);
+      r->made = std::move(made);
+      r->done = true;
+    }
+    r->changed.notify_all();
+  }
+
+  void Give(Running* r, double step_seconds) {
+    {
+      std::lock_guard<std::mutex> lock(r->mu);
+      if (r->step_given) return;
+      r->step_given = true;
+      r->step_seconds = step_seconds;
+    }
+    r->changed.notify_all();
+  }
+
+  ThreadShare* share_;
   Run run_;
-  std::vector<StatusOr<proto::Schedule>> made_;
+  std::vector<std::unique_ptr<Running>> running_;  // empty: one by one
 };
 
 // The passes are greedy and decide in order: what an earlier one spends is not offered to a
@@ -247,7 +345,7 @@ StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::stri
                                      std::optional<SimResult>* baseline_sim,
                                      CandidateFailures* defects) {
   std::mutex progress_mutex;
-  auto run = [&](int i, double step_to_beat, int threads) -> StatusOr<proto::Schedule> {
+  auto run = [&](int i, const CandidateStep& step) -> StatusOr<proto::Schedule> {
     const bool own = i == 0;
     DC_ASSIGN_OR_RETURN(auto pipeline, PipelineFor(request, /*dumps=*/own));
     if (request.on_pass) {
@@ -266,11 +364,10 @@ StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::stri
     if (!splits[i].keep_activations) DC_RETURN_IF_ERROR(pipeline->Disable("keep-activations"));
     PassContext split_context = context;
     split_context.relaxed_budget_bytes = splits[i].relaxed_budget_bytes;
-    split_context.step_to_beat_seconds = step_to_beat;
-    split_context.threads = threads;
+    step.Into(&split_context);
     return RunPipeline(request, program_digest, *pipeline, split_context);
   };
-  Candidates candidates(static_cast<int>(splits.size()), request.threads, run);
+  Candidates candidates(static_cast<int>(splits.size()), context.thread_share, run);
   StatusOr<proto::Schedule> planned = candidates.Take(0, Status::Error("none"));
   if (policy) defects->Check(planned, request.policy + "'s pipeline");
   // Where keep-activations kept nothing at a relaxed budget, the pipeline without it makes the
@@ -352,23 +449,28 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
     fallbacks.push_back(&fallback);
     pipelines.push_back(std::move(simpler));
   }
-  auto context_of = [&](int i, double step_to_beat, int threads) {
+  // The lesser of a fallback's step to beat and context's (known: the policy's or a rival's);
+  // 0 for none.
+  const double outer = context.step_to_beat_seconds;
+  auto lesser = [outer](double step) {
+    return step > 0 && (outer == 0 || step < outer) ? step : outer;
+  };
+  auto context_of = [&](int i, const CandidateStep& step) {
     PassContext fallback_context = context;
-    fallback_context.threads = threads;
     if (!fallbacks[i]->relaxed) fallback_context.relaxed_budget_bytes = 0;
-    if (step_to_beat > 0 &&
-        (context.step_to_beat_seconds == 0 || step_to_beat < context.step_to_beat_seconds)) {
-      fallback_context.step_to_beat_seconds = step_to_beat;
+    fallback_context.step_to_beat_seconds = lesser(step.seconds);
+    if (step.later) {
+      fallback_context.step_to_beat_later = std::make_shared<const std::function<double()>>(
+          [later = step.later, lesser] { return lesser((*later)()); });
     }
     return fallback_context;
   };
   // Where each fallback's run ended (read in order, after it ran).
   std::vector<size_t> ended_at(fallbacks.size(), 0);
-  auto run = [&](int i, double step_to_beat, int threads) -> StatusOr<proto::Schedule> {
-    return RunPipeline(request, program_digest, *pipelines[i], context_of(i, step_to_beat, threads),
-                       &ended_at[i]);
+  auto run = [&](int i, const CandidateStep& step) -> StatusOr<proto::Schedule> {
+    return RunPipeline(request, program_digest, *pipelines[i], context_of(i, step), &ended_at[i]);
   };
-  Candidates candidates(static_cast<int>(fallbacks.size()), request.threads, run);
+  Candidates candidates(static_cast<int>(fallbacks.size()), context.thread_share, run);
   for (size_t i = 0; i < fallbacks.size(); ++i) {
     const bool relaxed = fallbacks[i]->relaxed && context.relaxed_budget_bytes > 0;
     if (!can_do_better(*pipelines[i], relaxed)) continue;
@@ -499,6 +601,8 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
   DC_ASSIGN_OR_RETURN(std::string key, KeyOf(request, program_digest));
   PassContext context{&request.costs, request.budget_bytes};
   context.threads = request.threads;
+  ThreadShare threads(request.threads);
+  context.thread_share = &threads;
   SimulationCache simulations;
   context.simulations = &simulations;
   // The policy's search, or none for a pass list of the user's own (--passes).

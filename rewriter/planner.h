@@ -37,8 +37,11 @@ struct PlanRequest {
   std::string dump_after;  // pass name; the dump goes to `dump`
   Pipeline::DumpFn dump;
   Pipeline::ProgressFn on_pass;  // after every pass of the plan (not of the baseline)
-  // Candidate plans (a policy's splits, its fallbacks) made at once, on up to this many threads.
-  // The plan is the same for any number: only the planning time changes.
+  // Threads the plan may use at once: candidate plans (a policy's splits, its fallbacks) made at
+  // once, each stopping where it would have stopped planned after the ones before it (waiting
+  // there for their step), and their packings made several at a time on the threads idle then
+  // (rewriter/tasks.h's ThreadShare). The plan is the same for any number: only the planning
+  // time changes.
   int threads = 1;
   // Optional: gets the runners-up, fastest predicted first (profile-guided rounds measure one
   // where the simulator's measured error is larger than the margin it was beaten by).
