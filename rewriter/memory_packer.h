@@ -17,7 +17,16 @@
 // among the buffers already placed that overlap it in time, that holds it, or on top of them.
 // The ranges taken during a lifetime come from a segment tree over time holding coalesced
 // unions (rewriter/arena_occupancy.h), so a placement costs O(log² n) plus the number of runs,
-// not the number of buffers that overlap it. Thread-safe (pure functions); PackingMemo is not.
+// not the number of buffers that overlap it.
+//
+// A step of many micro-steps repeats itself: where at least three in a row hold the same buffers
+// shifted by one micro-step on the lifetimes' axis, one of them is packed first on a circle (its
+// lifetimes modulo its length: the offsets then hold in every repeat next to the ones before and
+// after it), and every repeat takes those offsets; only the step's edges (its first and last
+// micro-steps, the optimizer phase) are placed around them, each where the same buffer of a
+// repeat sits if that is free. That packing (MemoryPlanOptions::periodic) comes before the
+// orders above, which run only where it is not good enough. Thread-safe (pure functions);
+// PackingMemo is not.
 #pragma once
 
 #include <cstdint>
@@ -120,7 +129,19 @@ struct MemoryPlanOptions {
   // After every order and repair round, while none is good enough: these orders, once each.
   // (Last, so that the offload pass's arena check, a prefix of the sequence, is unchanged.)
   std::vector<Order> last_orders = {Order::kEdgesFromTheTop};
-  // At most this many packings without waits (0: no limit).
+  // Where micro-steps repeat (at least periodic_min_repeats in a row whose buffers are the same
+  // tensors, sizes and lifetimes, shifted by one micro-step on the lifetimes' axis), a packing
+  // before all others: one micro-step packed on a circle (its lifetimes modulo its length, so
+  // that the same offsets hold in every repeat next to the ones before and after it) in each of
+  // `orders`, with up to periodic_repair_rounds repairs each (stopping after
+  // periodic_repair_patience in a row that pack no tighter); every repeat at those offsets; the
+  // rest (the step's first and last micro-steps, its edges) by best fit around them. One
+  // micro-step's buffers are 1/GAS of the step's, so its search costs a fraction of a packing.
+  bool periodic = true;
+  int periodic_min_repeats = 3;
+  int periodic_repair_rounds = 8;
+  int periodic_repair_patience = 2;
+  // At most this many packings without waits (0: no limit; the periodic packing is not one).
   int max_packings = 0;
   // The offload pass's arena check (ArenaBytesWithoutWaits) makes at most this many: a prefix
   // of the memory-plan pass's sequence, by default every order and one repair of each breadth

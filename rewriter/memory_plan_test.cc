@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "machine/estimate.h"
@@ -15,6 +16,7 @@
 #include "rewriter/planner.h"
 #include "rewriter/schedule_text.h"
 #include "rewriter/zero3.h"
+#include "schemas/happens_before.h"
 #include "schemas/plan_file.h"
 #include "schemas/units.h"
 
@@ -807,6 +809,110 @@ TEST(MemoryPlan, RepairsMoreBeforeReuseThatWaits) {
   EXPECT_EQ(stats.spilled_buffers, 0) << stats.order;
   EXPECT_EQ(stats.lifetimes, MemoryPlanOptions::Lifetimes::kInstructionAndSimulatedTime);
   EXPECT_NE(stats.order.find("repair round"), std::string::npos) << stats.order;
+}
+
+// dc's plan of `preset` (`layers` layers, seq 512) on 8 ranks with the memory-plan pass switched
+// off, and the request that made it.
+proto::Schedule PlanWithoutMemoryPlan(const std::string& preset, int64_t layers, int64_t gas,
+                                      PlanRequest* request) {
+  ModelOverrides overrides;
+  overrides.gas = gas;
+  overrides.layers = layers;
+  overrides.seq = 512;
+  auto config = MakeConfig(preset, overrides);
+  EXPECT_TRUE(config.ok()) << config.status().message();
+  auto program = BuildProgram(*config);
+  EXPECT_TRUE(program.ok()) << program.status().message();
+  request->program = *program;
+  request->world_size = 8;
+  const HardwareProfile hw = *FindHardware("h100");
+  request->costs = EstimateCostModel(request->program, hw, ClusterShape{1, 8});
+  request->budget_bytes = hw.device_memory_bytes;
+  request->disabled_passes = {"memory-plan"};
+  auto plan = MakePlan(*request);
+  EXPECT_TRUE(plan.ok()) << plan.status().message();
+  return plan.ok() ? *plan : proto::Schedule();
+}
+
+// For each activation tensor, the most micro-steps that place it at one offset.
+std::map<int, int> MostMicroStepsAtOneOffset(const proto::MemoryPlan& plan) {
+  std::map<std::pair<int, int64_t>, std::set<int>> steps;  // (tensor, offset) -> micro-steps
+  for (const proto::BufferPlacement& p : plan.placements()) {
+    if (p.micro_step() >= 0) steps[{p.tensor(), p.offset_bytes()}].insert(p.micro_step());
+  }
+  std::map<int, int> most;
+  for (const auto& [key, micro_steps] : steps) {
+    most[key.first] = std::max(most[key.first], static_cast<int>(micro_steps.size()));
+  }
+  return most;
+}
+
+// Where micro-steps repeat, one of them is packed once for all: the same offsets in every
+// repeat (each activation at one offset in all the repeated micro-steps, where the packings
+// of the whole step place them anew each time), no two live buffers sharing bytes, the reuse
+// ordered on asynchronous streams (the happens-before check), and the arena within 1% of the
+// live peak. A single packing makes it: the first.
+TEST(MemoryPlan, PacksRepeatedMicroStepsOnceForAll) {
+  PlanRequest request;
+  const proto::Schedule plan = PlanWithoutMemoryPlan("llama-1b", 16, 8, &request);
+  ASSERT_GT(plan.instructions_size(), 0);
+  MemoryPlanStats stats;
+  auto packed = PlanMemory(plan, MemoryPlanOptions{}, request.budget_bytes, &request.costs, &stats);
+  ASSERT_TRUE(packed.ok()) << packed.status().message();
+  ASSERT_EQ(stats.order.rfind("periodic (", 0), 0u) << stats.order;
+  EXPECT_EQ(stats.orders_tried, 1) << stats.order;
+  ExpectNoConflicts(plan, *packed, MemoryPlanOptions{}.alignment_bytes);
+  EXPECT_LE(static_cast<double>(stats.arena_bytes),
+            1.01 * static_cast<double>(stats.live_peak_bytes))
+      << stats.order;
+  // "periodic (R repeats of ...": R micro-steps share each activation's offset.
+  const int repeats = std::stoi(stats.order.substr(std::string("periodic (").size()));
+  EXPECT_GE(repeats, 3);
+  EXPECT_LE(repeats, 8);
+  const std::map<int, int> most = MostMicroStepsAtOneOffset(*packed);
+  ASSERT_FALSE(most.empty());
+  for (const auto& [tensor, micro_steps] : most) {
+    EXPECT_GE(micro_steps, repeats) << plan.program().tensors(tensor).name();
+  }
+
+  proto::Schedule with_plan = plan;
+  MemoryPlanPass pass;
+  PassContext context{&request.costs, request.budget_bytes};
+  auto changed = pass.Run(&with_plan, context);
+  ASSERT_TRUE(changed.ok()) << changed.status().message();
+  EXPECT_EQ(with_plan.memory_plan().arena_bytes(), stats.arena_bytes);
+  const Status ordered = CheckHappensBefore(with_plan);
+  EXPECT_TRUE(ordered.ok()) << ordered.message();
+
+  // The packings of the whole step do not repeat the layout: what the test above holds is the
+  // periodic packing's.
+  MemoryPlanOptions whole_step;
+  whole_step.periodic = false;
+  MemoryPlanStats whole_stats;
+  auto whole = PlanMemory(plan, whole_step, request.budget_bytes, &request.costs, &whole_stats);
+  ASSERT_TRUE(whole.ok()) << whole.status().message();
+  EXPECT_EQ(whole_stats.order.find("periodic"), std::string::npos) << whole_stats.order;
+  int repeated = 0;
+  const std::map<int, int> whole_most = MostMicroStepsAtOneOffset(*whole);
+  for (const auto& [tensor, micro_steps] : whole_most) repeated += micro_steps >= repeats;
+  EXPECT_LT(repeated, static_cast<int>(whole_most.size()));
+}
+
+// Fewer micro-steps than periodic_min_repeats: no period, and the packings of the whole step
+// as before.
+TEST(MemoryPlan, FindsNoPeriodInTwoMicroSteps) {
+  PlanRequest request;
+  const proto::Schedule plan = PlanWithoutMemoryPlan("llama-1b", 4, 2, &request);
+  ASSERT_GT(plan.instructions_size(), 0);
+  MemoryPlanStats stats;
+  auto packed = PlanMemory(plan, MemoryPlanOptions{}, request.budget_bytes, &request.costs, &stats);
+  ASSERT_TRUE(packed.ok()) << packed.status().message();
+  EXPECT_EQ(stats.order.find("periodic"), std::string::npos) << stats.order;
+  MemoryPlanOptions whole_step;
+  whole_step.periodic = false;
+  auto whole = PlanMemory(plan, whole_step, request.budget_bytes, &request.costs, nullptr);
+  ASSERT_TRUE(whole.ok());
+  EXPECT_EQ(packed->SerializeAsString(), whole->SerializeAsString());
 }
 
 // The scale the pass must handle: Llama-3 70B, GAS 16, 16 ranks (≈127k instructions, ≈83k
