@@ -611,7 +611,8 @@ std::optional<Packing> PackPeriodic(
   // counts, so that a periodic buffer is taken only where one of them may meet it.
   std::vector<int> covered(primary.length + 3, 0);
   for (size_t b = 0; b < buffers.size(); ++b) {
-    if (placed_first[b]) continue;
+    const bool whole_step = buffers[b].alloc_index < 0 && buffers[b].free_index >= primary.length;
+    if (placed_first[b] || whole_step) continue;  // placed already, below them all
     ++covered[buffers[b].alloc_index + 1];
     --covered[std::min(buffers[b].free_index + 2, primary.length + 2)];
   }
