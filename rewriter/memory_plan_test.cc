@@ -834,6 +834,13 @@ proto::Schedule PlanWithoutMemoryPlan(const std::string& preset, int64_t layers,
   return plan.ok() ? *plan : proto::Schedule();
 }
 
+// PlanMemory of `plan` under the budget and costs of the `request` that planned it.
+StatusOr<proto::MemoryPlan> PackUnder(const proto::Schedule& plan, const PlanRequest& request,
+                                      const MemoryPlanOptions& options, MemoryPlanStats* stats,
+                                      const PackingMemo* memo = nullptr) {
+  return PlanMemory(plan, options, request.budget_bytes, &request.costs, stats, nullptr, 1, memo);
+}
+
 // For each activation tensor, the most micro-steps that place it at one offset.
 std::map<int, int> MostMicroStepsAtOneOffset(const proto::MemoryPlan& plan) {
   std::map<std::pair<int, int64_t>, std::set<int>> steps;  // (tensor, offset) -> micro-steps
@@ -857,7 +864,7 @@ TEST(MemoryPlan, PacksRepeatedMicroStepsOnceForAll) {
   const proto::Schedule plan = PlanWithoutMemoryPlan("llama-1b", 16, 8, &request);
   ASSERT_GT(plan.instructions_size(), 0);
   MemoryPlanStats stats;
-  auto packed = PlanMemory(plan, MemoryPlanOptions{}, request.budget_bytes, &request.costs, &stats);
+  auto packed = PackUnder(plan, request, MemoryPlanOptions{}, &stats);
   ASSERT_TRUE(packed.ok()) << packed.status().message();
   ASSERT_EQ(stats.order.rfind("periodic (", 0), 0u) << stats.order;
   EXPECT_EQ(stats.orders_tried, 1) << stats.order;
@@ -889,13 +896,41 @@ TEST(MemoryPlan, PacksRepeatedMicroStepsOnceForAll) {
   MemoryPlanOptions whole_step;
   whole_step.periodic = false;
   MemoryPlanStats whole_stats;
-  auto whole = PlanMemory(plan, whole_step, request.budget_bytes, &request.costs, &whole_stats);
+  auto whole = PackUnder(plan, request, whole_step, &whole_stats);
   ASSERT_TRUE(whole.ok()) << whole.status().message();
   EXPECT_EQ(whole_stats.order.find("periodic"), std::string::npos) << whole_stats.order;
   int repeated = 0;
   const std::map<int, int> whole_most = MostMicroStepsAtOneOffset(*whole);
   for (const auto& [tensor, micro_steps] : whole_most) repeated += micro_steps >= repeats;
   EXPECT_LT(repeated, static_cast<int>(whole_most.size()));
+}
+
+// Over the budget, the offload pass's arena check ends at a periodic packing within
+// periodic_fragmentation of the live peak (it only learns by how much the arena is over), and the
+// memory-plan pass goes on from there to the plan it makes without the check.
+TEST(MemoryPlan, TheArenaCheckEndsAtAPeriodicPackingOverTheBudget) {
+  PlanRequest request;
+  const proto::Schedule plan = PlanWithoutMemoryPlan("llama-1b", 16, 8, &request);
+  ASSERT_GT(plan.instructions_size(), 0);
+  MemoryPlanStats periodic;
+  ASSERT_TRUE(PackUnder(plan, request, MemoryPlanOptions{}, &periodic).ok());
+  ASSERT_EQ(periodic.order.rfind("periodic (", 0), 0u) << periodic.order;
+
+  request.budget_bytes = periodic.arena_bytes - 1;
+  PackingMemo memo;
+  auto arena = ArenaBytesWithoutWaits(plan, MemoryPlanOptions{}, request.budget_bytes,
+                                      &request.costs, nullptr, &memo);
+  ASSERT_TRUE(arena.ok()) << arena.status().message();
+  EXPECT_EQ(*arena, periodic.arena_bytes);
+
+  MemoryPlanStats fresh, resumed;
+  auto without_memo = PackUnder(plan, request, MemoryPlanOptions{}, &fresh);
+  auto with_memo = PackUnder(plan, request, MemoryPlanOptions{}, &resumed, &memo);
+  ASSERT_TRUE(without_memo.ok() && with_memo.ok());
+  EXPECT_EQ(resumed.packings_reused, 1);
+  EXPECT_GT(fresh.orders_tried, 1);  // over the budget the pass packs on
+  EXPECT_EQ(resumed.orders_tried, fresh.orders_tried);
+  EXPECT_EQ(with_memo->SerializeAsString(), without_memo->SerializeAsString());
 }
 
 // Fewer micro-steps than periodic_min_repeats: no period, and the packings of the whole step
@@ -905,12 +940,12 @@ TEST(MemoryPlan, FindsNoPeriodInTwoMicroSteps) {
   const proto::Schedule plan = PlanWithoutMemoryPlan("llama-1b", 4, 2, &request);
   ASSERT_GT(plan.instructions_size(), 0);
   MemoryPlanStats stats;
-  auto packed = PlanMemory(plan, MemoryPlanOptions{}, request.budget_bytes, &request.costs, &stats);
+  auto packed = PackUnder(plan, request, MemoryPlanOptions{}, &stats);
   ASSERT_TRUE(packed.ok()) << packed.status().message();
   EXPECT_EQ(stats.order.find("periodic"), std::string::npos) << stats.order;
   MemoryPlanOptions whole_step;
   whole_step.periodic = false;
-  auto whole = PlanMemory(plan, whole_step, request.budget_bytes, &request.costs, nullptr);
+  auto whole = PackUnder(plan, request, whole_step, nullptr);
   ASSERT_TRUE(whole.ok());
   EXPECT_EQ(packed->SerializeAsString(), whole->SerializeAsString());
 }
