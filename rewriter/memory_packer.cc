@@ -68,8 +68,8 @@ struct Axis {
 // Occupancy's offsets (counted in units of unit_bytes, which every reserve and base_bytes is a
 // multiple of). `reuse` (optional): an occupancy to reset and place in, keeping its memory.
 // `fixed` (optional): buffers whose offsets packing->offsets holds already, taken before any is
-// placed. `hints` (optional): per buffer an offset to take if it is free (-1: none), tried for
-// `from_top` and `rest` in their lists' order before either is placed otherwise.
+// placed. `hints` (optional): per buffer of `rest` an offset to take if it is free (-1: none),
+// tried in the list's order once `from_top` is placed, before the rest is placed otherwise.
 template <typename Occupancy>
 bool PlaceInOrder(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
                   int64_t unit_bytes, const std::vector<int>& from_top, int64_t ceiling_bytes,
@@ -144,22 +144,20 @@ bool PlaceInOrder(const Axis& primary, const Axis* spill, int64_t spill_above_by
   std::vector<char> hinted;
   if (hints) {
     hinted.assign(buffers.size(), 0);
-    for (const std::vector<int>* list : {&rest}) {
-      for (int b : *list) {
-        if ((*hints)[b] < 0 || reserve[b] == 0) continue;
-        const BufferLifetime& life = buffers[b];
-        const int64_t offset = (*hints)[b] / unit_bytes;
-        const int64_t size = reserve[b] / unit_bytes;
-        if (offset + size > kMaxUnits ||
-            occupancy.HighestFit(life.alloc_index, life.free_index, offset, offset + size, size) !=
-                offset) {
-          continue;
-        }
-        packing->offsets[b] = offset * unit_bytes;
-        occupancy.Add(life.alloc_index, life.free_index,
-                      {static_cast<Offset>(offset), static_cast<Offset>(offset + size)});
-        hinted[b] = 1;
+    for (int b : rest) {
+      if ((*hints)[b] < 0 || reserve[b] == 0) continue;
+      const BufferLifetime& life = buffers[b];
+      const int64_t offset = (*hints)[b] / unit_bytes;
+      const int64_t size = reserve[b] / unit_bytes;
+      if (offset + size > kMaxUnits ||
+          occupancy.HighestFit(life.alloc_index, life.free_index, offset, offset + size, size) !=
+              offset) {
+        continue;
       }
+      packing->offsets[b] = offset * unit_bytes;
+      occupancy.Add(life.alloc_index, life.free_index,
+                    {static_cast<Offset>(offset), static_cast<Offset>(offset + size)});
+      hinted[b] = 1;
     }
   }
   for (int b : rest) {
