@@ -681,19 +681,11 @@ std::optional<Packing> PackPeriodic(
       }
     }
   }
-  std::vector<std::pair<Hints, MemoryPlanOptions::Order>> placings;
-  for (MemoryPlanOptions::Order order : edge_orders)
-    placings.push_back({Hints::kBeforeTheRun, order});
-  placings.push_back({Hints::kEverywhere, edge_orders.front()});
-  placings.push_back({Hints::kNone, edge_orders.front()});
   std::optional<Packing> best;
   std::string edges_name;
   MemoryPlanOptions::Order best_edge_order = edge_orders.front();
-  for (size_t p = 0; p < placings.size(); ++p) {
-    if (best && good_enough(best->arena_bytes)) break;
-    const Hints hint_set = placings[p].first;
-    const MemoryPlanOptions::Order order =
-        hint_set == Hints::kBeforeTheRun ? placings[p].second : best_edge_order;
+  // Places the rest in `order` with `hint_set`'s twins; false where an offset would not fit.
+  auto place_the_rest = [&](Hints hint_set, MemoryPlanOptions::Order order) {
     const Sequence& sequence = sequence_of(order);
     Packing packing;
     packing.offsets.assign(buffers.size(), 0);
@@ -729,7 +721,7 @@ std::optional<Packing> PackPeriodic(
                                         sequence.ceiling_bytes, outside(sequence.rest),
                                         sequence.reserve, base, &packing, occupancy, &fixed,
                                         &based_hints)) {
-      return std::nullopt;
+      return false;
     }
     for (size_t b = 0; b < buffers.size(); ++b) {
       if (buffers[b].size_bytes > 0) {
@@ -742,6 +734,16 @@ std::optional<Packing> PackPeriodic(
       edges_name = std::string(OrderName(order)) + ", " + hints_name(hint_set);
       best_edge_order = order;
     }
+    return true;
+  };
+  auto done = [&] { return best && good_enough(best->arena_bytes); };
+  for (MemoryPlanOptions::Order order : edge_orders) {
+    if (done()) break;
+    if (!place_the_rest(Hints::kBeforeTheRun, order)) return std::nullopt;
+  }
+  for (Hints hint_set : {Hints::kEverywhere, Hints::kNone}) {
+    if (done()) break;
+    if (!place_the_rest(hint_set, best_edge_order)) return std::nullopt;
   }
   *description = "periodic (" + std::to_string(period.repeats) + " repeats of " +
                  std::to_string(period.length) + " positions: " + best_name + "; the rest " +
@@ -1005,8 +1007,7 @@ StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
   for (MemoryPlanOptions::Order order : options.repaired_orders) repairs[order];
   int packed = 0;
   size_t first_attempt = 0;
-  Packing periodic;  // PackPeriodic's, apart from the packings of the whole step
-  periodic.arena_bytes = -1;
+  Packing periodic{{}, -1, 0};  // PackPeriodic's, apart from the packings of the whole step
   std::string periodic_name;
   const bool resumed = resume && GoesOnFrom(*resume, buffers, n, options, budget_bytes);
   if (resumed) {
