@@ -515,7 +515,10 @@ StatusOr<SimResult> Simulate(const proto::Schedule& schedule, const CostModel& c
   const Facts facts(schedule, costs);
   TimeReplay(schedule, costs, facts, &result).Run();
   MemoryEvents events(schedule, result);
-  DC_RETURN_IF_ERROR(BufferReplay(schedule, &events).Run());
+  BothListeners both(&events, options.also_listening);
+  DC_RETURN_IF_ERROR(
+      BufferReplay(schedule, options.also_listening ? &both : static_cast<BufferListener*>(&events))
+          .Run());
   SweepMemory(events.start_up_bytes(), events.events(), options.memory_timeline, &result);
   TakeIssueOrderPeak(events, &result);
   ComputeBusy(schedule, &result);

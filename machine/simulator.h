@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "machine/cost_model.h"
+#include "schemas/effects.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 
@@ -76,6 +77,9 @@ struct SimOptions {
   // thousands of candidates) turn it off: the points are most of the simulation's memory
   // traffic.
   bool memory_timeline = true;
+  // Told every buffer effect of the simulation's replay too, after the simulator (e.g. the
+  // verifier's HappensBeforeCheck: one replay for both). Not owned; null: none.
+  BufferListener* also_listening = nullptr;
 };
 StatusOr<SimResult> Simulate(const proto::Schedule& schedule, const CostModel& costs,
                              const SimOptions& options);

@@ -4,15 +4,18 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "machine/simulator.h"
 #include "models/model.h"
+#include "rewriter/memory_plan.h"
 #include "rewriter/planner.h"
 #include "rewriter/simulation_cache.h"
 #include "rewriter/verifier.h"
 #include "rewriter/zero3.h"
+#include "schemas/happens_before.h"
 
 namespace dc {
 namespace {
@@ -326,6 +329,56 @@ TEST(Verifier, RecomputesWhatItChecks) {
   EXPECT_EQ(simulated.peak_device_bytes, real->peak_device_bytes);
 }
 
+// The fingerprint that keys the plan's simulations moves with every field of every instruction,
+// with the order of a list and with a value moved from one list to the other.
+TEST(Verifier, FingerprintSeesEveryFieldOfEveryInstruction) {
+  proto::Schedule s = EmptySchedule();
+  Zero3Pass zero3;
+  ASSERT_TRUE(zero3.Run(&s, {}).ok());
+  // An instruction with three tensors and three deps (the fingerprint reads, it checks nothing).
+  const int with_lists = s.instructions_size() / 2;
+  proto::Instruction* lists = s.mutable_instructions(with_lists);
+  lists->clear_tensors();
+  lists->clear_deps();
+  for (int k = 0; k < 3; ++k) {
+    lists->add_tensors(k);
+    lists->add_deps(k);
+  }
+  const uint64_t original = InstructionsFingerprint(s);
+  EXPECT_EQ(InstructionsFingerprint(s), original);
+  const int last = s.instructions_size() - 1;
+  const std::vector<std::function<void(proto::Schedule*)>> edits = {
+      [&](proto::Schedule* e) { e->mutable_instructions(last)->set_kind(proto::INSTR_RELEASE); },
+      [&](proto::Schedule* e) { e->mutable_instructions(0)->set_stream(proto::STREAM_D2H); },
+      [&](proto::Schedule* e) { e->mutable_instructions(3)->set_micro_step(5); },
+      [&](proto::Schedule* e) { e->mutable_instructions(3)->set_op(12345); },
+      [&](proto::Schedule* e) { e->mutable_instructions(last)->set_bucket(9); },
+      [&](proto::Schedule* e) {
+        e->mutable_instructions(with_lists)->mutable_tensors()->Set(1, 77);
+      },
+      [&](proto::Schedule* e) { e->mutable_instructions(with_lists)->mutable_deps()->Set(1, 0); },
+      [&](proto::Schedule* e) {
+        auto* deps = e->mutable_instructions(with_lists)->mutable_deps();
+        deps->SwapElements(0, 1);
+      },
+      [&](proto::Schedule* e) {
+        // The last tensor becomes the first dep: the same values, in other lists.
+        proto::Instruction* in = e->mutable_instructions(with_lists);
+        const int t = in->tensors(in->tensors_size() - 1);
+        in->mutable_tensors()->RemoveLast();
+        in->mutable_deps()->Add(t);
+        for (int k = in->deps_size() - 1; k > 0; --k) in->mutable_deps()->SwapElements(k, k - 1);
+      },
+      [&](proto::Schedule* e) { e->add_instructions()->CopyFrom(e->instructions(last)); },
+      [&](proto::Schedule* e) { e->mutable_instructions()->SwapElements(1, 2); },
+  };
+  for (size_t k = 0; k < edits.size(); ++k) {
+    proto::Schedule edited = s;
+    edits[k](&edited);
+    EXPECT_NE(InstructionsFingerprint(edited), original) << "edit " << k;
+  }
+}
+
 // The verifier goes through the plan's simulations: identical instructions take the kept one;
 // changed ones are simulated and checked afresh.
 TEST(Verifier, TakesTheKeptSimulationOfIdenticalInstructionsOnly) {
@@ -382,11 +435,40 @@ TEST(Verifier, ChecksTheOrderOfIdenticalInstructionsOnce) {
     }
   }
   ASSERT_TRUE(cut);
+  // The check in the simulation's replay says what the check on its own says, kept or not.
+  const Status alone = CheckHappensBefore(unordered);
+  ASSERT_FALSE(alone.ok());
   for (int attempt = 0; attempt < 2; ++attempt) {
     const Status status = VerifySchedule(unordered, context);
-    EXPECT_FALSE(status.ok());
+    EXPECT_EQ(status.message(), alone.message());
   }
   EXPECT_EQ(simulations.order_hits(), 1);
+  EXPECT_EQ(VerifySchedule(unordered, PassContext{&kCosts}).message(), alone.message());
+  EXPECT_EQ(VerifySchedule(unordered, PassContext{}).message(), alone.message());
+}
+
+// The order check reads the memory plan too: identical instructions with other placements are
+// checked again, and a buffer placed over a live one fails though its instructions passed.
+TEST(Verifier, ChecksAgainTheSameInstructionsUnderAnotherMemoryPlan) {
+  proto::Schedule s = EmptySchedule();
+  Zero3Pass zero3;
+  ASSERT_TRUE(zero3.Run(&s, {}).ok());
+  MemoryPlanPass memory_plan;
+  ASSERT_TRUE(memory_plan.Run(&s, PassContext{&kCosts}).ok());
+  ASSERT_GT(s.memory_plan().placements_size(), 1);
+  SimulationCache simulations;
+  PassContext context{&kCosts};
+  context.simulations = &simulations;
+  ASSERT_TRUE(VerifySchedule(s, context).ok());
+  proto::Schedule stacked = s;
+  for (proto::BufferPlacement& p : *stacked.mutable_memory_plan()->mutable_placements()) {
+    p.set_offset_bytes(0);
+  }
+  const Status status = VerifySchedule(stacked, context);
+  EXPECT_NE(status.message().find("which is still live there"), std::string::npos)
+      << status.message();
+  EXPECT_EQ(simulations.order_hits(), 0);
+  EXPECT_EQ(simulations.hits(), 1);  // the simulation of the same instructions is kept
 }
 
 // The plan's simulations: a schedule met again with the same instructions, costs and options

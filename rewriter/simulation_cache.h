@@ -28,19 +28,24 @@ class SimulationCache {
   SimulationCache(const SimulationCache&) = delete;
   SimulationCache& operator=(const SimulationCache&) = delete;
 
-  // Simulate(schedule, costs, options), from what is kept where it can be. Errors are not kept.
+  // Simulate(schedule, costs, options), from what is kept where it can be (never with
+  // `options.also_listening`: a kept result tells no listener). Errors are not kept.
   // `fingerprint`: the schedule's InstructionsFingerprint where the caller has it already.
   StatusOr<SimResult> Simulate(const proto::Schedule& schedule, const CostModel& costs,
                                const SimOptions& options,
                                std::optional<uint64_t> fingerprint = std::nullopt);
   // Simulations taken from what was kept, for tests and figures.
   int64_t hits() const;
-  // CheckHappensBefore(schedule) (schemas/happens_before.h), a function of the instructions alone
-  // (the program is the plan's): Ok at once for instructions that passed it before in this plan
+  // Simulate, and CheckHappensBefore(schedule) (schemas/happens_before.h): the verifier's two
+  // checks. The order check is a function of the instructions and the memory plan's placements
+  // (the program is the plan's): Ok at once for a schedule that passed it before in this plan
   // (every candidate verifies the same zero3 schedule, and a pass that changes nothing hands the
-  // verifier the schedule it checked last). Failures are not kept.
-  Status CheckHappensBefore(const proto::Schedule& schedule,
-                            std::optional<uint64_t> fingerprint = std::nullopt);
+  // verifier the schedule it checked last). Where neither is kept, one replay of the buffer
+  // effects serves both. The simulation's errors come first, then the order's. Failures are not
+  // kept. `options.also_listening` must be null.
+  StatusOr<SimResult> SimulateAndCheckOrder(const proto::Schedule& schedule, const CostModel& costs,
+                                            const SimOptions& options,
+                                            std::optional<uint64_t> fingerprint = std::nullopt);
   // Checks taken from what was kept, for tests.
   int64_t order_hits() const;
 
@@ -55,11 +60,17 @@ class SimulationCache {
   struct Checked {
     uint64_t fingerprint = 0;
     int instructions = 0;
+    uint64_t placements = 0;  // the memory plan's
   };
+  // The kept simulation of the schedule (a hit counted), or null.
+  std::shared_ptr<const SimResult> Kept(const proto::Schedule& schedule, const CostModel& costs,
+                                        const SimOptions& options, uint64_t fingerprint);
+  void Keep(const proto::Schedule& schedule, const CostModel& costs, const SimOptions& options,
+            uint64_t fingerprint, const SimResult& result);
   const size_t capacity_;
   mutable std::mutex mutex_;
   std::deque<Entry> entries_;
-  std::deque<Checked> checked_;  // the last `capacity_` that passed CheckHappensBefore
+  std::deque<Checked> checked_;  // the last `capacity_` that passed the order check
   int64_t hits_ = 0, order_hits_ = 0;
 };
 

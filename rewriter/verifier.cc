@@ -56,23 +56,32 @@ Status CheckOpCounts(const proto::Schedule& schedule) {
 }  // namespace
 
 uint64_t InstructionsFingerprint(const proto::Schedule& schedule) {
-  // One multiply per field (a 64-bit hash combine), not one per byte: this runs on every check.
+  // This runs on every check of a schedule of up to hundreds of thousands of instructions: a
+  // 64-bit hash combine per pair of 32-bit fields, each instruction hashed on its own from a
+  // seed (no chain of multiplies through the whole schedule to wait on), then folded in.
   constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ull, kPrime = 0x100000001b3ull;
-  uint64_t hash = kGolden;
-  auto mix = [&hash](int64_t value) {
-    hash = (hash ^ (static_cast<uint64_t>(value) + kGolden + (hash << 6) + (hash >> 2))) * kPrime;
+  auto mix = [](uint64_t hash, uint64_t value) {
+    return (hash ^ (value + kGolden + (hash << 6) + (hash >> 2))) * kPrime;
   };
-  mix(schedule.instructions_size());
+  auto pair = [](int32_t high, int32_t low) {
+    return static_cast<uint64_t>(static_cast<uint32_t>(high)) << 32 | static_cast<uint32_t>(low);
+  };
+  auto mix_ints = [&](uint64_t hash, const google::protobuf::RepeatedField<int32_t>& values) {
+    const int n = values.size();
+    int k = 0;
+    for (; k + 1 < n; k += 2) hash = mix(hash, pair(values[k], values[k + 1]));
+    if (k < n) hash = mix(hash, pair(values[k], 0));
+    return hash;
+  };
+  uint64_t hash = mix(kGolden, static_cast<uint64_t>(schedule.instructions_size()));
   for (const proto::Instruction& instr : schedule.instructions()) {
-    mix(instr.kind());
-    mix(instr.stream());
-    mix(instr.micro_step());
-    mix(instr.op());
-    mix(instr.bucket());
-    mix(instr.tensors_size());
-    for (int t : instr.tensors()) mix(t);
-    mix(instr.deps_size());
-    for (int d : instr.deps()) mix(d);
+    uint64_t h = mix(kGolden, pair(instr.kind(), instr.stream()));
+    h = mix(h, pair(instr.micro_step(), instr.op()));
+    h = mix(h, pair(instr.bucket(), instr.tensors_size()));
+    h = mix_ints(h, instr.tensors());
+    h = mix(h, static_cast<uint64_t>(instr.deps_size()));
+    h = mix_ints(h, instr.deps());
+    hash = ((hash << 5 | hash >> 59) ^ h) * kPrime;
   }
   return hash;
 }
@@ -91,23 +100,19 @@ Status VerifySchedule(const proto::Schedule& schedule, const PassContext& contex
   SimOptions options;
   options.memory_timeline = false;  // the peak is all a check needs
   SimResult sim;
-  // The instructions' fingerprint, for the plan's kept simulations and order checks.
-  const std::optional<uint64_t> fingerprint =
-      context.simulations ? std::optional<uint64_t>(InstructionsFingerprint(schedule))
-                          : std::nullopt;
+  // The streams run concurrently: the plan's deps must order what the replay checked in issue
+  // order (schemas/happens_before.h), checked in the simulation's replay of the effects.
   if (context.simulations && context.costs) {
     DC_ASSIGN_OR_RETURN(
-        sim, context.simulations->Simulate(schedule, *context.costs, options, fingerprint));
+        sim, context.simulations->SimulateAndCheckOrder(schedule, *context.costs, options));
   } else {
     const CostModel fallback;
+    HappensBeforeCheck order(schedule);
+    options.also_listening = &order;
     DC_ASSIGN_OR_RETURN(sim,
                         Simulate(schedule, context.costs ? *context.costs : fallback, options));
+    DC_RETURN_IF_ERROR(order.status());
   }
-  // The streams run concurrently: the plan's deps must order what the replay checked in issue
-  // order (references are checked: by the simulation, or the one of identical instructions).
-  DC_RETURN_IF_ERROR(context.simulations
-                         ? context.simulations->CheckHappensBefore(schedule, fingerprint)
-                         : CheckHappensBefore(schedule));
   if (context.budget_bytes > 0 && sim.peak_device_bytes > context.budget_bytes) {
     return Status::OverBudget("the schedule needs " + FormatBytes(sim.peak_device_bytes) +
                                   " of device memory at its peak (instruction " +

@@ -146,6 +146,35 @@ class BufferListener {
                         int /*handle*/) {}
 };
 
+// Tells `first`, then `second`, of every effect: one replay for two listeners (the simulator's
+// memory events and the verifier's order check).
+class BothListeners final : public BufferListener {
+ public:
+  BothListeners(BufferListener* first, BufferListener* second) : first_(first), second_(second) {}
+  void Allocated(int instruction, const BufferKey& key, int64_t size_bytes, BufferKind kind,
+                 bool at_end, int handle) override {
+    first_->Allocated(instruction, key, size_bytes, kind, at_end, handle);
+    second_->Allocated(instruction, key, size_bytes, kind, at_end, handle);
+  }
+  void Freed(int instruction, const BufferKey& key, int64_t size_bytes, BufferKind kind,
+             bool at_end, int handle) override {
+    first_->Freed(instruction, key, size_bytes, kind, at_end, handle);
+    second_->Freed(instruction, key, size_bytes, kind, at_end, handle);
+  }
+  void Renamed(int instruction, const BufferKey& from, const BufferKey& to, int handle) override {
+    first_->Renamed(instruction, from, to, handle);
+    second_->Renamed(instruction, from, to, handle);
+  }
+  void Accessed(int instruction, const BufferKey& key, BufferAccess access, int handle) override {
+    first_->Accessed(instruction, key, access, handle);
+    second_->Accessed(instruction, key, access, handle);
+  }
+
+ private:
+  BufferListener* first_;
+  BufferListener* second_;
+};
+
 // Replays the buffer effects of a schedule's instructions in issue order, checking every use
 // against what is live, and tells `listener` (optional) of every allocation and free. Errors
 // name the instruction and the tensor. Call CheckReferences first: the replay trusts ids.

@@ -296,4 +296,41 @@ Status CheckHappensBefore(const proto::Schedule& schedule) {
   return checker.status();
 }
 
+class HappensBeforeCheck::Checker : public OrderChecker {
+  using OrderChecker::OrderChecker;
+};
+
+HappensBeforeCheck::HappensBeforeCheck(const proto::Schedule& schedule) : schedule_(schedule) {}
+HappensBeforeCheck::~HappensBeforeCheck() = default;
+
+const Status& HappensBeforeCheck::status() const { return checker_ ? checker_->status() : ok_; }
+
+HappensBeforeCheck::Checker& HappensBeforeCheck::checker() {
+  if (!checker_) {
+    order_ = std::make_unique<HappensBefore>(schedule_);
+    checker_ = std::make_unique<Checker>(schedule_, *order_);
+  }
+  return *checker_;
+}
+
+void HappensBeforeCheck::Allocated(int instruction, const BufferKey& key, int64_t size_bytes,
+                                   BufferKind kind, bool at_end, int handle) {
+  checker().Allocated(instruction, key, size_bytes, kind, at_end, handle);
+}
+
+void HappensBeforeCheck::Freed(int instruction, const BufferKey& key, int64_t size_bytes,
+                               BufferKind kind, bool at_end, int handle) {
+  checker().Freed(instruction, key, size_bytes, kind, at_end, handle);
+}
+
+void HappensBeforeCheck::Renamed(int instruction, const BufferKey& from, const BufferKey& to,
+                                 int handle) {
+  checker().Renamed(instruction, from, to, handle);
+}
+
+void HappensBeforeCheck::Accessed(int instruction, const BufferKey& key, BufferAccess access,
+                                  int handle) {
+  checker().Accessed(instruction, key, access, handle);
+}
+
 }  // namespace dc

@@ -9,6 +9,7 @@
 #include <memory>
 #include <vector>
 
+#include "schemas/effects.h"
 #include "schemas/program.h"
 #include "schemas/status.h"
 
@@ -55,5 +56,36 @@ class HappensBefore {
 // their errors too. Linear in the schedule's effects (times the streams), plus a logarithm for
 // the memory plan's byte ranges.
 Status CheckHappensBefore(const proto::Schedule& schedule);
+
+// CheckHappensBefore as a listener of a replay the caller runs (the simulator's: one replay for
+// both, SimOptions::also_listening): told every effect of `schedule`, in order, it keeps the
+// first that is not ordered. It builds its order when told the first effect: a replay runs on
+// checked references only. Errors of the replay itself are the replay's to return.
+class HappensBeforeCheck final : public BufferListener {
+ public:
+  explicit HappensBeforeCheck(const proto::Schedule& schedule);
+  ~HappensBeforeCheck() override;
+  HappensBeforeCheck(const HappensBeforeCheck&) = delete;
+  HappensBeforeCheck& operator=(const HappensBeforeCheck&) = delete;
+
+  // Ok, or the first effect found unordered (CheckHappensBefore's message).
+  const Status& status() const;
+
+  void Allocated(int instruction, const BufferKey& key, int64_t size_bytes, BufferKind kind,
+                 bool at_end, int handle) override;
+  void Freed(int instruction, const BufferKey& key, int64_t size_bytes, BufferKind kind,
+             bool at_end, int handle) override;
+  void Renamed(int instruction, const BufferKey& from, const BufferKey& to, int handle) override;
+  void Accessed(int instruction, const BufferKey& key, BufferAccess access, int handle) override;
+
+ private:
+  class Checker;
+  Checker& checker();
+
+  const proto::Schedule& schedule_;
+  std::unique_ptr<HappensBefore> order_;
+  std::unique_ptr<Checker> checker_;
+  Status ok_;
+};
 
 }  // namespace dc
