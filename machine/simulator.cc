@@ -31,9 +31,21 @@ struct Facts {
     for (int op = 0; op < program.ops_size(); ++op) {
       op_seconds.push_back(costs.OpSeconds(program, op));
     }
+    // Each instruction's message read once here, for the sweeps that need only these two.
+    const int n = schedule.instructions_size();
+    kind.resize(n);
+    stream.resize(n);
+    for (int i = 0; i < n; ++i) {
+      const proto::Instruction& instr = schedule.instructions(i);
+      kind[i] = static_cast<uint8_t>(instr.kind());
+      stream[i] = static_cast<uint8_t>(instr.stream());
+    }
   }
+  static_assert(proto::InstrKind_MAX < 256 && proto::Stream_MAX < 256);
   const proto::Program* program_of_schedule;
   int world;
+  // Per instruction (CheckReferences bounds both).
+  std::vector<uint8_t> kind, stream;
   // Bytes an offload or reload moves (as CopyBytes counts them).
   int64_t CopyBytes(int tensor) const {
     return IsPersistentRole(role[tensor]) ? shard_bytes[tensor] : transient_bytes[tensor];
@@ -126,7 +138,7 @@ class TimeReplay {
     const int n = schedule.instructions_size();
     result_->start_seconds.assign(n, 0);
     result_->end_seconds.assign(n, 0);
-    for (int i = 0; i < n; ++i) by_stream_[schedule.instructions(i).stream()].push_back(i);
+    for (int i = 0; i < n; ++i) by_stream_[facts.stream[i]].push_back(i);
   }
 
   void Run() {
@@ -304,13 +316,14 @@ class TimeReplay {
   bool computing_ = false;                                   // a compute runs (set by Retime)
 };
 
-void ComputeBusy(const proto::Schedule& schedule, SimResult* result) {
+void ComputeBusy(const Facts& facts, SimResult* result) {
+  const int n = static_cast<int>(facts.kind.size());
   std::vector<Span> compute, communication;
-  compute.reserve(schedule.instructions_size());
-  communication.reserve(schedule.instructions_size());
-  for (int i = 0; i < schedule.instructions_size(); ++i) {
+  compute.reserve(n);
+  communication.reserve(n);
+  for (int i = 0; i < n; ++i) {
     const Span span{result->start_seconds[i], result->end_seconds[i]};
-    const proto::InstrKind kind = schedule.instructions(i).kind();
+    const auto kind = static_cast<proto::InstrKind>(facts.kind[i]);
     if (kind == proto::INSTR_COMPUTE) compute.push_back(span);
     if (IsCollective(kind)) communication.push_back(span);
     result->step_seconds = std::max(result->step_seconds, span.end);
@@ -341,42 +354,39 @@ bool Earlier(const MemoryEvent& a, const MemoryEvent& b) {
 
 // Walks events kept in emission (instruction) order in time order. Each stream's events are
 // already in time order (a stream runs one instruction at a time, and an instruction's events
-// are all at its start or all at its end), so this merges the streams' subsequences:
-// O(events * streams), no sort and no copy.
+// are all at its start or all at its end), so this merges the streams' subsequences, split out
+// in one pass: O(events * streams) compares, no sort and no copy of the events.
 class TimeOrder {
  public:
   explicit TimeOrder(const std::vector<MemoryEvent>& events) : events_(events) {
+    for (size_t k = 0; k < events.size(); ++k) {
+      by_stream_[events[k].stream].push_back(static_cast<uint32_t>(k));
+    }
     for (int s = 0; s < kNumStreams; ++s) {
-      SkipOtherStreams(s);
-      if (next_[s] < events_.size()) active_.push_back(s);
+      if (!by_stream_[s].empty()) active_.push_back(s);
     }
     ChooseBest();
   }
   // The earliest event not yet taken, or null.
-  const MemoryEvent* Peek() const { return best_ < 0 ? nullptr : &events_[next_[best_]]; }
+  const MemoryEvent* Peek() const { return best_ < 0 ? nullptr : &Next(best_); }
   // Takes the event Peek returned.
   void Take() {
-    ++next_[best_];
-    SkipOtherStreams(best_);
-    if (next_[best_] == events_.size()) std::erase(active_, best_);
+    if (++next_[best_] == by_stream_[best_].size()) std::erase(active_, best_);
     ChooseBest();
   }
 
  private:
-  void SkipOtherStreams(int stream) {
-    while (next_[stream] < events_.size() && events_[next_[stream]].stream != stream) {
-      ++next_[stream];
-    }
-  }
+  const MemoryEvent& Next(int stream) const { return events_[by_stream_[stream][next_[stream]]]; }
   void ChooseBest() {
     best_ = -1;
     for (int s : active_) {
-      if (best_ < 0 || Earlier(events_[next_[s]], events_[next_[best_]])) best_ = s;
+      if (best_ < 0 || Earlier(Next(s), Next(best_))) best_ = s;
     }
   }
   const std::vector<MemoryEvent>& events_;
-  std::array<size_t, kNumStreams> next_{};
-  std::vector<int> active_;  // streams with events left
+  std::array<std::vector<uint32_t>, kNumStreams> by_stream_;  // each stream's events, in order
+  std::array<size_t, kNumStreams> next_{};                    // its next into by_stream_
+  std::vector<int> active_;                                   // streams with events left
   int best_ = -1;
 };
 
@@ -387,12 +397,12 @@ class TimeOrder {
 // issues it, whatever the streams' times).
 class MemoryEvents : public BufferListener {
  public:
-  MemoryEvents(const proto::Schedule& schedule, const SimResult& times)
-      : schedule_(schedule),
+  MemoryEvents(const Facts& facts, const SimResult& times)
+      : facts_(facts),
         times_(times),
         start_up_bytes_(kNumBufferKinds, 0),
         issue_bytes_by_kind_(kNumBufferKinds, 0) {
-    events_.reserve(2 * static_cast<size_t>(schedule.instructions_size()));
+    events_.reserve(2 * facts.stream.size());
   }
   void Allocated(int instruction, const BufferKey& /*key*/, int64_t size_bytes, BufferKind kind,
                  bool at_end, int /*handle*/) override {
@@ -424,9 +434,9 @@ class MemoryEvents : public BufferListener {
       return;
     }
     const double time = at_end ? times_.end_seconds[i] : times_.start_seconds[i];
-    events_.push_back({time, i, schedule_.instructions(i).stream(), delta, kind});
+    events_.push_back({time, i, facts_.stream[i], delta, kind});
   }
-  const proto::Schedule& schedule_;
+  const Facts& facts_;
   const SimResult& times_;
   std::vector<MemoryEvent> events_;  // in instruction order
   std::vector<int64_t> start_up_bytes_;
@@ -514,14 +524,14 @@ StatusOr<SimResult> Simulate(const proto::Schedule& schedule, const CostModel& c
   SimResult result;
   const Facts facts(schedule, costs);
   TimeReplay(schedule, costs, facts, &result).Run();
-  MemoryEvents events(schedule, result);
+  MemoryEvents events(facts, result);
   BothListeners both(&events, options.also_listening);
   DC_RETURN_IF_ERROR(
       BufferReplay(schedule, options.also_listening ? &both : static_cast<BufferListener*>(&events))
           .Run());
   SweepMemory(events.start_up_bytes(), events.events(), options.memory_timeline, &result);
   TakeIssueOrderPeak(events, &result);
-  ComputeBusy(schedule, &result);
+  ComputeBusy(facts, &result);
   return result;
 }
 
