@@ -1,7 +1,6 @@
 #include "rewriter/verifier.h"
 
 #include <cstdio>
-#include <optional>
 #include <vector>
 
 #include "machine/simulator.h"
