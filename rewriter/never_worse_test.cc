@@ -222,7 +222,8 @@ std::string CheckNeverWorse(PlanRequest request) {
 // twice as far each arena round and its arena check tries three packing orders, dc's own
 // pipeline plans 0.1552 s: never worse, and now by its own plan; since breadth-descending
 // packing stacks the longest-lived buffers first on its ties, offload gives back less and the
-// plan steps in 0.1429 s.
+// plan steps in 0.1429 s; since a relaxed split whose offload slowed it is planned again a few
+// percent lower, 0.1421 s.
 TEST(NeverWorseTest, IssueCasePlansNoSlowerThanDeepCompile) {
   PlanRequest request = RequestFor(LlamaShape(4, 4096, 32, 2, 8192, 512, 3, 4), 8, "h100-sxm");
   request.budget_bytes = 4954009965;
@@ -234,7 +235,7 @@ TEST(NeverWorseTest, IssueCasePlansNoSlowerThanDeepCompile) {
   request.policy = "dc";
   auto dc = MakePlan(request);
   ASSERT_TRUE(dc.ok()) << dc.status().message();
-  EXPECT_NEAR(dc->prediction().step_seconds(), 0.1429, 5e-5);
+  EXPECT_NEAR(dc->prediction().step_seconds(), 0.1421, 5e-5);
   EXPECT_EQ(dc->kept_rival(), "");
   EXPECT_EQ(dc->policy(), "dc");
 }
@@ -289,6 +290,33 @@ TEST(NeverWorseTest, Mixtral8x7bPlansFasterThanTheBaselineWithNoCandidateDefect)
   // 1.131 s against the baseline's 1.650 s on this profile; a plan that lost its prefetch and
   // unsharding gains nothing.
   EXPECT_LT(dc->prediction().step_seconds(), dc->baseline().step_seconds() / 1.3);
+}
+
+// Llama-3 70B on 32 H100s at GAS 1 (plan_bench's loose row, seq 1024): at the H100's exact
+// memory the split that relaxes by all the optimizer-state bytes unshards to 96.06 GiB, and
+// offloading all it may leaves it 2.7 MB over, so offload's reloads slowed that split from
+// 1.106 s to 1.289 s and dc planned 1.1256 s, where 9 MB more budget planned 1.1063 s. Planned
+// again at a slightly lower relaxed budget, the split gives up a few megabytes of unsharding
+// instead of adding reloads: a few megabytes less budget cost no more than a fraction of a
+// percent of the step.
+TEST(NeverWorseTest, AFewMegabytesLessBudgetCostAFewMegabytesOfUnsharding) {
+  ModelOverrides o;
+  o.seq = 1024;
+  o.micro_batch = 1;
+  o.gas = 1;
+  PlanRequest request = RequestFor(o, 32, "h100-sxm", "llama3-70b");
+  auto hw = FindHardware("h100-sxm");
+  ASSERT_TRUE(hw.ok()) << hw.status().message();
+  request.policy = "dc";
+  request.budget_bytes = hw->device_memory_bytes + 9'000'000;
+  auto roomier = MakePlan(request);
+  ASSERT_TRUE(roomier.ok()) << roomier.status().message();
+  request.budget_bytes = hw->device_memory_bytes;
+  auto exact = MakePlan(request);
+  ExpectNoCandidateDefect(exact, "dc");
+  ASSERT_TRUE(exact.ok()) << exact.status().message();
+  EXPECT_LT(exact->prediction().step_seconds(), roomier->prediction().step_seconds() * 1.005);
+  EXPECT_LT(exact->prediction().step_seconds(), 1.115);
 }
 
 class NeverWorse : public ::testing::TestWithParam<int> {

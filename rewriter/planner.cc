@@ -10,6 +10,7 @@
 #include <optional>
 #include <system_error>
 #include <thread>
+#include <utility>
 
 #include "machine/lower_bound.h"
 #include "machine/simulator.h"
@@ -335,18 +336,43 @@ std::vector<Split> SplitsToPlan(const PlanRequest& request, const PassContext& c
   return splits;
 }
 
+// The step `plan` predicted before its offload pass where that pass made it slower (the passes
+// before it spent more of the relaxed budget than offloading could give back without waiting
+// for reloads); none where offload changed nothing or did not slow the step.
+std::optional<double> StepBeforeASlowingOffload(const proto::Schedule& plan) {
+  std::optional<double> before;
+  for (const proto::PassRecord& record : plan.passes()) {
+    if (record.name() == "offload") {
+      if (before && record.changed() && record.predicted_step_seconds() > *before) return before;
+      return std::nullopt;
+    }
+    before = record.predicted_step_seconds();
+  }
+  return std::nullopt;
+}
+
 // Plans `splits` and returns the fastest plan (ties: the first), or the own split's error. The
 // first split is the policy's own pipeline: it reports progress, dumps (--dump-after), and gives
 // *baseline_sim the verifier's simulation after its zero3 pass. `policy`: null for a pass list
 // of the user's own (its error is the answer, no candidate's defect).
+//
+// A relaxed split whose offload slowed its step may have missed by a few megabytes: the passes
+// before offload spend the relaxed budget to the byte, and offloading all it may still leaves
+// them just over (Llama-3 70B on 32 H100s at GAS 1 and the H100's exact memory: unsharding to
+// 96.06 GiB leaves offload 2.7 MB short, and its reloads slow the step from 1.106 s to 1.289 s,
+// where 9 MB more budget plans 1.106 s). Where its step before offload beats the plan in hand,
+// it is planned again with the relaxed budget lowered by each of `retry_shares` in turn (a share
+// of the relaxed budget), while offload still slows it; one by one, each against the plan in
+// hand.
 StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::string& program_digest,
                                      const PassContext& context, const Policy* policy,
                                      const std::vector<Split>& splits,
+                                     const std::vector<double>& retry_shares,
                                      std::optional<SimResult>* baseline_sim,
                                      CandidateFailures* defects) {
   std::mutex progress_mutex;
-  auto run = [&](int i, const CandidateStep& step) -> StatusOr<proto::Schedule> {
-    const bool own = i == 0;
+  auto plan_split = [&](const Split& split, bool own,
+                        const CandidateStep& step) -> StatusOr<proto::Schedule> {
     DC_ASSIGN_OR_RETURN(auto pipeline, PipelineFor(request, /*dumps=*/own));
     if (request.on_pass) {
       pipeline->OnPass([&](const proto::PassRecord& record) {
@@ -361,11 +387,14 @@ StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::stri
         first = false;
       });
     }
-    if (!splits[i].keep_activations) DC_RETURN_IF_ERROR(pipeline->Disable("keep-activations"));
+    if (!split.keep_activations) DC_RETURN_IF_ERROR(pipeline->Disable("keep-activations"));
     PassContext split_context = context;
-    split_context.relaxed_budget_bytes = splits[i].relaxed_budget_bytes;
+    split_context.relaxed_budget_bytes = split.relaxed_budget_bytes;
     step.Into(&split_context);
     return RunPipeline(request, program_digest, *pipeline, split_context);
+  };
+  auto run = [&](int i, const CandidateStep& step) {
+    return plan_split(splits[static_cast<size_t>(i)], i == 0, step);
   };
   Candidates candidates(static_cast<int>(splits.size()), context.thread_share, run);
   StatusOr<proto::Schedule> planned = candidates.Take(0, Status::Error("none"));
@@ -383,6 +412,25 @@ StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::stri
     }
   };
   note_kept_nothing(planned, splits[0].relaxed_budget_bytes);
+  // The relaxed splits whose offload slowed them, to plan again at a lower relaxed budget.
+  std::vector<std::pair<Split, double>> to_retry;  // and the step before offload
+  auto note_slowing_offload = [&](const StatusOr<proto::Schedule>& plan, const Split& split) {
+    if (retry_shares.empty() || !plan.ok() || split.relaxed_budget_bytes <= request.budget_bytes) {
+      return;
+    }
+    if (auto before = StepBeforeASlowingOffload(*plan)) to_retry.push_back({split, *before});
+  };
+  auto keep_faster = [&](StatusOr<proto::Schedule> other, const Split& split) {
+    defects->Check(other, std::string("the split ") +
+                              (split.keep_activations ? "with" : "without") +
+                              " keep-activations at a relaxed budget of " +
+                              FormatBytes(split.relaxed_budget_bytes));
+    if (other.ok() && (!planned.ok() ||
+                       other->prediction().step_seconds() < planned->prediction().step_seconds())) {
+      planned = std::move(other);
+    }
+  };
+  note_slowing_offload(planned, splits[0]);
   for (size_t i = 1; i < splits.size(); ++i) {
     const Split& split = splits[i];
     if (!split.keep_activations && std::count(kept_nothing_at.begin(), kept_nothing_at.end(),
@@ -391,13 +439,23 @@ StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::stri
     }
     StatusOr<proto::Schedule> other = candidates.Take(static_cast<int>(i), planned);
     if (split.keep_activations) note_kept_nothing(other, split.relaxed_budget_bytes);
-    defects->Check(other, std::string("the split ") +
-                              (split.keep_activations ? "with" : "without") +
-                              " keep-activations at a relaxed budget of " +
-                              FormatBytes(split.relaxed_budget_bytes));
-    if (other.ok() && (!planned.ok() ||
-                       other->prediction().step_seconds() < planned->prediction().step_seconds())) {
-      planned = std::move(other);
+    note_slowing_offload(other, split);
+    keep_faster(std::move(other), split);
+  }
+  for (const auto& [slowed, before_offload_seconds] : to_retry) {
+    if (before_offload_seconds >= StepToBeat(planned)) continue;
+    for (double share : retry_shares) {
+      Split lower = slowed;
+      lower.relaxed_budget_bytes -=
+          static_cast<int64_t>(static_cast<double>(slowed.relaxed_budget_bytes) * share);
+      if (lower.relaxed_budget_bytes <= request.budget_bytes) break;
+      StatusOr<proto::Schedule> again =
+          plan_split(lower, /*own=*/false, CandidateStep{StepToBeat(planned), nullptr});
+      // Stopped short of the plan in hand (its step before offload no longer beats it), or
+      // offloaded without slowing: a lower budget only spends less.
+      const bool still_slowed = again.ok() && StepBeforeASlowingOffload(*again).has_value();
+      keep_faster(std::move(again), lower);
+      if (!still_slowed) break;
     }
   }
   return planned;
@@ -636,8 +694,13 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
       SplitsToPlan(request, context, policy, states, baseline ? baseline->instructions_size() : 0);
   std::optional<SimResult> baseline_sim;
   CandidateFailures defects;
+  // Retries only where the splits are explored: the step is small enough to plan again.
+  const bool retries = policy && policy->explores_splits && baseline &&
+                       baseline->instructions_size() <= search.max_instructions_to_explore;
   StatusOr<proto::Schedule> planned =
-      PlanSplits(request, program_digest, context, policy, splits, &baseline_sim, &defects);
+      PlanSplits(request, program_digest, context, policy, splits,
+                 retries ? search.retry_relaxed_budget_shares : std::vector<double>{},
+                 &baseline_sim, &defects);
   if (!baseline_sim) {
     if (!baseline) {
       DC_ASSIGN_OR_RETURN(baseline, LowerBaseline(request, program_digest, context));

@@ -32,6 +32,11 @@ struct SearchOptions {
   // where the zero3 stream has at most this many instructions, so planning stays under a second
   // (Mixtral 8x7B at GAS 16 has 105k instructions and is planned once).
   int64_t max_instructions_to_explore = 50000;
+  // A relaxed split whose offload slowed its step is planned again with its relaxed budget
+  // lowered by these shares of it, in turn, while offload still slows it (PlanSplits): the
+  // passes before offload may have overspent by a few megabytes. Only where the splits are
+  // explored (max_instructions_to_explore).
+  std::vector<double> retry_relaxed_budget_shares = {0.01, 0.03};
   // A plan is faster or slower than the baseline when its step differs by more than this
   // relative margin (float noise of the simulator's sums, not a real difference).
   double slower_than_baseline_tolerance = 1e-9;
