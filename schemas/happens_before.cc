@@ -284,18 +284,6 @@ class OrderChecker : public BufferListener {
 
 }  // namespace
 
-Status CheckHappensBefore(const proto::Schedule& schedule) {
-  const HappensBefore order(schedule);
-  OrderChecker checker(schedule, order);
-  BufferReplay replay(schedule, &checker);
-  replay.Start();
-  for (int i = 0; i < schedule.instructions_size(); ++i) {
-    DC_RETURN_IF_ERROR(replay.Apply(i));
-    if (!checker.status().ok()) return checker.status();
-  }
-  return checker.status();
-}
-
 class HappensBeforeCheck::Checker : public OrderChecker {
   using OrderChecker::OrderChecker;
 };
@@ -331,6 +319,18 @@ void HappensBeforeCheck::Renamed(int instruction, const BufferKey& from, const B
 void HappensBeforeCheck::Accessed(int instruction, const BufferKey& key, BufferAccess access,
                                   int handle) {
   checker().Accessed(instruction, key, access, handle);
+}
+
+// The listener on a replay of its own, stopping at the first effect found unordered.
+Status CheckHappensBefore(const proto::Schedule& schedule) {
+  HappensBeforeCheck check(schedule);
+  BufferReplay replay(schedule, &check);
+  replay.Start();
+  for (int i = 0; i < schedule.instructions_size(); ++i) {
+    DC_RETURN_IF_ERROR(replay.Apply(i));
+    if (!check.status().ok()) return check.status();
+  }
+  return check.status();
 }
 
 }  // namespace dc
