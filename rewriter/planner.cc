@@ -396,8 +396,11 @@ StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::stri
   auto run = [&](int i, const CandidateStep& step) {
     return plan_split(splits[static_cast<size_t>(i)], i == 0, step);
   };
-  Candidates candidates(static_cast<int>(splits.size()), context.thread_share, run);
-  StatusOr<proto::Schedule> planned = candidates.Take(0, Status::Error("none"));
+  // Planned (or stopped) once `candidates` goes: the retries below then hold the caller's slot
+  // of the thread share, as it does outside Candidates.
+  auto candidates =
+      std::make_unique<Candidates>(static_cast<int>(splits.size()), context.thread_share, run);
+  StatusOr<proto::Schedule> planned = candidates->Take(0, Status::Error("none"));
   if (policy) defects->Check(planned, request.policy + "'s pipeline");
   // Where keep-activations kept nothing at a relaxed budget, the pipeline without it makes the
   // same schedule (every pass is a function of its input) and would only tie: not planned (or,
@@ -437,11 +440,12 @@ StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::stri
                                               split.relaxed_budget_bytes) > 0) {
       continue;
     }
-    StatusOr<proto::Schedule> other = candidates.Take(static_cast<int>(i), planned);
+    StatusOr<proto::Schedule> other = candidates->Take(static_cast<int>(i), planned);
     if (split.keep_activations) note_kept_nothing(other, split.relaxed_budget_bytes);
     note_slowing_offload(other, split);
     keep_faster(std::move(other), split);
   }
+  candidates.reset();
   for (const auto& [slowed, before_offload_seconds] : to_retry) {
     if (before_offload_seconds >= StepToBeat(planned)) continue;
     for (double share : retry_shares) {
