@@ -137,6 +137,22 @@ ModelOverrides LlamaShape(int64_t layers, int64_t hidden, int64_t heads, int64_t
   return o;
 }
 
+// A preset's own shape at `seq`, `micro_batch` and `gas`.
+ModelOverrides PresetAt(int64_t seq, int64_t micro_batch, int64_t gas) {
+  ModelOverrides o;
+  o.seq = seq;
+  o.micro_batch = micro_batch;
+  o.gas = gas;
+  return o;
+}
+
+// The profile's device memory: plan_bench's and paper_bench's budget.
+int64_t DeviceMemoryBytes(const std::string& hardware) {
+  auto hw = FindHardware(hardware);
+  EXPECT_TRUE(hw.ok()) << hw.status().message();
+  return hw.ok() ? hw->device_memory_bytes : 0;
+}
+
 // A policy's candidates (splits, fallbacks, rivals) may fail only for the budget: any other
 // failure is a pass's defect, which the planner notes in the plan (or says in its error).
 void ExpectNoCandidateDefect(const StatusOr<proto::Schedule>& plan, const std::string& policy) {
@@ -275,14 +291,8 @@ TEST(NeverWorseTest, APlanThatOnlyTiesTheBaselineTriesTheFallbacks) {
 // removed the gather after it), which the planner passed over in silence: the plan fell back to
 // the baseline's 1.650 s.
 TEST(NeverWorseTest, Mixtral8x7bPlansFasterThanTheBaselineWithNoCandidateDefect) {
-  ModelOverrides o;
-  o.seq = 2048;
-  o.micro_batch = 4;
-  o.gas = 1;
-  PlanRequest request = RequestFor(o, 32, "h100-sxm", "mixtral-8x7b");
-  auto hw = FindHardware("h100-sxm");
-  ASSERT_TRUE(hw.ok()) << hw.status().message();
-  request.budget_bytes = hw->device_memory_bytes;  // 79.65 GiB
+  PlanRequest request = RequestFor(PresetAt(2048, 4, 1), 32, "h100-sxm", "mixtral-8x7b");
+  request.budget_bytes = DeviceMemoryBytes("h100-sxm");  // 79.65 GiB
   request.policy = "dc";
   auto dc = MakePlan(request);
   ExpectNoCandidateDefect(dc, "dc");
@@ -300,18 +310,13 @@ TEST(NeverWorseTest, Mixtral8x7bPlansFasterThanTheBaselineWithNoCandidateDefect)
 // instead of adding reloads: a few megabytes less budget cost no more than a fraction of a
 // percent of the step.
 TEST(NeverWorseTest, AFewMegabytesLessBudgetCostAFewMegabytesOfUnsharding) {
-  ModelOverrides o;
-  o.seq = 1024;
-  o.micro_batch = 1;
-  o.gas = 1;
-  PlanRequest request = RequestFor(o, 32, "h100-sxm", "llama3-70b");
-  auto hw = FindHardware("h100-sxm");
-  ASSERT_TRUE(hw.ok()) << hw.status().message();
+  PlanRequest request = RequestFor(PresetAt(1024, 1, 1), 32, "h100-sxm", "llama3-70b");
   request.policy = "dc";
-  request.budget_bytes = hw->device_memory_bytes + 9'000'000;
+  const int64_t h100_bytes = DeviceMemoryBytes("h100-sxm");
+  request.budget_bytes = h100_bytes + 9'000'000;
   auto roomier = MakePlan(request);
   ASSERT_TRUE(roomier.ok()) << roomier.status().message();
-  request.budget_bytes = hw->device_memory_bytes;
+  request.budget_bytes = h100_bytes;
   auto exact = MakePlan(request);
   ExpectNoCandidateDefect(exact, "dc");
   ASSERT_TRUE(exact.ok()) << exact.status().message();
