@@ -698,9 +698,9 @@ StatusOr<proto::Schedule> MakePlan(const PlanRequest& request) {
       SplitsToPlan(request, context, policy, states, baseline ? baseline->instructions_size() : 0);
   std::optional<SimResult> baseline_sim;
   CandidateFailures defects;
-  // Retries only where the splits are explored: the step is small enough to plan again.
+  // Retries only where the splits are explored and the step is small enough to plan again.
   const bool retries = policy && policy->explores_splits && baseline &&
-                       baseline->instructions_size() <= search.max_instructions_to_explore;
+                       baseline->instructions_size() <= search.max_instructions_to_retry;
   StatusOr<proto::Schedule> planned =
       PlanSplits(request, program_digest, context, policy, splits,
                  retries ? search.retry_relaxed_budget_shares : std::vector<double>{},

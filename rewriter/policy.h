@@ -29,14 +29,19 @@ struct SearchOptions {
   // bytes that offloading can give back; offload then frees what must go.
   int64_t relaxed_state_share_divisor = 2;
   // The alternative split that lets those passes spend all of the state bytes is planned only
-  // where the zero3 stream has at most this many instructions, so planning stays under a second
-  // (Mixtral 8x7B at GAS 16 has 105k instructions and is planned once).
-  int64_t max_instructions_to_explore = 50000;
+  // where the zero3 stream has at most this many instructions: GAS 16 of Llama-3 8B and 70B
+  // (51k-127k), where a tight budget relaxed by half the state bytes is still under the
+  // baseline's own peak and leaves prefetch and unsharding no room (llama3-70b on 32 H100s at
+  // GAS 16 and 80% of the baseline's peak: 25.86 s, the baseline's step, with half; 18.61 s
+  // with all), but not Llama-3 405B's 235k, which must plan in a few seconds.
+  int64_t max_instructions_to_explore = 150000;
   // A relaxed split whose offload slowed its step is planned again with its relaxed budget
   // lowered by these shares of it, in turn, while offload still slows it (PlanSplits): the
-  // passes before offload may have overspent by a few megabytes. Only where the splits are
-  // explored (max_instructions_to_explore).
+  // passes before offload may have overspent by a few megabytes. Only where the zero3 stream has
+  // at most max_instructions_to_retry instructions (at GAS 16 the retries took llama3-70b on 32
+  // H100s, tight, from 18.61 to 18.09 s for twice the planning time).
   std::vector<double> retry_relaxed_budget_shares = {0.01, 0.03};
+  int64_t max_instructions_to_retry = 50000;
   // A plan is faster or slower than the baseline when its step differs by more than this
   // relative margin (float noise of the simulator's sums, not a real difference).
   double slower_than_baseline_tolerance = 1e-9;
