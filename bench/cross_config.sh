@@ -72,12 +72,14 @@ plan() {  # name hardware policy world model-flags... ; env: budget
 }
 
 # Steps a run measures: at least `steps`, and enough for about $measure_seconds of predicted steps
-# (at most 40): a median of 5 steps of 20 ms moves by half between runs on this shared machine
-# (the OS's wake-ups of the ranks' threads), one of 5 steps of 1 s by a few per cent.
+# (at most CROSS_CONFIG_MAX_STEPS, 400): a median of 5 steps of 20 ms moves by half between runs on
+# this shared machine (the OS's wake-ups of the ranks' threads), one of 5 steps of 1 s by a few
+# per cent. At most 40, tiny's calibration steps (1-20 ms) moved by 2.6-3.2x between two runs an
+# hour apart, and the flops rate fitted with them by 21% (bench/results/cross_config-2026-12-03.md).
 measure_seconds=${CROSS_CONFIG_SECONDS:-2}
 steps_for() {  # name
-  python3 -c 'import json,math,sys; p=json.load(open(sys.argv[1]))["predicted"]["step_seconds"]; print(max(int(sys.argv[2]), min(40, math.ceil(float(sys.argv[3]) / p))))' \
-    "$work/$1.plan.json" "$steps" "$measure_seconds"
+  python3 -c 'import json,math,sys; p=json.load(open(sys.argv[1]))["predicted"]["step_seconds"]; print(max(int(sys.argv[2]), min(int(sys.argv[4]), math.ceil(float(sys.argv[3]) / p))))' \
+    "$work/$1.plan.json" "$steps" "$measure_seconds" "${CROSS_CONFIG_MAX_STEPS:-400}"
 }
 
 run() {  # name world
@@ -87,12 +89,14 @@ run() {  # name world
 
 measured() { python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["step_seconds_median"])' "$work/$1.run.json"; }
 
-# 1. Calibration inputs: small runs only.
-"$bin/dc-collect" --model tiny --nproc 1 --gas 2 --steps 10 --warmup 1 --threads-per-rank 1 \
+# 1. Calibration inputs: small runs only, traced over CROSS_CONFIG_TRACE_STEPS steps (40: at 10,
+# the per-op medians of tiny's ~1 ms steps moved the fitted flops rate by a fifth between runs).
+trace_steps=${CROSS_CONFIG_TRACE_STEPS:-40}
+"$bin/dc-collect" --model tiny --nproc 1 --gas 2 --steps "$trace_steps" --warmup 1 --threads-per-rank 1 \
   -o "$work/t1.db" --quiet >/dev/null
-"$bin/dc-collect" --model tiny --nproc 2 --gas 2 --steps 10 --warmup 1 --threads-per-rank 1 \
+"$bin/dc-collect" --model tiny --nproc 2 --gas 2 --steps "$trace_steps" --warmup 1 --threads-per-rank 1 \
   -o "$work/t2.db" --quiet >/dev/null
-"$bin/dc-collect" --model tiny --nproc 4 --gas 1 --steps 10 --warmup 1 --threads-per-rank 1 \
+"$bin/dc-collect" --model tiny --nproc 4 --gas 1 --steps "$trace_steps" --warmup 1 --threads-per-rank 1 \
   -o "$work/t4.db" --quiet >/dev/null
 nccl_tests=()
 for collective in all_gather reduce_scatter; do
@@ -113,7 +117,7 @@ done
 # for the host link, which no plan without a budget exercises: on this backend a copy is a hand-off
 # to the copy stream's thread, far from the profile's assumed 1 us.
 budget=tight plan tiny2off cpu dc 2 --model tiny --gas 2
-"$bin/dc-run" "$work/tiny2off.dcplan" --nproc 2 --steps 10 --warmup 1 --threads-per-rank 1 \
+"$bin/dc-run" "$work/tiny2off.dcplan" --nproc 2 --steps "$trace_steps" --warmup 1 --threads-per-rank 1 \
   --trace "$work/t2o.db" --quiet >/dev/null
 "$bin/dc-calibrate" --base cpu --trace "$work/t1.db" --trace "$work/t2.db" --trace "$work/t4.db" \
   --trace "$work/t2o.db" \
