@@ -322,6 +322,13 @@ TEST(NeverWorseTest, AFewMegabytesLessBudgetCostAFewMegabytesOfUnsharding) {
   ASSERT_TRUE(exact.ok()) << exact.status().message();
   EXPECT_LT(exact->prediction().step_seconds(), roomier->prediction().step_seconds() * 1.005);
   EXPECT_LT(exact->prediction().step_seconds(), 1.115);
+  // The plan says which split it came from, and that it was planned again.
+  bool noted = false;
+  for (const std::string& note : exact->notes()) {
+    noted = noted || (note.find("dc's own pipeline, planned with a relaxed budget of") == 0 &&
+                      note.find("under the split at") != std::string::npos);
+  }
+  EXPECT_TRUE(noted);
 }
 
 // Llama-3 8B on 8 H100s at GAS 16 and 80% of the baseline's peak (plan_bench's tight row, 51k

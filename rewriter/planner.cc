@@ -423,14 +423,20 @@ StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::stri
     }
     if (auto before = StepBeforeASlowingOffload(*plan)) to_retry.push_back({split, *before});
   };
-  auto keep_faster = [&](StatusOr<proto::Schedule> other, const Split& split) {
-    defects->Check(other, std::string("the split ") +
-                              (split.keep_activations ? "with" : "without") +
-                              " keep-activations at a relaxed budget of " +
-                              FormatBytes(split.relaxed_budget_bytes));
+  auto label_of = [](const Split& split) {
+    return std::string("the split ") + (split.keep_activations ? "with" : "without") +
+           " keep-activations at a relaxed budget of " + FormatBytes(split.relaxed_budget_bytes);
+  };
+  // Which split the plan in hand came from, where not the policy's own ("": its own).
+  std::string planned_from;
+  auto keep_faster = [&](StatusOr<proto::Schedule> other, const Split& split,
+                         const std::string& how) {
+    defects->Check(other, label_of(split));
     if (other.ok() && (!planned.ok() ||
                        other->prediction().step_seconds() < planned->prediction().step_seconds())) {
       planned = std::move(other);
+      planned_from = "a relaxed budget of " + FormatBytes(split.relaxed_budget_bytes) + how +
+                     (split.keep_activations ? "" : ", without keep-activations");
     }
   };
   note_slowing_offload(planned, splits[0]);
@@ -443,7 +449,7 @@ StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::stri
     StatusOr<proto::Schedule> other = candidates->Take(static_cast<int>(i), planned);
     if (split.keep_activations) note_kept_nothing(other, split.relaxed_budget_bytes);
     note_slowing_offload(other, split);
-    keep_faster(std::move(other), split);
+    keep_faster(std::move(other), split, "");
   }
   candidates.reset();
   for (const auto& [slowed, before_offload_seconds] : to_retry) {
@@ -458,9 +464,16 @@ StatusOr<proto::Schedule> PlanSplits(const PlanRequest& request, const std::stri
       // Stopped short of the plan in hand (its step before offload no longer beats it), or
       // offloaded without slowing: a lower budget only spends less.
       const bool still_slowed = again.ok() && StepBeforeASlowingOffload(*again).has_value();
-      keep_faster(std::move(again), lower);
+      char how[160];
+      std::snprintf(how, sizeof(how), " (%.0f%% under the split at %s, whose step offload slowed)",
+                    share * 100, FormatBytes(slowed.relaxed_budget_bytes).c_str());
+      keep_faster(std::move(again), lower, how);
       if (!still_slowed) break;
     }
+  }
+  // Said where it is not the policy's own split (dc-plan --explain prints it as the choice).
+  if (planned.ok() && !planned_from.empty()) {
+    planned->add_notes(request.policy + "'s own pipeline, planned with " + planned_from);
   }
   return planned;
 }
