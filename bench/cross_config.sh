@@ -23,6 +23,18 @@
 set -euo pipefail
 build=${1:-build}
 steps=${2:-5}
+# The counts this script reads from its arguments and the environment: whole numbers from 1.
+for setting in "steps=$steps" "CROSS_CONFIG_MAX_STEPS=${CROSS_CONFIG_MAX_STEPS:-400}" \
+  "CROSS_CONFIG_TRACE_STEPS=${CROSS_CONFIG_TRACE_STEPS:-40}"; do
+  if ! [[ ${setting#*=} =~ ^[1-9][0-9]{0,5}$ ]]; then
+    echo "cross_config.sh: ${setting%%=*} is '${setting#*=}': give a whole number of steps from 1 to 999999" >&2
+    exit 2
+  fi
+done
+if ! [[ ${CROSS_CONFIG_SECONDS:-2} =~ ^[0-9]+([.][0-9]+)?$ ]] || [[ ${CROSS_CONFIG_SECONDS:-2} =~ ^0+([.]0+)?$ ]]; then
+  echo "cross_config.sh: CROSS_CONFIG_SECONDS is '${CROSS_CONFIG_SECONDS}': give a positive number of seconds" >&2
+  exit 2
+fi
 bin="$build/tools"
 # CROSS_CONFIG_KEEP=DIR: work in DIR and keep it (the traces, steps.csv, calibrated.json, every
 # plan and run), to calibrate again from the same measurements: `dc-calibrate ... -o other.json`
