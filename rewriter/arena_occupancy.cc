@@ -171,6 +171,22 @@ int64_t BasicArenaOccupancy<Offset>::BestFit(int alloc_index, int free_index, in
 }
 
 template <typename Offset>
+int64_t BasicArenaOccupancy<Offset>::LowestFit(int alloc_index, int free_index, int64_t floor,
+                                               int64_t size) const {
+  int64_t cursor = floor;
+  bool found = false;
+  ForEachTakenRun(alloc_index, free_index, [&](const Range& run) {
+    if (found) return;
+    if (static_cast<int64_t>(run.first) - cursor >= size) {
+      found = true;
+      return;
+    }
+    cursor = std::max<int64_t>(cursor, run.second);
+  });
+  return cursor;
+}
+
+template <typename Offset>
 int64_t BasicArenaOccupancy<Offset>::HighestFit(int alloc_index, int free_index, int64_t floor,
                                                 int64_t ceiling, int64_t size) const {
   int64_t cursor = floor, highest = -1;

@@ -45,6 +45,11 @@ class BasicArenaOccupancy {
   // such offset on ties); else the end of the highest of them, or `floor` if that is higher.
   int64_t BestFit(int alloc_index, int free_index, int64_t floor, int64_t size) const;
 
+  // First fit for size > 0 during [alloc_index, free_index]: the lowest offset at or above
+  // `floor` of a gap of at least `size` between the ranges taken at some instant of it; else the
+  // end of the highest of them, or `floor` if that is higher.
+  int64_t LowestFit(int alloc_index, int free_index, int64_t floor, int64_t size) const;
+
   // The highest offset o, floor <= o and o + size <= ceiling, where `size` > 0 is free during
   // [alloc_index, free_index]; -1 if there is none.
   int64_t HighestFit(int alloc_index, int free_index, int64_t floor, int64_t ceiling,

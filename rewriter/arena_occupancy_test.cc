@@ -38,6 +38,28 @@ int64_t BruteForceBestFit(const std::vector<Placed>& placed, int alloc_index, in
   return best_offset >= 0 ? best_offset : cursor;
 }
 
+// What LowestFit promises: the lowest offset at or above floor_bytes free of every placed range
+// that overlaps the lifetime. It is the floor or the end of some range; each is tried.
+int64_t BruteForceLowestFit(const std::vector<Placed>& placed, int alloc_index, int free_index,
+                            int64_t floor_bytes, int64_t size_bytes) {
+  auto overlaps = [&](const Placed& p, int64_t offset) {
+    return p.alloc_index <= free_index && p.free_index >= alloc_index &&
+           p.range.first < offset + size_bytes && offset < p.range.second;
+  };
+  std::vector<int64_t> candidates = {floor_bytes};
+  for (const Placed& p : placed) {
+    if (p.range.second > floor_bytes) candidates.push_back(p.range.second);
+  }
+  int64_t lowest = std::numeric_limits<int64_t>::max();
+  for (int64_t offset : candidates) {
+    if (std::none_of(placed.begin(), placed.end(),
+                     [&](const Placed& p) { return overlaps(p, offset); })) {
+      lowest = std::min(lowest, offset);
+    }
+  }
+  return lowest;
+}
+
 // What HighestFit promises: the highest offset in [floor_bytes, ceiling_bytes - size_bytes] free
 // of every placed range that overlaps the lifetime, tried offset by offset; -1 if none.
 int64_t BruteForceHighestFit(const std::vector<Placed>& placed, int alloc_index, int free_index,
@@ -74,6 +96,10 @@ void CheckAgainstBruteForce(unsigned seed, int axis_length, int buffers, int64_t
     const int64_t floor_bytes = percent(rng) < 10 ? size(rng) : 0;
     const int64_t offset = occupancy.BestFit(alloc_index, free_index, floor_bytes, size_bytes);
     ASSERT_EQ(offset, BruteForceBestFit(placed, alloc_index, free_index, floor_bytes, size_bytes))
+        << "seed " << seed << ", buffer " << b << ": [" << alloc_index << ", " << free_index
+        << "] of " << size_bytes << " bytes above " << floor_bytes;
+    ASSERT_EQ(occupancy.LowestFit(alloc_index, free_index, floor_bytes, size_bytes),
+              BruteForceLowestFit(placed, alloc_index, free_index, floor_bytes, size_bytes))
         << "seed " << seed << ", buffer " << b << ": [" << alloc_index << ", " << free_index
         << "] of " << size_bytes << " bytes above " << floor_bytes;
     const int64_t ceiling_bytes = floor_bytes + size(rng) * 4;

@@ -306,6 +306,61 @@ Sequence SequenceOf(const Axis& primary, int64_t alignment_bytes, MemoryPlanOpti
   return sequence;
 }
 
+// The end of the highest buffer at `offsets`.
+int64_t ArenaOf(const std::vector<BufferLifetime>& buffers, const std::vector<int64_t>& offsets) {
+  int64_t arena_bytes = 0;
+  for (size_t b = 0; b < buffers.size(); ++b) {
+    if (buffers[b].size_bytes > 0) {
+      arena_bytes = std::max(arena_bytes, offsets[b] + buffers[b].size_bytes);
+    }
+  }
+  return arena_bytes;
+}
+
+// Up to `rounds` times: every buffer placed again, lowest offset first (ties by index), each at
+// the lowest offset free during its lifetime among those placed again before it, until a round
+// lowers the arena no further; buffers alive the whole step stay where they are. No buffer moves
+// up: those that overlap it in time and were placed again before it lay below it and have only
+// come down, so its old offset is still free. A best fit takes the smallest gap, not the lowest,
+// and leaves bytes empty under a buffer that the buffers placed after it never needed; this
+// takes them. `packing` must be valid over `axis` (no spills); offsets in units of unit_bytes,
+// as PlaceInOrder's. `occupancy` is reset and placed in.
+template <typename Occupancy>
+void Compact(const Axis& axis, int64_t unit_bytes, int64_t alignment_bytes, int rounds,
+             Packing* packing, Occupancy* occupancy) {
+  using Offset = typename Occupancy::Range::first_type;
+  const std::vector<BufferLifetime>& buffers = *axis.buffers;
+  std::vector<int> movable, whole_step;
+  for (int b = 0; b < static_cast<int>(buffers.size()); ++b) {
+    if (buffers[b].size_bytes == 0) continue;
+    const bool whole = buffers[b].alloc_index < 0 && buffers[b].free_index >= axis.length;
+    (whole ? whole_step : movable).push_back(b);
+  }
+  auto add = [&](int b, int64_t offset) {
+    const int64_t size = AlignUp(buffers[b].size_bytes, alignment_bytes) / unit_bytes;
+    occupancy->Add(buffers[b].alloc_index, buffers[b].free_index,
+                   {static_cast<Offset>(offset), static_cast<Offset>(offset + size)});
+  };
+  for (int round = 0; round < rounds; ++round) {
+    std::stable_sort(movable.begin(), movable.end(),
+                     [&](int a, int b) { return packing->offsets[a] < packing->offsets[b]; });
+    occupancy->Reset(axis.length);
+    for (int b : whole_step) add(b, packing->offsets[b] / unit_bytes);
+    std::vector<int64_t> lowered = packing->offsets;
+    for (int b : movable) {
+      const BufferLifetime& life = buffers[b];
+      const int64_t size = AlignUp(life.size_bytes, alignment_bytes) / unit_bytes;
+      const int64_t offset = occupancy->LowestFit(life.alloc_index, life.free_index, 0, size);
+      lowered[b] = offset * unit_bytes;
+      add(b, offset);
+    }
+    const int64_t lowered_arena_bytes = ArenaOf(buffers, lowered);
+    if (lowered_arena_bytes >= packing->arena_bytes) return;
+    packing->offsets = std::move(lowered);
+    packing->arena_bytes = lowered_arena_bytes;
+  }
+}
+
 // Best fit over `primary` lifetimes in `sequence`; with `marks` (optional), the buffers placed by
 // their marks descending (how many earlier packings put them above the live peak), ties in the
 // sequence's order. With `spill` and spill_above_bytes > 0, a buffer whose best place over
@@ -342,12 +397,7 @@ Packing Pack(const Axis& primary, const Axis* spill, int64_t spill_above_bytes,
                                  sequence.from_top, sequence.ceiling_bytes, *rest, sequence.reserve,
                                  base, &packing, nullptr);
   }
-  for (int b = 0; b < n; ++b) {
-    if (buffers[b].size_bytes > 0) {
-      packing.arena_bytes =
-          std::max(packing.arena_bytes, packing.offsets[b] + buffers[b].size_bytes);
-    }
-  }
+  packing.arena_bytes = ArenaOf(buffers, packing.offsets);
   return packing;
 }
 
@@ -723,12 +773,7 @@ std::optional<Packing> PackPeriodic(
                                         &based_hints)) {
       return false;
     }
-    for (size_t b = 0; b < buffers.size(); ++b) {
-      if (buffers[b].size_bytes > 0) {
-        packing.arena_bytes =
-            std::max(packing.arena_bytes, packing.offsets[b] + buffers[b].size_bytes);
-      }
-    }
+    packing.arena_bytes = std::max(packing.arena_bytes, ArenaOf(buffers, packing.offsets));
     if (!best || packing.arena_bytes < best->arena_bytes) {
       best = std::move(packing);
       edges_name = std::string(OrderName(order)) + ", " + hints_name(hint_set);
@@ -841,6 +886,7 @@ std::string PackingsWithoutWaitsText(const MemoryPlanOptions& options) {
          ",over_budget_repair_rounds=" + std::to_string(options.over_budget_repair_rounds) +
          ",over_budget_repair_patience=" + std::to_string(options.over_budget_repair_patience) +
          ",last=" + OrderNames(options.last_orders) +
+         ",compaction_rounds=" + std::to_string(options.compaction_rounds) +
          ",max_packings=" + std::to_string(options.max_packings) +
          ",budget_check_packings=" + std::to_string(options.budget_check_packings) + "," +
          PeriodicText(options) +
@@ -987,9 +1033,14 @@ StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
   const bool has_budget = budget_bytes > 0;
   Packing best;
   best.arena_bytes = -1;
+  // The axis `best` was packed over, and whether it has been compacted.
+  const Axis* best_axis = &primary;
+  bool best_compacted = false;
   auto keep_if_best = [&](Packing&& packing, const Attempt& attempt, int round) {
     if (best.arena_bytes >= 0 && packing.arena_bytes >= best.arena_bytes) return;
     best = std::move(packing);
+    best_axis = attempt.axis;
+    best_compacted = false;
     s.order = OrderName(attempt.order);
     if (round > 0) s.order += ", repair round " + std::to_string(round);
     if (attempt.axis == &instruction_axis && in_time) {
@@ -1185,6 +1236,36 @@ StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
     }
   };
   pack_in_turn(without_waits, &next_attempt, options.repair_patience, enough_without_waits);
+  if (periodic.arena_bytes >= 0 &&
+      (best.arena_bytes < 0 || periodic.arena_bytes < best.arena_bytes)) {
+    best = periodic;  // a copy: the memo keeps it apart
+    best_axis = &primary;
+    best_compacted = false;
+    s.order = periodic_name;
+  }
+  // The best packing placed again lowest first (Compact), once, unless it spills or is good
+  // enough already (within the fragmentation target and the budget: the offload pass's check
+  // only asks whether it fits): before any packing made for the budget, which it may spare, and
+  // before the memo keeps it (so that the memory-plan pass goes on from the arena the check
+  // found).
+  auto compact_best = [&] {
+    if (options.compaction_rounds <= 0 || best.arena_bytes < 0 || best.spilled > 0 ||
+        best_compacted || good_enough()) {
+      return;
+    }
+    best_compacted = true;
+    const int64_t before = best.arena_bytes;
+    if (best.arena_bytes / options.alignment_bytes <= std::numeric_limits<uint32_t>::max()) {
+      Compact(*best_axis, options.alignment_bytes, options.alignment_bytes,
+              options.compaction_rounds, &best, &occupancies[0]);
+    } else {
+      ArenaOccupancy occupancy(best_axis->length);
+      Compact(*best_axis, options.alignment_bytes, options.alignment_bytes,
+              options.compaction_rounds, &best, &occupancy);
+    }
+    if (best.arena_bytes < before) s.order = "compacted " + s.order;
+  };
+  compact_best();
   if (save) {
     save->sequence = PackingSequenceText(options);
     save->budget_bytes = budget_bytes;
@@ -1198,11 +1279,6 @@ StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
     save->periodic_name = periodic_name;
     save->stats = s;
     save->repairs = repairs;
-  }
-  if (periodic.arena_bytes >= 0 &&
-      (best.arena_bytes < 0 || periodic.arena_bytes < best.arena_bytes)) {
-    best = std::move(periodic);
-    s.order = periodic_name;
   }
   // Over the budget: first more repair rounds, since a packing without waits costs the step
   // nothing and one that waits does.
@@ -1257,6 +1333,7 @@ StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
       }
     }
   }
+  compact_best();
   s.arena_bytes = best.arena_bytes;
   s.spilled_buffers = best.spilled;
 

@@ -184,6 +184,7 @@ MemoryPlanOptions SizeDescendingInInstructionOrder() {
   MemoryPlanOptions options = InInstructionOrder();
   options.orders = {MemoryPlanOptions::Order::kSizeDescending};
   options.last_orders = {};
+  options.compaction_rounds = 0;
   return options;
 }
 
@@ -445,6 +446,44 @@ TEST(MemoryPlan, BreadthStacksTheLongestLivedFirstOnItsTies) {
   EXPECT_EQ(offsets.at("c"), 2048);
   EXPECT_EQ(offsets.at("d"), 5120);
   EXPECT_EQ(offsets.at("a"), 2048);
+}
+
+// Best fit in size order leaves a low gap empty that the buffers placed after it never
+// needed: f (5 KiB, instructions 1-2) takes the 6 KiB gap above b rather than the 8 KiB one under
+// it, and c (3 KiB, 0-4) then finds room only on top, 28 KiB. Placed again lowest first, f comes
+// down to 0 and c into the gap above b that f left: 25 KiB, the live peak (b, d, a and e at the
+// last instruction).
+TEST(MemoryPlan, CompactionTakesTheLowerGapsBestFitLeft) {
+  const proto::Schedule s = Handmade(
+      {{"a", 8192}, {"b", 6144}, {"c", 3072}, {"d", 5120}, {"e", 6144}, {"f", 5120}},
+      {{"make_c", {"c"}}, {"make_dbf", {"d", "b", "f"}}, {"make_a", {"a"}}, {"make_e", {"e"}}},
+      R"(compute compute m0 make_c
+         compute compute m0 make_dbf
+         release compute m0 [f]
+         compute compute m0 make_a
+         release compute m0 [c]
+         compute compute m0 make_e)");
+  MemoryPlanOptions options = SizeDescendingInInstructionOrder();
+  options.repaired_orders = {};
+  auto plan_with = [&](int compaction_rounds, MemoryPlanStats* stats) {
+    options.compaction_rounds = compaction_rounds;
+    return PlanMemory(s, options, 0, nullptr, stats);
+  };
+  MemoryPlanStats stats;
+  auto best_fit = plan_with(0, &stats);
+  ASSERT_TRUE(best_fit.ok()) << best_fit.status().message();
+  EXPECT_EQ(best_fit->arena_bytes(), 28 * 1024);
+  EXPECT_EQ(stats.order, "size-descending");
+  auto compacted = plan_with(1, &stats);
+  ASSERT_TRUE(compacted.ok()) << compacted.status().message();
+  ExpectNoConflicts(s, *compacted, options.alignment_bytes);
+  EXPECT_EQ(compacted->arena_bytes(), 25 * 1024);
+  EXPECT_EQ(stats.live_peak_bytes, 25 * 1024);
+  EXPECT_EQ(stats.order, "compacted size-descending");
+  const auto offsets = OffsetsByName(s, *compacted);
+  EXPECT_EQ(offsets.at("f"), 0);
+  EXPECT_EQ(offsets.at("c"), 14 * 1024);
+  EXPECT_EQ(offsets.at("d"), 20 * 1024);
 }
 
 TEST(MemoryPlan, BuffersShareBytesOnlyAfterTheFreeingInstruction) {

@@ -28,6 +28,8 @@ std::string OffloadPass::OptionsText() const {
          ",fit_memory_plan=" + (options_.fit_memory_plan ? "1" : "0") +
          ",max_arena_rounds=" + std::to_string(options_.max_arena_rounds) +
          ",arena_overshoot_factor=" + std::to_string(options_.arena_overshoot_factor) +
+         ",arena_refine_rounds=" + std::to_string(options_.arena_refine_rounds) +
+         ",arena_refine_min_bytes=" + std::to_string(options_.arena_refine_min_bytes) +
          ",min_gain_to_weigh_waits=" + std::to_string(options_.min_gain_to_weigh_waits) +
          ",memory_plan={" + MemoryPlanOptionsText(options_.memory_plan) + "}";
 }
@@ -91,6 +93,8 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
   // planning budget of the last plan (`out`), from the least the failed one said a plan needs.
   int64_t out_planning_budget = -1;
   int64_t no_plan_below = -1;  // no plan exists at a planning budget under this
+  // The planning budget of the last plan whose arena was over the budget (-1: none).
+  int64_t over_planning_budget = -1;
   // The first plan, where its arena is over the budget: the memory-plan pass would make some
   // reuse wait in it, which may cost the step less than the offloading that makes room.
   std::optional<proto::Schedule> first_over;
@@ -151,6 +155,7 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
         round == options_.max_arena_rounds) {
       break;
     }
+    over_planning_budget = planning_budget;
     if (!first_over) {
       first_over = out;
       first_over_step_seconds = out_simulation.step_seconds;
@@ -167,6 +172,45 @@ StatusOr<bool> OffloadPass::Run(proto::Schedule* schedule, const PassContext& co
           std::max(planning_budget, no_plan_below + (out_planning_budget - no_plan_below) / 2);
       if (planning_budget >= out_planning_budget) break;
     }
+  }
+  // A plan that fits (or stopped as too slow) only after rounds that lowered the planning budget
+  // by multiples of the excess may have offloaded far more than the arena needed: halfway back
+  // up to the last planning budget whose arena was over, while that still fits and steps faster.
+  if (options_.fit_memory_plan && out_stats.arena_bytes <= budget &&
+      over_planning_budget > out_planning_budget) {
+    int64_t fits = out_planning_budget, over = over_planning_budget;
+    for (int round = 0; round < options_.arena_refine_rounds; ++round) {
+      const int64_t between = fits + (over - fits) / 2;
+      if (over - fits < options_.arena_refine_min_bytes) break;
+      stats_ = out_stats;
+      stats_.planning_budget_bytes = between;
+      OffloadPlanner planner(*schedule, layout, costs, between, mode, &stats_);
+      StatusOr<proto::Schedule> planned = planner.Run(base);
+      if (!planned.ok() ||
+          planner.output_simulation().step_seconds >= out_simulation.step_seconds) {
+        over = between;
+        continue;
+      }
+      // Its arena is near the budget (between one over it and one under): every packing without
+      // waits the memory-plan pass would make, not only the check's first few.
+      MemoryPlanOptions every_packing = options_.memory_plan;
+      every_packing.budget_check_packings = 0;
+      DC_ASSIGN_OR_RETURN(stats_.arena_bytes,
+                          ArenaBytesWithoutWaits(*planned, every_packing, budget, context.costs,
+                                                 &planner.output_simulation(), context.packings,
+                                                 context.threads, context.thread_share));
+      if (stats_.arena_bytes > budget) {
+        over = between;
+        continue;
+      }
+      fits = between;
+      out = std::move(planned).value();
+      out_simulation = planner.output_simulation();
+      out_planning_budget = between;
+      stats_.arena_rounds = out_stats.arena_rounds + round + 1;
+      out_stats = stats_;
+    }
+    stats_ = out_stats;
   }
   const double to_beat = first_over ? StepToBeatSeconds(context) : 0;
   const bool first_may_win = to_beat <= 0 || first_over_step_seconds < to_beat;

@@ -57,6 +57,14 @@ struct OffloadOptions {
   // whole fragments, and an excess of a few hundred bytes lowered by as little plans the same
   // fragments again.
   double arena_overshoot_factor = 1.25;
+  // Where the rounds above end with a plan under the budget (or too slow to win) after one whose
+  // arena was over it, up to this many plans halfway between the two planning budgets, each kept
+  // where it steps faster (offloads less) and its arena fits, packed in every order and repair
+  // round without waits (its arena is near the budget: the check's first few packings misjudge
+  // it). The rounds lower the planning budget by multiples of the excess and may overshoot:
+  // llama3-8b on 8 ranks at GAS 1 and 80% of the baseline's peak, 0.2003 s -> 0.1989 s.
+  int arena_refine_rounds = 2;
+  int64_t arena_refine_min_bytes = int64_t{64} << 20;
   // The first plan is weighed against the rounds' (its memory plan packed with reuse that waits,
   // in every order but without repair rounds: an upper bound of the waits' cost, then
   // simulated) only where the rounds' plan steps slower by more than this fraction. Each
