@@ -323,11 +323,11 @@ int64_t ArenaOf(const std::vector<BufferLifetime>& buffers, const std::vector<in
 // up: those that overlap it in time and were placed again before it lay below it and have only
 // come down, so its old offset is still free. A best fit takes the smallest gap, not the lowest,
 // and leaves bytes empty under a buffer that the buffers placed after it never needed; this
-// takes them. `packing` must be valid over `axis` (no spills); offsets in units of unit_bytes,
-// as PlaceInOrder's. `occupancy` is reset and placed in.
+// takes them. `packing` must be valid over `axis` (no spills); `occupancy` counts in units of
+// alignment_bytes (every offset and reserve is a multiple of it) and is reset and placed in.
 template <typename Occupancy>
-void Compact(const Axis& axis, int64_t unit_bytes, int64_t alignment_bytes, int rounds,
-             Packing* packing, Occupancy* occupancy) {
+void Compact(const Axis& axis, int64_t alignment_bytes, int rounds, Packing* packing,
+             Occupancy* occupancy) {
   using Offset = typename Occupancy::Range::first_type;
   const std::vector<BufferLifetime>& buffers = *axis.buffers;
   std::vector<int> movable, whole_step;
@@ -337,7 +337,7 @@ void Compact(const Axis& axis, int64_t unit_bytes, int64_t alignment_bytes, int 
     (whole ? whole_step : movable).push_back(b);
   }
   auto add = [&](int b, int64_t offset) {
-    const int64_t size = AlignUp(buffers[b].size_bytes, alignment_bytes) / unit_bytes;
+    const int64_t size = AlignUp(buffers[b].size_bytes, alignment_bytes) / alignment_bytes;
     occupancy->Add(buffers[b].alloc_index, buffers[b].free_index,
                    {static_cast<Offset>(offset), static_cast<Offset>(offset + size)});
   };
@@ -345,13 +345,13 @@ void Compact(const Axis& axis, int64_t unit_bytes, int64_t alignment_bytes, int 
     std::stable_sort(movable.begin(), movable.end(),
                      [&](int a, int b) { return packing->offsets[a] < packing->offsets[b]; });
     occupancy->Reset(axis.length);
-    for (int b : whole_step) add(b, packing->offsets[b] / unit_bytes);
+    for (int b : whole_step) add(b, packing->offsets[b] / alignment_bytes);
     std::vector<int64_t> lowered = packing->offsets;
     for (int b : movable) {
       const BufferLifetime& life = buffers[b];
-      const int64_t size = AlignUp(life.size_bytes, alignment_bytes) / unit_bytes;
+      const int64_t size = AlignUp(life.size_bytes, alignment_bytes) / alignment_bytes;
       const int64_t offset = occupancy->LowestFit(life.alloc_index, life.free_index, 0, size);
-      lowered[b] = offset * unit_bytes;
+      lowered[b] = offset * alignment_bytes;
       add(b, offset);
     }
     const int64_t lowered_arena_bytes = ArenaOf(buffers, lowered);
@@ -1256,12 +1256,11 @@ StatusOr<proto::MemoryPlan> PlanMemoryFrom(const proto::Schedule& schedule,
     best_compacted = true;
     const int64_t before = best.arena_bytes;
     if (best.arena_bytes / options.alignment_bytes <= std::numeric_limits<uint32_t>::max()) {
-      Compact(*best_axis, options.alignment_bytes, options.alignment_bytes,
-              options.compaction_rounds, &best, &occupancies[0]);
+      Compact(*best_axis, options.alignment_bytes, options.compaction_rounds, &best,
+              &occupancies[0]);
     } else {
       ArenaOccupancy occupancy(best_axis->length);
-      Compact(*best_axis, options.alignment_bytes, options.alignment_bytes,
-              options.compaction_rounds, &best, &occupancy);
+      Compact(*best_axis, options.alignment_bytes, options.compaction_rounds, &best, &occupancy);
     }
     if (best.arena_bytes < before) s.order = "compacted " + s.order;
   };
