@@ -299,6 +299,22 @@ TEST(CpuEstimateTest, RanksBeyondTheHostsCoresRunSlowerByTheirShare) {
   EXPECT_DOUBLE_EQ(shared.collective_compute_seconds, 60e-6);
 }
 
+// A rank alone has no peers whose communication threads take its cores: its collectives are
+// local copies, and the compute-stream time the profile gives each collective does not apply
+// (tiny on one cpu rank: 0.80 ms measured, 1.50 ms predicted with the 40 us of a 2-rank fit).
+TEST(CpuEstimateTest, ARankAloneLosesNoComputeToCollectives) {
+  auto config = MakeConfig("tiny", {});
+  ASSERT_TRUE(config.ok()) << config.status().message();
+  auto program = BuildProgram(*config);
+  ASSERT_TRUE(program.ok()) << program.status().message();
+  HardwareProfile cpu = Hardware("cpu");
+  cpu.collective_compute_seconds = 40e-6;
+  cpu.host_cores_per_node = 2;
+  EXPECT_EQ(EstimateCostModel(*program, cpu, ClusterShape{1, 1}).collective_compute_seconds, 0);
+  EXPECT_DOUBLE_EQ(EstimateCostModel(*program, cpu, ClusterShape{1, 2}).collective_compute_seconds,
+                   40e-6);
+}
+
 // Every kind of the table (schemas/op_kinds.h) is costed by its math: matrix products at the
 // compute dtype's tensor-core rate, the rest at the fp32 vector rate.
 TEST(KindEstimateTest, EveryKindOfTheTableRunsAtItsMathsRate) {
