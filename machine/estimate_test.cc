@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
 
 #include "models/model.h"
@@ -17,6 +18,17 @@ HardwareProfile Hardware(const std::string& name) {
   auto hw = FindHardware(name);
   EXPECT_TRUE(hw.ok()) << hw.status().message();
   return hw.ok() ? *hw : HardwareProfile{};
+}
+
+// The tiny preset's program (nullopt, with the failure recorded, where it does not build).
+std::optional<proto::Program> TinyProgram() {
+  auto config = MakeConfig("tiny", {});
+  EXPECT_TRUE(config.ok()) << config.status().message();
+  if (!config.ok()) return std::nullopt;
+  auto program = BuildProgram(*config);
+  EXPECT_TRUE(program.ok()) << program.status().message();
+  if (!program.ok()) return std::nullopt;
+  return std::move(program).value();
 }
 
 // Llama-3 70B at DeepCompile's setting: seq 1024, micro-batch 1, one micro-step.
@@ -250,10 +262,8 @@ TEST_F(Llama70bEstimateTest, EstimatesEveryOp) {
 
 // A small fp32 program on the cpu profile: matmuls at the fp32 rate.
 TEST(CpuEstimateTest, Fp32ProgramUsesTheFp32Rate) {
-  auto config = MakeConfig("tiny", {});
-  ASSERT_TRUE(config.ok()) << config.status().message();
-  auto program = BuildProgram(*config);
-  ASSERT_TRUE(program.ok()) << program.status().message();
+  const std::optional<proto::Program> program = TinyProgram();
+  ASSERT_TRUE(program.has_value());
   const HardwareProfile cpu = Hardware("cpu");
   const CostModel costs = EstimateCostModel(*program, cpu, ClusterShape{1, 2});
   EXPECT_DOUBLE_EQ(costs.flops_per_second, cpu.peak_fp32_flops_per_s * cpu.matmul_efficiency);
@@ -271,10 +281,8 @@ TEST(CpuEstimateTest, Fp32ProgramUsesTheFp32Rate) {
 // rank takes ranks-per-node / cores times as long (4 cpu ranks on 2 cores: twice); no slower
 // with a core each or where the profile does not say (GPUs).
 TEST(CpuEstimateTest, RanksBeyondTheHostsCoresRunSlowerByTheirShare) {
-  auto config = MakeConfig("tiny", {});
-  ASSERT_TRUE(config.ok()) << config.status().message();
-  auto program = BuildProgram(*config);
-  ASSERT_TRUE(program.ok()) << program.status().message();
+  const std::optional<proto::Program> program = TinyProgram();
+  ASSERT_TRUE(program.has_value());
   HardwareProfile cpu = Hardware("cpu");
   EXPECT_EQ(cpu.host_cores_per_node, 0);
   cpu.collective_compute_seconds = 30e-6;
@@ -303,10 +311,8 @@ TEST(CpuEstimateTest, RanksBeyondTheHostsCoresRunSlowerByTheirShare) {
 // local copies, and the compute-stream time the profile gives each collective does not apply
 // (tiny on one cpu rank: 0.80 ms measured, 1.50 ms predicted with the 40 us of a 2-rank fit).
 TEST(CpuEstimateTest, ARankAloneLosesNoComputeToCollectives) {
-  auto config = MakeConfig("tiny", {});
-  ASSERT_TRUE(config.ok()) << config.status().message();
-  auto program = BuildProgram(*config);
-  ASSERT_TRUE(program.ok()) << program.status().message();
+  const std::optional<proto::Program> program = TinyProgram();
+  ASSERT_TRUE(program.has_value());
   HardwareProfile cpu = Hardware("cpu");
   cpu.collective_compute_seconds = 40e-6;
   cpu.host_cores_per_node = 2;
