@@ -309,7 +309,8 @@ TEST(CpuEstimateTest, RanksBeyondTheHostsCoresRunSlowerByTheirShare) {
 
 // A rank alone has no peers whose communication threads take its cores: its collectives are
 // local copies, and the compute-stream time the profile gives each collective does not apply
-// (tiny on one cpu rank: 0.80 ms measured, 1.50 ms predicted with the 40 us of a 2-rank fit).
+// (tiny on one cpu rank: 0.80 ms measured; 2.87 ms predicted with a 2-rank fit's 22 us per
+// collective, 0.805 ms without: bench/results/cross_config-2026-12-03c.md).
 TEST(CpuEstimateTest, ARankAloneLosesNoComputeToCollectives) {
   const std::optional<proto::Program> program = TinyProgram();
   ASSERT_TRUE(program.has_value());
