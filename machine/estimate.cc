@@ -158,10 +158,7 @@ CostModel EstimateCostModel(const proto::Program& program, const HardwareProfile
   costs.host_optimizer_elements_per_second = hw.host_optimizer_elements_per_s;
   costs.release_seconds = 0;  // a release is bookkeeping in the executor's arena
   ApplyConcurrency(hw, &costs);
-  // One rank's collectives are local copies: no peer's communication threads share its cores
-  // (analyzer/profile.h fits the constant on traces of 2 or more ranks only).
-  costs.collective_compute_seconds =
-      world_size > 1 ? costs.collective_compute_seconds * slowdown : 0;
+  costs.collective_compute_seconds *= slowdown;
   return costs;
 }
 

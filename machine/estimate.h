@@ -69,8 +69,7 @@ std::string BackendOf(const HardwareProfile& hw);
 // The whole cost model of `program` on `cluster` of `hw`: op_seconds for every op (EstimateOp),
 // all_gather and reduce_scatter (RingCollectiveCost), host copies over the host link, each at
 // the cluster's HostShareSlowdown, the fallback flops rate, and the concurrency of
-// ApplyConcurrency (its collective_compute_seconds at the HostShareSlowdown too, and 0 on one
-// rank).
+// ApplyConcurrency (its collective_compute_seconds at the HostShareSlowdown too).
 CostModel EstimateCostModel(const proto::Program& program, const HardwareProfile& hw,
                             const ClusterShape& cluster);
 

@@ -307,21 +307,6 @@ TEST(CpuEstimateTest, RanksBeyondTheHostsCoresRunSlowerByTheirShare) {
   EXPECT_DOUBLE_EQ(shared.collective_compute_seconds, 60e-6);
 }
 
-// A rank alone has no peers whose communication threads take its cores: its collectives are
-// local copies, and the compute-stream time the profile gives each collective does not apply
-// (tiny on one cpu rank: 0.80 ms measured; 2.87 ms predicted with a 2-rank fit's 22 us per
-// collective, 0.805 ms without: bench/results/cross_config-2026-12-03c.md).
-TEST(CpuEstimateTest, ARankAloneLosesNoComputeToCollectives) {
-  const std::optional<proto::Program> program = TinyProgram();
-  ASSERT_TRUE(program.has_value());
-  HardwareProfile cpu = Hardware("cpu");
-  cpu.collective_compute_seconds = 40e-6;
-  cpu.host_cores_per_node = 2;
-  EXPECT_EQ(EstimateCostModel(*program, cpu, ClusterShape{1, 1}).collective_compute_seconds, 0);
-  EXPECT_DOUBLE_EQ(EstimateCostModel(*program, cpu, ClusterShape{1, 2}).collective_compute_seconds,
-                   40e-6);
-}
-
 // Every kind of the table (schemas/op_kinds.h) is costed by its math: matrix products at the
 // compute dtype's tensor-core rate, the rest at the fp32 vector rate.
 TEST(KindEstimateTest, EveryKindOfTheTableRunsAtItsMathsRate) {

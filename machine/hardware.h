@@ -69,8 +69,7 @@ struct HardwareProfile {
   // Compute-stream seconds each collective takes when it starts (streams concurrent): on the cpu
   // backend the communication threads of ranks that share cores take the compute thread's core
   // between ops, which no op's time shows (machine/cost_model.h's collective_compute_seconds).
-  // Scaled by HostShareSlowdown like every rate; none on one rank (its collectives are local
-  // copies, no peer's threads share its cores). dc-calibrate fits it to traced steps.
+  // Scaled by HostShareSlowdown like every rate. dc-calibrate fits it to traced steps.
   double collective_compute_seconds = 0;
   // The wait of a collective for the last rank to arrive, as a fraction of the time since the
   // previous collective on its stream started (machine/cost_model.h's collective_skew_fraction).
