@@ -18,8 +18,9 @@
 # one core, and the traces record the host's cores, so that ranks beyond the cores (4 ranks on a
 # 2-core machine) are predicted slower by the share they get (machine/estimate.h's
 # HostShareSlowdown); more threads speed up BLAS alone, which the profile does not model.
-# About 2-3 minutes on the 2-core development VM (12-15 on a slower day of it); the load average is printed before and after (errors
-# taken under load say more about the load than about the model).
+# About 2-3 minutes on the 2-core development VM (12-15 on a slower day of it); the load average
+# is printed before and after (errors taken under load say more about the load than about the
+# model).
 set -euo pipefail
 build=${1:-build}
 steps=${2:-5}
