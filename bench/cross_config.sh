@@ -195,8 +195,8 @@ for pass in a b; do
     mv "$work/$name.run.json" "$work/$name.$pass.run.json"
   done
 done
-printf "\n%-34s %-13s %5s %10s %10s %10s %8s %8s %8s\n" configuration policy ranks predicted \
-  "measured" "again" spread error shared
+printf "\n%-34s %-13s %5s %10s %10s %10s %8s %8s %8s %s\n" configuration policy ranks predicted \
+  "measured" "again" spread error shared "range (measured inside?)"
 : >"$work/errors"
 for entry in "${planned[@]}"; do
   IFS='|' read -r name world policy label <<<"$entry"
@@ -211,8 +211,11 @@ b = json.load(open(run_b))["step_seconds_median"]
 m = (a + b) / 2
 spread = abs(a - b) / m
 e, es = p / m - 1, s / m - 1
-print(f"{name:<34} {policy:<13} {world:>5} {p:10.4f} {a:10.4f} {b:10.4f} {100 * spread:7.1f}% {100 * e:+7.1f}% {100 * es:+7.1f}%")
-open(errors, "a").write(f"{abs(e)} {abs(es)} {spread} {world}\n")
+# The prediction's range (dc-plan: the profile's assumed constants and its measured step error).
+r = json.load(open(plan)).get("range", {}).get("step_seconds", {"min": p, "max": p})
+inside = r["min"] <= m <= r["max"]
+print(f"{name:<34} {policy:<13} {world:>5} {p:10.4f} {a:10.4f} {b:10.4f} {100 * spread:7.1f}% {100 * e:+7.1f}% {100 * es:+7.1f}% {r['min']:.4f}-{r['max']:.4f} ({'yes' if inside else 'no'})")
+open(errors, "a").write(f"{abs(e)} {abs(es)} {spread} {world} {int(inside)}\n")
 PY
 done
 python3 - "$work/errors" <<'PY'
@@ -225,5 +228,6 @@ print(f"shared rates only (no op_time_scale): median |error| {100 * statistics.m
 if two:
     print(f"2-rank rows (a rank per core): median |error| {100 * statistics.median(two):.1f}%, worst {100 * max(two):.1f}%")
 print(f"the two passes' spread (the measurement's repeatability): median {100 * statistics.median(spread):.1f}%, worst {100 * max(spread):.1f}%")
+print(f"measured inside the predicted range: {sum(int(r[4]) for r in rows)} of {len(rows)}")
 PY
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"

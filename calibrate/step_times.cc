@@ -1,5 +1,6 @@
 #include "calibrate/step_times.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -9,6 +10,7 @@
 #include <sstream>
 
 #include "machine/estimate.h"
+#include "machine/intervals.h"
 #include "machine/simulator.h"
 #include "rewriter/planner.h"
 #include "rewriter/policy.h"
@@ -186,12 +188,37 @@ StepTimeKeys DefaultStepTimeKeys(const HardwareProfile& profile, bool rates_meas
   return out;
 }
 
+void RecordStepError(Calibration* calibration) {
+  std::vector<double> errors;
+  std::vector<std::string> tables;
+  for (const GroupResult& g : calibration->groups) {
+    if (g.kind != kStepTimesKind) continue;
+    tables.push_back(g.input);
+    for (const GroupResult::Point& p : g.observations) {
+      errors.push_back(std::abs(p.after_seconds / p.measured_seconds - 1));
+    }
+  }
+  if (errors.empty()) return;
+  const size_t n = errors.size();
+  double median = analyzer_internal::Median(std::move(errors));
+  // Past the file's ceiling (a range that wide says nothing), the ceiling: the file stays valid.
+  for (const HardwareConstantInfo& info : HardwareConstants()) {
+    if (info.key == "step_error_fraction") median = std::min(median, info.max_value);
+  }
+  calibration->profile.step_error_fraction = median;
+  std::string input;
+  for (const std::string& t : tables) input += (input.empty() ? "" : ", ") + t;
+  calibration->profile.sources["step_error_fraction"] =
+      "measured: the median |error| of this profile's predictions of the " + std::to_string(n) +
+      " step(s) it was fitted to (" + input + ")";
+}
+
 StatusOr<FitGroup> StepTimeGroup(const std::vector<StepTimeRow>& rows, const std::string& origin,
                                  const HardwareProfile& plan_profile,
                                  const std::vector<std::string>& keys) {
   FitGroup group;
   group.input = origin;
-  group.kind = "step times";
+  group.kind = kStepTimesKind;
   group.keys = keys.empty() ? DefaultStepTimeKeys(plan_profile, false).keys : keys;
   bool any_collective = false;
   for (const StepTimeRow& row : rows) {

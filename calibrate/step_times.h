@@ -14,6 +14,9 @@
 
 namespace dc {
 
+// The FitGroup::kind of a step-time table's group.
+inline constexpr char kStepTimesKind[] = "step times";
+
 // One configuration and its measured step.
 struct StepTimeRow {
   int line = 0;  // 1-based, in the file
@@ -66,5 +69,12 @@ struct StepTimeKeys {
 // were then predicted 2-3.6x their measured steps (bench/results/cross_config-2026-12-02b.md).
 StepTimeKeys DefaultStepTimeKeys(const HardwareProfile& profile, bool rates_measured,
                                  const std::string& network_tables = "");
+
+// Sets the calibrated profile's step_error_fraction (machine/hardware.h) from its "step times"
+// groups (StepTimeGroup's): the median |predicted / measured - 1| over every row, under the
+// calibrated profile (at most the constant's ceiling), with a source naming the tables and their
+// rows. Nothing where there are no such groups: a profile fitted to traces or tables alone keeps
+// the base's.
+void RecordStepError(Calibration* calibration);
 
 }  // namespace dc

@@ -152,5 +152,39 @@ TEST(StepTimes, LeaveTheBaseLatencyToNcclTestsTables) {
             (std::vector<std::string>{"matmul_efficiency", "kernel_launch_seconds"}));
 }
 
+// The calibrated profile carries the median error of its step-time rows (every table's rows
+// together, the other inputs' points aside), with a source naming them; with no table, nothing.
+TEST(StepTimes, RecordTheirMedianErrorInTheProfile) {
+  Calibration c;
+  c.profile = H100();
+  GroupResult ops;
+  ops.kind = "trace ops";
+  ops.input = "t.db";
+  ops.observations = {{"op", 1e-3, 1e-3, 9e-3}};  // 800% off: not a step
+  GroupResult a, b;
+  a.kind = b.kind = kStepTimesKind;
+  a.input = "a.csv";
+  b.input = "b.csv";
+  a.observations = {{"a1", 1.0, 2.0, 1.1}, {"a2", 2.0, 2.0, 1.4}};  // errors 0.1, 0.3
+  b.observations = {{"b1", 0.5, 0.5, 0.6}};                         // 0.2
+  const std::string unmeasured = c.profile.sources.at("step_error_fraction");
+  c.groups = {ops};
+  RecordStepError(&c);
+  EXPECT_EQ(c.profile.step_error_fraction, 0);
+  EXPECT_EQ(c.profile.sources.at("step_error_fraction"), unmeasured);
+  c.groups = {ops, a, b};
+  RecordStepError(&c);
+  EXPECT_NEAR(c.profile.step_error_fraction, 0.2, 1e-12);
+  EXPECT_EQ(c.profile.sources.at("step_error_fraction"),
+            "measured: the median |error| of this profile's predictions of the 3 step(s) it was "
+            "fitted to (a.csv, b.csv)");
+  // A profile 50x off still writes a file dc-plan reads: the error stops at the ceiling.
+  b.observations = {{"b1", 0.5, 0.5, 25.0}};
+  c.groups = {b};
+  RecordStepError(&c);
+  EXPECT_EQ(c.profile.step_error_fraction, 10);
+  EXPECT_TRUE(ParseHardwareProfiles(HardwareProfileJson(c.profile), "calibrated.json").ok());
+}
+
 }  // namespace
 }  // namespace dc

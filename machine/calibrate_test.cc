@@ -320,7 +320,10 @@ TEST(HardwareConstants, SetRefusesOutOfRange) {
   HardwareProfile hw = H100();
   EXPECT_FALSE(SetHardwareConstant(&hw, "matmul_efficiency", 1.5).ok());
   EXPECT_FALSE(SetHardwareConstant(&hw, "overlap_compute_slowdown", 0.9).ok());
-  EXPECT_FALSE(SetHardwareConstant(&hw, "serial_streams", 1).ok());  // not numeric
+  EXPECT_FALSE(SetHardwareConstant(&hw, "serial_streams", 1).ok());          // not numeric
+  EXPECT_FALSE(SetHardwareConstant(&hw, "step_error_fraction", 10.5).ok());  // over 1000%
+  EXPECT_FALSE(SetHardwareConstant(&hw, "step_error_fraction", -0.1).ok());
+  EXPECT_TRUE(SetHardwareConstant(&hw, "step_error_fraction", 0.38).ok());
   ASSERT_TRUE(SetHardwareConstant(&hw, "matmul_efficiency", 0.5).ok());
   EXPECT_EQ(*GetHardwareConstant(hw, "matmul_efficiency"), 0.5);
   ASSERT_TRUE(SetHardwareConstant(&hw, "max_gpus_per_node", 4.4).ok());

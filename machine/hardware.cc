@@ -32,8 +32,12 @@ enum class Range {
   kNonNegative,  // >= 0
   kFraction,     // in (0, 1]
   kAtLeastOne,   // >= 1
+  kError,        // in [0, kMaxError]: a relative error
   kBoolean,      // true or false
 };
+
+// The largest relative error a profile may record (1000%): a range widened further says nothing.
+constexpr double kMaxError = 10;
 
 // One constant of a profile: its key in the file, where it goes, its valid values and its unit
 // (the one its key names; a file must say it, so that a value in GB/s is not read as bytes/s).
@@ -95,6 +99,8 @@ const Field kFields[] = {
     {"host_cores_per_node", &HardwareProfile::host_cores_per_node, Range::kNonNegative, "cores",
      "not in the file (written before the constant existed): 0, each rank has a device of its "
      "own"},
+    {"step_error_fraction", &HardwareProfile::step_error_fraction, Range::kError, "fraction",
+     "not in the file: 0, no whole step measured against the profile"},
 };
 
 // The op kinds' time scales (HardwareProfile::op_time_scale): optional, positive ratios.
@@ -119,6 +125,8 @@ bool InRange(double v, Range range) {
       return v > 0 && v <= 1;
     case Range::kAtLeastOne:
       return v >= 1;
+    case Range::kError:
+      return v >= 0 && v <= kMaxError;
     case Range::kBoolean:
       return false;
   }
@@ -135,6 +143,8 @@ const char* RangeText(Range range) {
       return "in (0, 1]";
     case Range::kAtLeastOne:
       return ">= 1";
+    case Range::kError:
+      return "in [0, 10]";
     case Range::kBoolean:
       return "true or false";
   }
@@ -439,8 +449,9 @@ std::vector<HardwareConstantInfo> HardwareConstants() {
     info.key = field.key;
     info.unit = field.unit;
     info.integral = !std::holds_alternative<double HardwareProfile::*>(field.member);
-    info.max_value =
-        field.range == Range::kFraction ? 1.0 : std::numeric_limits<double>::infinity();
+    info.max_value = field.range == Range::kFraction ? 1.0
+                     : field.range == Range::kError  ? kMaxError
+                                                     : std::numeric_limits<double>::infinity();
     info.min_value = field.range == Range::kAtLeastOne ? 1.0 : 0.0;
     info.min_exclusive = field.range == Range::kPositive || field.range == Range::kFraction;
     constants.push_back(std::move(info));

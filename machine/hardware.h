@@ -86,6 +86,11 @@ struct HardwareProfile {
   // run that much slower (machine/estimate.h's HostShareSlowdown). 0: each rank has a device of
   // its own (GPUs), or not known.
   int host_cores_per_node = 0;
+  // How far this profile's predictions of whole steps were from measured ones: the median
+  // |predicted / measured - 1| over the step times dc-calibrate fitted it to (0: no whole step
+  // measured against it, as for the built-in profiles). A prediction's range (dc-plan) widens by
+  // it: the constants may be measured and the model still miss what they do not describe.
+  double step_error_fraction = 0;
   // A factor on the roofline time of each op kind's kernels (index = OpKind, schemas/op_kinds.h):
   // the time they take over what the rates above say, 1 where nothing was measured. A roofline of
   // two rates cannot tell a backend's fused attention from its plain elementwise loops; these

@@ -262,6 +262,11 @@ TEST_F(DcCalibrate, WritesAProfileDcPlanReads) {
       << hw->sources.at("intra_node_bus_bandwidth_bytes_per_s");
   EXPECT_EQ(hw->sources.at("host_optimizer_elements_per_s"),
             FindHardware("cpu")->sources.at("host_optimizer_elements_per_s"));
+  // The steps' median error under the profile is in the file and the report, for dc-plan's range.
+  EXPECT_GT(hw->step_error_fraction, 0);
+  EXPECT_EQ(report["step_error_fraction"].get<double>(), hw->step_error_fraction);
+  EXPECT_EQ(hw->sources.at("step_error_fraction").find("measured: the median |error|"), 0u)
+      << hw->sources.at("step_error_fraction");
 
   auto plan = RunCommand(Tool("dc-plan") + " --synthetic --hardware " + out +
                          " --model tiny --world 2 --no-cache -o " + dir_ + "/p.dcplan");

@@ -552,6 +552,39 @@ TEST(Synthetic, HardwareProfileFromAFile) {
   EXPECT_NE(refused.err.find("memory_bandwidth_bytes_per_s"), std::string::npos) << refused.err;
 }
 
+// A profile's measured step error (dc-calibrate's step_error_fraction) widens the step's range
+// by that fraction both ways, beside its assumed constants', and the text says so; the speed-up
+// keeps the constants' range (the baseline is the same model's).
+TEST(Synthetic, TheMeasuredStepErrorWidensTheRange) {
+  const std::string dir = FreshDir("synthetic-step-error");
+  auto printed = RunCommand(Tool("dc-plan") + " --hardware cpu --print-hardware");
+  ASSERT_EQ(printed.exit_code, 0) << printed.err;
+  json profile = ParseJson(printed.out);
+  profile["profiles"][0]["constants"]["step_error_fraction"] = {
+      {"value", 0.25}, {"unit", "fraction"}, {"source", "measured: four steps"}};
+  std::ofstream(dir + "/cpu.json") << profile.dump(2);
+  const std::string flags = " --synthetic --model tiny --world 2 --no-cache -o ";
+  auto plain = RunCommand(Tool("dc-plan") + flags + dir + "/a.dcplan --json --hardware cpu");
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  const std::string file = " --hardware " + dir + "/cpu.json";
+  auto wide = RunCommand(Tool("dc-plan") + flags + dir + "/b.dcplan --json" + file);
+  ASSERT_EQ(wide.exit_code, 0) << wide.err;
+  const json a = ParseJson(plain.out), b = ParseJson(wide.out);
+  EXPECT_EQ(a["predicted"]["step_seconds"], b["predicted"]["step_seconds"]);
+  EXPECT_EQ(a["range"]["step_error_fraction"], 0.0);
+  EXPECT_EQ(b["range"]["step_error_fraction"], 0.25);
+  EXPECT_NEAR(b["range"]["step_seconds"]["min"].get<double>(),
+              0.75 * a["range"]["step_seconds"]["min"].get<double>(), 1e-12);
+  EXPECT_NEAR(b["range"]["step_seconds"]["max"].get<double>(),
+              1.25 * a["range"]["step_seconds"]["max"].get<double>(), 1e-12);
+  EXPECT_EQ(a["range"]["speedup_over_baseline"], b["range"]["speedup_over_baseline"]);
+  auto explained = RunCommand(Tool("dc-plan") + flags + dir + "/c.dcplan --explain" + file);
+  ASSERT_EQ(explained.exit_code, 0) << explained.err;
+  EXPECT_NE(explained.out.find("its measured steps' median error (+-25%, step_error_fraction)"),
+            std::string::npos)
+      << explained.out;
+}
+
 TEST(Synthetic, BadHardwareAndClusterAreOneClearLine) {
   auto hw = RunCommand(Tool("dc-plan") +
                        " --synthetic --model tiny --hardware tpu-v9 --no-cache -o /dev/null");

@@ -118,7 +118,11 @@ nlohmann::json ReportJson(const Flags& f, const Calibration& c) {
          {"error_own_fit", {{"median", g.median_error_fit}, {"worst", g.worst_error_fit}}},
          {"refitted_later", g.refitted_later}});
   }
-  return {{"base", f.base}, {"name", c.profile.name}, {"output", f.out}, {"inputs", inputs}};
+  return {{"base", f.base},
+          {"name", c.profile.name},
+          {"output", f.out},
+          {"inputs", inputs},
+          {"step_error_fraction", c.profile.step_error_fraction}};
 }
 
 void PrintReport(const Flags& f, const Calibration& c) {
@@ -142,6 +146,12 @@ void PrintReport(const Flags& f, const Calibration& c) {
     }
     if (g.fitted.empty() && g.undetermined.empty()) std::printf("  (checks the fit only)\n");
   }
+  if (c.profile.step_error_fraction > 0) {
+    std::printf(
+        "step_error_fraction %.3f: the measured steps' median error under this profile; dc-plan "
+        "widens each step range by +-%.0f%%\n",
+        c.profile.step_error_fraction, 100 * c.profile.step_error_fraction);
+  }
 }
 
 Status Run(const Flags& f) {
@@ -159,6 +169,7 @@ Status Run(const Flags& f) {
   DC_ASSIGN_OR_RETURN(HardwareProfile base, ResolveHardware(f.base));
   DC_ASSIGN_OR_RETURN(std::vector<FitGroup> groups, Groups(f, &base));
   DC_ASSIGN_OR_RETURN(Calibration c, Calibrate(base, groups));
+  RecordStepError(&c);
   c.profile.name = f.name.empty() ? base.name + "-calibrated" : f.name;
   c.profile.aliases.clear();
   std::vector<std::string> inputs;
