@@ -578,6 +578,19 @@ TEST(Synthetic, TheMeasuredStepErrorWidensTheRange) {
   EXPECT_NEAR(b["range"]["step_seconds"]["max"].get<double>(),
               1.25 * a["range"]["step_seconds"]["max"].get<double>(), 1e-12);
   EXPECT_EQ(a["range"]["speedup_over_baseline"], b["range"]["speedup_over_baseline"]);
+  // With nothing assumed, the range is the measured error alone around the prediction.
+  for (auto& [key, constant] : profile["profiles"][0]["constants"].items()) {
+    constant["source"] = "measured: " + key;
+  }
+  std::ofstream(dir + "/measured.json") << profile.dump(2);
+  auto measured = RunCommand(Tool("dc-plan") + flags + dir + "/d.dcplan --json --hardware " + dir +
+                             "/measured.json");
+  ASSERT_EQ(measured.exit_code, 0) << measured.err;
+  const json m = ParseJson(measured.out);
+  const double step = m["predicted"]["step_seconds"].get<double>();
+  EXPECT_TRUE(m["range"]["assumed"].empty());
+  EXPECT_NEAR(m["range"]["step_seconds"]["min"].get<double>(), 0.75 * step, 1e-12);
+  EXPECT_NEAR(m["range"]["step_seconds"]["max"].get<double>(), 1.25 * step, 1e-12);
   auto explained = RunCommand(Tool("dc-plan") + flags + dir + "/c.dcplan --explain" + file);
   ASSERT_EQ(explained.exit_code, 0) << explained.err;
   EXPECT_NE(explained.out.find("its measured steps' median error (+-25%, step_error_fraction)"),

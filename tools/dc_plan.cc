@@ -77,7 +77,8 @@ struct Machine {
 };
 
 // The range of a prediction over the profile's assumed constants (machine/uncertainty.h): the
-// plan and the zero3 baseline re-simulated on every variant of the profile.
+// plan and the zero3 baseline re-simulated on every variant of the profile; then the step's range
+// widened by the profile's measured step error.
 struct PredictionRange {
   std::vector<std::string> assumed;  // the constants' keys
   // The profile's HardwareProfile::step_error_fraction: the step's range widened by it both ways.
@@ -92,10 +93,12 @@ StatusOr<std::optional<PredictionRange>> RangeOf(const proto::Schedule& plan,
   const double error = machine.hw.step_error_fraction;
   if (variants.empty() && error == 0) return std::optional<PredictionRange>();
   proto::Schedule baseline;
-  baseline.set_world_size(plan.world_size());
-  *baseline.mutable_program() = plan.program();
-  Zero3Pass zero3;
-  DC_RETURN_IF_ERROR(zero3.Run(&baseline, PassContext{nullptr, 0}).status());
+  if (!variants.empty()) {
+    baseline.set_world_size(plan.world_size());
+    *baseline.mutable_program() = plan.program();
+    Zero3Pass zero3;
+    DC_RETURN_IF_ERROR(zero3.Run(&baseline, PassContext{nullptr, 0}).status());
+  }
   PredictionRange range;
   for (const AssumedRange& r : AssumedRanges(machine.hw)) range.assumed.push_back(r.key);
   SimOptions options;
