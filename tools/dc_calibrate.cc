@@ -215,7 +215,9 @@ int main(int argc, char** argv) {
                  "ranks' skew at collectives (fitted beside --nccl-tests tables)");
   app.add_option("--nccl-tests", f.nccl_tests,
                  "the text output of all_gather_perf or reduce_scatter_perf (repeatable)");
-  app.add_option("--steps", f.steps, "a CSV of measured step times (repeatable)");
+  app.add_option("--steps", f.steps,
+                 "a CSV of measured step times (repeatable); the profile records their median "
+                 "error under it (step_error_fraction), which widens dc-plan's step ranges");
   app.add_option("--fit-steps", f.fit_steps,
                  "the constants the step times fit, by their keys in the profile file (default: "
                  "kernel_launch_seconds, collective_base_latency_s, and without --trace "
