@@ -198,14 +198,17 @@ TEST_F(EndToEnd, ProfileGuidedRoundsReportPredictedAndMeasured) {
 // measuring (--rounds 2). With its own gather-moving passes disabled (prefetch, bucket,
 // unshard, ramp, optimizer-order: DeepCompile's passes are others; ramp and optimizer-order left
 // on won it 1 trace in 4), dc keeps DeepCompile's plan on any trace; DeepCompile's policy has no
-// rivals, so nothing is kept and nothing hinted.
-TEST_F(EndToEnd, AKeptRulePlanPointsToRounds) {
+// rivals, so nothing is kept and nothing hinted. The trace is the checked-in one (kept: 0.0217 s
+// against dc's 0.0278 s): on a trace taken beside other work, dc's own plan sometimes came out
+// no faster than the baseline's, and the rule's plan no faster than its fallback.
+TEST(Rounds, AKeptRulePlanPointsToRounds) {
   const std::string dir = FreshDir("rounds-hint");
+  const std::string trace = std::string(DC_SOURCE_DIR) + "/tests/data/tiny-2rank.db";
   for (const std::string flags :
        {"--policy dc --disable bucket prefetch unshard ramp optimizer-order",
         "--policy deepcompile"}) {
-    auto plan = RunCommand(Tool("dc-plan") + " " + dir_ + "/trace.db --no-cache --json " + flags +
-                           " -o " + dir + "/p.dcplan");
+    auto plan = RunCommand(Tool("dc-plan") + " " + trace + " --no-cache --json " + flags + " -o " +
+                           dir + "/p.dcplan");
     ASSERT_EQ(plan.exit_code, 0) << plan.err;
     bool kept_rule = false, hinted = false;
     const json out = ParseJson(plan.out);
@@ -213,7 +216,8 @@ TEST_F(EndToEnd, AKeptRulePlanPointsToRounds) {
     for (const auto& note : notes) {
       const std::string text = note.get<std::string>();
       kept_rule = kept_rule || text.rfind("kept deepcompile's plan: ", 0) == 0;
-      hinted = hinted || text.find("trace.db --rounds 2 measures this plan") != std::string::npos;
+      hinted =
+          hinted || text.find("tiny-2rank.db --rounds 2 measures this plan") != std::string::npos;
     }
     const bool rivals = flags.find("--policy dc") == 0;
     EXPECT_EQ(kept_rule, rivals) << flags << ": " << notes.dump();
