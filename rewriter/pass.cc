@@ -22,6 +22,12 @@ std::vector<std::string> Pipeline::PassNames() const {
   return names;
 }
 
+std::vector<std::string> Pipeline::EnabledPassNames() const {
+  std::vector<std::string> names;
+  for (const Pass* pass : EnabledPasses().passes) names.emplace_back(pass->name());
+  return names;
+}
+
 auto Pipeline::EnabledPasses() const -> Enabled {
   Enabled enabled;
   for (const auto& pass : passes_) {

@@ -116,6 +116,8 @@ class Pipeline {
   using VerifiedFn = std::function<void(const proto::PassRecord&, const SimResult&)>;
   void OnVerified(VerifiedFn fn) { verified_ = std::move(fn); }
   std::vector<std::string> PassNames() const;
+  // The names of the passes Run runs (the disabled ones left out), in order.
+  std::vector<std::string> EnabledPassNames() const;
   // Whether this pipeline, run on the input `ended` was given in the same context (a step to
   // beat no larger), can do no better than `ended`'s run, which ended with `how` at its enabled
   // pass `ended_at` (Run's `ended_at`):

@@ -63,6 +63,9 @@ TEST(Pipeline, DisableByNameSkipsEveryPassOfThatName) {
   ASSERT_TRUE(pipeline->Run(&some, {&kCosts}).ok());
   EXPECT_EQ(Records(some), (std::vector<std::string>{"zero3", "bucket"}));
   EXPECT_EQ(pipeline->OptionsText().find("prefetch"), std::string::npos);
+  // What the planner's notes name as run (a fallback under --disable): the records' passes.
+  EXPECT_EQ(pipeline->EnabledPassNames(), Records(some));
+  EXPECT_EQ(pipeline->PassNames().size(), 4u);
 }
 
 TEST(Pipeline, UnknownNamesAreRefused) {

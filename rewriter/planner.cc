@@ -557,7 +557,7 @@ Status TryFallbacks(const PlanRequest& request, const std::string& program_diges
     }
     if (!best.ok() || candidate->prediction().step_seconds() < best->prediction().step_seconds()) {
       best = std::move(candidate);
-      chosen = Join(fallbacks[i]->passes, ",");
+      chosen = Join(pipelines[i]->EnabledPassNames(), ",");  // --disable's passes left out
     }
   }
   if (best.ok()) {
