@@ -118,4 +118,9 @@ std::vector<ProfileVariant> AssumptionVariants(const HardwareProfile& hw) {
   return variants;
 }
 
+StepRange WidenedByStepError(const HardwareProfile& hw, StepRange range) {
+  const double error = hw.step_error_fraction;
+  return {range.min_seconds * std::max(0.0, 1 - error), range.max_seconds * (1 + error)};
+}
+
 }  // namespace dc

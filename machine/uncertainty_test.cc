@@ -45,5 +45,19 @@ TEST(UncertaintyTest, MeasuredProfileHasNoRange) {
   EXPECT_TRUE(AssumptionVariants(measured).empty());
 }
 
+// The measured step error widens a step's range both ways, never below 0; none leaves it.
+TEST(UncertaintyTest, TheMeasuredStepErrorWidensTheStepRange) {
+  HardwareProfile hw;
+  const StepRange none = WidenedByStepError(hw, {1.0, 2.0});
+  EXPECT_EQ(none.min_seconds, 1.0);
+  EXPECT_EQ(none.max_seconds, 2.0);
+  hw.step_error_fraction = 0.25;
+  const StepRange wide = WidenedByStepError(hw, {1.0, 2.0});
+  EXPECT_DOUBLE_EQ(wide.min_seconds, 0.75);
+  EXPECT_DOUBLE_EQ(wide.max_seconds, 2.5);
+  hw.step_error_fraction = 3;
+  EXPECT_EQ(WidenedByStepError(hw, {1.0, 2.0}).min_seconds, 0);
+}
+
 }  // namespace
 }  // namespace dc

@@ -120,8 +120,10 @@ StatusOr<std::optional<PredictionRange>> RangeOf(const proto::Schedule& plan,
   // The model's own miss on the user's measured steps, beyond what the constants span. The
   // speed-up keeps the constants' range: the baseline is the same model's, missed alike.
   range.step_error_fraction = error;
-  range.min_step_seconds *= std::max(0.0, 1 - error);
-  range.max_step_seconds *= 1 + error;
+  const StepRange widened =
+      WidenedByStepError(machine.hw, {range.min_step_seconds, range.max_step_seconds});
+  range.min_step_seconds = widened.min_seconds;
+  range.max_step_seconds = widened.max_seconds;
   return std::optional<PredictionRange>(range);
 }
 
