@@ -32,29 +32,61 @@ struct Window {
   int64_t start_ns = 0, end_ns = 0;
 };
 
-// Which (rank, step) pairs are warm-up, and the measured windows of each rank.
+// A measured step that took more than this many times the median step stalled (the host ran
+// something else: a first step after warm-up on a busy machine took 52.9 ms where the others took
+// 9-11): its instructions are left out of the costs, as its time is out of the median.
+constexpr double kStalledStepFactor = 2;
+
+// Which (rank, step) pairs are warm-up, the measured windows of each rank, and each measured
+// step's span over every rank (first start to last end).
 class StepIndex {
  public:
   explicit StepIndex(const std::vector<Trace::StepRow>& steps) {
+    std::map<int, std::pair<int64_t, int64_t>> span_by_step;  // step -> (first start, last end)
     for (const Trace::StepRow& s : steps) {
       if (s.warmup) {
         warmup_.insert({s.global_pid, s.step});
-      } else {
-        measured_[s.global_pid].push_back({s.step, s.start_ns, s.end_ns});
+        continue;
+      }
+      measured_[s.global_pid].push_back({s.step, s.start_ns, s.end_ns});
+      auto [it, inserted] = span_by_step.try_emplace(s.step, s.start_ns, s.end_ns);
+      if (!inserted) {
+        it->second.first = std::min(it->second.first, s.start_ns);
+        it->second.second = std::max(it->second.second, s.end_ns);
       }
     }
     for (auto& [pid, windows] : measured_) {
       std::sort(windows.begin(), windows.end(),
                 [](const Window& a, const Window& b) { return a.start_ns < b.start_ns; });
     }
+    for (const auto& [step, span] : span_by_step) {
+      step_seconds_.emplace_back(step, Seconds(span.second - span.first));
+    }
+    std::vector<double> seconds;
+    for (const auto& [step, s] : step_seconds_) seconds.push_back(s);
+    median_step_seconds_ = seconds.empty() ? 0 : Median(seconds);
+    for (const auto& [step, s] : step_seconds_) {
+      if (s > kStalledStepFactor * median_step_seconds_) stalled_.insert(step);
+    }
   }
   bool IsWarmup(int64_t global_pid, int step) const { return warmup_.contains({global_pid, step}); }
+  // Whether a sample of this (rank, step) goes into the costs: measured and not stalled.
+  bool Costs(int64_t global_pid, int step) const {
+    return !IsWarmup(global_pid, step) && !stalled_.contains(step);
+  }
   bool empty() const { return warmup_.empty() && measured_.empty(); }
   const std::map<int64_t, std::vector<Window>>& measured() const { return measured_; }
+  // Each measured step's span, by step number.
+  const std::vector<std::pair<int, double>>& step_seconds() const { return step_seconds_; }
+  double median_step_seconds() const { return median_step_seconds_; }
+  const std::set<int>& stalled() const { return stalled_; }
 
  private:
   std::set<std::pair<int64_t, int>> warmup_;
   std::map<int64_t, std::vector<Window>> measured_;
+  std::vector<std::pair<int, double>> step_seconds_;
+  double median_step_seconds_ = 0;
+  std::set<int> stalled_;
 };
 
 // ----- costs -----
@@ -74,7 +106,7 @@ StatusOr<std::vector<TimedSample>> ReadSamples(const Trace& trace, const proto::
   std::vector<TimedSample> samples;
   Status bad = Status::Ok();
   DC_RETURN_IF_ERROR(trace.ForEachInstructionSample([&](const Trace::InstructionSample& s) {
-    if (steps.IsWarmup(s.global_pid, s.step) || !bad.ok()) return;
+    if (!steps.Costs(s.global_pid, s.step) || !bad.ok()) return;
     if (s.instruction < 0 || s.instruction >= schedule.instructions_size()) {
       bad = Status::Error(trace.path() + ": TC_INSTRUCTION_MAP names instruction " +
                           std::to_string(s.instruction) + ", beyond the embedded schedule's " +
@@ -614,21 +646,18 @@ Status ComputeMemory(const Trace& trace, Profile* profile) {
 
 // ----- steps -----
 
-void ComputeStepTimes(const Trace& trace, Profile* profile) {
-  std::map<int, std::pair<int64_t, int64_t>> span_by_step;  // step -> (first start, last end)
-  for (const Trace::StepRow& s : trace.Steps()) {
-    if (s.warmup) continue;
-    auto [it, inserted] = span_by_step.try_emplace(s.step, s.start_ns, s.end_ns);
-    if (!inserted) {
-      it->second.first = std::min(it->second.first, s.start_ns);
-      it->second.second = std::max(it->second.second, s.end_ns);
-    }
+void ComputeStepTimes(const StepIndex& steps, Profile* profile) {
+  profile->steps_measured = static_cast<int>(steps.step_seconds().size());
+  profile->step_seconds_median = steps.median_step_seconds();
+  for (const auto& [step, seconds] : steps.step_seconds()) {
+    if (!steps.stalled().contains(step)) continue;
+    char note[200];
+    std::snprintf(note, sizeof(note),
+                  "step %d took %.3f ms, more than %.0fx the median step (%.3f ms): a stall, its "
+                  "instructions are left out of the costs",
+                  step, 1e3 * seconds, kStalledStepFactor, 1e3 * steps.median_step_seconds());
+    profile->notes.push_back(note);
   }
-  std::vector<double> seconds;
-  for (const auto& [step, span] : span_by_step)
-    seconds.push_back(Seconds(span.second - span.first));
-  profile->steps_measured = static_cast<int>(seconds.size());
-  profile->step_seconds_median = Median(seconds);
 }
 
 // A cpu run's communication threads take the compute thread's core between ops: fits
@@ -721,7 +750,7 @@ StatusOr<Profile> BuildProfile(const Trace& trace) {
   }
   DC_RETURN_IF_ERROR(ComputeOverlap(trace, steps, &profile));
   DC_RETURN_IF_ERROR(ComputeMemory(trace, &profile));
-  ComputeStepTimes(trace, &profile);
+  ComputeStepTimes(steps, &profile);
   DC_RETURN_IF_ERROR(FitCollectiveComputeSeconds(trace, &profile));
   for (const std::string& note : trace.notes()) profile.notes.push_back(note);
   for (const SkippedRecords& skipped : trace.skipped()) profile.skipped.push_back(skipped);

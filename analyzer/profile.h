@@ -75,7 +75,8 @@ struct Profile {
   std::vector<SkippedRecords> skipped;
 };
 
-// What a dc trace measured, warm-up steps left out: every compute's seconds by op id, every
+// What a dc trace measured, warm-up and stalled steps left out (a stalled step: over twice the
+// median step, as a step on a busy host takes): every compute's seconds by op id, every
 // collective's and host copy's bytes and seconds (for BuildProfile's fits and dc-calibrate's),
 // each as the work it would take alone (the run's overlap slowdowns taken out).
 // One kind of work measured alone and beside the other kind on its rank (compute beside a
@@ -107,7 +108,8 @@ struct CostSamples {
 };
 StatusOr<CostSamples> CollectCostSamples(const Trace& trace);
 
-// Per-instruction durations as medians over measured steps (warm-up excluded), collective
+// Per-instruction durations as medians over measured steps (warm-up and stalled steps excluded,
+// with a note naming each stalled one; the step time is the median of them all), collective
 // costs fitted by least squares as latency + bytes / bandwidth per kind, memory timeline,
 // overlap and exposed communication per step. dc traces give op medians (mapped to ops through
 // the schedule the trace embeds); the flops rate of the measured ops becomes the roofline for

@@ -269,6 +269,81 @@ TEST(ProfileConcurrencyTest, SlowdownsAreMeasuredAndTakenOutOfTheCosts) {
   EXPECT_NEAR(costs.reduce_scatter.Seconds(2000), 3000e-9, 1e-15);
 }
 
+// A one-rank trace whose step 2 stalled: steps of 100 us but step 2's 1000 us, each an op and
+// then a gather of 1 us + 1 ns per byte (3000, 5000, 5000, 3000 bytes in steps 1-4) but step 2's,
+// which took 600 us, as a step on a busy host does.
+std::string WriteStalledStepTrace(const TempDir& dir) {
+  proto::Schedule schedule = CpuSchedule(1);
+  proto::Program* program = schedule.mutable_program();
+  proto::Tensor* t = program->add_tensors();
+  t->set_id(0);
+  t->set_name("w0");
+  t->add_shape(256);
+  t->set_dtype(proto::DTYPE_F32);
+  t->set_role(proto::ROLE_PARAM);
+  t->set_param(-1);
+  proto::Op* op = program->add_ops();
+  op->set_id(0);
+  op->set_name("mm0");
+  op->set_phase(proto::PHASE_FORWARD);
+  proto::Instruction* compute = schedule.add_instructions();
+  compute->set_kind(proto::INSTR_COMPUTE);
+  compute->set_stream(proto::STREAM_COMPUTE);
+  compute->set_op(0);
+  proto::Instruction* gather = schedule.add_instructions();
+  gather->set_kind(proto::INSTR_ALL_GATHER);
+  gather->set_stream(proto::STREAM_GATHER);
+  gather->add_tensors(0);
+
+  RankIdentity identity;
+  identity.hostname = "test";
+  HostTracer tracer(identity, 0);
+  int64_t w = 0;
+  for (int s = 0; s <= 4; ++s) {
+    const bool stalled = s == 2;
+    const int64_t step_ns = stalled ? 1000000 : 100000;
+    const int64_t bytes = s == 1 || s == 4 ? 3000 : 5000;
+    tracer.Kernel("mm0", proto::STREAM_COMPUTE, w, w + 1000, {s, 0, 0});
+    tracer.Collective(proto::INSTR_ALL_GATHER, proto::STREAM_GATHER, w + 2000,
+                      w + 2000 + (stalled ? 600000 : 1000 + bytes), bytes, 1, 0, {s, 0, 1});
+    tracer.Step(s, w, w + step_ns, 1.0, s == 0);
+    w += step_ns;
+  }
+  const std::string rank_path = dir.File("rank0.db");
+  if (!tracer.WriteRankFile(rank_path).ok()) return "";
+  const std::string out = dir.File("stalled.db");
+  return MergeRankTraces({rank_path}, schedule, out).ok() ? out : "";
+}
+
+// A step more than twice the median step's length stalled: its samples are left out of the
+// costs (as its time is out of the median), and a note says so. With it, the gathers' line
+// through the mean would take 150 us of latency.
+TEST(ProfileStallTest, AStalledStepIsLeftOutOfTheCosts) {
+  TempDir dir;
+  const std::string path = WriteStalledStepTrace(dir);
+  ASSERT_FALSE(path.empty());
+  StatusOr<Profile> profile = ProfileOf(path);
+  ASSERT_TRUE(profile.ok()) << profile.status().message();
+  EXPECT_EQ(profile->steps_measured, 4);
+  EXPECT_DOUBLE_EQ(profile->step_seconds_median, 100e-6);
+  EXPECT_NEAR(profile->costs.all_gather.latency_seconds, 1000e-9, 1e-15);
+  EXPECT_NEAR(profile->costs.all_gather.bandwidth_bytes_per_second, 1e9, 1e-3);
+  bool said = false;
+  for (const std::string& note : profile->notes) {
+    said = said || note ==
+                       "step 2 took 1.000 ms, more than 2x the median step (0.100 ms): a stall, "
+                       "its instructions are left out of the costs";
+  }
+  EXPECT_TRUE(said);
+  // dc-calibrate's samples are the same: steps 1, 3 and 4's gathers.
+  auto trace = Trace::Open(path);
+  ASSERT_TRUE(trace.ok()) << trace.status().message();
+  auto samples = CollectCostSamples(**trace);
+  ASSERT_TRUE(samples.ok()) << samples.status().message();
+  ASSERT_EQ(samples->all_gather.size(), 3u);
+  for (const CostSample& s : samples->all_gather) EXPECT_LT(s.seconds, 10e-6);
+}
+
 TEST(ProfileConcurrencyTest, SerialRunGivesSerialStreamsAndNoSlowdown) {
   TempDir dir;
   const std::string path = WriteConcurrencyTrace(dir, /*concurrent=*/false);
