@@ -61,9 +61,11 @@ if ! $PY -c "import torch" >/dev/null 2>&1; then
   exit 77
 fi
 loss=$($PY -c 'import json, sys; print(repr(json.load(open(sys.argv[1]))["losses"][0]))' next.json)
-# fp32 against float64: small's longer sums (sequence 128, width 256) round more than tiny's, so
-# the gradients are held to 5e-5 of each tensor's largest here (1e-5 in the tiny parity tests).
+# fp32 against float64: small's longer sums (sequence 128, width 256) round more than tiny's, and
+# by how much depends on the tokens (the README's own bytes, which change as it does): the
+# gradients are held to twice PyTorch's own fp32 differences from the same float64 reference, at
+# least 1e-5 of each tensor's largest (as in the tiny parity tests).
 eval_loss=$($PY -c 'import json, sys; print(repr(json.load(open(sys.argv[1]))["evals"][0]["loss"]))' eval.json)
 $PY "$SRC/tests/torch_reference/dc_reference.py" --weights model --dump grads --dc-loss "$loss" \
-  --eval-data heldout.bin --eval-batches 2 --dc-eval-loss "$eval_loss" --grad-tolerance 5e-5
+  --eval-data heldout.bin --eval-batches 2 --dc-eval-loss "$eval_loss" --grad-tolerance 1e-5 --fp32-peer
 echo "walkthrough: trained, crashed, resumed bit-identically, exported, and PyTorch agrees (held-out loss too)"

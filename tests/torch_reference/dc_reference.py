@@ -277,6 +277,11 @@ def main():
                     "weights and batches with params and activations in it, fp32 AdamW masters), "
                     "and at least the type's rounding, instead of the fixed tolerances")
     ap.add_argument("--peer-factor", type=float, default=2.0)
+    ap.add_argument("--fp32-peer", action="store_true",
+                    help="dc computed in fp32: hold its gradients to --peer-factor times "
+                    "PyTorch's own fp32 differences from the float64 reference (the same model, "
+                    "weights and batch), and at least --grad-tolerance: fp32's rounding grows "
+                    "with the model's sums and the data, which a fixed tolerance does not")
     ap.add_argument("--json", help="write the differences here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -343,6 +348,12 @@ def main():
         peer_grads = {n: p.grad.detach().to(DTYPE) for n, p in peer.items()}
         failures += compare_to_peer("grads", dc_grads, peer_grads, grads, args.peer_factor,
                                     rounding, report, relative_difference)
+    elif args.fp32_peer:
+        peer = {n: t.float().requires_grad_(True) for n, t in start.items()}
+        step_loss(peer, cfg, run, data, run["step"]).backward()
+        peer_grads = {n: p.grad.detach().to(DTYPE) for n, p in peer.items()}
+        failures += compare_to_peer("grads", dc_grads, peer_grads, grads, args.peer_factor,
+                                    args.grad_tolerance, report, relative_difference)
     else:
         failures += compare("grads", dc_grads, grads, args.grad_tolerance, report)
 
